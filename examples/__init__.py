@@ -1,0 +1,1 @@
+"""Example models, datasets and configs for CMEMI (importable as `examples.<name>`)."""

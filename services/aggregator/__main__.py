@@ -1,0 +1,20 @@
+"""The aggregator (parameter server). Run: `cmemi aggregator --config RUN_DIR/config.yaml --redis URL`."""
+
+from __future__ import annotations
+
+from services.aggregator.server import Aggregator
+from shared.service import common_parser, start_service
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = common_parser("aggregator", __doc__).parse_args(argv)
+    ctx = start_service("aggregator", args)
+    agg = Aggregator(ctx)
+    try:
+        agg.run()
+    finally:
+        agg.close()
+
+
+if __name__ == "__main__":
+    main()

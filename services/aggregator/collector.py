@@ -1,0 +1,96 @@
+"""Leases and ordered summation of one global step's M microbatch gradients (no sockets: unit-testable).
+
+Microbatch m of step s is leased to one worker at a time. A lease that expires, or whose worker
+is declared dead, goes back to the pending queue and is handed to the next worker that asks.
+The first gradient to arrive for m is accepted (any worker computes it bitwise identically);
+every later one is a duplicate and is dropped. Accepted gradients are summed strictly in m order,
+so the sum is bitwise the same whatever order they arrive in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Lease:
+    wid: str
+    inc: int
+    deadline: float
+
+
+class StepCollector:
+    def __init__(self, step: int, microbatches: int) -> None:
+        self.step = step
+        self.M = microbatches
+        self.pending: deque[int] = deque(range(microbatches))
+        self.leases: dict[int, Lease] = {}
+        self.received: set[int] = set()
+        self._waiting: dict[int, dict[str, torch.Tensor]] = {}  # arrived out of order
+        self._next = 0
+        self._sum: dict[str, torch.Tensor] | None = None
+        self.loss_sum = 0.0
+        self._losses: dict[int, float] = {}
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == self.M
+
+    def lease(self, wid: str, inc: int, now: float, timeout: float) -> int | None:
+        if not self.pending:
+            return None
+        m = self.pending.popleft()
+        self.leases[m] = Lease(wid, inc, now + timeout)
+        return m
+
+    def release(self, wid: str, max_inc: int | None = None) -> list[int]:
+        """Return the leases of worker `wid` (of incarnations <= max_inc) to the front of the queue."""
+        freed = sorted(m for m, lease in self.leases.items()
+                       if lease.wid == wid and (max_inc is None or lease.inc <= max_inc))
+        for m in reversed(freed):
+            del self.leases[m]
+            self.pending.appendleft(m)
+        return freed
+
+    def expire(self, now: float) -> list[int]:
+        expired = sorted(m for m, lease in self.leases.items() if lease.deadline < now)
+        for m in reversed(expired):
+            del self.leases[m]
+            self.pending.appendleft(m)
+        return expired
+
+    def offer(self, m: int, grads: dict[str, torch.Tensor], loss: float) -> str | None:
+        """Accept microbatch m's gradient; returns a drop reason instead if it is not wanted."""
+        if not 0 <= m < self.M:
+            return "bad_microbatch"
+        if m in self.received:
+            return "duplicate"
+        self.received.add(m)
+        self.leases.pop(m, None)
+        if m in self.pending:
+            self.pending.remove(m)
+        self._losses[m] = loss
+        self._waiting[m] = grads
+        while self._next in self._waiting:
+            g = self._waiting.pop(self._next)
+            if self._sum is None:
+                self._sum = {k: v.clone() for k, v in g.items()}
+            else:
+                for k, v in g.items():
+                    self._sum[k].add_(v)
+            self._next += 1
+        return None
+
+    def mean(self) -> tuple[dict[str, torch.Tensor], float]:
+        """The average gradient and loss over the M microbatches (call once complete)."""
+        if not self.complete or self._sum is None:
+            raise RuntimeError(f"step {self.step}: {len(self.received)}/{self.M} microbatches received")
+        for v in self._sum.values():
+            v.div_(self.M)
+        loss = 0.0
+        for m in range(self.M):
+            loss += self._losses[m]
+        return self._sum, loss / self.M

@@ -1,0 +1,337 @@
+"""The parameter server loop: hand out microbatch leases, collect gradients, step once per global step.
+
+Workers pull: `want` (or a `grad`, which implies the next `want`) is answered with `work` —
+carrying the parameters when the worker's version is stale — or parked until work exists.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from services.aggregator import snapshots
+from services.aggregator.collector import StepCollector
+from services.aggregator.snapshots import CheckpointerLink
+from services.aggregator.trainer import Trainer
+from shared import protocol, state
+from shared.config import ConfigError
+from shared.data import data_error, fingerprint
+from shared.membership import Member
+from shared.plugins import resolve
+from shared.service import ServiceContext
+
+
+@dataclass
+class WorkerInfo:
+    wid: str
+    inc: int
+    host: str
+    last_seen: float
+
+
+class Aggregator:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
+        cfg = self.cfg
+        torch.set_num_threads(cfg.cluster.threads_per_worker)
+        try:
+            self.trainer = Trainer(cfg)
+            factory = resolve(cfg.data.factory, "data.factory")
+            self.eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
+        except ConfigError as exc:
+            ctx.fatal(str(exc))
+        try:
+            self.fp = fingerprint(factory(**cfg.data.kwargs))
+        except Exception as exc:  # user data code may raise anything: report it in one line
+            ctx.fatal(data_error("aggregator", cfg, exc))
+        self.M = cfg.train.microbatches
+        self.total = cfg.train.steps
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
+        self.term = int(ctx.redis.incr(ctx.keys.term))
+        self.final_loss = float("nan")
+        self.bytes_in = self.bytes_out = 0
+        self.ckpt = CheckpointerLink(self)
+        restored = self.ckpt.fetch_latest(timeout=120)
+        if restored is not None:
+            try:
+                snapshots.restore(self, restored.header["meta"], restored.tensors)
+            except (state.StateError, KeyError, RuntimeError, ValueError) as exc:
+                ctx.fatal(f"cannot restore checkpoint of step {restored.header['step']}: {exc}")
+            self.log.info("restored from checkpoint", step=self.trainer.step)
+        self.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
+                             cfg.cluster.dead_after, extra={"addr": self.addr, "term": self.term}).start()
+        ctx.redis.hset(ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
+                                                     "incarnation": self.member.incarnation})
+        self.workers: dict[bytes, WorkerInfo] = {}
+        self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
+        self._contributed: set[tuple[str, int]] = set()
+        self.ckpt_stall_s: list[float] = []
+        self.fenced: dict[str, int] = {}
+        self.collector = StepCollector(self.trainer.step, self.M)
+        self.drops: Counter[str] = Counter()
+        self._step_bytes_in = self._step_bytes_out = 0
+        self.t_start: float | None = None
+        self._t_step = time.monotonic()
+        self.done = self.trainer.step >= self.total
+        self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
+        ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
+        self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        next_housekeeping = 0.0
+        while not self.ctx.stopping.is_set() and not self.done:
+            if poller.poll(50):
+                for _ in range(64):  # drain a burst without starving housekeeping
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+                    if self.done:
+                        break
+            self.ckpt.poll()
+            now = time.monotonic()
+            if now >= next_housekeeping:
+                next_housekeeping = now + 0.1
+                if self.collector.expire(now):
+                    self.ctx.emit("lease_expired", step=self.collector.step)
+                    self._serve_parked()
+        if self.done:
+            self._finish()
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.drops["no_identity"] += 1
+            return
+        identity = frames[0].bytes
+        size = protocol.message_bytes(frames[1:])
+        try:
+            msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
+        except protocol.ProtocolError as exc:
+            self._drop(exc.reason, str(exc))
+            return
+        handler = self._handlers.get(msg.type)
+        if handler is None:
+            self._drop("unexpected_type", msg.type)
+            return
+        if msg.type == "grad":
+            self.bytes_in += size
+            self._step_bytes_in += size
+        handler(self, identity, msg)
+
+    def _drop(self, reason: str, detail: str = "") -> None:
+        self.drops[reason] += 1
+        if self.drops[reason] <= 5 or self.drops[reason] % 1000 == 0:
+            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
+
+    def _send(self, identity: bytes, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+        parts = protocol.encode(mtype, self.ctx.run, fields, tensors, self.cfg.cluster.checksum)
+        try:
+            n = protocol.send(self.sock, parts, identity)
+        except zmq.ZMQError as exc:
+            self.log.warning("send failed", error=str(exc))
+            return
+        if mtype == "work":
+            self.bytes_out += n
+            self._step_bytes_out += n
+
+    # ------------------------------------------------------------------ handlers
+    def _on_hello(self, identity: bytes, msg: protocol.Message) -> None:
+        h = msg.header
+        wid, inc = h["wid"], h["inc"]
+        if h["fp"] != self.fp:
+            self._send(identity, "reject", fatal=True, reason=(
+                f"worker {wid} on host {h['host']} has a different dataset: length {h['fp'].get('length')} "
+                f"sha256 {str(h['fp'].get('sha256'))[:12]}, the aggregator's is length {self.fp['length']} "
+                f"sha256 {self.fp['sha256'][:12]}; make data.factory/data.kwargs give the same data on every host"))
+            return
+        if self._is_fenced(wid, inc):
+            self._send(identity, "reject", fatal=False, reason=f"incarnation {inc} of worker {wid} is fenced")
+            return
+        self._fence(wid, inc - 1, announce=False)  # a worker id has one live incarnation: the newest
+        self.workers[identity] = WorkerInfo(wid, inc, h["host"], time.monotonic())
+        self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
+                   total_steps=self.total)
+        self.ctx.emit("worker_admitted", worker=wid, incarnation=inc, host=h["host"], term=self.term)
+        self.log.info("worker admitted", worker=wid, incarnation=inc, host=h["host"])
+
+    def _known(self, identity: bytes, msg: protocol.Message) -> WorkerInfo | None:
+        info = self.workers.get(identity)
+        h = msg.header
+        if info is None or info.wid != h["wid"] or info.inc != h["inc"]:
+            self._drop("unknown_worker", f"{h['wid']}/{h['inc']}")
+            self._send(identity, "reject", fatal=False, reason="unknown worker: say hello first")
+            return None
+        if self._is_fenced(info.wid, info.inc):
+            self._drop("fenced", f"{info.wid}/{info.inc}")
+            self._send(identity, "reject", fatal=False, reason=f"incarnation {info.inc} of worker {info.wid} is fenced")
+            return None
+        if msg.header.get("term") not in (None, self.term):
+            self._drop("wrong_term", f"{info.wid}: term {msg.header.get('term')}, current {self.term}")
+            self._send(identity, "reject", fatal=False, reason=f"term {self.term} started: say hello again")
+            return None
+        info.last_seen = time.monotonic()
+        return info
+
+    def _on_want(self, identity: bytes, msg: protocol.Message) -> None:
+        info = self._known(identity, msg)
+        if info is not None:
+            self._serve(identity, info, msg.header["version"])
+
+    def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
+        info = self._known(identity, msg)
+        if info is None:
+            return
+        h = msg.header
+        if h["step"] != self.collector.step or h["version"] != self.trainer.step:
+            self._drop("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {self.collector.step}")
+        elif (bad := self.trainer.check_grads(msg.tensors)) is not None:
+            self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
+        elif (reason := self.collector.offer(h["m"], msg.tensors, float(h["loss"]))) is not None:
+            self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
+        else:
+            if (info.wid, info.inc) not in self._contributed:
+                self._contributed.add((info.wid, info.inc))
+                self.ctx.emit("first_grad_accepted", worker=info.wid, incarnation=info.inc, step=h["step"], m=h["m"])
+            if self.collector.complete:
+                self._apply_step()
+        self._serve(identity, info, h["version"])
+
+    def _on_leave(self, identity: bytes, msg: protocol.Message) -> None:
+        info = self.workers.pop(identity, None)
+        self.parked.pop(identity, None)
+        if info is not None:
+            freed = self.collector.release(info.wid, info.inc)
+            self.ctx.emit("worker_left", worker=info.wid, incarnation=info.inc, freed=freed)
+            self._serve_parked()
+
+    def _on_fence(self, identity: bytes, msg: protocol.Message) -> None:
+        self._fence(msg.header["wid"], msg.header["inc"], announce=True)
+        self._serve_parked()
+
+    _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence}
+
+    # ------------------------------------------------------------------ leases and steps
+    def _is_fenced(self, wid: str, inc: int) -> bool:
+        return self.fenced.get(wid, 0) >= inc
+
+    def _fence(self, wid: str, max_inc: int, announce: bool) -> None:
+        if max_inc <= self.fenced.get(wid, 0) and not announce:
+            return
+        self.fenced[wid] = max(self.fenced.get(wid, 0), max_inc)
+        for ident in [i for i, w in self.workers.items() if w.wid == wid and w.inc <= max_inc]:
+            self.workers.pop(ident)
+            self.parked.pop(ident, None)
+        freed = self.collector.release(wid, max_inc)
+        if freed or announce:
+            self.ctx.emit("leases_freed", worker=wid, incarnation=max_inc, step=self.collector.step, microbatches=freed)
+
+    def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
+        if self.done:
+            self._send(identity, "stop", reason="training complete")
+            return
+        if self.t_start is None:
+            self.t_start = self._t_step = time.monotonic()
+        m = self.collector.lease(info.wid, info.inc, time.monotonic(), self.cfg.cluster.lease_timeout)
+        if m is None:
+            self.parked[identity] = (info, held_version)
+            return
+        self.parked.pop(identity, None)
+        params = self.trainer.published() if held_version != self.trainer.step else None
+        self._send(identity, "work", tensors=params if params is not None else {}, term=self.term,
+                   step=self.collector.step, m=m, version=self.trainer.step)
+
+    def _serve_parked(self) -> None:
+        for identity, (info, held_version) in list(self.parked.items()):
+            if not self.collector.pending and not self.done:
+                return
+            del self.parked[identity]
+            self._serve(identity, info, held_version)
+
+    def _apply_step(self) -> None:
+        grads, loss = self.collector.mean()
+        self.trainer.apply(grads)
+        now = time.monotonic()
+        dt = now - self._t_step
+        self._t_step = now
+        self.final_loss = loss
+        step = self.trainer.step
+        if step % self.cfg.train.log_every == 0 or step == self.total:
+            line = {"step": step, "loss": loss, "lr": self.trainer.lr, "step_time_s": dt,
+                    "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
+                    "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out,
+                    "live_workers": len(self.workers), "t": time.time()}
+            self.metrics.write(json.dumps(line) + "\n")
+        self._step_bytes_in = self._step_bytes_out = 0
+        every = self.cfg.checkpoint.every_steps
+        if every and step % every == 0 and step < self.total:
+            t0 = time.monotonic()
+            self.ckpt.offer(snapshots.collect(self))  # in-memory copy only: the disk is the checkpointer's
+            self.ckpt_stall_s.append(time.monotonic() - t0)
+        try:
+            self.ctx.redis.hset(self.ctx.keys.progress, mapping={
+                "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
+                "samples_s": f"{self.cfg.train.global_batch / dt:.1f}" if dt > 0 else "0",
+                "live_workers": len(self.workers), "term": self.term, "t": time.time()})
+        except Exception:  # progress is cosmetic; Redis may be restarting
+            pass
+        if step >= self.total:
+            self.done = True
+        else:
+            self.collector = StepCollector(step, self.M)
+        self._serve_parked()
+
+    # ------------------------------------------------------------------ end of run
+    def _finish(self) -> None:
+        wall = time.monotonic() - (self.t_start or time.monotonic())
+        evaluation = self.trainer.evaluate(self.eval_fn) if self.eval_fn else {}
+        summary = {
+            "steps": self.trainer.step, "final_loss": self.final_loss, "eval": evaluation, "wall_s": wall,
+            "samples_per_s": self.trainer.step * self.cfg.train.global_batch / wall if wall > 0 else None,
+            "workers": self.cfg.cluster.workers, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
+            "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
+            "dropped_messages": dict(self.drops), "term": self.term,
+        }
+        step, meta, tensors = snapshots.collect(self)
+        meta["summary"] = summary
+        summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))
+        if self.ckpt_stall_s:
+            summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)
+        (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.ctx.redis.set(self.ctx.keys.state, "completed")
+        self.ctx.emit("run_completed", steps=self.trainer.step, params_sha256=summary["params_sha256"])
+        self.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
+        self._linger(1.0)
+
+    def _linger(self, seconds: float) -> None:
+        """Tell every worker that asks in the next moments to stop, so they exit cleanly."""
+        for identity in list(self.parked):
+            self._send(identity, "stop", reason="training complete")
+        self.parked.clear()
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart(copy=False)
+                if len(frames) >= 2:
+                    self._send(frames[0].bytes, "stop", reason="training complete")
+
+    def close(self) -> None:
+        self.member.stop()
+        self.metrics.close()
+        self.sock.close(linger=500)
+        self.zctx.destroy(linger=200)
+

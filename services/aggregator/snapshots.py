@@ -1,0 +1,163 @@
+"""Snapshots of the aggregator's full training state, handed to the checkpointer over ZeroMQ.
+
+Training waits only for the in-memory copy (`collect`); the checkpointer writes to disk in its own
+process. At most one snapshot is in flight; a newer one replaces one not yet sent. If the
+checkpointer restarts (new address in Redis), the in-flight snapshot is sent again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+
+from shared import protocol, state
+
+if TYPE_CHECKING:
+    from services.aggregator.server import Aggregator
+
+Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+
+
+def collect(agg: Aggregator) -> Snapshot:
+    """Everything needed to continue the run bitwise identically: copies, so training can go on at once."""
+    t = agg.trainer
+    named: dict[str, Any] = {
+        "model": t.model.state_dict(),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+        "rng": {"torch": torch.get_rng_state()},
+        "progress": {"step": t.step, "term": agg.term, "final_loss": agg.final_loss,
+                     "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp},
+    }
+    meta, tensors = state.flatten(named)
+    return t.step, meta, tensors
+
+
+def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    named = state.unflatten(meta, tensors)
+    t = agg.trainer
+    if named["progress"]["fingerprint"] != agg.fp:
+        raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
+                               "restore with the data it was trained on, or start a new run.dir")
+    t.model.load_state_dict(named["model"])
+    t.optimizer.load_state_dict(named["optimizer"])
+    if t.scheduler is not None and named["scheduler"] is not None:
+        t.scheduler.load_state_dict(named["scheduler"])
+    torch.set_rng_state(named["rng"]["torch"])
+    t.step = int(named["progress"]["step"])
+    t.invalidate()
+    agg.final_loss = float(named["progress"]["final_loss"])
+    agg.bytes_in = int(named["progress"]["bytes_sent"])
+    agg.bytes_out = int(named["progress"]["bytes_received"])
+
+
+class CheckpointerLink:
+    """DEALER to the checkpointer, found (and re-found after a restart) through Redis."""
+
+    def __init__(self, agg: Aggregator) -> None:
+        self.agg = agg
+        self.sock: zmq.Socket | None = None
+        self.addr: str | None = None
+        self.in_flight: Snapshot | None = None
+        self.queued: Snapshot | None = None
+        self._next_check = 0.0
+
+    def _lookup(self) -> str | None:
+        return self.agg.ctx.redis.hget(self.agg.ctx.keys.checkpointer, "addr")
+
+    def _connect(self) -> bool:
+        addr = self._lookup()
+        if addr is None:
+            return False
+        if addr != self.addr:
+            if self.sock is not None:
+                self.sock.close(linger=0)
+            self.sock = self.agg.zctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.agg.cfg.cluster.max_message_bytes)
+            self.sock.connect(addr)
+            self.addr = addr
+        return True
+
+    def _send(self, snap: Snapshot, final: bool) -> None:
+        assert self.sock is not None
+        step, meta, tensors = snap
+        protocol.send(self.sock, protocol.encode("snapshot", self.agg.ctx.run, {
+            "step": step, "term": self.agg.term, "final": final, "meta": meta}, tensors))
+
+    def _replies(self, timeout_ms: int) -> list[protocol.Message]:
+        out = []
+        while self.sock is not None and self.sock.poll(timeout_ms):
+            try:
+                out.append(protocol.decode(self.sock.recv_multipart(copy=False), self.agg.ctx.run))
+            except protocol.ProtocolError as exc:
+                self.agg.log.warning("bad reply from checkpointer", error=str(exc))
+            timeout_ms = 0
+        return out
+
+    # ---------------------------------------------------------------- periodic, asynchronous
+    def offer(self, snap: Snapshot) -> None:
+        if self.in_flight is None and self._connect():
+            self.in_flight = snap
+            self._send(snap, final=False)
+        else:
+            self.queued = snap  # replaces an older unsent one
+
+    def poll(self) -> list[int]:
+        """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""
+        saved = []
+        for msg in self._replies(0):
+            if msg.type == "saved" and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
+                saved.append(msg.header["step"])
+                self.in_flight = None
+        if self.in_flight is None and self.queued is not None:
+            snap, self.queued = self.queued, None
+            self.offer(snap)
+        elif self.in_flight is not None and time.monotonic() > self._next_check:
+            self._next_check = time.monotonic() + 0.5
+            old = self.addr
+            if self._connect() and self.addr != old:
+                self._send(self.in_flight, final=False)  # the checkpointer restarted: send again
+        return saved
+
+    # ---------------------------------------------------------------- blocking
+    def request(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+                accept: Callable[[protocol.Message], bool], timeout: float) -> protocol.Message:
+        """Send and wait for a reply that `accept`s; resend if the checkpointer restarts meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._connect():
+                time.sleep(0.05)
+                continue
+            assert self.sock is not None
+            protocol.send(self.sock, protocol.encode(mtype, self.agg.ctx.run, fields, tensors))
+            sent_to, next_check = self.addr, time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                for msg in self._replies(100):
+                    if accept(msg):
+                        return msg
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + 0.5
+                    if self._lookup() != sent_to:
+                        break  # the checkpointer restarted elsewhere: ask again there
+        raise TimeoutError(f"the checkpointer did not answer {mtype!r} within {timeout:g}s; "
+                           "is `cmemi checkpointer` running and reachable?")
+
+    def save_final(self, snap: Snapshot) -> str:
+        step, meta, tensors = snap
+        deadline = time.monotonic() + 60
+        while self.in_flight is not None and time.monotonic() < deadline:  # let a periodic one land first
+            self.poll()
+            time.sleep(0.01)
+        msg = self.request("snapshot", {"step": step, "term": self.agg.term, "final": True, "meta": meta}, tensors,
+                           lambda m: m.type == "saved" and m.header["step"] == step, timeout=300)
+        return str(msg.header["path"])
+
+    def fetch_latest(self, timeout: float) -> protocol.Message | None:
+        msg = self.request("restore_req", {"term": self.agg.term}, None,
+                           lambda m: m.type in ("restore", "no_checkpoint"), timeout)
+        return msg if msg.type == "restore" else None

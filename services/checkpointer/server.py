@@ -1,0 +1,105 @@
+"""The checkpointer loop: receive snapshots, write them durably, move the `latest` pointer, enforce retention."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import redis
+import zmq
+
+from services.checkpointer.store import CheckpointStore
+from shared import protocol
+from shared.membership import Member
+from shared.service import ServiceContext
+
+
+class Checkpointer:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
+        self.store = CheckpointStore(ctx.run_dir / "checkpoints")
+        removed = self.store.clean_leftovers()
+        if removed:
+            self.log.info("removed leftovers of interrupted writes", leftovers=removed)
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+        self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
+        self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
+                             self.cfg.cluster.dead_after, extra={"addr": self.addr}).start()
+        self._advertise()
+        self.drops = 0
+        self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
+
+    def _advertise(self) -> None:
+        self.ctx.redis.hset(self.ctx.keys.checkpointer, mapping={"addr": self.addr,
+                                                                 "incarnation": self.member.incarnation})
+        latest = self.store.latest_good(full=False)
+        if latest is not None and self.ctx.redis.get(self.ctx.keys.ckpt_latest) is None:
+            self.ctx.redis.set(self.ctx.keys.ckpt_latest, latest.step)  # rebuilt from the manifests on disk
+
+    def run(self) -> None:
+        next_check = 0.0
+        while not self.ctx.stopping.is_set():
+            if self.sock.poll(100):
+                frames = self.sock.recv_multipart(copy=False)
+                self._receive(frames)
+            if time.monotonic() > next_check:  # Redis may have lost its data: re-advertise
+                next_check = time.monotonic() + 1.0
+                try:
+                    if not self.ctx.redis.exists(self.ctx.keys.checkpointer):
+                        self._advertise()
+                except redis.RedisError:
+                    pass
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.drops += 1
+            return
+        identity = frames[0].bytes
+        try:
+            msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
+        except protocol.ProtocolError as exc:
+            self.drops += 1
+            self.log.warning("message dropped", reason=exc.reason, detail=str(exc)[:200])
+            return
+        if msg.type == "snapshot":
+            self._save(identity, msg)
+        elif msg.type == "restore_req":
+            self._restore(identity, msg)
+        else:
+            self.drops += 1
+            self.log.warning("message dropped", reason="unexpected_type", type=msg.type)
+
+    def _save(self, identity: bytes, msg: protocol.Message) -> None:
+        step = msg.header["step"]
+        t0 = time.monotonic()
+        path = self.store.write(step, msg.header["meta"], msg.tensors)
+        write_s = time.monotonic() - t0
+        if msg.header["final"]:
+            shutil.copyfile(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
+        self.ctx.redis.set(self.ctx.keys.ckpt_latest, step)
+        removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        self.ctx.emit("checkpoint_saved", step=step, path=str(path), bytes=size, write_s=round(write_s, 4),
+                      removed=removed, final=msg.header["final"])
+        self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
+        protocol.send(self.sock, protocol.encode("saved", self.ctx.run, {"step": step, "path": str(path)}), identity)
+
+    def _restore(self, identity: bytes, msg: protocol.Message) -> None:
+        for info in reversed(self.store.list()):
+            problem = self.store.verify(info.path)
+            if problem is None:
+                meta, tensors = self.store.load(info.path)
+                protocol.send(self.sock, protocol.encode("restore", self.ctx.run, {"step": info.step, "meta": meta},
+                                                         tensors), identity)
+                self.ctx.emit("checkpoint_restored", step=info.step, term=msg.header["term"])
+                return
+            self.log.error("checkpoint damaged, falling back to an older one", step=info.step, problem=problem)
+            self.ctx.emit("checkpoint_damaged", step=info.step, problem=problem)
+        protocol.send(self.sock, protocol.encode("no_checkpoint", self.ctx.run, {"term": msg.header["term"]}), identity)
+
+    def close(self) -> None:
+        self.member.stop()
+        self.sock.close(linger=500)
+        self.zctx.destroy(linger=200)

@@ -1,0 +1,157 @@
+"""Checkpoints on disk: atomic writes, manifests with checksums, verification and retention.
+
+Layout under `RUN_DIR/checkpoints/`:
+
+    step-00000040/model.safetensors   model weights (plain state_dict names; loads without CMEMI)
+    step-00000040/state.safetensors   optimizer / scheduler / RNG tensors
+    step-00000040/meta.json           everything else (no pickle)
+    step-00000040/MANIFEST.json       size + sha256 of each file above; written last
+
+A checkpoint is first written as `.tmp-step-…`, every file fsynced, the manifest written and
+fsynced, then the directory is renamed into place and its parent fsynced. Only a checkpoint that
+reached its final name is ever pointed at, so a crash at any moment leaves at worst a `.tmp-`
+leftover, removed at the next start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "MANIFEST.json"
+FILES = ("model.safetensors", "state.safetensors", "meta.json")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path
+    bytes: int
+    mtime: float
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class CheckpointStore:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def clean_leftovers(self) -> list[str]:
+        removed = []
+        for p in self.root.glob(".tmp-*"):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        return removed
+
+    def write(self, step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir()
+        model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        rest = {k: v for k, v in tensors.items() if not k.startswith("model.")}
+        save_file(model, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
+        save_file(rest, str(tmp / "state.safetensors"), metadata={"step": str(step)})
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        manifest = {"step": step, "created": time.time(),
+                    "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}}
+        for f in FILES:
+            _fsync_path(tmp / f)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_path(tmp / MANIFEST)
+        _fsync_path(tmp)
+        if final.exists():  # the same step written again (a restarted aggregator redid it): replace
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(self.root)
+        return final
+
+    def list(self) -> list[CheckpointInfo]:
+        out = []
+        for p in sorted(self.root.glob("step-*")):
+            try:
+                step = int(p.name.split("-", 1)[1])
+            except ValueError:
+                continue
+            size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+            out.append(CheckpointInfo(step, p, size, p.stat().st_mtime))
+        return out
+
+    def verify(self, path: Path, full: bool = True) -> str | None:
+        """None if the checkpoint is intact, else what is wrong with it."""
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as exc:
+            return f"manifest unreadable ({exc.__class__.__name__})"
+        for name, want in manifest.get("files", {}).items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} missing"
+            if f.stat().st_size != want["bytes"]:
+                return f"{name} has {f.stat().st_size} bytes, manifest says {want['bytes']}"
+            if full and _sha256(f) != want["sha256"]:
+                return f"{name} checksum mismatch"
+        if set(manifest.get("files", {})) != set(FILES):
+            return "manifest lists the wrong files"
+        return None
+
+    def latest_good(self, full: bool = True) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies; corrupt ones are skipped (and reported by `verify`)."""
+        for info in reversed(self.list()):
+            if self.verify(info.path, full) is None:
+                return info
+        return None
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        problem = self.verify(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is damaged: {problem}")
+        tensors = {f"model.{k}": v for k, v in load_file(str(path / "model.safetensors")).items()}
+        tensors.update(load_file(str(path / "state.safetensors")))
+        return json.loads((path / "meta.json").read_text()), tensors
+
+    def retain(self, keep_last: int, keep_every: int, protect: int | None) -> list[int]:
+        """Delete all but the newest `keep_last`, milestones (step % keep_every == 0) and `protect`."""
+        infos = self.list()
+        keep = {i.step for i in infos[-keep_last:]}
+        if keep_every:
+            keep |= {i.step for i in infos if i.step % keep_every == 0}
+        if protect is not None:
+            keep.add(protect)
+        removed = []
+        for info in infos:
+            if info.step not in keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+                removed.append(info.step)
+        return removed

@@ -1,0 +1,270 @@
+"""Membership and liveness: detect deaths (exit or missing heartbeat), fence, free leases, restart.
+
+Two modes (`--supervise`):
+- `local`: the coordinator starts every service as a child process and restarts what dies,
+  handing a dead worker's identity to a warm spare (already imported and loaded) when it has one.
+- `none`: an orchestrator (compose, Kubernetes) restarts processes; the coordinator still detects,
+  fences and frees leases, and the restarted process re-registers by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+import zmq
+
+from services.coordinator.supervisor import Child, backoff, service_argv, stop_all
+from shared import protocol
+from shared.membership import Member, read_events
+from shared.service import EXIT_FATAL, ServiceContext
+
+EXIT_FENCED = 3
+
+
+class Coordinator:
+    def __init__(self, ctx: ServiceContext, supervise: str, config_path: str, redis_url: str) -> None:
+        self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
+        self.supervise = supervise
+        self.config_path, self.redis_url = config_path, redis_url
+        self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
+                             self.cfg.cluster.dead_after).start()
+        self.children: dict[str, Child] = {}
+        self.spares: list[Child] = []
+        self._spare_seq = 0
+        self.declared: dict[tuple[str, str], int] = {}  # (role, id) -> newest incarnation declared dead
+        self.zctx = zmq.Context()
+        self.agg_sock: zmq.Socket | None = None
+        self.agg_addr: str | None = None
+        self.events_cursor = "0-0"
+        self.events_file = open(ctx.run_dir / "events.jsonl", "a", buffering=1)
+        self.target_workers = self.cfg.cluster.workers
+        self.exit_code: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        r, k = self.ctx.redis, self.ctx.keys
+        r.set(k.state, "running")
+        r.delete(k.error)
+        self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
+        if self.supervise == "local":
+            self._add("checkpointer", "0")
+            self._add("aggregator", "0")
+            for i in range(self.target_workers):
+                self._add("worker", f"w{i}")
+            for _ in range(self.cfg.cluster.spare_workers):
+                self._add_spare()
+        next_scan = 0.0
+        while self.exit_code is None:
+            if self.ctx.stopping.is_set():
+                self.log.info("stopping on signal")
+                self.exit_code = 130
+                break
+            self._tail_events()
+            if self.supervise == "local":
+                self._check_children()
+            now = time.monotonic()
+            if now >= next_scan:
+                next_scan = now + self.cfg.cluster.heartbeat_interval / 2
+                self._check_heartbeats()
+                self._check_run_state()
+                if self.supervise == "local":
+                    self._check_scale()
+            time.sleep(0.02)
+        return self.exit_code
+
+    def close(self) -> None:
+        stop_all(list(self.children.values()) + self.spares, grace=5.0)
+        self._tail_events()
+        self.events_file.close()
+        self.member.stop()
+        if self.agg_sock is not None:
+            self.agg_sock.close(linger=0)
+        self.zctx.destroy(linger=200)
+
+    # ------------------------------------------------------------------ children
+    def _add(self, role: str, ident: str) -> Child:
+        extra = ["--worker-id", ident] if role == "worker" else []
+        child = Child(role, ident, service_argv(role, self.config_path, self.redis_url, *extra))
+        self.children[child.name] = child
+        child.start()
+        self.ctx.emit("process_started", role=role, id=ident, pid=child.popen.pid if child.popen else None)
+        return child
+
+    def _add_spare(self) -> None:
+        self._spare_seq += 1
+        ident = f"spare{self._spare_seq}"
+        child = Child("worker", ident, service_argv("worker", self.config_path, self.redis_url, "--spare", ident))
+        child.start()
+        self.spares.append(child)
+
+    def _replace(self, child: Child) -> None:
+        """Restart a dead child: a warm spare takes a worker's identity at once; otherwise a new process."""
+        child.restarts += 1
+        if child.restarts > self.cfg.cluster.max_restarts:
+            child.given_up = True
+            msg = (f"{child.name} died {child.restarts} times; not restarting it again "
+                   f"(cluster.max_restarts={self.cfg.cluster.max_restarts}); see its log for the cause")
+            self.log.error("giving up on process", process=child.name)
+            self.ctx.emit("gave_up", role=child.role, id=child.ident, restarts=child.restarts - 1)
+            if child.role != "worker" or not any(c.alive for c in self.children.values() if c.role == "worker"):
+                self._fail(msg)
+            return
+        if child.role == "worker":
+            spare = next((s for s in self.spares if s.alive), None)
+            if spare is not None:
+                self.spares.remove(spare)
+                self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), child.ident)
+                spare.ident, spare.restarts, spare.role = child.ident, child.restarts, "worker"
+                self.children[child.name] = spare
+                self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.popen.pid if spare.popen else None)
+                self._add_spare()
+                return
+        child.next_start = time.monotonic() + backoff(child.restarts)
+        child.popen = None
+
+    def _check_children(self) -> None:
+        now = time.monotonic()
+        for child in list(self.children.values()):
+            if child.popen is None:
+                if child.wanted and not child.given_up and now >= child.next_start:
+                    child.start()
+                    self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process",
+                                  pid=child.popen.pid if child.popen else None)
+                continue
+            rc = child.popen.poll()
+            if rc is None:
+                continue
+            if not child.wanted:
+                del self.children[child.name]
+                continue
+            if rc == EXIT_FATAL:
+                error = self.ctx.redis.get(self.ctx.keys.error) or f"{child.name} exited with a fatal error"
+                self._fail(error)
+                return
+            if rc == 0 and self._completed():
+                child.wanted = False  # finished its part of a completed run
+                continue
+            self._declare_dead(child.role, child.ident, how=f"exit code {rc}", pid=child.popen.pid)
+            self._replace(child)
+        for spare in list(self.spares):
+            rc = spare.popen.poll() if spare.popen else None
+            if rc is not None:
+                self.spares.remove(spare)
+                if rc == EXIT_FATAL:
+                    self._fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
+                    return
+
+    # ------------------------------------------------------------------ liveness
+    def _check_heartbeats(self) -> None:
+        r, k = self.ctx.redis, self.ctx.keys
+        try:
+            for key in r.scan_iter(match=k.member("*", "*"), count=500):
+                record = r.hgetall(key)
+                if not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
+                    continue
+                role, ident, inc = record["role"], record["id"], int(record["incarnation"])
+                if self.declared.get((role, ident), 0) >= inc:
+                    continue
+                if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
+                    continue
+                if r.exists(k.heartbeat(role, ident)):
+                    continue
+                child = self.children.get(f"{role}:{ident}")
+                pid = int(record.get("pid", 0))
+                if child is not None and child.popen is not None and child.popen.pid == pid and child.alive:
+                    child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
+                    self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
+                    self._replace(child)
+                elif child is None or child.popen is None or child.popen.pid != pid:
+                    # not ours to restart (another host / orchestrator): detect, fence, re-admit later
+                    self._declare_dead(role, ident, how="heartbeat missing", pid=pid, inc=inc)
+        except redis.RedisError as exc:
+            self.log.warning("redis unavailable during liveness check", error=str(exc))
+
+    def _declare_dead(self, role: str, ident: str, how: str, pid: int | None, inc: int | None = None) -> None:
+        r, k = self.ctx.redis, self.ctx.keys
+        if inc is None:
+            record = r.hgetall(k.member(role, ident))
+            if record and int(record.get("pid", -1)) == pid:
+                inc = int(record["incarnation"])
+        self.ctx.emit("died", role=role, id=ident, incarnation=inc, how=how, pid=pid)
+        self.log.warning("process died", role=role, id=ident, incarnation=inc, how=how)
+        if inc is None:
+            return  # died before registering: nothing to fence
+        self.declared[(role, ident)] = inc
+        r.set(k.fence(role, ident), inc)
+        self.ctx.emit("fenced", role=role, id=ident, incarnation=inc)
+        if role == "worker":
+            self._tell_aggregator_fence(ident, inc)
+
+    def _tell_aggregator_fence(self, wid: str, inc: int) -> None:
+        addr = self.ctx.redis.hget(self.ctx.keys.aggregator, "addr")
+        if addr is None:
+            return
+        if addr != self.agg_addr:
+            if self.agg_sock is not None:
+                self.agg_sock.close(linger=0)
+            self.agg_sock = self.zctx.socket(zmq.DEALER)
+            self.agg_sock.setsockopt(zmq.LINGER, 0)
+            self.agg_sock.connect(addr)
+            self.agg_addr = addr
+        assert self.agg_sock is not None
+        protocol.send(self.agg_sock, protocol.encode("fence", self.ctx.run, {"wid": wid, "inc": inc}))
+
+    # ------------------------------------------------------------------ run state, scale, events
+    def _completed(self) -> bool:
+        return self.ctx.redis.get(self.ctx.keys.state) == "completed"
+
+    def _check_run_state(self) -> None:
+        try:
+            state = self.ctx.redis.get(self.ctx.keys.state)
+        except redis.RedisError:
+            return
+        if state is None:  # Redis restarted empty: the run is still running
+            self.ctx.redis.set(self.ctx.keys.state, "running")
+        elif state == "completed":
+            agg = self.children.get("aggregator:0")
+            if agg is None or not agg.alive:
+                self.exit_code = 0
+        elif state == "failed":
+            self.exit_code = 1
+
+    def _fail(self, message: str) -> None:
+        self.ctx.redis.set(self.ctx.keys.error, message)
+        self.ctx.redis.set(self.ctx.keys.state, "failed")
+        self.ctx.emit("run_failed", error=message)
+        self.log.error("run failed", error=message)
+        self.exit_code = 1
+
+    def _check_scale(self) -> None:
+        want = self.ctx.redis.get(self.ctx.keys.scale)
+        if want is None or int(want) == self.target_workers:
+            return
+        self.target_workers = max(1, int(want))
+        workers = sorted((c for c in self.children.values() if c.role == "worker" and c.wanted),
+                         key=lambda c: int(c.ident[1:]) if c.ident[1:].isdigit() else 0)
+        for c in workers[self.target_workers:]:  # graceful leave: SIGTERM -> the worker returns its leases
+            c.wanted = False
+            if c.popen is not None and c.alive:
+                c.popen.terminate()
+        used = {c.ident for c in self.children.values()}
+        i = 0
+        while sum(1 for c in self.children.values() if c.role == "worker" and c.wanted) < self.target_workers:
+            while f"w{i}" in used:
+                i += 1
+            self._add("worker", f"w{i}")
+            used.add(f"w{i}")
+        self.ctx.emit("scaled", workers=self.target_workers)
+
+    def _tail_events(self) -> None:
+        try:
+            if self.events_cursor != "0-0" and not self.ctx.redis.exists(self.ctx.keys.events):
+                self.events_cursor = "0-0"  # Redis lost its data: the stream starts over
+            for entry_id, event in read_events(self.ctx.redis, self.ctx.keys, self.events_cursor):
+                self.events_cursor = entry_id
+                self.events_file.write(json.dumps(event) + "\n")
+        except redis.RedisError:
+            pass
+

@@ -1,0 +1,218 @@
+"""A worker: pull a microbatch lease, compute its gradient, send it, repeat.
+
+The worker owns no training state that matters: parameters come from the aggregator with each
+new version, the data of microbatch (s, m) is a pure function of the config. A worker can be
+killed at any moment; its replacement needs only the aggregator.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import redis
+import structlog
+import torch
+import zmq
+
+from shared import protocol
+from shared.config import ConfigError
+from shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
+from shared.membership import Member
+from shared.plugins import build_model, resolve
+from shared.service import ServiceContext
+
+EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
+
+
+class Worker:
+    def __init__(self, ctx: ServiceContext, label: str) -> None:
+        """Load everything that does not depend on the worker's identity (so a warm spare can do it early)."""
+        self.ctx, self.cfg = ctx, ctx.cfg
+        cfg = self.cfg
+        torch.set_num_threads(cfg.cluster.threads_per_worker)
+        self.host = socket.gethostname()
+        try:
+            factory = resolve(cfg.data.factory, "data.factory")
+            self.model = build_model(cfg)
+            self.loss_fn = resolve(cfg.train.loss, "train.loss")
+        except ConfigError as exc:
+            ctx.fatal(str(exc))
+        try:
+            self.dataset = factory(**cfg.data.kwargs)
+            self.fp = fingerprint(self.dataset)
+        except Exception as exc:  # any failure reading user data must become a clear, fatal message
+            ctx.fatal(data_error(f"worker {label}", cfg, exc))
+        self.n = self.fp["length"]
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.version = -1
+        self.term = -1
+        self.zctx = zmq.Context()
+        self.sock: zmq.Socket | None = None
+        self.agg_addr: str | None = None
+        self.member: Member | None = None
+
+    def wait_for_identity(self, spare: str) -> str | None:
+        """As a warm spare: block until the coordinator hands us the id of a dead worker to replace."""
+        self.ctx.log.info("spare ready", spare=spare)
+        while not self.ctx.stopping.is_set():
+            try:
+                item = self.ctx.redis.blpop([self.ctx.keys.spare(spare)], timeout=1)
+            except redis.RedisError:
+                time.sleep(0.1)
+                continue
+            if item is not None:
+                return item[1]
+        return None
+
+    def assume(self, wid: str) -> None:
+        """Take identity `wid`: register (new incarnation) and start heartbeating."""
+        self.wid = wid
+        cfg = self.cfg
+        self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
+                             cfg.cluster.dead_after).start()
+        self.inc = self.member.incarnation
+        structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
+        self.log = self.ctx.log
+        self.ctx.emit("worker_started", worker=wid, incarnation=self.inc, host=self.host)
+
+    # ------------------------------------------------------------------ connection
+    def _aggregator(self) -> tuple[str, int] | None:
+        try:
+            info = self.ctx.redis.hgetall(self.ctx.keys.aggregator)
+        except redis.RedisError:
+            return None
+        if "addr" not in info:
+            return None
+        return info["addr"], int(info["term"])
+
+    def _connect(self) -> None:
+        """(Re)connect to the current aggregator and say hello; returns once welcomed."""
+        while not self.ctx.stopping.is_set():
+            found = self._aggregator()
+            if found is None:
+                time.sleep(0.05)
+                continue
+            addr, term = found
+            if self.sock is not None:
+                self.sock.close(linger=0)
+            self.sock = self.zctx.socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, f"{self.wid}/{self.inc}/{term}".encode())
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            self.sock.connect(addr)
+            self.agg_addr = addr
+            self._send("hello", fp=self.fp, host=self.host)
+            deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
+            while time.monotonic() < deadline and not self.ctx.stopping.is_set():
+                msg = self._recv(100)
+                if msg is None:
+                    continue
+                if msg.type == "welcome":
+                    self.term = msg.header["term"]
+                    self.version = -1  # a new term may have rolled back: always take its parameters
+                    self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"])
+                    return
+                self._handle_reject_or_stop(msg)
+            self._check_fenced()
+
+    def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+        assert self.sock is not None
+        parts = protocol.encode(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields}, tensors,
+                                self.cfg.cluster.checksum)
+        protocol.send(self.sock, parts)
+
+    def _recv(self, timeout_ms: int) -> protocol.Message | None:
+        assert self.sock is not None
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        try:
+            return protocol.decode(frames, self.ctx.run, self.cfg.cluster.checksum)
+        except protocol.ProtocolError as exc:
+            self.log.warning("message dropped", reason=exc.reason, detail=str(exc)[:200])
+            return None
+
+    def _handle_reject_or_stop(self, msg: protocol.Message) -> None:
+        if msg.type == "stop":
+            self.log.info("told to stop", reason=msg.header["reason"])
+            raise SystemExit(0)
+        if msg.type == "reject":
+            if msg.header["fatal"]:
+                self.ctx.fatal(msg.header["reason"])
+            self.log.warning("rejected", reason=msg.header["reason"])
+            self._check_fenced()
+
+    def _check_fenced(self) -> None:
+        assert self.member is not None
+        try:
+            fenced = self.member.fenced()
+        except redis.RedisError:
+            return
+        if fenced:
+            self.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
+            raise SystemExit(EXIT_FENCED)
+
+    # ------------------------------------------------------------------ work
+    def run(self) -> None:
+        self._connect()
+        self._send("want", term=self.term, version=self.version)
+        next_check = time.monotonic() + 1.0
+        while not self.ctx.stopping.is_set():
+            msg = self._recv(100)
+            if msg is not None:
+                if msg.type == "work" and msg.header["term"] == self.term:
+                    self._work(msg)
+                    continue
+                if msg.type == "reject":
+                    self._handle_reject_or_stop(msg)
+                    self._connect()
+                    self._send("want", term=self.term, version=self.version)
+                    continue
+                self._handle_reject_or_stop(msg)
+            elif time.monotonic() > next_check:  # idle: is our aggregator still the current one?
+                next_check = time.monotonic() + 1.0
+                self._check_fenced()
+                found = self._aggregator()
+                if found is not None and (found[0] != self.agg_addr or found[1] != self.term):
+                    self.log.info("aggregator changed; re-syncing", addr=found[0], term=found[1])
+                    self._connect()
+                    self._send("want", term=self.term, version=self.version)
+        if self.sock is not None:
+            self._send("leave")  # graceful: our leases go back at once
+
+    def _work(self, msg: protocol.Message) -> None:
+        h = msg.header
+        if msg.tensors:
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    p.copy_(msg.tensors[name])
+            self.version = h["version"]
+        if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
+            self.version = -1
+            self._send("want", term=self.term, version=self.version)
+            return
+        loss, grads = self.compute(h["step"], h["m"])
+        self._send("grad", tensors=grads, term=self.term, step=h["step"], m=h["m"], version=self.version,
+                   loss=loss, n=self.cfg.train.global_batch // self.cfg.train.microbatches)
+
+    def compute(self, step: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
+        x, y = fetch(self.dataset, idx)
+        torch.manual_seed(microbatch_seed(cfg.run.seed, step, m))
+        for p in self.params.values():
+            p.grad = None
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        return float(loss.detach()), grads
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.stop()
+        if self.sock is not None:
+            self.sock.close(linger=200)
+        self.zctx.destroy(linger=200)
+

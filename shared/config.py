@@ -1,0 +1,343 @@
+"""The one config schema of a CMEMI run: typed sections, validated on load, errors that name the fix.
+
+`load_config(path, overrides)` is the single source of truth: YAML file, then `CMEMI_*`
+environment overrides, then `--set a.b=c` overrides, then validation. The effective config is
+saved with the run (`dump_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is missing, malformed or inconsistent; the message names the field and the fix."""
+
+
+def _fail(path: str, value: Any, why: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"config field '{path}' = {value!r}: {why}; {fix}")
+
+
+def _positive(path: str, value: float, fix: str) -> None:
+    if value <= 0:
+        _fail(path, value, "must be > 0", fix)
+
+
+def _import_path(path: str, value: str | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or ":" not in value:
+        _fail(path, value, "must be an import path 'package.module:attribute'", f"set {path} to e.g. 'examples.digits:make_model'")
+
+
+@dataclass
+class RunConfig:
+    name: str = "cmemi"
+    """Run name: namespaces Redis keys and names the default run directory runs/<name>."""
+    dir: str | None = None
+    """Run directory (config.yaml, metrics.jsonl, events.jsonl, summary.json, checkpoints/). Default runs/<name>."""
+    seed: int = 0
+    """Seed for initial weights, data order and per-microbatch RNG (dropout)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or any(c in self.name for c in " /:{}"):
+            _fail("run.name", self.name, "must be non-empty without spaces, '/', ':' or braces", "use e.g. 'digits-1'")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass
+class ModelConfig:
+    factory: str = ""
+    """Import path of a function returning a torch.nn.Module, e.g. 'examples.digits:make_model'."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the model factory."""
+
+    def __post_init__(self) -> None:
+        _import_path("model.factory", self.factory)
+
+
+@dataclass
+class DataConfig:
+    factory: str = ""
+    """Import path of a function returning the training dataset (map-style: __len__ and __getitem__ -> (x, y))."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the dataset factory."""
+
+    def __post_init__(self) -> None:
+        _import_path("data.factory", self.factory)
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "SGD"
+    """Any torch.optim class name (SGD, AdamW, ...) or an import path 'module:Class' for a custom optimizer."""
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    """Keyword arguments for the optimizer constructor (lr, momentum, weight_decay, ...)."""
+
+
+@dataclass
+class SchedulerConfig:
+    name: str | None = None
+    """Any torch.optim.lr_scheduler class name (CosineAnnealingLR, OneCycleLR, ...) or 'module:Class'; null for none."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the scheduler constructor (the optimizer is passed first)."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Number of global optimizer steps."""
+    global_batch: int = 64
+    """Samples per global step, over all microbatches."""
+    microbatches: int = 4
+    """M: microbatches per global step. Fixed for the run; independent of the number of workers."""
+    loss: str = "torch.nn.functional:cross_entropy"
+    """Import path of the loss function loss(output, target) -> scalar tensor (mean over the microbatch)."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every this many steps."""
+
+    def __post_init__(self) -> None:
+        _positive("train.steps", self.steps, "set train.steps to the number of optimizer steps, e.g. 100")
+        _positive("train.global_batch", self.global_batch, "set train.global_batch to e.g. 64")
+        _positive("train.microbatches", self.microbatches, "set train.microbatches to e.g. 4")
+        _positive("train.log_every", self.log_every, "set train.log_every to e.g. 1")
+        if self.global_batch % self.microbatches:
+            _fail("train.global_batch", self.global_batch,
+                  f"must be divisible by train.microbatches={self.microbatches}",
+                  f"use a multiple of {self.microbatches}, e.g. {self.microbatches * max(1, self.global_batch // self.microbatches)}")
+        _import_path("train.loss", self.loss)
+
+
+@dataclass
+class EvalConfig:
+    fn: str | None = None
+    """Import path of evaluate(model) -> dict[str, float], run on the aggregator's parameters; null for none."""
+    every_steps: int = 0
+    """Evaluate every this many steps during training (0: only at the end)."""
+
+    def __post_init__(self) -> None:
+        _import_path("eval.fn", self.fn, optional=True)
+        if self.every_steps < 0:
+            _fail("eval.every_steps", self.every_steps, "must be >= 0", "use 0 to evaluate only at the end")
+
+
+@dataclass
+class ClusterConfig:
+    workers: int = 2
+    """Number of worker processes `cmemi up` starts."""
+    redis: str | None = None
+    """Redis URL (redis://[:password@]host:port/db). Null: `cmemi up` starts a private redis-server."""
+    host: str = "127.0.0.1"
+    """Address the aggregator and checkpointer bind to and advertise. Never 0.0.0.0 unless you mean it."""
+    aggregator_port: int = 0
+    """Aggregator port (0: a free port, advertised through Redis)."""
+    checkpointer_port: int = 0
+    """Checkpointer port (0: a free port, advertised through Redis)."""
+    threads_per_worker: int = 1
+    """torch intra-op threads per worker (and aggregator). Same value everywhere keeps results bitwise identical."""
+    heartbeat_interval: float = 0.2
+    """Seconds between heartbeats."""
+    dead_after: float = 2.0
+    """A process whose heartbeat is older than this many seconds is declared dead, fenced and replaced."""
+    lease_timeout: float = 30.0
+    """A microbatch not returned within this many seconds is handed to another worker."""
+    spare_workers: int = 1
+    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast."""
+    max_restarts: int = 10
+    """Restarts per process before the coordinator gives up on it and reports it."""
+    max_message_bytes: int = 1 << 31
+    """Largest ZeroMQ message a service accepts; bigger ones are dropped by ZeroMQ itself."""
+    checksum: bool = True
+    """Verify an xxh3 checksum of every tensor frame on receipt."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            _fail("cluster.workers", self.workers, "must be >= 1", "set cluster.workers to the number of worker processes, e.g. 2")
+        if self.threads_per_worker < 1:
+            _fail("cluster.threads_per_worker", self.threads_per_worker, "must be >= 1", "use 1 (the default)")
+        for name in ("aggregator_port", "checkpointer_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                _fail(f"cluster.{name}", port, "must be a TCP port 0..65535", "use 0 for a free port")
+        _positive("cluster.heartbeat_interval", self.heartbeat_interval, "use e.g. 0.2")
+        if self.dead_after <= 2 * self.heartbeat_interval:
+            _fail("cluster.dead_after", self.dead_after,
+                  f"must be more than twice cluster.heartbeat_interval={self.heartbeat_interval}",
+                  f"use at least {3 * self.heartbeat_interval:g}")
+        _positive("cluster.lease_timeout", self.lease_timeout, "use e.g. 30")
+        if self.spare_workers < 0:
+            _fail("cluster.spare_workers", self.spare_workers, "must be >= 0", "use 1 (or 0 to save memory)")
+        if self.max_restarts < 0:
+            _fail("cluster.max_restarts", self.max_restarts, "must be >= 0", "use e.g. 10")
+        if self.max_message_bytes < 1 << 16:
+            _fail("cluster.max_message_bytes", self.max_message_bytes, "must be >= 65536", "use e.g. 2147483648")
+        if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
+            _fail("cluster.redis", self.redis, "must be a redis:// or rediss:// URL", "e.g. redis://:password@10.0.0.5:6379/0, or null")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Snapshot every this many steps (0: only the final model)."""
+    keep_last: int = 5
+    """How many of the newest checkpoints to keep."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (milestones); 0 for none."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0:
+            _fail("checkpoint.every_steps", self.every_steps, "must be >= 0", "use 0 for final-only")
+        if self.keep_last < 1:
+            _fail("checkpoint.keep_last", self.keep_last, "must be >= 1", "use e.g. 5")
+        if self.keep_every < 0:
+            _fail("checkpoint.keep_every", self.keep_every, "must be >= 0", "use 0 for no milestones")
+
+
+@dataclass
+class CompressionConfig:
+    codec: str = "none"
+    """Gradient codec: none (more arrive with the compression work)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    precision: Literal["fp32"] = "fp32"
+    """Compute precision of the workers' forward/backward."""
+
+
+# ---------------------------------------------------------------- building from plain data
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        _fail(prefix or "<root>", data, "must be a mapping", f"write {prefix or 'the file'} as 'key: value' lines")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"section '{prefix}'" if prefix else "the top level"
+        raise ConfigError(f"config: unknown key '{_join(prefix, unknown[0])}' in {where}; "
+                          f"valid keys are: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        path = _join(prefix, name)
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, {} if value is None else value, path)
+        elif not _type_ok(value, tp):
+            _fail(path, value, f"expected {_type_name(tp)}, got {type(value).__name__}", f"set {path} to a {_type_name(tp)}")
+        else:
+            kwargs[name] = float(value) if tp is float else value
+    return cls(**kwargs)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set cluster.workers=3")
+    key, text = item.split("=", 1)
+    value = yaml.safe_load(text) if text else None
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+ENV_PREFIX = "CMEMI__"
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
+    """`CMEMI__CLUSTER__REDIS=redis://...` becomes the override `cluster.redis=redis://...`."""
+    environ = dict(os.environ) if environ is None else environ
+    return [f"{k[len(ENV_PREFIX):].lower().replace('__', '.')}={v}"
+            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIX)]
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
+    raw = _deepcopy(raw)
+    for item in overrides:
+        _apply_override(raw, item)
+    return _build(Config, raw, "")
+
+
+def load_config(path: str | Path, overrides: list[str] = (), environ: dict[str, str] | None = None) -> Config:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass the path of a YAML file, e.g. examples/digits.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
+    return config_from_dict(raw, [*env_overrides(environ), *overrides])
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _deepcopy(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return {k: _deepcopy(v) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [_deepcopy(v) for v in raw]
+    return raw

@@ -1,0 +1,88 @@
+"""Data-sharding math: which samples form microbatch (s, m) — a pure function of (seed, epoch, s, m).
+
+Any worker can compute any microbatch, so a microbatch whose worker died can be recomputed
+elsewhere bitwise identically, and the same global batches are seen whatever the worker count.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+
+class DataError(RuntimeError):
+    """The dataset cannot be read, or differs from the one the aggregator holds."""
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.randperm(n, generator=g)
+
+
+def microbatch_indices(seed: int, n: int, global_batch: int, microbatches: int, step: int, m: int) -> torch.Tensor:
+    """Indices of microbatch m of global step `step`. Each epoch is a fresh permutation; the tail is dropped."""
+    steps_per_epoch = n // global_batch
+    if steps_per_epoch == 0:
+        raise DataError(f"dataset has {n} samples, fewer than train.global_batch={global_batch}; "
+                        "lower train.global_batch or use a bigger dataset")
+    epoch, i = divmod(step, steps_per_epoch)
+    b = global_batch // microbatches
+    start = i * global_batch + m * b
+    return epoch_permutation(seed, epoch, n)[start:start + b]
+
+
+def microbatch_seed(seed: int, step: int, m: int) -> int:
+    """Seed of the RNG during microbatch (s, m) (dropout etc.): identical on whichever worker runs it."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{m}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def fetch(dataset: Dataset, indices: torch.Tensor) -> Any:
+    """Gather and collate the samples; TensorDataset is indexed in one go instead of item by item."""
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, tuple) and all(isinstance(t, torch.Tensor) for t in tensors):
+        return tuple(t[indices] for t in tensors)
+    return default_collate([dataset[int(i)] for i in indices])
+
+
+def _feed(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _feed(h, o)
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            h.update(str(k).encode())
+            _feed(h, obj[k])
+    else:
+        h.update(repr(obj).encode())
+
+
+def fingerprint(dataset: Dataset, samples: int = 256) -> dict[str, Any]:
+    """Length and a content hash over `samples` evenly spaced items (all of them for small datasets)."""
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise DataError("dataset has no len(); return a map-style dataset (with __len__ and __getitem__)") from None
+    h = hashlib.sha256(str(n).encode())
+    picks = range(n) if n <= samples else sorted({(i * (n - 1)) // (samples - 1) for i in range(samples)})
+    for i in picks:
+        _feed(h, dataset[i])
+    return {"length": n, "sha256": h.hexdigest()}
+
+
+def data_error(who: str, cfg: Any, exc: BaseException) -> str:
+    """One line naming the process, the host, the dataset call and the fix."""
+    import socket
+
+    return (f"{who} on host {socket.gethostname()} cannot read the dataset: {cfg.data.factory}(**{cfg.data.kwargs}) "
+            f"raised {type(exc).__name__}: {exc}".replace("\n", " ")
+            + "; check that data.kwargs (paths) exist and are readable on this host")

@@ -1,0 +1,90 @@
+"""User code plugs in by import path ('module:attribute'); a failed lookup lists the choices."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from typing import Any
+
+import torch
+
+from shared.config import Config, ConfigError
+
+
+def resolve(path: str, field: str) -> Any:
+    """Import 'package.module:attr' (attr may be dotted). Errors name the config field and list what exists."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"config field '{field}' = {path!r}: cannot import module {module_name!r} ({exc}); "
+                          "check the spelling and that the package is installed or on PYTHONPATH") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            close = difflib.get_close_matches(part, public, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"config field '{field}' = {path!r}: {module_name!r} has no attribute {part!r}.{hint} "
+                              f"Available: {', '.join(public[:40]) or '(nothing callable)'}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"config field '{field}' = {path!r} is a {type(obj).__name__}, not a function or class")
+    return obj
+
+
+def _class_in(namespace: Any, base: type, name: str, field: str) -> type:
+    if ":" in name:
+        return resolve(name, field)
+    cls = getattr(namespace, name, None)
+    if inspect.isclass(cls) and issubclass(cls, base) and cls is not base:
+        return cls
+    choices = sorted(n for n, c in vars(namespace).items()
+                     if inspect.isclass(c) and issubclass(c, base) and c is not base and not n.startswith("_"))
+    raise ConfigError(f"config field '{field}' = {name!r} is not a {namespace.__name__} class; "
+                      f"available: {', '.join(choices)} (or 'module:Class' for your own)")
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    """Build the model with the run's seed, so every process starts from identical weights."""
+    factory = resolve(cfg.model.factory, "model.factory")
+    torch.manual_seed(cfg.run.seed)
+    model = factory(**cfg.model.kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"config field 'model.factory' = {cfg.model.factory!r} returned {type(model).__name__}, "
+                          "not a torch.nn.Module; return the model from the factory")
+    return model
+
+
+def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    cls = _class_in(torch.optim, torch.optim.Optimizer, cfg.optimizer.name, "optimizer.name")
+    try:
+        return cls(params, **cfg.optimizer.kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config field 'optimizer.kwargs' = {cfg.optimizer.kwargs!r} rejected by "
+                          f"{cls.__name__}: {exc}") from None
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> Any:
+    if cfg.scheduler.name is None:
+        return None
+    base = torch.optim.lr_scheduler.LRScheduler
+    cls = _class_in(torch.optim.lr_scheduler, base, cfg.scheduler.name, "scheduler.name")
+    try:
+        return cls(optimizer, **cfg.scheduler.kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config field 'scheduler.kwargs' = {cfg.scheduler.kwargs!r} rejected by "
+                          f"{cls.__name__}: {exc}") from None
+
+
+def check_plugins(cfg: Config) -> None:
+    """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker."""
+    resolve(cfg.model.factory, "model.factory")
+    resolve(cfg.data.factory, "data.factory")
+    resolve(cfg.train.loss, "train.loss")
+    if cfg.eval.fn:
+        resolve(cfg.eval.fn, "eval.fn")
+    model = build_model(cfg)
+    opt = build_optimizer(cfg, model.parameters())
+    build_scheduler(cfg, opt)

@@ -1,0 +1,192 @@
+"""The wire protocol: every message type declared once, validated on receipt.
+
+A message is a ZeroMQ multipart message: frame 0 is a small msgpack header, the next frames are
+raw tensor bytes, one per entry of the header's `tensors` list, sent and received without copies
+(`torch.frombuffer` over the received frame). Big buffers never go through msgpack.
+
+`decode` raises `ProtocolError` (with a short `reason` used as a drop-counter label) for anything
+malformed: services drop such a message, log it and count it, and carry on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+import zmq
+
+PROTOCOL_VERSION = 1
+
+# dtype name on the wire -> torch dtype. A closed table: nothing else is ever constructed.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_ZERO_COPY_MIN = 1 << 16  # below this, copying is cheaper than zero-copy bookkeeping (pyzmq docs)
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_MAP = (dict,)
+_LIST = (list,)
+_BOOL = (bool,)
+_NONE = (type(None),)
+
+_WORKER = {"wid": _STR, "inc": _INT}
+# type -> {field: allowed python types}. Every field listed is required; unknown fields are ignored.
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    # worker -> aggregator
+    "hello": {**_WORKER, "fp": _MAP, "host": _STR},
+    "want": {**_WORKER, "term": _INT, "version": _INT},
+    "grad": {**_WORKER, "term": _INT, "step": _INT, "m": _INT, "version": _INT, "loss": _NUM, "n": _INT,
+             "tensors": _LIST},
+    "leave": {**_WORKER},
+    # aggregator -> worker
+    "welcome": {"term": _INT, "step": _INT, "version": _INT, "total_steps": _INT},
+    "work": {"term": _INT, "step": _INT, "m": _INT, "version": _INT, "tensors": _LIST},
+    "stop": {"reason": _STR},
+    "reject": {"reason": _STR, "fatal": _BOOL},
+    # coordinator -> aggregator
+    "fence": {"wid": _STR, "inc": _INT},
+    # aggregator <-> checkpointer
+    "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
+    "saved": {"step": _INT, "path": _STR},
+    "restore_req": {"term": _INT},
+    "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
+    "no_checkpoint": {"term": _INT},
+}
+
+_TENSOR = {"name": _STR, "dtype": _STR, "shape": _LIST, "nbytes": _INT, "xxh": _INT + _NONE}
+
+
+class ProtocolError(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def type(self) -> str:
+        return self.header["type"]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+           checksum: bool = True) -> list[Any]:
+    """Header + one frame per tensor. Tensors must be contiguous CPU tensors that nobody mutates until sent."""
+    metas, frames = [], []
+    for name, t in (tensors or {}).items():
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.detach().cpu().contiguous()
+        buf = tensor_bytes(t)
+        metas.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                      "nbytes": buf.nbytes, "xxh": xxhash.xxh3_64_intdigest(buf) if checksum else None})
+        frames.append(buf)
+    header = {"type": mtype, "proto": PROTOCOL_VERSION, "run": run, **fields}
+    if tensors is not None:
+        header["tensors"] = metas
+    return [msgpack.packb(header), *frames]
+
+
+def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None) -> int:
+    """Send a message built by `encode`; large frames go zero-copy. Returns the bytes sent."""
+    if identity is not None:
+        parts = [identity, *parts]
+    last = len(parts) - 1
+    total = 0
+    for i, part in enumerate(parts):
+        n = part.nbytes if isinstance(part, memoryview) else len(part)
+        total += n
+        sock.send(part, flags=zmq.SNDMORE if i < last else 0, copy=n < _ZERO_COPY_MIN)
+    return total - (len(identity) if identity is not None else 0)
+
+
+def _check_fields(header: dict[str, Any], schema: dict[str, tuple[type, ...]], what: str) -> None:
+    for key, types_ in schema.items():
+        if key not in header:
+            raise ProtocolError("missing_field", f"{what} lacks field {key!r}")
+        value = header[key]
+        if not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_):
+            raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}")
+
+
+def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
+    """Validate and decode a received message (frames as received with copy=False, identity removed)."""
+    if not frames:
+        raise ProtocolError("empty", "no frames")
+    raw = frames[0].bytes if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
+    if len(raw) > 1 << 20:
+        raise ProtocolError("header_too_big", f"{len(raw)} bytes")
+    try:
+        header = msgpack.unpackb(raw, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many unrelated types for hostile input
+        raise ProtocolError("not_msgpack", type(exc).__name__) from None
+    if not isinstance(header, dict):
+        raise ProtocolError("not_a_map", type(header).__name__)
+    mtype = header.get("type")
+    if not isinstance(mtype, str) or mtype not in SCHEMAS:
+        raise ProtocolError("unknown_type", repr(mtype)[:40])
+    if header.get("proto") != PROTOCOL_VERSION:
+        raise ProtocolError("wrong_protocol", f"version {header.get('proto')!r}, expected {PROTOCOL_VERSION}")
+    if header.get("run") != run:
+        raise ProtocolError("wrong_run", f"run id {str(header.get('run'))[:40]!r}")
+    _check_fields(header, SCHEMAS[mtype], mtype)
+    metas = header.get("tensors", [])
+    if len(frames) - 1 != len(metas):
+        raise ProtocolError("frame_count", f"{len(frames) - 1} frames for {len(metas)} tensors")
+    tensors: dict[str, torch.Tensor] = {}
+    for meta, frame in zip(metas, frames[1:], strict=False):
+        if not isinstance(meta, dict):
+            raise ProtocolError("bad_tensor", "tensor entry is not a map")
+        _check_fields(meta, _TENSOR, "tensor")
+        tensors[meta["name"]] = _tensor(meta, frame, checksum)
+    if len(tensors) != len(metas):
+        raise ProtocolError("bad_tensor", "duplicate tensor names")
+    return Message(header, tensors)
+
+
+def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:
+    dtype = DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ProtocolError("bad_dtype", repr(meta["dtype"])[:40])
+    shape = meta["shape"]
+    if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+        raise ProtocolError("bad_shape", repr(shape)[:60])
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+    expected = math.prod(shape) * dtype.itemsize
+    if meta["nbytes"] != expected or buf.nbytes != expected:
+        raise ProtocolError("bad_length", f"{meta['name']!r}: {buf.nbytes} bytes, header says {meta['nbytes']}, shape needs {expected}")
+    if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
+        raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def message_bytes(frames: list[Any]) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+def bind(sock: zmq.Socket, host: str, port: int) -> str:
+    """Bind to host:port (port 0: a free port chosen by the OS) and return the address peers connect to."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,89 @@
+"""What every service does at start: parse its flags, load the config, connect to Redis, bind its log.
+
+Run-time failures a user can fix (bad config, unreadable data) exit with code 2 and a one-line
+message in Redis (`error`), so the supervisor reports them instead of restarting forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import structlog
+
+from shared.config import Config, ConfigError, load_config
+from shared.keys import Keys
+from shared.log import setup_logging
+from shared.membership import connect, emit, wait_for_redis
+
+EXIT_FATAL = 2  # a user error: restarting will not help
+
+
+@dataclass
+class ServiceContext:
+    cfg: Config
+    redis: redis.Redis
+    keys: Keys
+    run: str
+    log: structlog.stdlib.BoundLogger
+    args: argparse.Namespace
+    stopping: threading.Event
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run.path
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        emit(self.redis, self.keys, kind, **fields)
+
+    def fatal(self, message: str) -> None:
+        """Record a one-line, user-fixable error for the run and exit with EXIT_FATAL."""
+        self.log.error("fatal", error=message)
+        try:
+            self.redis.set(self.keys.error, message)
+            self.emit("fatal", service=self.log_service, error=message)
+        except redis.RedisError:
+            pass
+        print(f"cmemi: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FATAL)
+
+    @property
+    def log_service(self) -> str:
+        return structlog.contextvars.get_contextvars().get("service", "?")
+
+
+def common_parser(role: str, doc: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"cmemi {role}", description=(doc or "").strip().splitlines()[0] if doc else None)
+    p.add_argument("--config", required=True, help="run config YAML (the run directory's config.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--redis", default=None, help="Redis URL (default: cluster.redis from the config)")
+    return p
+
+
+def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceContext:
+    log = setup_logging(role, **bind)
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        print(f"cmemi {role}: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_FATAL)
+    url = args.redis or cfg.cluster.redis
+    if not url:
+        print(f"cmemi {role}: error: no Redis URL; pass --redis URL or set cluster.redis", file=sys.stderr)
+        sys.exit(EXIT_FATAL)
+    client = connect(url)
+    wait_for_redis(client, timeout=30)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:  # handlers only set flags; loops notice
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping)
