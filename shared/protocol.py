@@ -176,6 +176,8 @@ def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:
         raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
+    if buf.readonly:  # received zmq frames are writable (zero copy); plain bytes (tests, tools) get one copy
+        buf = memoryview(bytearray(buf))
     return torch.frombuffer(buf, dtype=dtype).view(shape)
 
 

@@ -45,8 +45,7 @@ class Coordinator:
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
         r, k = self.ctx.redis, self.ctx.keys
-        r.set(k.state, "running")
-        r.delete(k.error)
+        r.set(k.state, "running", nx=True)  # a restarted coordinator must not reopen a finished run
         self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
         if self.supervise == "local":
             self._add("checkpointer", "0")

@@ -1,0 +1,63 @@
+"""Shared fixtures: a real redis-server on a free loopback port, and a helper that runs `cmemi up`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cmemi.redis_server import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(ROOT / "examples" / "digits.yaml")
+
+
+@dataclass
+class RunResult:
+    rc: int
+    stdout: str
+    stderr: str
+    run_dir: Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def cmemi_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cmemi", *args]
+
+
+def up_args(run_dir: Path, *sets: str, config: str = DIGITS) -> list[str]:
+    args = ["up", config, "--set", f"run.dir={run_dir}", "--set", f"run.name=t{abs(hash(str(run_dir))) % 10**8}"]
+    for s in sets:
+        args += ["--set", s]
+    return cmemi_cmd(*args)
+
+
+def run_up(run_dir: Path, *sets: str, config: str = DIGITS, timeout: float = 240) -> RunResult:
+    proc = subprocess.run(up_args(run_dir, *sets, config=config), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    return RunResult(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+# Small and quick, still the real example: 60 steps, no spare, final checkpoint only.
+FAST = ("train.steps=60", "scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "checkpoint.every_steps=0")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()

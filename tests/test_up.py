@@ -1,0 +1,104 @@
+"""`cmemi up` end to end: real processes, a real redis-server, real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.config import load_config
+from shared.data import fetch, microbatch_indices
+from shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from tests.conftest import DIGITS, FAST, run_up
+
+pytestmark = pytest.mark.integration
+
+
+def test_run_completes_with_everything_in_the_run_dir(tmp_path: Path) -> None:
+    r = run_up(tmp_path / "run", *FAST)
+    assert r.rc == 0, r.stderr[-3000:]
+    s = r.summary
+    for key in ("steps", "final_loss", "eval", "wall_s", "samples_per_s", "workers", "bytes_sent",
+                "bytes_received", "params_sha256"):
+        assert key in s
+    assert s["steps"] == 60 and s["workers"] == 2 and s["bytes_sent"] > 0 and s["bytes_received"] > 0
+    assert s["eval"]["accuracy"] > 0.8
+    assert "completed 60 steps" in r.stdout
+    metrics = r.metrics()
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    assert all({"loss", "lr", "samples_per_s", "bytes_in", "bytes_out"} <= m.keys() for m in metrics)
+    kinds = {e["kind"] for e in r.events()}
+    assert {"coordinator_started", "worker_admitted", "run_completed", "checkpoint_saved"} <= kinds
+    effective = load_config(r.run_dir / "config.yaml")
+    assert effective.train.steps == 60 and effective.cluster.spare_workers == 0
+    weights = load_file(str(r.run_dir / "model.safetensors"))
+    assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+
+
+def test_same_params_with_1_2_3_workers(tmp_path: Path) -> None:
+    shas = {}
+    for n in (1, 2, 3):
+        r = run_up(tmp_path / f"w{n}", *FAST, f"cluster.workers={n}")
+        assert r.rc == 0, r.stderr[-3000:]
+        shas[n] = r.summary["params_sha256"]
+    assert len(set(shas.values())) == 1, shas
+
+
+def plain_loop(cfg_path: str, overrides: list[str]) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The same global batches through an ordinary single-process PyTorch loop."""
+    cfg = load_config(cfg_path, overrides)
+    model = build_model(cfg)
+    opt = build_optimizer(cfg, model.parameters())
+    sched = build_scheduler(cfg, opt)
+    ds = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
+    loss_fn = resolve(cfg.train.loss, "train.loss")
+    lrs = []
+    for s in range(cfg.train.steps):
+        idx = torch.cat([microbatch_indices(cfg.run.seed, len(ds), cfg.train.global_batch, cfg.train.microbatches, s, m)
+                         for m in range(cfg.train.microbatches)])
+        x, y = fetch(ds, idx)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return {k: v.detach() for k, v in model.state_dict().items()}, lrs
+
+
+def test_matches_a_plain_pytorch_loop(tmp_path: Path) -> None:
+    overrides = [*FAST, "model.kwargs.dropout=0.0", "cluster.workers=3"]
+    r = run_up(tmp_path / "run", *overrides)
+    assert r.rc == 0, r.stderr[-3000:]
+    expected, lrs = plain_loop(DIGITS, overrides)
+    got = load_file(str(r.run_dir / "model.safetensors"))
+    for name, t in expected.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5)
+    assert [m["lr"] for m in r.metrics()] == pytest.approx(lrs, rel=1e-12, abs=0)
+
+
+def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
+    r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:file_dataset",
+               f"data.kwargs={{path: {tmp_path}/missing.pt}}", timeout=120)
+    assert r.rc == 1
+    error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
+    assert "cannot read the dataset" in error and "missing.pt" in error and "on host" in error
+    assert "check that data.kwargs" in error
+
+
+def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
+    r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
+               timeout=120)
+    assert r.rc == 1
+    error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
+    assert "has a different dataset" in error and "on host" in error and "same data on every host" in error
+
+
+def test_existing_run_dir_needs_resume_or_overwrite(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({}))
+    r = run_up(run_dir, *FAST, timeout=60)
+    assert r.rc == 2 and "--resume" in r.stderr and "--overwrite" in r.stderr
