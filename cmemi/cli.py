@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
 
@@ -29,14 +31,59 @@ def _up(argv: list[str]) -> int:
         return 2
 
 
-COMMANDS = {"up": _up}
+def _events(argv: list[str]) -> int:
+    from cmemi.events import format_table, load_events, timelines
+
+    p = argparse.ArgumentParser(prog="cmemi events", description="Each fault's recovery timeline, in seconds.")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    try:
+        rows = timelines(load_events(args.run_dir))
+    except FileNotFoundError as exc:
+        print(f"cmemi: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 0
+
+
+def _scale(argv: list[str]) -> int:
+    from shared.keys import Keys
+    from shared.membership import connect
+
+    p = argparse.ArgumentParser(prog="cmemi scale", description="Change the number of workers of a running cluster.")
+    p.add_argument("run_dir")
+    p.add_argument("workers", type=int)
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        print("cmemi: error: the number of workers must be >= 1", file=sys.stderr)
+        return 2
+    info = _cluster_info(args.run_dir)
+    if info is None:
+        return 2
+    connect(info["redis"]).set(Keys(info["run"]).scale, args.workers)
+    print(f"cmemi: asked run {info['run']!r} for {args.workers} workers")
+    return 0
+
+
+def _cluster_info(run_dir: str) -> dict | None:
+    path = Path(run_dir) / "cluster.json"
+    if not path.is_file():
+        print(f"cmemi: error: {path} not found; pass the run directory of a running `cmemi up`", file=sys.stderr)
+        return None
+    return json.loads(path.read_text())
+
+
+COMMANDS = {"up": _up, "events": _events, "scale": _scale}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,events,scale,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
+              "  events RUN_DIR   each fault's recovery timeline\n"
+              "  scale RUN_DIR N  add or remove workers of a running cluster\n"
               "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)

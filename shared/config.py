@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -289,7 +290,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set cluster.workers=3")
     key, text = item.split("=", 1)
-    value = yaml.safe_load(text) if text else None
+    value = yaml.load(text, Loader=_Loader) if text else None
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -316,12 +317,22 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
     return _build(Config, raw, "")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads 3e-3 as a string; read it as the float every user means (as YAML 1.2 does)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
 def load_config(path: str | Path, overrides: list[str] = (), environ: dict[str, str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass the path of a YAML file, e.g. examples/digits.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
     return config_from_dict(raw, [*env_overrides(environ), *overrides])

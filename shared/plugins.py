@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -88,3 +89,23 @@ def check_plugins(cfg: Config) -> None:
     model = build_model(cfg)
     opt = build_optimizer(cfg, model.parameters())
     build_scheduler(cfg, opt)
+    dry_run_schedule(cfg)
+
+
+def dry_run_schedule(cfg: Config) -> None:
+    """Step a throwaway optimizer/scheduler pair train.steps times: a schedule too short for the run
+    (OneCycleLR's total_steps, say) fails here, in one line, not on the aggregator mid-run."""
+    if cfg.scheduler.name is None:
+        return
+    opt = build_optimizer(cfg, [torch.nn.Parameter(torch.zeros(1))])
+    sched = build_scheduler(cfg, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(cfg.train.steps):
+            try:
+                opt.step()
+                sched.step()
+            except Exception as exc:  # any scheduler's own error, reported with the step it happens at
+                raise ConfigError(f"config field 'scheduler.kwargs' = {cfg.scheduler.kwargs!r}: {cfg.scheduler.name} "
+                                  f"fails at step {step + 1} of train.steps={cfg.train.steps} ({exc}); make the "
+                                  "schedule cover every step (e.g. total_steps >= train.steps)") from None

@@ -10,8 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from cmemi.redis_server import EmbeddedRedis
+
+# Tests that run torch in the pytest process itself: one thread, like the services (2 shared cores).
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "examples" / "digits.yaml")

@@ -24,3 +24,23 @@ def worker_sees_other_data() -> TensorDataset:
         x[0, 0] += 1
         return TensorDataset(x, y)
     return ds
+
+
+def slow_mlp(delay: float = 0.2, **kwargs):
+    """The digits MLP; in a process with CMEMI_TEST_SLOW_WORKER=1 every forward pass takes `delay` longer,
+    so that process is almost always in the middle of computing a gradient."""
+    import os
+    import time
+
+    from examples.digits import make_model
+
+    model = make_model(**kwargs)
+    if os.environ.get("CMEMI_TEST_SLOW_WORKER") == "1":
+        inner = model.forward
+
+        def forward(x):
+            time.sleep(delay)
+            return inner(x)
+
+        model.forward = forward
+    return model

@@ -108,3 +108,18 @@ def test_cli_bad_config_is_one_line_exit_2(tmp_path: Path, args: list[str], expe
 def test_cli_missing_config_file() -> None:
     proc = subprocess.run(cmemi_cmd("up", "nope.yaml"), cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_yaml_exponent_floats_are_numbers(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("model: {factory: 'examples.digits:make_model'}\n"
+                                     "data: {factory: 'examples.digits:make_dataset'}\n"
+                                     "optimizer: {name: AdamW, kwargs: {lr: 3e-3}}\n")
+    assert load_config(tmp_path / "c.yaml").optimizer.kwargs["lr"] == 0.003
+    assert config_from_dict(BASE, ["optimizer.kwargs.lr=1e-4"]).optimizer.kwargs["lr"] == 1e-4
+
+
+def test_schedule_shorter_than_the_run_fails_before_start() -> None:
+    cfg = cfg_with(train={"steps": 20}, optimizer={"name": "SGD", "kwargs": {"lr": 0.1}},
+                   scheduler={"name": "OneCycleLR", "kwargs": {"max_lr": 0.1, "total_steps": 10}})
+    with pytest.raises(ConfigError, match="fails at step 1[12] of train.steps=20.*total_steps >= train.steps"):
+        check_plugins(cfg)

@@ -170,18 +170,18 @@ class Aggregator:
         self.log.info("worker admitted", worker=wid, incarnation=inc, host=h["host"])
 
     def _known(self, identity: bytes, msg: protocol.Message) -> WorkerInfo | None:
-        info = self.workers.get(identity)
         h = msg.header
+        if self._is_fenced(h["wid"], h["inc"]):
+            self._drop("fenced", f"{h['wid']}/{h['inc']}")
+            self._send(identity, "reject", fatal=False, reason=f"incarnation {h['inc']} of worker {h['wid']} is fenced")
+            return None
+        info = self.workers.get(identity)
         if info is None or info.wid != h["wid"] or info.inc != h["inc"]:
             self._drop("unknown_worker", f"{h['wid']}/{h['inc']}")
             self._send(identity, "reject", fatal=False, reason="unknown worker: say hello first")
             return None
-        if self._is_fenced(info.wid, info.inc):
-            self._drop("fenced", f"{info.wid}/{info.inc}")
-            self._send(identity, "reject", fatal=False, reason=f"incarnation {info.inc} of worker {info.wid} is fenced")
-            return None
-        if msg.header.get("term") not in (None, self.term):
-            self._drop("wrong_term", f"{info.wid}: term {msg.header.get('term')}, current {self.term}")
+        if h.get("term") not in (None, self.term):
+            self._drop("wrong_term", f"{info.wid}: term {h.get('term')}, current {self.term}")
             self._send(identity, "reject", fatal=False, reason=f"term {self.term} started: say hello again")
             return None
         info.last_seen = time.monotonic()
@@ -264,7 +264,11 @@ class Aggregator:
 
     def _apply_step(self) -> None:
         grads, loss = self.collector.mean()
-        self.trainer.apply(grads)
+        try:
+            self.trainer.apply(grads)
+        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
+            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
+                           "check optimizer.kwargs and scheduler.kwargs")
         now = time.monotonic()
         dt = now - self._t_step
         self._t_step = now

@@ -1,0 +1,47 @@
+"""Print the config reference table (Markdown) from the schema's field docstrings: `python scripts/config_reference.py`."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import typing
+
+from shared import config as C
+
+
+def field_docs() -> dict[tuple[str, str], str]:
+    tree = ast.parse(inspect.getsource(C))
+    docs = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for st, nxt in zip(node.body, node.body[1:]):  # noqa: B905 - pairs of neighbours
+                if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and isinstance(nxt, ast.Expr)
+                        and isinstance(nxt.value, ast.Constant)):
+                    docs[(node.name, st.target.id)] = nxt.value.value
+    return docs
+
+
+def rows() -> list[tuple[str, object, str]]:
+    docs = field_docs()
+    out = []
+    hints = typing.get_type_hints(C.Config)
+    for f in dataclasses.fields(C.Config):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            for g in dataclasses.fields(tp):
+                default = g.default if g.default is not dataclasses.MISSING else g.default_factory()
+                out.append((f"{f.name}.{g.name}", default, docs.get((tp.__name__, g.name), "")))
+        else:
+            out.append((f.name, f.default, docs.get(("Config", f.name), "")))
+    return out
+
+
+def markdown() -> str:
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | `{default!r}` | {doc} |" for name, default, doc in rows()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,133 @@
+"""Workers die at any moment: the run goes on by itself, no step is redone, the result is unchanged."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cmemi.events import load_events, timelines
+from tests.chaos import Cluster, poll
+from tests.conftest import ROOT, run_up
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+# Long enough to kill workers several times; bitwise deterministic whatever the worker count.
+LONG = ("train.steps=1200", "scheduler.kwargs.T_max=1200", "checkpoint.every_steps=0", "cluster.dead_after=1.0",
+        "cluster.heartbeat_interval=0.1")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    r = run_up(tmp_path_factory.mktemp("ref") / "run", *LONG, "cluster.workers=1", "cluster.spare_workers=0")
+    assert r.rc == 0, r.stderr[-3000:]
+    return r.summary["params_sha256"]
+
+
+def assert_clean_finish(c: Cluster, rc: int, reference: str, total: int = 1200) -> None:
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == total
+    steps = [m["step"] for m in c_metrics(c)]
+    assert steps == list(range(1, total + 1)), "a step was lost or redone"
+    assert s["params_sha256"] == reference
+
+
+def c_metrics(c: Cluster) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_random_worker_kills_change_nothing(tmp_path: Path, reference: str) -> None:
+    rng = random.Random(1234)
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=3")
+    kills = 0
+    try:
+        c.wait_step(20)
+        while kills < 6:
+            c.wait_step(c.step() + rng.randint(80, 140))
+            time.sleep(rng.uniform(0, 0.01))  # land anywhere in a step: computing, sending, fetching parameters
+            live = c.members("worker")
+            if len(live) < 2:
+                continue
+            c.signal("worker", rng.choice(sorted(live)))
+            kills += 1
+    except TimeoutError:
+        pass  # the run may finish before the last kill: fine, it is checked below
+    rc = c.wait()
+    assert kills >= 4, f"only {kills} kills happened"
+    assert_clean_finish(c, rc, reference)
+    rows = [r for r in timelines(load_events(c.run_dir)) if r["role"] == "worker"]
+    assert len(rows) >= kills
+    assert all(r["detect_s"] is not None for r in rows[:kills])
+
+
+def test_all_workers_but_one_killed_at_once(tmp_path: Path, reference: str) -> None:
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=3", "cluster.spare_workers=0")
+    try:
+        c.wait_step(300)
+        live = sorted(c.members("worker"))
+        assert len(live) == 3
+        for wid in live[:2]:
+            c.signal("worker", wid)
+    finally:
+        rc = c.wait()
+    assert_clean_finish(c, rc, reference)
+    died = {e["id"] for e in load_events(c.run_dir) if e["kind"] == "died"}
+    assert set(live[:2]) <= died
+
+
+def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path) -> None:
+    slow = ("model.factory=tests.fixtures:slow_mlp", "model.kwargs={delay: 0.3}", "train.steps=1500",
+            "scheduler.kwargs.T_max=1500", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
+            "checkpoint.every_steps=0", "cluster.spare_workers=0")
+    ref = run_up(tmp_path / "ref", *slow, "cluster.workers=1")
+    assert ref.rc == 0, ref.stderr[-3000:]
+    c = Cluster(tmp_path / "run", *slow, "cluster.workers=2")
+    extra = None
+    try:
+        c.wait_step(5)
+        # a worker on "another host": not the coordinator's child, so it is fenced, not killed
+        env = {**os.environ, "CMEMI_TEST_SLOW_WORKER": "1"}
+        extra = subprocess.Popen([sys.executable, "-m", "cmemi", "worker", "--config", str(c.run_dir / "config.yaml"),
+                                  "--redis", c.redis_url, "--worker-id", "straggler"], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("first_grad_accepted")), 60,
+             "straggler contributing")
+        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("worker_admitted")), 5, "admitted")
+        time.sleep(0.1)  # into its next (slow) microbatch
+        c.signal("worker", "straggler", signal.SIGSTOP)
+        poll(lambda: any(e.get("id") == "straggler" for e in c.events("fenced")), 30, "straggler fenced")
+        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("leases_freed")), 10, "leases freed")
+        os.kill(extra.pid, signal.SIGCONT)
+        assert extra.wait(timeout=60) == 3  # it learns it was fenced and exits for good
+    finally:
+        if extra is not None and extra.poll() is None:
+            extra.kill()
+        rc = c.wait()
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["dropped_messages"].get("fenced", 0) >= 1, s["dropped_messages"]
+    assert s["params_sha256"] == ref.summary["params_sha256"]
+
+
+def test_scale_up_and_down_while_running(tmp_path: Path, reference: str) -> None:
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=2", "cluster.spare_workers=0")
+    try:
+        c.wait_step(100)
+        assert subprocess.run([sys.executable, "-m", "cmemi", "scale", str(c.run_dir), "3"], cwd=ROOT).returncode == 0
+        poll(lambda: len(c.members("worker")) == 3, 60, "3 workers")
+        assert subprocess.run([sys.executable, "-m", "cmemi", "scale", str(c.run_dir), "1"], cwd=ROOT).returncode == 0
+        poll(lambda: len(c.members("worker")) == 1, 60, "1 worker")
+    finally:
+        rc = c.wait()
+    assert_clean_finish(c, rc, reference)
+    kinds = [e["kind"] for e in load_events(c.run_dir)]
+    assert "worker_left" in kinds and "died" not in kinds
