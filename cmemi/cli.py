@@ -74,16 +74,24 @@ def _cluster_info(run_dir: str) -> dict | None:
     return json.loads(path.read_text())
 
 
-COMMANDS = {"up": _up, "events": _events, "scale": _scale}
+def _checkpoints(argv: list[str]) -> int:
+    from cmemi.checkpoints import main as checkpoints_main
+
+    return checkpoints_main(argv)
+
+
+COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _checkpoints}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,events,scale,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,events,scale,checkpoints,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
               "  events RUN_DIR   each fault's recovery timeline\n"
               "  scale RUN_DIR N  add or remove workers of a running cluster\n"
+              "  checkpoints list|verify|export RUN_DIR\n"
+              "                   inspect, check and export checkpoints\n"
               "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)

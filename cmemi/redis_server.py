@@ -43,11 +43,12 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout: float = 10.0, port: int | None = None) -> EmbeddedRedis:
+        """Start on a free port (or on `port`, e.g. to restart a server where its clients expect it)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         binary = redis_server_binary()
         for _attempt in range(5):  # a free port can be taken between probing and binding: retry
-            self.port = _free_port(self.host)
+            self.port = port or _free_port(self.host)
             self.proc = subprocess.Popen(
                 [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
                  "--dir", str(self.workdir), "--requirepass", self.password, "--protected-mode", "yes",

@@ -215,7 +215,7 @@ class _Reader:
             raise CodecError("bad_dtype", f"{_short(name)}#{part}: {t.dtype}, expected {dtype}")
         if tuple(t.shape) != shape:
             raise CodecError("bad_size", f"{_short(name)}#{part}: shape {tuple(t.shape)}, expected {shape}")
-        return t
+        return t.contiguous()  # received frames already are: no copy
 
 
 def _int(meta: dict, key: str, name: str, lo: int, hi: int) -> int:

@@ -52,6 +52,24 @@ def read_events(client: redis.Redis, keys: Keys, after: str = "0-0", block_ms: i
     return out
 
 
+# Incarnations and terms must keep growing even if Redis restarts empty (a counter starting over at 1
+# would collide with fences the aggregator still remembers): never hand out less than the wall clock.
+_ALLOCATE = """
+local v = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[1])
+if v < floor then
+  redis.call('SET', KEYS[1], floor)
+  v = floor
+end
+return v
+"""
+
+
+def allocate(client: redis.Redis, key: str) -> int:
+    """A number larger than every number handed out before under `key`, across Redis data loss."""
+    return int(client.eval(_ALLOCATE, 1, key, str(int(time.time()))))
+
+
 # Only touch the record if it is still ours: a newer incarnation may already have taken the id.
 _MARK_STOPPED = """
 if redis.call('HGET', KEYS[1], 'incarnation') == ARGV[1] then
@@ -69,7 +87,7 @@ class Member:
         self.client, self.keys, self.role, self.ident = client, keys, role, ident
         self.interval, self.ttl_ms = heartbeat_interval, int(dead_after * 1000)
         self.extra = extra or {}
-        self.incarnation = int(client.incr(keys.incarnation))
+        self.incarnation = allocate(client, keys.incarnation)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._write_record()

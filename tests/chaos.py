@@ -65,13 +65,22 @@ class Cluster:
                 out[rec["id"]] = rec
         return out
 
+    def replaced(self, role: str, ident: str, old_inc: int, timeout: float = 60) -> None:
+        """Wait until a newer incarnation of role/ident has registered and heartbeats."""
+        def newer() -> bool:
+            rec = self.redis.hgetall(self.keys.member(role, ident))
+            return bool(rec) and int(rec["incarnation"]) > old_inc and bool(
+                self.redis.exists(self.keys.heartbeat(role, ident)))
+        poll(newer, timeout, f"a new incarnation of {role}:{ident}")
+
     def signal(self, role: str, ident: str, sig: int = signal.SIGKILL) -> int:
+        """Send `sig` to the current incarnation of role/ident (recorded as a fault); returns that incarnation."""
         rec = self.redis.hgetall(self.keys.member(role, ident))
         pid = int(rec["pid"])
         emit(self.redis, self.keys, "fault_injected", role=role, id=ident, incarnation=int(rec["incarnation"]),
              signal=signal.Signals(sig).name, pid=pid)
         os.kill(pid, sig)
-        return pid
+        return int(rec["incarnation"])
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         entries = self.redis.xrange(self.keys.events)

@@ -60,6 +60,19 @@ def run_up(run_dir: Path, *sets: str, config: str = DIGITS, timeout: float = 240
 FAST = ("train.steps=60", "scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "checkpoint.every_steps=0")
 
 
+# Long enough to kill things several times; bitwise deterministic whatever the worker count.
+LONG = ("train.steps=1200", "scheduler.kwargs.T_max=1200", "checkpoint.every_steps=0", "cluster.dead_after=1.0",
+        "cluster.heartbeat_interval=0.1")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """params_sha256 of a fault-free run of LONG."""
+    r = run_up(tmp_path_factory.mktemp("ref") / "run", *LONG, "cluster.workers=1", "cluster.spare_workers=0")
+    assert r.rc == 0, r.stderr[-3000:]
+    return r.summary["params_sha256"]
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     server = EmbeddedRedis(tmp_path / "redis").start()

@@ -14,21 +14,9 @@ import pytest
 
 from cmemi.events import load_events, timelines
 from tests.chaos import Cluster, poll
-from tests.conftest import ROOT, run_up
+from tests.conftest import LONG, ROOT, run_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
-
-# Long enough to kill workers several times; bitwise deterministic whatever the worker count.
-LONG = ("train.steps=1200", "scheduler.kwargs.T_max=1200", "checkpoint.every_steps=0", "cluster.dead_after=1.0",
-        "cluster.heartbeat_interval=0.1")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    r = run_up(tmp_path_factory.mktemp("ref") / "run", *LONG, "cluster.workers=1", "cluster.spare_workers=0")
-    assert r.rc == 0, r.stderr[-3000:]
-    return r.summary["params_sha256"]
-
 
 def assert_clean_finish(c: Cluster, rc: int, reference: str, total: int = 1200) -> None:
     assert rc == 0, c.output()

@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import torch
 import zmq
 
@@ -23,7 +24,7 @@ from services.aggregator.trainer import Trainer
 from shared import protocol, state
 from shared.config import ConfigError
 from shared.data import data_error, fingerprint
-from shared.membership import Member
+from shared.membership import Member, allocate
 from shared.plugins import resolve
 from shared.service import ServiceContext
 
@@ -58,7 +59,7 @@ class Aggregator:
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
-        self.term = int(ctx.redis.incr(ctx.keys.term))
+        self.term = allocate(ctx.redis, ctx.keys.term)
         self.final_loss = float("nan")
         self.bytes_in = self.bytes_out = 0
         self.ckpt = CheckpointerLink(self)
@@ -71,11 +72,11 @@ class Aggregator:
             self.log.info("restored from checkpoint", step=self.trainer.step)
         self.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, "term": self.term}).start()
-        ctx.redis.hset(ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
-                                                     "incarnation": self.member.incarnation})
+        self._advertise()
         self.workers: dict[bytes, WorkerInfo] = {}
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
         self._contributed: set[tuple[str, int]] = set()
+        self._next_redis_check = 0.0
         self.ckpt_stall_s: list[float] = []
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
@@ -87,6 +88,20 @@ class Aggregator:
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
         self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
+
+    def _advertise(self) -> None:
+        self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
+                                                               "incarnation": self.member.incarnation})
+
+    def _housekeeping(self, now: float) -> None:
+        if self.collector.expire(now):
+            self.ctx.emit("lease_expired", step=self.collector.step)
+            self._serve_parked()
+        if now >= self._next_redis_check:  # Redis may have restarted empty: advertise again
+            self._next_redis_check = now + 1.0
+            if not self.ctx.redis.exists(self.ctx.keys.aggregator):
+                self._advertise()
+                self.log.info("re-advertised after Redis lost its data")
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -103,13 +118,14 @@ class Aggregator:
                     self._receive(frames)
                     if self.done:
                         break
-            self.ckpt.poll()
             now = time.monotonic()
             if now >= next_housekeeping:
                 next_housekeeping = now + 0.1
-                if self.collector.expire(now):
-                    self.ctx.emit("lease_expired", step=self.collector.step)
-                    self._serve_parked()
+                try:
+                    self.ckpt.poll()
+                    self._housekeeping(now)
+                except redis.RedisError as exc:  # Redis down or restarting: training goes on without it
+                    self.log.warning("redis unavailable", error=str(exc))
         if self.done:
             self._finish()
 
@@ -316,10 +332,21 @@ class Aggregator:
         if self.ckpt_stall_s:
             summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)
         (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self.ctx.redis.set(self.ctx.keys.state, "completed")
+        self._set_completed()
         self.ctx.emit("run_completed", steps=self.trainer.step, params_sha256=summary["params_sha256"])
         self.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
         self._linger(1.0)
+
+    def _set_completed(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.ctx.redis.set(self.ctx.keys.state, "completed")
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def _linger(self, seconds: float) -> None:
         """Tell every worker that asks in the next moments to stop, so they exit cleanly."""

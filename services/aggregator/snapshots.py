@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import redis
 import torch
 import zmq
 
@@ -67,7 +68,10 @@ class CheckpointerLink:
         self._next_check = 0.0
 
     def _lookup(self) -> str | None:
-        return self.agg.ctx.redis.hget(self.agg.ctx.keys.checkpointer, "addr")
+        try:
+            return self.agg.ctx.redis.hget(self.agg.ctx.keys.checkpointer, "addr") or self.addr
+        except redis.RedisError:
+            return self.addr  # Redis is down: keep talking to the checkpointer we know
 
     def _connect(self) -> bool:
         addr = self._lookup()

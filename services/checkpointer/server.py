@@ -27,16 +27,28 @@ class Checkpointer:
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra={"addr": self.addr}).start()
-        self._advertise()
         self.drops = 0
+        self.latest: int | None = None
+        self._advertise()
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
+
+    def _sync_pointer(self) -> None:
+        """Move `latest` in Redis to the newest durable checkpoint; retried while Redis is away."""
+        if self.latest is None:
+            return
+        try:
+            if self.ctx.redis.get(self.ctx.keys.ckpt_latest) != str(self.latest):
+                self.ctx.redis.set(self.ctx.keys.ckpt_latest, self.latest)
+        except redis.RedisError as exc:
+            self.log.warning("cannot move the latest pointer yet", step=self.latest, error=str(exc))
 
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.checkpointer, mapping={"addr": self.addr,
                                                                  "incarnation": self.member.incarnation})
-        latest = self.store.latest_good(full=False)
-        if latest is not None and self.ctx.redis.get(self.ctx.keys.ckpt_latest) is None:
-            self.ctx.redis.set(self.ctx.keys.ckpt_latest, latest.step)  # rebuilt from the manifests on disk
+        if self.latest is None:
+            good = self.store.latest_good(full=True)
+            self.latest = good.step if good is not None else None  # rebuilt from the manifests on disk
+        self._sync_pointer()
 
     def run(self) -> None:
         next_check = 0.0
@@ -49,6 +61,7 @@ class Checkpointer:
                 try:
                     if not self.ctx.redis.exists(self.ctx.keys.checkpointer):
                         self._advertise()
+                    self._sync_pointer()
                 except redis.RedisError:
                     pass
 
@@ -78,7 +91,8 @@ class Checkpointer:
         write_s = time.monotonic() - t0
         if msg.header["final"]:
             shutil.copyfile(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
-        self.ctx.redis.set(self.ctx.keys.ckpt_latest, step)
+        self.latest = step
+        self._sync_pointer()
         removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
         size = sum(f.stat().st_size for f in path.iterdir())
         self.ctx.emit("checkpoint_saved", step=step, path=str(path), bytes=size, write_s=round(write_s, 4),

@@ -60,16 +60,20 @@ class Coordinator:
                 self.log.info("stopping on signal")
                 self.exit_code = 130
                 break
-            self._tail_events()
-            if self.supervise == "local":
-                self._check_children()
-            now = time.monotonic()
-            if now >= next_scan:
-                next_scan = now + self.cfg.cluster.heartbeat_interval / 2
-                self._check_heartbeats()
-                self._check_run_state()
+            try:
+                self._tail_events()
                 if self.supervise == "local":
-                    self._check_scale()
+                    self._check_children()
+                now = time.monotonic()
+                if now >= next_scan:
+                    next_scan = now + self.cfg.cluster.heartbeat_interval / 2
+                    self._check_heartbeats()
+                    self._check_run_state()
+                    if self.supervise == "local":
+                        self._check_scale()
+            except redis.RedisError as exc:  # Redis down or restarting: keep supervising, retry shortly
+                self.log.warning("redis unavailable", error=str(exc))
+                time.sleep(0.2)
             time.sleep(0.02)
         return self.exit_code
 

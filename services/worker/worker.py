@@ -157,6 +157,8 @@ class Worker:
     # ------------------------------------------------------------------ work
     def run(self) -> None:
         self._connect()
+        if self.ctx.stopping.is_set():
+            return
         self._send("want", term=self.term, version=self.version)
         next_check = time.monotonic() + 1.0
         while not self.ctx.stopping.is_set():
@@ -167,8 +169,7 @@ class Worker:
                     continue
                 if msg.type == "reject":
                     self._handle_reject_or_stop(msg)
-                    self._connect()
-                    self._send("want", term=self.term, version=self.version)
+                    self._reconnect()
                     continue
                 self._handle_reject_or_stop(msg)
             elif time.monotonic() > next_check:  # idle: is our aggregator still the current one?
@@ -177,10 +178,14 @@ class Worker:
                 found = self._aggregator()
                 if found is not None and (found[0] != self.agg_addr or found[1] != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=found[0], term=found[1])
-                    self._connect()
-                    self._send("want", term=self.term, version=self.version)
-        if self.sock is not None:
+                    self._reconnect()
+        if self.sock is not None and self.member is not None:
             self._send("leave")  # graceful: our leases go back at once
+
+    def _reconnect(self) -> None:
+        self._connect()
+        if not self.ctx.stopping.is_set():
+            self._send("want", term=self.term, version=self.version)
 
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
