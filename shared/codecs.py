@@ -30,15 +30,12 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import torch
 
-from shared.config import _fail
-
-CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+from shared.config import CODECS, CompressionConfig, _fail
 
 # Largest tensor decode will build when the caller does not pass the expected shapes (int32 indices).
 MAX_NUMEL = (1 << 31) - 1
@@ -48,39 +45,6 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
                 torch.float64: "float64"}
 _QSEED = 0x5EED_C0DE  # PowerSGD initial Q: fixed seed, mixed with the tensor name
 _SAMPLE = 1 << 14     # topk: sample size for the threshold estimate on big tensors
-
-
-@dataclass
-class CompressionConfig:
-    codec: str = "none"
-    """Gradient codec: none, fp16, bf16, int8, topk or powersgd (worker encodes, aggregator decodes)."""
-    topk_ratio: float = 0.01
-    """topk: fraction of each tensor's entries sent, k = max(1, ceil(ratio * numel)); 0 < ratio <= 1."""
-    powersgd_rank: int = 2
-    """powersgd: rank of the per-tensor low-rank approximation P @ Q^T."""
-    int8_chunk: int = 1024
-    """int8: elements per fp32 absmax scale."""
-    min_compress_numel: int = 1024
-    """Tensors with fewer elements (biases, norms) are sent dense fp32."""
-    warmup_steps: int = 0
-    """Global steps < warmup_steps send dense fp32 gradients whatever the codec."""
-    error_feedback: bool = True
-    """topk and powersgd: keep what was not sent and add it to the next step's gradient (per worker)."""
-
-    def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            _fail("compression.codec", self.codec, f"must be one of {', '.join(CODECS)}",
-                  "use 'none' for dense fp32 gradients, or e.g. 'topk'")
-        if not 0 < self.topk_ratio <= 1:
-            _fail("compression.topk_ratio", self.topk_ratio, "must be in (0, 1]", "use e.g. 0.01")
-        if self.powersgd_rank < 1:
-            _fail("compression.powersgd_rank", self.powersgd_rank, "must be >= 1", "use e.g. 2")
-        if self.int8_chunk < 1:
-            _fail("compression.int8_chunk", self.int8_chunk, "must be >= 1", "use e.g. 1024")
-        if self.min_compress_numel < 0:
-            _fail("compression.min_compress_numel", self.min_compress_numel, "must be >= 0", "use e.g. 1024")
-        if self.warmup_steps < 0:
-            _fail("compression.warmup_steps", self.warmup_steps, "must be >= 0", "use 0 for no warmup")
 
 
 class CodecError(ValueError):

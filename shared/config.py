@@ -205,10 +205,40 @@ class CheckpointConfig:
             _fail("checkpoint.keep_every", self.keep_every, "must be >= 0", "use 0 for no milestones")
 
 
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+
+
 @dataclass
 class CompressionConfig:
     codec: str = "none"
-    """Gradient codec: none (more arrive with the compression work)."""
+    """Gradient codec: none, fp16, bf16, int8, topk or powersgd (worker encodes, aggregator decodes)."""
+    topk_ratio: float = 0.01
+    """topk: fraction of each tensor's entries sent, k = max(1, ceil(ratio * numel)); 0 < ratio <= 1."""
+    powersgd_rank: int = 2
+    """powersgd: rank of the per-tensor low-rank approximation P @ Q^T."""
+    int8_chunk: int = 1024
+    """int8: elements per fp32 absmax scale."""
+    min_compress_numel: int = 1024
+    """Tensors with fewer elements (biases, norms) are sent dense fp32."""
+    warmup_steps: int = 0
+    """Global steps < warmup_steps send dense fp32 gradients whatever the codec."""
+    error_feedback: bool = True
+    """topk and powersgd: keep what was not sent and add it to the next step's gradient (per worker)."""
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            _fail("compression.codec", self.codec, f"must be one of {', '.join(CODECS)}",
+                  "use 'none' for dense fp32 gradients, or e.g. 'topk'")
+        if not 0 < self.topk_ratio <= 1:
+            _fail("compression.topk_ratio", self.topk_ratio, "must be in (0, 1]", "use e.g. 0.01")
+        if self.powersgd_rank < 1:
+            _fail("compression.powersgd_rank", self.powersgd_rank, "must be >= 1", "use e.g. 2")
+        if self.int8_chunk < 1:
+            _fail("compression.int8_chunk", self.int8_chunk, "must be >= 1", "use e.g. 1024")
+        if self.min_compress_numel < 0:
+            _fail("compression.min_compress_numel", self.min_compress_numel, "must be >= 0", "use e.g. 1024")
+        if self.warmup_steps < 0:
+            _fail("compression.warmup_steps", self.warmup_steps, "must be >= 0", "use 0 for no warmup")
 
 
 @dataclass
@@ -223,8 +253,9 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
-    precision: Literal["fp32"] = "fp32"
-    """Compute precision of the workers' forward/backward."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Workers' forward/backward precision: fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling
+    coordinated by the aggregator, like torch.amp.GradScaler). Master weights and optimizer state stay fp32."""
 
 
 # ---------------------------------------------------------------- building from plain data

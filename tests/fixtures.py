@@ -44,3 +44,11 @@ def slow_mlp(delay: float = 0.2, **kwargs):
 
         model.forward = forward
     return model
+
+
+def poisoned_digits(index: int = 0, value: float = 1e6) -> TensorDataset:
+    """The digits training set with one sample blown up: under fp16 autocast its microbatch overflows."""
+    x, y = make_dataset().tensors
+    x = x.clone()
+    x[index] = value
+    return TensorDataset(x, y)

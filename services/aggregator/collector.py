@@ -34,6 +34,7 @@ class StepCollector:
         self._sum: dict[str, torch.Tensor] | None = None
         self.loss_sum = 0.0
         self._losses: dict[int, float] = {}
+        self.overflow = False  # some microbatch overflowed: the step is skipped, like GradScaler does
 
     @property
     def complete(self) -> bool:
@@ -62,8 +63,9 @@ class StepCollector:
             self.pending.appendleft(m)
         return expired
 
-    def offer(self, m: int, grads: dict[str, torch.Tensor], loss: float) -> str | None:
-        """Accept microbatch m's gradient; returns a drop reason instead if it is not wanted."""
+    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float) -> str | None:
+        """Accept microbatch m's gradient (None: it overflowed under fp16 loss scaling); returns a drop
+        reason instead if it is not wanted."""
         if not 0 <= m < self.M:
             return "bad_microbatch"
         if m in self.received:
@@ -73,21 +75,24 @@ class StepCollector:
         if m in self.pending:
             self.pending.remove(m)
         self._losses[m] = loss
-        self._waiting[m] = grads
+        self.overflow |= grads is None
+        self._waiting[m] = grads or {}
         while self._next in self._waiting:
             g = self._waiting.pop(self._next)
-            if self._sum is None:
+            if g and self._sum is None:
                 self._sum = {k: v.clone() for k, v in g.items()}
-            else:
+            elif g:
                 for k, v in g.items():
                     self._sum[k].add_(v)
             self._next += 1
         return None
 
-    def mean(self) -> tuple[dict[str, torch.Tensor], float]:
-        """The average gradient and loss over the M microbatches (call once complete)."""
-        if not self.complete or self._sum is None:
+    def mean(self) -> tuple[dict[str, torch.Tensor] | None, float]:
+        """The average gradient (None if any microbatch overflowed) and loss over the M microbatches."""
+        if not self.complete:
             raise RuntimeError(f"step {self.step}: {len(self.received)}/{self.M} microbatches received")
+        if self.overflow or self._sum is None:
+            return None, float("inf")
         for v in self._sum.values():
             v.div_(self.M)
         loss = 0.0

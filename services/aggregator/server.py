@@ -22,6 +22,7 @@ from services.aggregator.collector import StepCollector
 from services.aggregator.snapshots import CheckpointerLink
 from services.aggregator.trainer import Trainer
 from shared import protocol, state
+from shared.codecs import CodecError, make_codec
 from shared.config import ConfigError
 from shared.data import data_error, fingerprint
 from shared.membership import Member, allocate
@@ -53,6 +54,7 @@ class Aggregator:
         except Exception as exc:  # user data code may raise anything: report it in one line
             ctx.fatal(data_error("aggregator", cfg, exc))
         self.M = cfg.train.microbatches
+        self.codec = make_codec(cfg.compression)  # decode side: stateless
         self.total = cfg.train.steps
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
@@ -77,6 +79,7 @@ class Aggregator:
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
         self._contributed: set[tuple[str, int]] = set()
         self._next_redis_check = 0.0
+        self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
@@ -213,11 +216,23 @@ class Aggregator:
         if info is None:
             return
         h = msg.header
+        grads = None
         if h["step"] != self.collector.step or h["version"] != self.trainer.step:
             self._drop("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {self.collector.step}")
-        elif (bad := self.trainer.check_grads(msg.tensors)) is not None:
+            self._serve(identity, info, h["version"])
+            return
+        if h["finite"] or not self.trainer.scaler.enabled:
+            try:
+                t0 = time.perf_counter()
+                grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
+                self._step_codec_s += time.perf_counter() - t0 + float(h["encode_s"])
+            except CodecError as exc:
+                self._drop(f"codec_{exc.reason}", f"{info.wid}: {exc}")
+                self._serve(identity, info, h["version"])
+                return
+        if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
-        elif (reason := self.collector.offer(h["m"], msg.tensors, float(h["loss"]))) is not None:
+        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]))) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
             if (info.wid, info.inc) not in self._contributed:
@@ -269,7 +284,7 @@ class Aggregator:
         self.parked.pop(identity, None)
         params = self.trainer.published() if held_version != self.trainer.step else None
         self._send(identity, "work", tensors=params if params is not None else {}, term=self.term,
-                   step=self.collector.step, m=m, version=self.trainer.step)
+                   step=self.collector.step, m=m, version=self.trainer.step, scale=self.trainer.scaler.scale)
 
     def _serve_parked(self) -> None:
         for identity, (info, held_version) in list(self.parked.items()):
@@ -292,11 +307,14 @@ class Aggregator:
         step = self.trainer.step
         if step % self.cfg.train.log_every == 0 or step == self.total:
             line = {"step": step, "loss": loss, "lr": self.trainer.lr, "step_time_s": dt,
+                    **({"loss_scale": self.trainer.scaler.scale, "skipped": grads is None}
+                       if self.trainer.scaler.enabled else {}),
                     "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
-                    "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out,
+                    "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
             self.metrics.write(json.dumps(line) + "\n")
         self._step_bytes_in = self._step_bytes_out = 0
+        self._step_codec_s = 0.0
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0 and step < self.total:
             t0 = time.monotonic()
@@ -324,7 +342,8 @@ class Aggregator:
             "samples_per_s": self.trainer.step * self.cfg.train.global_batch / wall if wall > 0 else None,
             "workers": self.cfg.cluster.workers, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
             "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
-            "dropped_messages": dict(self.drops), "term": self.term,
+            "dropped_messages": dict(self.drops), "term": self.term, "codec": self.cfg.compression.codec,
+            "precision": self.cfg.precision, "skipped_steps": self.trainer.skipped,
         }
         step, meta, tensors = snapshots.collect(self)
         meta["summary"] = summary

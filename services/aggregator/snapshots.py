@@ -31,8 +31,10 @@ def collect(agg: Aggregator) -> Snapshot:
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
         "rng": {"torch": torch.get_rng_state()},
+        "scaler": t.scaler.state_dict(),
         "progress": {"step": t.step, "term": agg.term, "final_loss": agg.final_loss,
-                     "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp},
+                     "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp,
+                     "skipped": t.skipped},
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
@@ -49,9 +51,11 @@ def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tens
     if t.scheduler is not None and named["scheduler"] is not None:
         t.scheduler.load_state_dict(named["scheduler"])
     torch.set_rng_state(named["rng"]["torch"])
+    t.scaler.load_state_dict(named["scaler"])
     t.step = int(named["progress"]["step"])
     t.invalidate()
     agg.final_loss = float(named["progress"]["final_loss"])
+    t.skipped = int(named["progress"]["skipped"])
     agg.bytes_in = int(named["progress"]["bytes_sent"])
     agg.bytes_out = int(named["progress"]["bytes_received"])
 

@@ -11,6 +11,36 @@ from shared.config import Config
 from shared.plugins import build_model, build_optimizer, build_scheduler
 
 
+class LossScaler:
+    """Dynamic loss scaling for fp16, with torch.amp.GradScaler's defaults and update rule, coordinated
+    across workers: the aggregator owns the scale; one overflowing microbatch skips the whole step."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_tracker = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, sd: dict[str, float]) -> None:
+        self.scale, self.growth_tracker = float(sd["scale"]), int(sd["growth_tracker"])
+
+
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -18,7 +48,9 @@ class Trainer:
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = build_optimizer(cfg, list(self.params.values()))
         self.scheduler = build_scheduler(cfg, self.optimizer)
-        self.step = 0  # number of optimizer steps applied == parameter version
+        self.scaler = LossScaler(cfg.precision == "fp16")
+        self.step = 0  # number of global steps consumed == parameter version
+        self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._published: dict[str, torch.Tensor] | None = None
 
@@ -44,10 +76,16 @@ class Trainer:
                 return "grad_shape"
         return None
 
-    def apply(self, mean_grads: dict[str, torch.Tensor]) -> None:
-        for n, p in self.params.items():
-            p.grad = mean_grads[n]
-        self.optimizer.step()
+    def apply(self, mean_grads: dict[str, torch.Tensor] | None) -> None:
+        """One global step. `None` (a microbatch overflowed): skip optimizer.step() as GradScaler.step()
+        would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned."""
+        if mean_grads is not None:
+            for n, p in self.params.items():
+                p.grad = mean_grads[n]
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.scaler.update(overflow=mean_grads is None)
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

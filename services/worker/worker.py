@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from shared import protocol
+from shared.codecs import make_codec
 from shared.config import ConfigError
 from shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
 from shared.membership import Member
@@ -45,6 +46,9 @@ class Worker:
         except Exception as exc:  # any failure reading user data must become a clear, fatal message
             ctx.fatal(data_error(f"worker {label}", cfg, exc))
         self.n = self.fp["length"]
+        # error-feedback state lives here; a worker that dies takes its residual with it (see README)
+        self.codec = make_codec(cfg.compression)
+        self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.version = -1
         self.term = -1
@@ -198,20 +202,37 @@ class Worker:
             self.version = -1
             self._send("want", term=self.term, version=self.version)
             return
-        loss, grads = self.compute(h["step"], h["m"])
-        self._send("grad", tensors=grads, term=self.term, step=h["step"], m=h["m"], version=self.version,
-                   loss=loss, n=self.cfg.train.global_batch // self.cfg.train.microbatches)
+        loss, grads = self.compute(h["step"], h["m"], float(h["scale"]))
+        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        if not finite and self.cfg.precision != "fp16":
+            self.ctx.fatal(f"the gradient of microbatch {h['m']} of step {h['step']} is not finite (loss {loss}); "
+                           "the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
+        t0 = time.perf_counter()
+        info, frames = self.codec.encode(grads, h["step"]) if finite else ({}, {})
+        self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term, step=h["step"], m=h["m"],
+                   version=self.version, loss=loss, n=self.cfg.train.global_batch // self.cfg.train.microbatches)
 
-    def compute(self, step: int, m: int) -> tuple[float, dict[str, torch.Tensor]]:
+    def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
+        """Gradient of microbatch (step, m), unscaled (fp16: the loss is multiplied by `scale` first)."""
         cfg = self.cfg
         idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
         x, y = fetch(self.dataset, idx)
         torch.manual_seed(microbatch_seed(cfg.run.seed, step, m))
         for p in self.params.values():
             p.grad = None
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
+        with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
+            loss = self.loss_fn(self.model(x), y)
+        if self.cfg.precision == "fp16":
+            # Scale by scale/M: fp16 intermediates then have the magnitudes of a single-process run over
+            # the whole global batch, so overflows happen exactly where torch.amp.GradScaler sees them.
+            M = self.cfg.train.microbatches
+            (loss.float() * (scale / M)).backward()
+        else:
+            loss.backward()
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        if self.cfg.precision == "fp16":
+            for g in grads.values():
+                g.mul_(M / scale)
         return float(loss.detach()), grads
 
     def close(self) -> None:

@@ -1,0 +1,101 @@
+"""Codecs and mixed precision inside a real run: determinism, overflow handling, error-feedback state."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.config import load_config
+from shared.data import fetch, microbatch_indices
+from shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from tests.chaos import Cluster
+from tests.conftest import DIGITS, FAST, run_up
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
+def test_stateless_codecs_keep_worker_count_determinism(tmp_path: Path, codec: str) -> None:
+    shas = {}
+    for n in (1, 2, 3):
+        r = run_up(tmp_path / f"w{n}", *FAST, f"compression.codec={codec}", "compression.min_compress_numel=0",
+                   f"cluster.workers={n}")
+        assert r.rc == 0, r.stderr[-3000:]
+        shas[n] = r.summary["params_sha256"]
+        assert r.summary["codec"] == codec
+    assert len(set(shas.values())) == 1, shas
+
+
+def test_topk_ships_10x_fewer_bytes_at_the_same_accuracy(tmp_path: Path) -> None:
+    dense = run_up(tmp_path / "none", "cluster.spare_workers=0")
+    topk = run_up(tmp_path / "topk", "cluster.spare_workers=0", "compression.codec=topk",
+                  "compression.topk_ratio=0.01")
+    assert dense.rc == 0 and topk.rc == 0, topk.stderr[-3000:]
+    ratio = dense.summary["bytes_sent"] / topk.summary["bytes_sent"]
+    assert ratio >= 10, ratio
+    assert topk.summary["eval"]["accuracy"] >= dense.summary["eval"]["accuracy"] - 0.01
+    assert all("codec_s" in m for m in topk.metrics())
+
+
+def test_error_feedback_state_dies_with_its_worker_and_the_run_still_converges(tmp_path: Path) -> None:
+    """topk's residual belongs to the worker: a killed worker's residual is lost (bounded: < one step of
+    its gradients), its replacement starts with none, and training still reaches the target accuracy."""
+    c = Cluster(tmp_path / "run", "train.steps=600", "scheduler.kwargs.T_max=600", "compression.codec=topk",
+                "cluster.workers=2")
+    try:
+        for target in (150, 350):
+            c.wait_step(target)
+            c.replaced("worker", "w0", c.signal("worker", "w0"))
+    finally:
+        rc = c.wait()
+    assert rc == 0, c.output()
+    assert c.summary["steps"] == 600 and c.summary["eval"]["accuracy"] >= 0.95
+
+
+def grad_scaler_reference(overrides: list[str]) -> tuple[list[float], list[bool], dict[str, torch.Tensor]]:
+    """torch.amp.GradScaler in one process over the same global batches."""
+    cfg = load_config(DIGITS, overrides)
+    model = build_model(cfg)
+    opt = build_optimizer(cfg, model.parameters())
+    sched = build_scheduler(cfg, opt)
+    scaler = torch.amp.GradScaler("cpu")
+    ds = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
+    loss_fn = resolve(cfg.train.loss, "train.loss")
+    scales, skipped = [], []
+    for s in range(cfg.train.steps):
+        idx = torch.cat([microbatch_indices(cfg.run.seed, len(ds), cfg.train.global_batch, cfg.train.microbatches, s, m)
+                         for m in range(cfg.train.microbatches)])
+        x, y = fetch(ds, idx)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        with warnings.catch_warnings():  # a skipped first optimizer.step() makes torch warn about the order
+            warnings.simplefilter("ignore")
+            sched.step()
+        skipped.append(scaler.get_scale() < before)
+        scales.append(scaler.get_scale())
+    return scales, skipped, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_fp16_overflow_skips_the_step_everywhere_like_grad_scaler(tmp_path: Path) -> None:
+    overrides = [*FAST, "precision=fp16", "model.kwargs.dropout=0.0", "data.factory=tests.fixtures:poisoned_digits",
+                 "data.kwargs={index: 5}", "cluster.workers=2"]
+    r = run_up(tmp_path / "run", *overrides)
+    assert r.rc == 0, r.stderr[-3000:]
+    metrics = r.metrics()
+    scales, skipped, expected = grad_scaler_reference(overrides)
+    assert any(skipped), "the poisoned sample should overflow at least one step"
+    assert [m["skipped"] for m in metrics] == skipped
+    assert [m["loss_scale"] for m in metrics] == scales
+    assert r.summary["skipped_steps"] == sum(skipped)
+    got = load_file(str(r.run_dir / "model.safetensors"))
+    for name, t in expected.items():  # fp16 products summed per microbatch vs per global batch: fp16 tolerance
+        torch.testing.assert_close(got[name], t, rtol=1e-2, atol=5e-3)
