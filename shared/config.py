@@ -85,6 +85,20 @@ class OptimizerConfig:
     """Any torch.optim class name (SGD, AdamW, ...) or an import path 'module:Class' for a custom optimizer."""
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
     """Keyword arguments for the optimizer constructor (lr, momentum, weight_decay, ...)."""
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    """Per-group options: [{match: REGEX, weight_decay: 0.0, ...}]; a parameter joins the first group whose regex
+    matches its name (re.search), the rest form the default group with `kwargs`."""
+
+    def __post_init__(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            if not isinstance(group, dict) or not isinstance(group.get("match"), str):
+                _fail(f"optimizer.param_groups[{i}]", group, "must be a mapping with a 'match' regex",
+                      "write e.g. {match: 'bias$', weight_decay: 0.0}")
+            try:
+                re.compile(group["match"])
+            except re.error as exc:
+                _fail(f"optimizer.param_groups[{i}].match", group["match"], f"is not a valid regex ({exc})",
+                      "fix the regular expression")
 
 
 @dataclass
@@ -107,12 +121,16 @@ class TrainConfig:
     """Import path of the loss function loss(output, target) -> scalar tensor (mean over the microbatch)."""
     log_every: int = 1
     """Write a metrics.jsonl line every this many steps."""
+    clip_grad_norm: float | None = None
+    """Clip the averaged gradient to this global L2 norm on the aggregator (torch.nn.utils.clip_grad_norm_)."""
 
     def __post_init__(self) -> None:
         _positive("train.steps", self.steps, "set train.steps to the number of optimizer steps, e.g. 100")
         _positive("train.global_batch", self.global_batch, "set train.global_batch to e.g. 64")
         _positive("train.microbatches", self.microbatches, "set train.microbatches to e.g. 4")
         _positive("train.log_every", self.log_every, "set train.log_every to e.g. 1")
+        if self.clip_grad_norm is not None:
+            _positive("train.clip_grad_norm", self.clip_grad_norm, "use e.g. 1.0, or null for no clipping")
         if self.global_batch % self.microbatches:
             _fail("train.global_batch", self.global_batch,
                   f"must be divisible by train.microbatches={self.microbatches}",
@@ -125,12 +143,23 @@ class EvalConfig:
     fn: str | None = None
     """Import path of evaluate(model) -> dict[str, float], run on the aggregator's parameters; null for none."""
     every_steps: int = 0
-    """Evaluate every this many steps during training (0: only at the end)."""
+    """Evaluate every this many steps during training, in the background on a copy of the weights (0: only at the end)."""
+    early_stop_metric: str | None = None
+    """Stop training early when this eval metric (a key evaluate() returns) stops improving; null: never."""
+    early_stop_mode: Literal["max", "min"] = "max"
+    """Whether a larger (max) or smaller (min) early_stop_metric is better."""
+    patience: int = 3
+    """Periodic evaluations without improvement before stopping early."""
 
     def __post_init__(self) -> None:
         _import_path("eval.fn", self.fn, optional=True)
         if self.every_steps < 0:
             _fail("eval.every_steps", self.every_steps, "must be >= 0", "use 0 to evaluate only at the end")
+        if self.early_stop_metric is not None and (self.fn is None or self.every_steps == 0):
+            _fail("eval.early_stop_metric", self.early_stop_metric, "needs periodic evaluation",
+                  "set eval.fn and eval.every_steps > 0, or early_stop_metric: null")
+        if self.patience < 1:
+            _fail("eval.patience", self.patience, "must be >= 1", "use e.g. 3")
 
 
 @dataclass
@@ -205,6 +234,20 @@ class CheckpointConfig:
             _fail("checkpoint.keep_every", self.keep_every, "must be >= 0", "use 0 for no milestones")
 
 
+@dataclass
+class MetricsConfig:
+    enabled: bool = False
+    """Serve Prometheus metrics at http://HOST:PORT/metrics from every service."""
+    host: str = "127.0.0.1"
+    """Address the /metrics endpoints bind to."""
+    port: int = 0
+    """Port of the /metrics endpoint (0: a free port per service, advertised in its Redis member record as metrics_url)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            _fail("metrics.port", self.port, "must be a TCP port 0..65535", "use 0 for a free port per service")
+
+
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 
 
@@ -253,6 +296,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Workers' forward/backward precision: fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling
     coordinated by the aggregator, like torch.amp.GradScaler). Master weights and optimizer state stay fp32."""
@@ -270,6 +314,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return value in typing.get_args(tp)
     if tp is type(None):
         return value is None
+    if origin is list:
+        return isinstance(value, list)
     if origin is dict:
         return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     if tp is float:

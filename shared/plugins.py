@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import re
 import warnings
 from typing import Any
 
@@ -58,8 +59,26 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
+def param_groups(cfg: Config, named: dict[str, torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Split parameters by the first optimizer.param_groups regex matching their name; the rest: default group."""
+    groups: list[dict[str, Any]] = [{**{k: v for k, v in g.items() if k != "match"}, "params": []}
+                                    for g in cfg.optimizer.param_groups]
+    default: list[torch.nn.Parameter] = []
+    for name, p in named.items():
+        for spec, group in zip(cfg.optimizer.param_groups, groups, strict=True):
+            if re.search(spec["match"], name):
+                group["params"].append(p)
+                break
+        else:
+            default.append(p)
+    return [g for g in [{"params": default}, *groups] if g["params"]]
+
+
 def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    """`params`: a dict name -> parameter (param_groups apply) or any iterable torch.optim accepts."""
     cls = _class_in(torch.optim, torch.optim.Optimizer, cfg.optimizer.name, "optimizer.name")
+    if isinstance(params, dict):
+        params = param_groups(cfg, params) if cfg.optimizer.param_groups else list(params.values())
     try:
         return cls(params, **cfg.optimizer.kwargs)
     except (TypeError, ValueError) as exc:
@@ -87,7 +106,7 @@ def check_plugins(cfg: Config) -> None:
     if cfg.eval.fn:
         resolve(cfg.eval.fn, "eval.fn")
     model = build_model(cfg)
-    opt = build_optimizer(cfg, model.parameters())
+    opt = build_optimizer(cfg, dict(model.named_parameters()))
     build_scheduler(cfg, opt)
     dry_run_schedule(cfg)
 

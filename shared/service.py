@@ -17,6 +17,7 @@ from typing import Any
 import redis
 import structlog
 
+from shared import metrics
 from shared.config import Config, ConfigError, load_config
 from shared.keys import Keys
 from shared.log import setup_logging
@@ -34,6 +35,7 @@ class ServiceContext:
     log: structlog.stdlib.BoundLogger
     args: argparse.Namespace
     stopping: threading.Event
+    member_extra: dict[str, str]  # fields every Member record of this process carries (metrics_url)
 
     @property
     def run_dir(self) -> Path:
@@ -86,4 +88,6 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping)
+    metrics_url = metrics.serve(cfg)
+    extra = {"metrics_url": metrics_url} if metrics_url else {}
+    return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra)

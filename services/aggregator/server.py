@@ -19,9 +19,10 @@ import zmq
 
 from services.aggregator import snapshots
 from services.aggregator.collector import StepCollector
+from services.aggregator.evaluation import BackgroundEval
 from services.aggregator.snapshots import CheckpointerLink
 from services.aggregator.trainer import Trainer
-from shared import protocol, state
+from shared import metrics, protocol, state
 from shared.codecs import CodecError, make_codec
 from shared.config import ConfigError
 from shared.data import data_error, fingerprint
@@ -73,7 +74,7 @@ class Aggregator:
                 ctx.fatal(f"cannot restore checkpoint of step {restored.header['step']}: {exc}")
             self.log.info("restored from checkpoint", step=self.trainer.step)
         self.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
-                             cfg.cluster.dead_after, extra={"addr": self.addr, "term": self.term}).start()
+                             cfg.cluster.dead_after, extra={"addr": self.addr, "term": self.term, **ctx.member_extra}).start()
         self._advertise()
         self.workers: dict[bytes, WorkerInfo] = {}
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
@@ -81,6 +82,8 @@ class Aggregator:
         self._next_redis_check = 0.0
         self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
+        self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
+        self.stopped_early = False
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
         self.drops: Counter[str] = Counter()
@@ -148,12 +151,14 @@ class Aggregator:
             self._drop("unexpected_type", msg.type)
             return
         if msg.type == "grad":
+            metrics.BYTES_IN.inc(size)
             self.bytes_in += size
             self._step_bytes_in += size
         handler(self, identity, msg)
 
     def _drop(self, reason: str, detail: str = "") -> None:
         self.drops[reason] += 1
+        metrics.DROPPED.labels(reason).inc()
         if self.drops[reason] <= 5 or self.drops[reason] % 1000 == 0:
             self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
 
@@ -165,6 +170,7 @@ class Aggregator:
             self.log.warning("send failed", error=str(exc))
             return
         if mtype == "work":
+            metrics.BYTES_OUT.inc(n)
             self.bytes_out += n
             self._step_bytes_out += n
 
@@ -305,6 +311,9 @@ class Aggregator:
         self._t_step = now
         self.final_loss = loss
         step = self.trainer.step
+        metrics.STEPS.inc()
+        metrics.STEP_SECONDS.observe(dt)
+        metrics.LIVE_WORKERS.set(len(self.workers))
         if step % self.cfg.train.log_every == 0 or step == self.total:
             line = {"step": step, "loss": loss, "lr": self.trainer.lr, "step_time_s": dt,
                     **({"loss_scale": self.trainer.scaler.scale, "skipped": grads is None}
@@ -315,11 +324,18 @@ class Aggregator:
             self.metrics.write(json.dumps(line) + "\n")
         self._step_bytes_in = self._step_bytes_out = 0
         self._step_codec_s = 0.0
+        if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
+            for entry in self.bg_eval.start(step, {k: v.clone() for k, v in self.trainer.model.state_dict().items()}):
+                self._log_eval(entry)
+            if self.bg_eval.should_stop:  # decided from the previous evaluation: deterministic
+                self.stopped_early = True
+                self.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0 and step < self.total:
             t0 = time.monotonic()
             self.ckpt.offer(snapshots.collect(self))  # in-memory copy only: the disk is the checkpointer's
             self.ckpt_stall_s.append(time.monotonic() - t0)
+            metrics.CHECKPOINT_STALL.observe(self.ckpt_stall_s[-1])
         try:
             self.ctx.redis.hset(self.ctx.keys.progress, mapping={
                 "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
@@ -327,15 +343,22 @@ class Aggregator:
                 "live_workers": len(self.workers), "term": self.term, "t": time.time()})
         except Exception:  # progress is cosmetic; Redis may be restarting
             pass
-        if step >= self.total:
+        if step >= self.total or self.stopped_early:
             self.done = True
         else:
             self.collector = StepCollector(step, self.M)
         self._serve_parked()
 
+    def _log_eval(self, entry: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps({**entry, "t": time.time()}) + "\n")
+        self.ctx.emit("eval", step=entry["step"], **entry["eval"])
+
     # ------------------------------------------------------------------ end of run
     def _finish(self) -> None:
         wall = time.monotonic() - (self.t_start or time.monotonic())
+        if self.bg_eval is not None:
+            for entry in self.bg_eval.collect(wait=True):
+                self._log_eval(entry)
         evaluation = self.trainer.evaluate(self.eval_fn) if self.eval_fn else {}
         summary = {
             "steps": self.trainer.step, "final_loss": self.final_loss, "eval": evaluation, "wall_s": wall,
@@ -344,6 +367,8 @@ class Aggregator:
             "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
             "dropped_messages": dict(self.drops), "term": self.term, "codec": self.cfg.compression.codec,
             "precision": self.cfg.precision, "skipped_steps": self.trainer.skipped,
+            "stopped_early": self.stopped_early,
+            "eval_history": self.bg_eval.history if self.bg_eval is not None else [],
         }
         step, meta, tensors = snapshots.collect(self)
         meta["summary"] = summary
@@ -380,6 +405,8 @@ class Aggregator:
                     self._send(frames[0].bytes, "stop", reason="training complete")
 
     def close(self) -> None:
+        if self.bg_eval is not None:
+            self.bg_eval.close()
         self.member.stop()
         self.metrics.close()
         self.sock.close(linger=500)

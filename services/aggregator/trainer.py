@@ -46,11 +46,12 @@ class Trainer:
         self.cfg = cfg
         self.model = build_model(cfg)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = build_optimizer(cfg, list(self.params.values()))
+        self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
+        self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self._published: dict[str, torch.Tensor] | None = None
 
@@ -82,6 +83,9 @@ class Trainer:
         if mean_grads is not None:
             for n, p in self.params.items():
                 p.grad = mean_grads[n]
+            if self.cfg.train.clip_grad_norm is not None:  # global norm of the summed (averaged) gradient
+                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()),
+                                                                          self.cfg.train.clip_grad_norm))
             self.optimizer.step()
         else:
             self.skipped += 1

@@ -9,7 +9,7 @@ import redis
 import zmq
 
 from services.checkpointer.store import CheckpointStore
-from shared import protocol
+from shared import metrics, protocol
 from shared.membership import Member
 from shared.service import ServiceContext
 
@@ -26,7 +26,7 @@ class Checkpointer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
-                             self.cfg.cluster.dead_after, extra={"addr": self.addr}).start()
+                             self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.drops = 0
         self.latest: int | None = None
         self._advertise()
@@ -89,6 +89,7 @@ class Checkpointer:
         t0 = time.monotonic()
         path = self.store.write(step, msg.header["meta"], msg.tensors)
         write_s = time.monotonic() - t0
+        metrics.CHECKPOINT_SECONDS.observe(write_s)
         if msg.header["final"]:
             shutil.copyfile(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
         self.latest = step

@@ -16,7 +16,7 @@ import redis
 import zmq
 
 from services.coordinator.supervisor import Child, backoff, service_argv, stop_all
-from shared import protocol
+from shared import metrics, protocol
 from shared.membership import Member, read_events
 from shared.service import EXIT_FATAL, ServiceContext
 
@@ -29,7 +29,7 @@ class Coordinator:
         self.supervise = supervise
         self.config_path, self.redis_url = config_path, redis_url
         self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
-                             self.cfg.cluster.dead_after).start()
+                             self.cfg.cluster.dead_after, extra=ctx.member_extra).start()
         self.children: dict[str, Child] = {}
         self.spares: list[Child] = []
         self._spare_seq = 0
@@ -121,6 +121,7 @@ class Coordinator:
                 self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), child.ident)
                 spare.ident, spare.restarts, spare.role = child.ident, child.restarts, "worker"
                 self.children[child.name] = spare
+                metrics.RESTARTS.labels("worker").inc()
                 self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.popen.pid if spare.popen else None)
                 self._add_spare()
                 return
@@ -133,6 +134,7 @@ class Coordinator:
             if child.popen is None:
                 if child.wanted and not child.given_up and now >= child.next_start:
                     child.start()
+                    metrics.RESTARTS.labels(child.role).inc()
                     self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process",
                                   pid=child.popen.pid if child.popen else None)
                 continue
@@ -192,6 +194,7 @@ class Coordinator:
             record = r.hgetall(k.member(role, ident))
             if record and int(record.get("pid", -1)) == pid:
                 inc = int(record["incarnation"])
+        metrics.DEATHS.labels(role).inc()
         self.ctx.emit("died", role=role, id=ident, incarnation=inc, how=how, pid=pid)
         self.log.warning("process died", role=role, id=ident, incarnation=inc, how=how)
         if inc is None:

@@ -75,7 +75,7 @@ class Worker:
         self.wid = wid
         cfg = self.cfg
         self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
-                             cfg.cluster.dead_after).start()
+                             cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         self.inc = self.member.incarnation
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
         self.log = self.ctx.log
