@@ -248,6 +248,32 @@ class MetricsConfig:
             _fail("metrics.port", self.port, "must be a TCP port 0..65535", "use 0 for a free port per service")
 
 
+@dataclass
+class SecurityConfig:
+    curve: bool = False
+    """Encrypt and authenticate every ZeroMQ connection with CurveZMQ (keys from `cmemi keys DIR`)."""
+    server_secret_key_file: str | None = None
+    """Server key pair (the *.key_secret file) used by the aggregator and the checkpointer."""
+    server_public_key: str | None = None
+    """The server's public key (Z85, 40 characters): what clients check the servers against."""
+    client_secret_key_file: str | None = None
+    """This process's client key pair (*.key_secret): workers, coordinator, aggregator (to the checkpointer)."""
+    allowed_client_keys: list[str] = field(default_factory=list)
+    """Public keys (Z85) of the clients the servers accept; any other peer fails the handshake."""
+
+    def __post_init__(self) -> None:
+        for i, key in enumerate(self.allowed_client_keys):
+            if not isinstance(key, str) or len(key) != 40:
+                _fail(f"security.allowed_client_keys[{i}]", key, "must be a 40-character Z85 public key",
+                      "copy it from the client's .key file made by `cmemi keys`")
+        if self.server_public_key is not None and len(self.server_public_key) != 40:
+            _fail("security.server_public_key", self.server_public_key, "must be a 40-character Z85 public key",
+                  "copy it from server.key made by `cmemi keys`")
+        if self.curve and not self.allowed_client_keys:
+            _fail("security.allowed_client_keys", self.allowed_client_keys, "is empty while security.curve is on",
+                  "list the public keys of your workers, coordinator and aggregator")
+
+
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 
 
@@ -297,6 +323,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Workers' forward/backward precision: fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling
     coordinated by the aggregator, like torch.amp.GradScaler). Master weights and optimizer state stay fp32."""

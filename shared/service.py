@@ -22,6 +22,7 @@ from shared.config import Config, ConfigError, load_config
 from shared.keys import Keys
 from shared.log import setup_logging
 from shared.membership import connect, emit, wait_for_redis
+from shared.security import Curve, SecurityError, curve_from_config
 
 EXIT_FATAL = 2  # a user error: restarting will not help
 
@@ -36,6 +37,7 @@ class ServiceContext:
     args: argparse.Namespace
     stopping: threading.Event
     member_extra: dict[str, str]  # fields every Member record of this process carries (metrics_url)
+    curve: Curve  # CurveZMQ for this process's sockets (a no-op unless security.curve)
 
     @property
     def run_dir(self) -> Path:
@@ -88,6 +90,11 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        curve = curve_from_config(cfg.security)
+    except SecurityError as exc:
+        print(f"cmemi {role}: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_FATAL)
     metrics_url = metrics.serve(cfg)
     extra = {"metrics_url": metrics_url} if metrics_url else {}
-    return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra)
+    return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra, curve)

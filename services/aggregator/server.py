@@ -59,6 +59,7 @@ class Aggregator:
         self.total = cfg.train.steps
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
+        ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
@@ -410,5 +411,6 @@ class Aggregator:
         self.member.stop()
         self.metrics.close()
         self.sock.close(linger=500)
+        self.ctx.curve.close()
         self.zctx.destroy(linger=200)
 

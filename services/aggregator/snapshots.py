@@ -85,6 +85,7 @@ class CheckpointerLink:
             if self.sock is not None:
                 self.sock.close(linger=0)
             self.sock = self.agg.zctx.socket(zmq.DEALER)
+            self.agg.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.agg.cfg.cluster.max_message_bytes)
             self.sock.connect(addr)

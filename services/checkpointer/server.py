@@ -23,6 +23,7 @@ class Checkpointer:
             self.log.info("removed leftovers of interrupted writes", leftovers=removed)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
+        ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
@@ -117,4 +118,5 @@ class Checkpointer:
     def close(self) -> None:
         self.member.stop()
         self.sock.close(linger=500)
+        self.ctx.curve.close()
         self.zctx.destroy(linger=200)

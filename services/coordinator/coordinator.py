@@ -213,6 +213,7 @@ class Coordinator:
             if self.agg_sock is not None:
                 self.agg_sock.close(linger=0)
             self.agg_sock = self.zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(self.agg_sock)
             self.agg_sock.setsockopt(zmq.LINGER, 0)
             self.agg_sock.connect(addr)
             self.agg_addr = addr

@@ -102,6 +102,7 @@ class Worker:
             if self.sock is not None:
                 self.sock.close(linger=0)
             self.sock = self.zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.IDENTITY, f"{self.wid}/{self.inc}/{term}".encode())
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
