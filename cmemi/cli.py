@@ -80,16 +80,51 @@ def _checkpoints(argv: list[str]) -> int:
     return checkpoints_main(argv)
 
 
-COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _checkpoints}
+def _status(argv: list[str]) -> int:
+    from cmemi.status import main as status_main
+
+    return status_main(argv)
+
+
+def _plot(argv: list[str]) -> int:
+    from cmemi.plot import main as plot_main
+
+    return plot_main(argv)
+
+
+def _keys(argv: list[str]) -> int:
+    from shared.security import generate
+
+    p = argparse.ArgumentParser(prog="cmemi keys", description="Generate CurveZMQ key pairs for security.curve.")
+    p.add_argument("directory")
+    p.add_argument("--clients", type=int, default=1, help="client key pairs to make (one per host or process)")
+    args = p.parse_args(argv)
+    made = generate(Path(args.directory), args.clients)
+    pub = {f.stem: f.read_text().split('public-key = "')[1].split('"')[0] for f in made if f.suffix == ".key"}
+    print(f"wrote {len(made)} files to {args.directory} (secret keys are mode 600). In the config:\n"
+          f"security:\n  curve: true\n  server_secret_key_file: {args.directory}/server.key_secret"
+          f"   # aggregator + checkpointer hosts\n  server_public_key: '{pub['server']}'\n"
+          f"  client_secret_key_file: {args.directory}/client0.key_secret   # each client its own\n"
+          f"  allowed_client_keys:\n" + "".join(f"    - '{pub[k]}'\n" for k in sorted(pub) if k != "server"))
+    return 0
+
+
+COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _checkpoints, "status": _status,
+            "plot": _plot, "keys": _keys}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,events,scale,checkpoints,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,events,scale,checkpoints,status,plot,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
               "  events RUN_DIR   each fault's recovery timeline\n"
               "  scale RUN_DIR N  add or remove workers of a running cluster\n"
+              "  status RUN_DIR [--watch] [--json]\n"
+              "                   what a run is doing now (step, loss, workers, events)\n"
+              "  plot RUN_DIR [-o out.png]\n"
+              "                   loss, eval, lr and throughput over time, faults marked\n"
+              "  keys DIR         generate CurveZMQ key pairs (security.curve)\n"
               "  checkpoints list|verify|export RUN_DIR\n"
               "                   inspect, check and export checkpoints\n"
               "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
