@@ -34,16 +34,16 @@ def timelines(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"role": role, "id": ident, "incarnation": inc, "how": died.get("how"),
                                "killed_at": t0, "detect_s": died["t"] - t0 if injected else None}
         if role == "worker":
-            freed = _first(events, died["t"], lambda e: e["kind"] == "leases_freed" and e.get("worker") == ident)
-            admitted = _first(events, died["t"], lambda e: e["kind"] == "worker_admitted" and e.get("worker") == ident
-                              and (inc is None or e.get("incarnation", 0) > inc))
-            first = admitted and _first(events, admitted["t"], lambda e: e["kind"] == "first_grad_accepted"
-                                        and e.get("worker") == ident and e.get("incarnation") == admitted["incarnation"])
+            freed = _first(events, died["t"], lambda e, w=ident: e["kind"] == "leases_freed" and e.get("worker") == w)
+            admitted = _first(events, died["t"], lambda e, w=ident, i=inc: e["kind"] == "worker_admitted"
+                              and e.get("worker") == w and (i is None or e.get("incarnation", 0) > i))
+            first = admitted and _first(events, admitted["t"], lambda e, w=ident, a=admitted: (
+                e["kind"] == "first_grad_accepted" and e.get("worker") == w and e.get("incarnation") == a["incarnation"]))
             row["reassign_s"] = freed["t"] - t0 if freed else None
             row["joined_s"] = admitted["t"] - t0 if admitted else None
             row["first_grad_s"] = first["t"] - t0 if first else None
         else:
-            back = _first(events, died["t"], lambda e: e["kind"] == f"{role}_started")
+            back = _first(events, died["t"], lambda e, r=role: e["kind"] == f"{r}_started")
             row["restarted_s"] = back["t"] - t0 if back else None
         rows.append(row)
     return rows

@@ -11,7 +11,8 @@
 | `checkpointer` | hash | checkpointer | addr, pid, incarnation |
 | `state` | string | coordinator / aggregator | starting, running, completed, failed |
 | `error` | string | any | why the run failed (one line) |
-| `progress` | hash | aggregator, every step | step, total, loss, lr, samples_s, bytes_in, bytes_out, live_workers |
+| `progress` | hash | aggregator, every step | step, total, loss, lr, samples_s, bytes_s, live_workers, term, t |
+| `microbatches` | hash | aggregator, every step | accepted microbatches per `wid:incarnation` |
 | `events` | stream | everyone | joins, deaths, fences, restarts, checkpoints (XADD, field `json`) |
 | `ckpt:latest` | string | checkpointer | step of the newest durable checkpoint |
 | `spare:{id}` | list | coordinator | worker id a warm spare process should take over |
@@ -31,6 +32,7 @@ class Keys:
         self.state = p + "state"
         self.error = p + "error"
         self.progress = p + "progress"
+        self.microbatches = p + "microbatches"
         self.events = p + "events"
         self.ckpt_latest = p + "ckpt:latest"
         self.scale = p + "control:scale"

@@ -66,6 +66,7 @@ class Aggregator:
         self.term = allocate(ctx.redis, ctx.keys.term)
         self.final_loss = float("nan")
         self.bytes_in = self.bytes_out = 0
+        self.wall_before = 0.0  # training seconds of earlier terms (restored from the checkpoint)
         self.ckpt = CheckpointerLink(self)
         restored = self.ckpt.fetch_latest(timeout=120)
         if restored is not None:
@@ -80,6 +81,7 @@ class Aggregator:
         self.workers: dict[bytes, WorkerInfo] = {}
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
         self._contributed: set[tuple[str, int]] = set()
+        self._step_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation" this step
         self._next_redis_check = 0.0
         self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
@@ -242,6 +244,7 @@ class Aggregator:
         elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]))) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
+            self._step_mb[f"{info.wid}:{info.inc}"] += 1
             if (info.wid, info.inc) not in self._contributed:
                 self._contributed.add((info.wid, info.inc))
                 self.ctx.emit("first_grad_accepted", worker=info.wid, incarnation=info.inc, step=h["step"], m=h["m"])
@@ -323,8 +326,10 @@ class Aggregator:
                     "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
             self.metrics.write(json.dumps(line) + "\n")
+        self._publish_progress(step, loss, dt)
         self._step_bytes_in = self._step_bytes_out = 0
         self._step_codec_s = 0.0
+        self._step_mb.clear()
         if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
             for entry in self.bg_eval.start(step, {k: v.clone() for k, v in self.trainer.model.state_dict().items()}):
                 self._log_eval(entry)
@@ -337,18 +342,30 @@ class Aggregator:
             self.ckpt.offer(snapshots.collect(self))  # in-memory copy only: the disk is the checkpointer's
             self.ckpt_stall_s.append(time.monotonic() - t0)
             metrics.CHECKPOINT_STALL.observe(self.ckpt_stall_s[-1])
-        try:
-            self.ctx.redis.hset(self.ctx.keys.progress, mapping={
-                "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
-                "samples_s": f"{self.cfg.train.global_batch / dt:.1f}" if dt > 0 else "0",
-                "live_workers": len(self.workers), "term": self.term, "t": time.time()})
-        except Exception:  # progress is cosmetic; Redis may be restarting
-            pass
         if step >= self.total or self.stopped_early:
             self.done = True
         else:
             self.collector = StepCollector(step, self.M)
         self._serve_parked()
+
+    def wall_s(self) -> float:
+        """Training wall time of the whole run, earlier terms included."""
+        return self.wall_before + (time.monotonic() - self.t_start if self.t_start is not None else 0.0)
+
+    def _publish_progress(self, step: int, loss: float, dt: float) -> None:
+        """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip per step."""
+        try:
+            pipe = self.ctx.redis.pipeline(transaction=False)
+            pipe.hset(self.ctx.keys.progress, mapping={
+                "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
+                "samples_s": f"{self.cfg.train.global_batch / dt:.1f}" if dt > 0 else "0",
+                "bytes_s": f"{(self._step_bytes_in + self._step_bytes_out) / dt:.0f}" if dt > 0 else "0",
+                "live_workers": len(self.workers), "term": self.term, "t": time.time()})
+            for worker, n in self._step_mb.items():
+                pipe.hincrby(self.ctx.keys.microbatches, worker, n)
+            pipe.execute()
+        except redis.RedisError:  # progress is cosmetic; Redis may be restarting
+            pass
 
     def _log_eval(self, entry: dict[str, Any]) -> None:
         self.metrics.write(json.dumps({**entry, "t": time.time()}) + "\n")
@@ -356,7 +373,7 @@ class Aggregator:
 
     # ------------------------------------------------------------------ end of run
     def _finish(self) -> None:
-        wall = time.monotonic() - (self.t_start or time.monotonic())
+        wall = self.wall_s()
         if self.bg_eval is not None:
             for entry in self.bg_eval.collect(wait=True):
                 self._log_eval(entry)

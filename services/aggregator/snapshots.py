@@ -34,7 +34,7 @@ def collect(agg: Aggregator) -> Snapshot:
         "scaler": t.scaler.state_dict(),
         "progress": {"step": t.step, "term": agg.term, "final_loss": agg.final_loss,
                      "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp,
-                     "skipped": t.skipped},
+                     "skipped": t.skipped, "wall_s": agg.wall_s()},
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
@@ -56,6 +56,7 @@ def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tens
     t.invalidate()
     agg.final_loss = float(named["progress"]["final_loss"])
     t.skipped = int(named["progress"]["skipped"])
+    agg.wall_before = float(named["progress"]["wall_s"])
     agg.bytes_in = int(named["progress"]["bytes_sent"])
     agg.bytes_out = int(named["progress"]["bytes_received"])
 
