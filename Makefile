@@ -43,3 +43,24 @@ lint: dev
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Build the image and run the compose cluster end to end with a worker killed mid-run (root; starts and
+# stops its own dockerd). See scripts/compose_test.sh.
+.PHONY: compose-test
+compose-test:
+	bash scripts/compose_test.sh
+
+# Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
+# saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
+BENCHES ?= overhead transport recovery checkpoint scaling
+BENCH_ARGS ?= --quick
+bench: install
+	@mkdir -p bench/results; rc=0; start=$$(date +%s); \
+	for b in $(BENCHES); do \
+		echo "== $(BIN)/python bench/$$b.py $(BENCH_ARGS)" >&2; \
+		if timeout -k 15 900 $(BIN)/python bench/$$b.py $(BENCH_ARGS) > bench/results/$$b.json.tmp; then \
+			mv bench/results/$$b.json.tmp bench/results/$$b.json; \
+		else echo "bench/$$b.py failed" >&2; mv bench/results/$$b.json.tmp bench/results/$$b.json; rc=1; fi; \
+		cat bench/results/$$b.json; \
+	done; \
+	echo "make bench: $$(( $$(date +%s) - start )) s" >&2; exit $$rc

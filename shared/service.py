@@ -57,6 +57,12 @@ class ServiceContext:
         print(f"cmemi: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FATAL)
 
+    def run_state(self) -> str | None:
+        try:
+            return self.redis.get(self.keys.state)
+        except redis.RedisError:
+            return None
+
     @property
     def log_service(self) -> str:
         return structlog.contextvars.get_contextvars().get("service", "?")
@@ -95,6 +101,7 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     except SecurityError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
+    cfg.run.path.mkdir(parents=True, exist_ok=True)
     metrics_url = metrics.serve(cfg)
     extra = {"metrics_url": metrics_url} if metrics_url else {}
     return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra, curve)

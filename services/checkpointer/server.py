@@ -65,6 +65,9 @@ class Checkpointer:
                     self._sync_pointer()
                 except redis.RedisError:
                     pass
+                if self.ctx.run_state() == "completed":  # the final checkpoint is on disk: nothing left to do
+                    self.log.info("run completed; exiting")
+                    return
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:

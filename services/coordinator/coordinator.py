@@ -237,6 +237,8 @@ class Coordinator:
                 self.exit_code = 0
         elif state == "failed":
             self.exit_code = 1
+        elif self.supervise == "none" and (error := self.ctx.redis.get(self.ctx.keys.error)):
+            self._fail(error)  # a service hit a fatal (user-fixable) error: restarting it will not help
 
     def _fail(self, message: str) -> None:
         self.ctx.redis.set(self.ctx.keys.error, message)

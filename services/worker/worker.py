@@ -94,6 +94,7 @@ class Worker:
     def _connect(self) -> None:
         """(Re)connect to the current aggregator and say hello; returns once welcomed."""
         while not self.ctx.stopping.is_set():
+            self._exit_if_finished()
             found = self._aggregator()
             if found is None:
                 time.sleep(0.05)
@@ -149,6 +150,13 @@ class Worker:
             self.log.warning("rejected", reason=msg.header["reason"])
             self._check_fenced()
 
+    def _exit_if_finished(self) -> None:
+        """A worker that (re)starts after the run ended, or missed the stop message, leaves cleanly."""
+        state = self.ctx.run_state()
+        if state in ("completed", "failed"):
+            self.log.info("run is over; exiting", state=state)
+            raise SystemExit(0)
+
     def _check_fenced(self) -> None:
         assert self.member is not None
         try:
@@ -180,6 +188,7 @@ class Worker:
             elif time.monotonic() > next_check:  # idle: is our aggregator still the current one?
                 next_check = time.monotonic() + 1.0
                 self._check_fenced()
+                self._exit_if_finished()
                 found = self._aggregator()
                 if found is not None and (found[0] != self.agg_addr or found[1] != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=found[0], term=found[1])
