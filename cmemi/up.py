@@ -7,6 +7,7 @@ Exits 0 only when the run completed. Ctrl-C stops everything in stages, embedded
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -95,8 +96,10 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
         client = connect(url)
         wait_for_redis(client, timeout=30)
         clear_run_keys(client, keys)
-        (run_dir / "cluster.json").write_text(json.dumps({"redis": url, "run": cfg.run.name}))
-        (run_dir / "cluster.json").chmod(0o600)
+        tmp = run_dir / "cluster.json.tmp"  # written whole, then renamed: readers never see half a file
+        tmp.write_text(json.dumps({"redis": url, "run": cfg.run.name}))
+        tmp.chmod(0o600)
+        os.replace(tmp, run_dir / "cluster.json")
         coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
                                                     "--supervise", "local"), preexec_fn=_die_with_parent)
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "

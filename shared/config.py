@@ -187,7 +187,7 @@ class ClusterConfig:
     max_restarts: int = 10
     """Restarts per process before the coordinator gives up on it and reports it."""
     max_message_bytes: int = 1 << 31
-    """Largest ZeroMQ message a service accepts; bigger ones are dropped by ZeroMQ itself."""
+    """Largest message a service accepts: a bigger frame makes ZeroMQ drop the peer, a bigger message is dropped."""
     checksum: bool = True
     """Verify an xxh3 checksum of every tensor frame on receipt."""
 

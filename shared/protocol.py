@@ -148,6 +148,8 @@ def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
         raise ProtocolError("wrong_run", f"run id {str(header.get('run'))[:40]!r}")
     _check_fields(header, SCHEMAS[mtype], mtype)
     metas = header.get("tensors", [])
+    if not isinstance(metas, list):
+        raise ProtocolError("bad_field", f"{mtype} field 'tensors' has type {type(metas).__name__}")
     if len(frames) - 1 != len(metas):
         raise ProtocolError("frame_count", f"{len(frames) - 1} frames for {len(metas)} tensors")
     tensors: dict[str, torch.Tensor] = {}

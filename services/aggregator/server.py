@@ -144,6 +144,9 @@ class Aggregator:
             return
         identity = frames[0].bytes
         size = protocol.message_bytes(frames[1:])
+        if size > self.cfg.cluster.max_message_bytes:  # ZeroMQ's MAXMSGSIZE bounds one frame; this, the whole
+            self._drop("too_big", f"{size} bytes")
+            return
         try:
             msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
         except protocol.ProtocolError as exc:
@@ -153,7 +156,7 @@ class Aggregator:
         if handler is None:
             self._drop("unexpected_type", msg.type)
             return
-        if msg.type == "grad":
+        if msg.type == "grad":  # all gradient bytes workers sent, accepted or not
             metrics.BYTES_IN.inc(size)
             self.bytes_in += size
             self._step_bytes_in += size
@@ -261,7 +264,17 @@ class Aggregator:
             self._serve_parked()
 
     def _on_fence(self, identity: bytes, msg: protocol.Message) -> None:
-        self._fence(msg.header["wid"], msg.header["inc"], announce=True)
+        wid, inc = msg.header["wid"], msg.header["inc"]
+        # The coordinator records every fence in Redis before it sends one: a fence Redis does not back
+        # is a forgery (or a stranger) and must not be able to stop training.
+        try:
+            recorded = self.ctx.redis.get(self.ctx.keys.fence("worker", wid))
+        except redis.RedisError:
+            recorded = None
+        if recorded is None or int(recorded) < inc:
+            self._drop("unverified_fence", f"{wid}/{inc}")
+            return
+        self._fence(wid, inc, announce=True)
         self._serve_parked()
 
     _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence}
