@@ -1,0 +1,176 @@
+"""Overhead of CMEMI against plain PyTorch and torchrun DDP, on the same model, batch and step count.
+
+For a compute-bound model (a small CNN) and a communication-bound one (a wide MLP on tiny batches):
+  (a) a plain single-process PyTorch loop            bench/torch_train.py
+  (b) CMEMI with 1 worker  (train.microbatches = 1)   cmemi up, metrics.jsonl step_time_s
+  (c) CMEMI with 2 workers (train.microbatches = 2)
+  (d) torchrun DDP (gloo), 2 processes                python -m torch.distributed.run --nproc_per_node 2 ...
+Every process runs one intra-op thread. M equals the worker count so each process computes exactly the
+forward/backward its baseline counterpart does (global batch B: plain and 1 worker compute B per step,
+DDP ranks and CMEMI's 2 workers B/2 each).
+
+    .venv/bin/python bench/overhead.py [--quick] [--repeats R]
+
+Prints one JSON object; `ratios.<workload>.cmemi_1w_vs_plain` = (b)/(a) and `cmemi_2w_vs_ddp_2p` = (c)/(d)
+(step-time ratios, lower is better). Runs in the same invocation alternate so that slow drift of the
+shared machine's load affects all variants alike; with --repeats > 1 the medians over repeats are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as C  # noqa: E402
+from bench.models import WORKLOADS  # noqa: E402
+
+SCRIPT = C.ROOT / "bench" / "torch_train.py"
+
+
+def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    out = work / f"plain-{tag}.json"
+    rc = C.run_checked([C.PY, str(SCRIPT), "--workload", wl, "--steps", str(steps), "--warmup", str(warmup),
+                        "--out", str(out)], timeout=600, log_path=work / f"plain-{tag}.log")
+    if rc != 0:
+        raise RuntimeError(f"plain loop failed ({rc}); see {work / f'plain-{tag}.log'}")
+    r = json.loads(out.read_text())
+    return {k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}
+
+
+def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2) -> dict[str, Any]:
+    out = work / f"ddp-{tag}.json"
+    argv = [C.PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(SCRIPT),
+            "--workload", wl, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
+    rc = C.run_checked(argv, timeout=600, log_path=work / f"ddp-{tag}.log")
+    if rc != 0:
+        raise RuntimeError(f"torchrun failed ({rc}); see {work / f'ddp-{tag}.log'}")
+    r = json.loads(out.read_text())
+    return {k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}
+
+
+def cmemi(work: Path, wl: str, steps: int, warmup: int, workers: int, tag: str) -> dict[str, Any]:
+    name = C.safe_name(f"ovh_{tag}")
+    cfg = C.cmemi_config(name, work / name, WORKLOADS[wl], steps=steps, microbatches=workers, workers=workers)
+    t0 = time.time()
+    with C.CmemiRun(cfg, work) as run:
+        cpu = C.GroupCpu(run.group.pgid)
+        deadline = time.monotonic() + 600
+        while run.group.alive and time.monotonic() < deadline:
+            step = run.step() if (run.run_dir / "cluster.json").exists() else 0
+            if warmup < step < steps:  # the measured steps only (not start-up, final eval and checkpoint)
+                cpu.sample(step)
+            time.sleep(0.2)
+        rc = run.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if rc != 0:
+            raise RuntimeError(f"cmemi up failed ({rc}); see {run.log_path}:\n{run.group.tail()}")
+        stats = C.step_stats(run.metrics(), warmup)
+        summ = run.summary() or {}
+    stats["summary_wall_per_step_s"] = summ["wall_s"] / summ["steps"] if summ.get("steps") else None
+    stats["startup_and_teardown_s"] = round(time.time() - t0 - (summ.get("wall_s") or 0), 1)
+    stats["cpu"] = cpu.per_unit()  # CPU seconds per step of every process of the cluster
+    stats["cpu_s_per_step"] = stats["cpu"].get("cpu_s_per_unit")
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps (for make bench)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeat every variant R times (medians over repeats); default 3, quick 1")
+    p.add_argument("--steps-compute", type=int, default=None)
+    p.add_argument("--steps-comm", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--workloads", default="compute_bound,comm_bound")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
+    args = p.parse_args()
+    C.setup(threads=1)
+    steps = {"compute_bound": args.steps_compute or (20 if args.quick else 40),
+             "comm_bound": args.steps_comm or (40 if args.quick else 100)}
+    repeats = {"compute_bound": args.repeats or (1 if args.quick else 3),
+               "comm_bound": args.repeats or (1 if args.quick else 3)}
+    work = C.workdir("overhead")
+    result: dict[str, Any] = {"bench": "overhead", "machine": C.machine(), "quick": args.quick, "workdir": str(work)}
+    t_start = time.monotonic()
+    try:
+        results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for wl in args.workloads.split(","):
+            results[wl] = {"plain": [], "cmemi_1w": [], "ddp_2p": [], "cmemi_2w": []}
+            n = steps[wl]
+            for r in range(repeats[wl]):
+                tag = f"{wl}-{r}"
+                C.log(f"{wl} repeat {r}: plain ({n} steps)")
+                results[wl]["plain"].append(plain(work, wl, n, args.warmup, tag))
+                C.log(f"{wl}: cmemi 1 worker -> {results[wl]['plain'][-1]['step_time_median_s']:.4f}s plain")
+                results[wl]["cmemi_1w"].append(cmemi(work, wl, n, args.warmup, 1, tag + "-1w"))
+                C.log(f"{wl}: ddp 2 processes -> {results[wl]['cmemi_1w'][-1].get('step_time_median_s')} cmemi 1w")
+                results[wl]["ddp_2p"].append(ddp(work, wl, n, args.warmup, tag))
+                C.log(f"{wl}: cmemi 2 workers -> {results[wl]['ddp_2p'][-1]['step_time_median_s']:.4f}s ddp")
+                results[wl]["cmemi_2w"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w"))
+                C.log(f"{wl}: done -> {results[wl]['cmemi_2w'][-1].get('step_time_median_s')} cmemi 2w")
+        step_times: dict[str, Any] = {}
+        ratios: dict[str, Any] = {}
+        for wl, by in results.items():
+            med = {k: C.median(x.get("step_time_median_s") for x in v) for k, v in by.items()}
+            wall = {k: C.median(x.get("wall_per_step_s") for x in v) for k, v in by.items()}
+            cpu = {k: C.median(x.get("cpu_s_per_step") for x in v) for k, v in by.items()}
+            step_times[wl] = {
+                "steps": steps[wl], "repeats": repeats[wl], "warmup_skipped": args.warmup, "workload": WORKLOADS[wl],
+                "median_step_time_s": C.rnd(med, 5), "wall_per_step_s": C.rnd(wall, 5),
+                "cpu_s_per_step": C.rnd(cpu, 5),
+                "runs": C.rnd(by, 5),
+            }
+            ratios[wl] = {
+                "cmemi_1w_vs_plain": C.ratio(med["cmemi_1w"], med["plain"]),
+                "cmemi_2w_vs_ddp_2p": C.ratio(med["cmemi_2w"], med["ddp_2p"]),
+                "wall_cross_check": {"cmemi_1w_vs_plain": C.ratio(wall["cmemi_1w"], wall["plain"]),
+                                     "cmemi_2w_vs_ddp_2p": C.ratio(wall["cmemi_2w"], wall["ddp_2p"])},
+                "cpu_cost": {"cmemi_1w_vs_plain": C.ratio(cpu["cmemi_1w"], cpu["plain"]),
+                             "cmemi_2w_vs_ddp_2p": C.ratio(cpu["cmemi_2w"], cpu["ddp_2p"])},
+                "speedup_2w_over_1w": {"cmemi": C.ratio(med["cmemi_1w"], med["cmemi_2w"]),
+                                       "ddp_vs_plain": C.ratio(med["plain"], med["ddp_2p"])},
+            }
+        result["ratios"] = ratios
+        result["step_times"] = step_times
+        cb = ratios.get("compute_bound", {})
+        result["targets"] = {
+            "compute_bound_cmemi_1w_vs_plain_le_1.10": (cb.get("cmemi_1w_vs_plain") or 99) <= 1.10,
+            "compute_bound_cmemi_2w_vs_ddp_2p_le_1.00": (cb.get("cmemi_2w_vs_ddp_2p") or 99) <= 1.00,
+        }
+        from bench.models import count_params
+        from shared.plugins import resolve
+
+        result["model_params"] = {wl: count_params(resolve(WORKLOADS[wl]["model"]["factory"], "m")(
+            **WORKLOADS[wl]["model"]["kwargs"])) for wl in results}
+        result["notes"] = [
+            f"{C.machine()['cpus']} CPU cores, shared with other jobs: CMEMI with 2 workers runs 3 busy processes "
+            "(2 workers + the aggregator, plus coordinator/checkpointer/Redis mostly idle) on 2 cores, DDP 2 processes; "
+            "so (c)/(d) includes CPU contention that separate hosts would not have",
+            "every process uses 1 intra-op thread (OMP_NUM_THREADS=1, torch.set_num_threads(1), "
+            "cluster.threads_per_worker=1)",
+            "CMEMI step times: median of metrics.jsonl step_time_s after the warm-up steps; wall_per_step_s is the "
+            "cross-check from the metrics' wall-clock timestamps over the same steps",
+            "train.microbatches = number of workers (1 or 2) so per-process compute equals the baselines'",
+            "CMEMI runs exclude process start-up (startup_and_teardown_s per run), like the baselines' step times",
+            "cpu_s_per_step: CPU seconds per step summed over all processes of the variant (for CMEMI: every process of "
+            "the cluster, Redis included); less sensitive to the shared machine's load than wall time",
+        ]
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        raise
+    finally:
+        C.stop_all_groups()
+        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        C.emit_result(result)  # also on failure or interruption: the partial result, with "error"
+
+
+if __name__ == "__main__":
+    main()
