@@ -52,7 +52,7 @@ compose-test:
 
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
 # saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
-BENCHES ?= overhead transport recovery checkpoint scaling
+BENCHES ?= overhead transport recovery checkpoint scaling compression
 BENCH_ARGS ?= --quick
 bench: install
 	@mkdir -p bench/results; rc=0; start=$$(date +%s); \
