@@ -427,7 +427,10 @@ docker kill "$VICTIM" >/dev/null || die "docker kill $VICTIM failed"
 KILL_STEP=$(progress step)
 log "docker kill ${VICTIM_HOST} ($(docker inspect -f '{{.Name}}' "$VICTIM")) at step $KILL_STEP of $STEPS"
 (( KILL_STEP < STEPS )) || die "the run ended before the kill (step $KILL_STEP): raise CMEMI_COMPOSE_STEPS"
-events() { docker exec "$CKPT_CID" cat /runs/events.jsonl; }
+# Files of the run volume, read through the checkpointer's container, running or not (it exits once the
+# run is complete): `docker cp` works on stopped containers and their volumes.
+run_file() { docker cp "$CKPT_CID:/runs/$1" - | tar -xO; }
+events() { run_file events.jsonl; }
 # event_seen KIND [MIN_INCARNATION]: an event of KIND about the victim's worker id is in events.jsonl
 event_seen() {
     events | python3 -c '
@@ -481,13 +484,14 @@ for c in "${WORKER_CIDS[@]}"; do
     code=$(docker inspect -f '{{.State.ExitCode}}' "$c")
     [[ $code == 0 ]] || die "worker ${c:0:12} exited with code $code"
 done
-SUMMARY=$(docker exec "$CKPT_CID" cat /runs/summary.json) || die "no summary.json in the run volume"
+SUMMARY=$(run_file summary.json) || die "no summary.json in the run volume"
 SHA=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["params_sha256"])' "$SUMMARY")
 RUN_STEPS=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["steps"])' "$SUMMARY")
 log "compose run: $RUN_STEPS steps, params_sha256 $SHA"
 [[ $RUN_STEPS == "$STEPS" ]] || die "the compose run ended at step $RUN_STEPS, not $STEPS"
 [[ $SHA == "$REF_SHA" ]] || die "params_sha256 differs from the fault-free reference: $SHA != $REF_SHA"
 log "params_sha256 matches the fault-free reference (worker killed at step $KILL_STEP, re-admitted at step $REJOIN_STEP)"
-docker exec "$CKPT_CID" sh -c 'ls /runs/checkpoints | tail -3; test -s /runs/model.safetensors' >/dev/null \
-    || die "no checkpoints / final model in the run volume"
+docker cp "$CKPT_CID:/runs/checkpoints" - | tar -t | grep -q 'MANIFEST.json' \
+    || die "no checkpoints in the run volume"
+[[ $(run_file model.safetensors | wc -c) -gt 0 ]] || die "no final model in the run volume"
 phase_done
