@@ -491,7 +491,7 @@ log "compose run: $RUN_STEPS steps, params_sha256 $SHA"
 [[ $RUN_STEPS == "$STEPS" ]] || die "the compose run ended at step $RUN_STEPS, not $STEPS"
 [[ $SHA == "$REF_SHA" ]] || die "params_sha256 differs from the fault-free reference: $SHA != $REF_SHA"
 log "params_sha256 matches the fault-free reference (worker killed at step $KILL_STEP, re-admitted at step $REJOIN_STEP)"
-docker cp "$CKPT_CID:/runs/checkpoints" - | tar -t | grep -q 'MANIFEST.json' \
-    || die "no checkpoints in the run volume"
+LISTING=$(docker cp "$CKPT_CID:/runs/checkpoints" - | tar -t) || die "cannot list the checkpoints in the run volume"
+[[ $LISTING == *MANIFEST.json* ]] || die "no checkpoints in the run volume"
 [[ $(run_file model.safetensors | wc -c) -gt 0 ]] || die "no final model in the run volume"
 phase_done
