@@ -69,7 +69,7 @@ class CheckpointerLink:
         self.sock: zmq.Socket | None = None
         self.addr: str | None = None
         self.in_flight: Snapshot | None = None
-        self.queued: Snapshot | None = None
+        self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
         self._next_check = 0.0
 
     def _lookup(self) -> str | None:
@@ -110,12 +110,16 @@ class CheckpointerLink:
         return out
 
     # ---------------------------------------------------------------- periodic, asynchronous
+    def _milestone(self, snap: Snapshot) -> bool:
+        every = self.agg.cfg.checkpoint.keep_every
+        return bool(every) and snap[0] % every == 0
+
     def offer(self, snap: Snapshot) -> None:
-        if self.in_flight is None and self._connect():
+        if self.in_flight is None and not self.queued and self._connect():
             self.in_flight = snap
             self._send(snap, final=False)
-        else:
-            self.queued = snap  # replaces an older unsent one
+        else:  # a newer snapshot replaces an older unsent one, unless that one is a milestone retention keeps
+            self.queued = [q for q in self.queued if self._milestone(q)] + [snap]
 
     def poll(self) -> list[int]:
         """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""
@@ -124,9 +128,9 @@ class CheckpointerLink:
             if msg.type == "saved" and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
                 saved.append(msg.header["step"])
                 self.in_flight = None
-        if self.in_flight is None and self.queued is not None:
-            snap, self.queued = self.queued, None
-            self.offer(snap)
+        if self.in_flight is None and self.queued and self._connect():
+            self.in_flight = self.queued.pop(0)
+            self._send(self.in_flight, final=False)
         elif self.in_flight is not None and time.monotonic() > self._next_check:
             self._next_check = time.monotonic() + 0.5
             old = self.addr
