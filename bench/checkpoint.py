@@ -165,16 +165,10 @@ def main() -> None:
             "raw = one write() of the same bytes + fsync; restore = verify (sha256) + load",
         ]
     except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        C.record_error(result, exc)
         raise
     finally:
-        C.stop_all_groups()
-        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            result["workdir"] = str(work)
-        C.emit_result(result)  # also on failure or interruption: the partial result, with "error"
+        C.finish(result, work, args.keep, t_start)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -347,6 +348,22 @@ def machine() -> dict[str, Any]:
 
     return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
             "loadavg_at_start": load_avg()}
+
+
+def record_error(result: dict[str, Any], exc: BaseException) -> None:
+    result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+
+
+def finish(result: dict[str, Any], work: Path, keep: bool, t_start: float) -> None:
+    """Every script's last step, on success, failure or interruption: stop what it started, drop (or
+    name) its working directory, and print the (partial) result with its wall time."""
+    stop_all_groups()
+    result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+    if keep:
+        result["workdir"] = str(work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    emit_result(result)
 
 
 def workdir(prefix: str, keep: bool = False) -> Path:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -162,14 +161,10 @@ def main() -> None:
             "the cluster, Redis included); less sensitive to the shared machine's load than wall time",
         ]
     except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        C.record_error(result, exc)
         raise
     finally:
-        C.stop_all_groups()
-        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        C.emit_result(result)  # also on failure or interruption: the partial result, with "error"
+        C.finish(result, work, args.keep, t_start)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -208,16 +207,10 @@ def main() -> None:
             "tensors, received frames); fresh_vs_reused_copy shows what that costs per copy on this machine",
         ]
     except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        C.record_error(result, exc)
         raise
     finally:
-        C.stop_all_groups()
-        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            result["workdir"] = str(work)
-        C.emit_result(result)  # also on failure or interruption: the partial result, with "error"
+        C.finish(result, work, args.keep, t_start)
 
 
 if __name__ == "__main__":
