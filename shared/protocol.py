@@ -87,25 +87,36 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
-def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
-           checksum: bool = True) -> list[Any]:
-    """Header + one frame per tensor. Tensors must be contiguous CPU tensors that nobody mutates until sent."""
+def encode_tensors(tensors: dict[str, torch.Tensor], checksum: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The header entries and frames of `tensors`; computed once, they can go out in any number of messages."""
     metas, frames = [], []
-    for name, t in (tensors or {}).items():
+    for name, t in tensors.items():
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.detach().cpu().contiguous()
         buf = tensor_bytes(t)
         metas.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
                       "nbytes": buf.nbytes, "xxh": xxhash.xxh3_64_intdigest(buf) if checksum else None})
         frames.append(buf)
+    return metas, frames
+
+
+def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+           checksum: bool = True, encoded: tuple[list[dict[str, Any]], list[Any]] | None = None) -> list[Any]:
+    """Header + one frame per tensor (or per frame of `encoded`, from `encode_tensors`). Tensors must be
+    contiguous CPU tensors that nobody mutates until sent."""
+    if encoded is None and tensors is not None:
+        encoded = encode_tensors(tensors, checksum)
     header = {"type": mtype, "proto": PROTOCOL_VERSION, "run": run, **fields}
-    if tensors is not None:
-        header["tensors"] = metas
-    return [msgpack.packb(header), *frames]
+    if encoded is None:
+        return [msgpack.packb(header)]
+    header["tensors"] = encoded[0]
+    return [msgpack.packb(header), *encoded[1]]
 
 
-def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None) -> int:
-    """Send a message built by `encode`; large frames go zero-copy. Returns the bytes sent."""
+def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None,
+         trackers: list[zmq.MessageTracker] | None = None) -> int:
+    """Send a message built by `encode`; large frames go zero-copy (with `trackers`: tracked, each frame's
+    tracker appended, so the caller knows when ZeroMQ no longer reads the buffer). Returns the bytes sent."""
     if identity is not None:
         parts = [identity, *parts]
     last = len(parts) - 1
@@ -113,7 +124,13 @@ def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None) -> i
     for i, part in enumerate(parts):
         n = part.nbytes if isinstance(part, memoryview) else len(part)
         total += n
-        sock.send(part, flags=zmq.SNDMORE if i < last else 0, copy=n < _ZERO_COPY_MIN)
+        flags = zmq.SNDMORE if i < last else 0
+        if n < _ZERO_COPY_MIN:
+            sock.send(part, flags=flags)
+        elif trackers is not None:
+            trackers.append(sock.send(part, flags=flags, copy=False, track=True))
+        else:
+            sock.send(part, flags=flags, copy=False)
     return total - (len(identity) if identity is not None else 0)
 
 
@@ -126,11 +143,9 @@ def _check_fields(header: dict[str, Any], schema: dict[str, tuple[type, ...]], w
             raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}")
 
 
-def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
-    """Validate and decode a received message (frames as received with copy=False, identity removed)."""
-    if not frames:
-        raise ProtocolError("empty", "no frames")
-    raw = frames[0].bytes if isinstance(frames[0], zmq.Frame) else bytes(frames[0])
+def _parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
+    """Validate a header frame; returns the header and its tensor entries."""
+    raw = first.bytes if isinstance(first, zmq.Frame) else bytes(first)
     if len(raw) > 1 << 20:
         raise ProtocolError("header_too_big", f"{len(raw)} bytes")
     try:
@@ -150,17 +165,60 @@ def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
     metas = header.get("tensors", [])
     if not isinstance(metas, list):
         raise ProtocolError("bad_field", f"{mtype} field 'tensors' has type {type(metas).__name__}")
-    if len(frames) - 1 != len(metas):
-        raise ProtocolError("frame_count", f"{len(frames) - 1} frames for {len(metas)} tensors")
-    tensors: dict[str, torch.Tensor] = {}
-    for meta, frame in zip(metas, frames[1:], strict=False):
+    for meta in metas:
         if not isinstance(meta, dict):
             raise ProtocolError("bad_tensor", "tensor entry is not a map")
         _check_fields(meta, _TENSOR, "tensor")
-        tensors[meta["name"]] = _tensor(meta, frame, checksum)
+    return header, metas
+
+
+def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
+    """Validate and decode a received message (frames as received with copy=False, identity removed)."""
+    if not frames:
+        raise ProtocolError("empty", "no frames")
+    header, metas = _parse(frames[0], run)
+    if len(frames) - 1 != len(metas):
+        raise ProtocolError("frame_count", f"{len(frames) - 1} frames for {len(metas)} tensors")
+    tensors = {meta["name"]: _tensor(meta, frame, checksum) for meta, frame in zip(metas, frames[1:], strict=True)}
     if len(tensors) != len(metas):
         raise ProtocolError("bad_tensor", "duplicate tensor names")
     return Message(header, tensors)
+
+
+def recv(sock: zmq.Socket, run: str, checksum: bool = True, into: dict[str, torch.Tensor] | None = None) -> Message:
+    """Receive and decode one message from a socket without identity frames (DEALER, PULL).
+
+    A tensor named in `into` whose dtype and shape match the header is received straight into that
+    tensor's memory: no allocation, no copy, and the message holds `into`'s tensor. On ProtocolError
+    the whole message has been consumed, and tensors of `into` may hold partial data.
+    """
+    try:
+        header, metas = _parse(sock.recv(copy=False), run)
+        tensors: dict[str, torch.Tensor] = {}
+        for meta in metas:
+            if not sock.getsockopt(zmq.RCVMORE):
+                raise ProtocolError("frame_count", f"{len(tensors)} frames for {len(metas)} tensors")
+            target = (into or {}).get(meta["name"])
+            if target is not None and DTYPES.get(meta["dtype"]) == target.dtype and meta["shape"] == list(target.shape) \
+                    and target.is_contiguous():
+                buf = tensor_bytes(target)
+                n = sock.recv_into(buf)
+                if n != buf.nbytes or meta["nbytes"] != n:
+                    raise ProtocolError("bad_length", f"{meta['name']!r}: {n} bytes, shape needs {buf.nbytes}")
+                if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
+                    raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
+                tensors[meta["name"]] = target
+            else:
+                tensors[meta["name"]] = _tensor(meta, sock.recv(copy=False), checksum)
+        if sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("frame_count", f"more frames than the {len(metas)} tensors")
+        if len(tensors) != len(metas):
+            raise ProtocolError("bad_tensor", "duplicate tensor names")
+        return Message(header, tensors)
+    except ProtocolError:
+        while sock.getsockopt(zmq.RCVMORE):  # the rest of a bad message must not be read as the next one
+            sock.recv(copy=False)
+        raise
 
 
 def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:

@@ -61,7 +61,7 @@ def mutate_header(parts: list, **changes) -> list[bytes]:
     return [msgpack.packb(header), *as_bytes(parts[1:])]
 
 
-@pytest.mark.parametrize("frames_fn, reason", [
+MALFORMED = [
     (lambda p: [], "empty"),
     (lambda p: [b"\xc1garbage", *as_bytes(p[1:])], "not_msgpack"),
     (lambda p: [msgpack.packb([1, 2]), *as_bytes(p[1:])], "not_a_map"),
@@ -80,12 +80,49 @@ def mutate_header(parts: list, **changes) -> list[bytes]:
      "bad_shape"),
     (lambda p: mutate_header(p, tensors=["x"]), "bad_tensor"),
     (lambda p: [b"\x81" + b"\xa1a" * 10 + b"\x00" * (1 << 21)], "header_too_big"),
-])
+]
+
+
+@pytest.mark.parametrize("frames_fn, reason", MALFORMED)
 def test_malformed_messages_are_rejected_with_a_reason(frames_fn, reason: str) -> None:
     parts = grad_msg({"w": torch.ones(4)})
     with pytest.raises(ProtocolError) as err:
         decode(frames_fn(parts), RUN)
     assert err.value.reason == reason
+
+
+@pytest.fixture
+def pair():
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+    yield a, b
+    ctx.destroy(linger=0)
+
+
+def test_recv_lands_matching_tensors_in_place(pair) -> None:
+    a, b = pair
+    big, other = torch.randn(300, 300), torch.randn(7)
+    into = {"w": torch.zeros(300, 300), "v": torch.zeros(5)}  # "v" has another shape: received as a new frame
+    ptr = into["w"].data_ptr()
+    protocol.send(a, grad_msg({"w": big, "v": other}))
+    msg = protocol.recv(b, RUN, into=into)
+    assert msg.tensors["w"] is into["w"] and into["w"].data_ptr() == ptr and torch.equal(into["w"], big)
+    assert torch.equal(msg.tensors["v"], other) and torch.equal(into["v"], torch.zeros(5))
+
+
+@pytest.mark.parametrize("into", [None, {"w": torch.zeros(4)}])
+@pytest.mark.parametrize("frames_fn, reason", [c for c in MALFORMED if c[1] != "empty"])
+def test_recv_rejects_malformed_messages_and_the_next_one_arrives_whole(pair, into, frames_fn, reason: str) -> None:
+    a, b = pair
+    a.send_multipart(frames_fn(grad_msg({"w": torch.ones(4)})))
+    good = torch.arange(4.0)
+    protocol.send(a, grad_msg({"w": good}, step=4))
+    with pytest.raises(ProtocolError) as err:
+        protocol.recv(b, RUN, into=into)
+    assert err.value.reason == reason
+    msg = protocol.recv(b, RUN, into=into)
+    assert msg.header["step"] == 4 and torch.equal(msg.tensors["w"], good)
 
 
 def test_random_garbage_never_escapes_as_another_exception() -> None:

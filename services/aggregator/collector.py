@@ -65,7 +65,7 @@ class StepCollector:
 
     def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float) -> str | None:
         """Accept microbatch m's gradient (None: it overflowed under fp16 loss scaling); returns a drop
-        reason instead if it is not wanted."""
+        reason instead if it is not wanted. The collector owns accepted tensors: it sums into them."""
         if not 0 <= m < self.M:
             return "bad_microbatch"
         if m in self.received:
@@ -80,7 +80,7 @@ class StepCollector:
         while self._next in self._waiting:
             g = self._waiting.pop(self._next)
             if g and self._sum is None:
-                self._sum = {k: v.clone() for k, v in g.items()}
+                self._sum = g  # the received buffers become the accumulator: no copy, no fresh allocation
             elif g:
                 for k, v in g.items():
                     self._sum[k].add_(v)

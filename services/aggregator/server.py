@@ -20,6 +20,7 @@ import zmq
 from services.aggregator import snapshots
 from services.aggregator.collector import StepCollector
 from services.aggregator.evaluation import BackgroundEval
+from services.aggregator.publish import Publisher
 from services.aggregator.snapshots import CheckpointerLink
 from services.aggregator.trainer import Trainer
 from shared import metrics, protocol, state
@@ -68,6 +69,7 @@ class Aggregator:
         self.bytes_in = self.bytes_out = 0
         self.wall_before = 0.0  # training seconds of earlier terms (restored from the checkpoint)
         self.ckpt = CheckpointerLink(self)
+        self.publisher = Publisher(cfg.cluster.checksum)
         restored = self.ckpt.fetch_latest(timeout=120)
         if restored is not None:
             try:
@@ -81,7 +83,8 @@ class Aggregator:
         self.workers: dict[bytes, WorkerInfo] = {}
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
         self._contributed: set[tuple[str, int]] = set()
-        self._step_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation" this step
+        self._unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
+        self._next_progress = 0.0
         self._next_redis_check = 0.0
         self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
@@ -168,10 +171,16 @@ class Aggregator:
         if self.drops[reason] <= 5 or self.drops[reason] % 1000 == 0:
             self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
 
-    def _send(self, identity: bytes, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
-        parts = protocol.encode(mtype, self.ctx.run, fields, tensors, self.cfg.cluster.checksum)
+    def _send(self, identity: bytes, mtype: str, params: bool = False, **fields: Any) -> None:
+        """Send a message; `params`: with the current parameters (encoded once per version, sent zero-copy)."""
+        encoded, trackers = None, None
+        if params:
+            encoded, trackers = self.publisher.encoded(self.trainer.params, self.trainer.step)
+        elif mtype == "work":  # a work message always lists its tensors, here none
+            encoded = ([], [])
+        parts = protocol.encode(mtype, self.ctx.run, fields, encoded=encoded)
         try:
-            n = protocol.send(self.sock, parts, identity)
+            n = protocol.send(self.sock, parts, identity, trackers)
         except zmq.ZMQError as exc:
             self.log.warning("send failed", error=str(exc))
             return
@@ -247,7 +256,7 @@ class Aggregator:
         elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]))) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
-            self._step_mb[f"{info.wid}:{info.inc}"] += 1
+            self._unpublished_mb[f"{info.wid}:{info.inc}"] += 1
             if (info.wid, info.inc) not in self._contributed:
                 self._contributed.add((info.wid, info.inc))
                 self.ctx.emit("first_grad_accepted", worker=info.wid, incarnation=info.inc, step=h["step"], m=h["m"])
@@ -305,8 +314,7 @@ class Aggregator:
             self.parked[identity] = (info, held_version)
             return
         self.parked.pop(identity, None)
-        params = self.trainer.published() if held_version != self.trainer.step else None
-        self._send(identity, "work", tensors=params if params is not None else {}, term=self.term,
+        self._send(identity, "work", params=held_version != self.trainer.step, term=self.term,
                    step=self.collector.step, m=m, version=self.trainer.step, scale=self.trainer.scaler.scale)
 
     def _serve_parked(self) -> None:
@@ -339,10 +347,6 @@ class Aggregator:
                     "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
             self.metrics.write(json.dumps(line) + "\n")
-        self._publish_progress(step, loss, dt)
-        self._step_bytes_in = self._step_bytes_out = 0
-        self._step_codec_s = 0.0
-        self._step_mb.clear()
         if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
             for entry in self.bg_eval.start(step, {k: v.clone() for k, v in self.trainer.model.state_dict().items()}):
                 self._log_eval(entry)
@@ -359,6 +363,11 @@ class Aggregator:
             self.done = True
         else:
             self.collector = StepCollector(step, self.M)
+        if now >= self._next_progress or self.done:
+            self._next_progress = now + 0.1  # enough for status and the progress bar; spares Redis
+            self._publish_progress(step, loss, dt)
+        self._step_bytes_in = self._step_bytes_out = 0
+        self._step_codec_s = 0.0
         self._serve_parked()
 
     def wall_s(self) -> float:
@@ -366,7 +375,7 @@ class Aggregator:
         return self.wall_before + (time.monotonic() - self.t_start if self.t_start is not None else 0.0)
 
     def _publish_progress(self, step: int, loss: float, dt: float) -> None:
-        """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip per step."""
+        """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip (at most every 0.1 s)."""
         try:
             pipe = self.ctx.redis.pipeline(transaction=False)
             pipe.hset(self.ctx.keys.progress, mapping={
@@ -374,9 +383,10 @@ class Aggregator:
                 "samples_s": f"{self.cfg.train.global_batch / dt:.1f}" if dt > 0 else "0",
                 "bytes_s": f"{(self._step_bytes_in + self._step_bytes_out) / dt:.0f}" if dt > 0 else "0",
                 "live_workers": len(self.workers), "term": self.term, "t": time.time()})
-            for worker, n in self._step_mb.items():
+            for worker, n in self._unpublished_mb.items():
                 pipe.hincrby(self.ctx.keys.microbatches, worker, n)
             pipe.execute()
+            self._unpublished_mb.clear()
         except redis.RedisError:  # progress is cosmetic; Redis may be restarting
             pass
 

@@ -53,7 +53,6 @@ def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tens
     torch.set_rng_state(named["rng"]["torch"])
     t.scaler.load_state_dict(named["scaler"])
     t.step = int(named["progress"]["step"])
-    t.invalidate()
     agg.final_loss = float(named["progress"]["final_loss"])
     t.skipped = int(named["progress"]["skipped"])
     agg.wall_before = float(named["progress"]["wall_s"])

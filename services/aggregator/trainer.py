@@ -53,21 +53,10 @@ class Trainer:
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
         self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self._published: dict[str, torch.Tensor] | None = None
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def published(self) -> dict[str, torch.Tensor]:
-        """Immutable copy of the current parameters for sending: the optimizer never mutates what is in flight."""
-        if self._published is None:
-            self._published = {n: p.detach().clone() for n, p in self.params.items()}
-        return self._published
-
-    def invalidate(self) -> None:
-        """Parameters changed outside apply() (a restore): re-publish."""
-        self._published = None
 
     def check_grads(self, grads: dict[str, torch.Tensor]) -> str | None:
         if grads.keys() != self.params.keys():
@@ -94,7 +83,6 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._published = None
 
     def params_sha256(self) -> str:
         h = hashlib.sha256()

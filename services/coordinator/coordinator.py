@@ -15,7 +15,7 @@ import time
 import redis
 import zmq
 
-from services.coordinator.supervisor import Child, backoff, service_argv, stop_all
+from services.coordinator.supervisor import Child, backoff, service_argv, stop_all, wait_for_exit
 from shared import metrics, protocol
 from shared.membership import Member, read_events
 from shared.service import EXIT_FATAL, ServiceContext
@@ -61,21 +61,29 @@ class Coordinator:
                 self.exit_code = 130
                 break
             try:
-                self._tail_events()
                 if self.supervise == "local":
                     self._check_children()
                 now = time.monotonic()
-                if now >= next_scan:
+                if now >= next_scan and self.exit_code is None:
                     next_scan = now + self.cfg.cluster.heartbeat_interval / 2
+                    self._tail_events()
                     self._check_heartbeats()
-                    self._check_run_state()
-                    if self.supervise == "local":
-                        self._check_scale()
+                    self._check_control()
             except redis.RedisError as exc:  # Redis down or restarting: keep supervising, retry shortly
                 self.log.warning("redis unavailable", error=str(exc))
-                time.sleep(0.2)
-            time.sleep(0.02)
+                next_scan = time.monotonic() + 0.2
+            self._wait(next_scan)
         return self.exit_code
+
+    def _wait(self, until: float) -> None:
+        """Sleep until `until`, a child's exit, or a pending restart's time, whichever comes first."""
+        if self.supervise == "local":
+            for c in self.children.values():
+                if c.popen is None and c.wanted and not c.given_up:
+                    until = min(until, c.next_start)
+            wait_for_exit([*self.children.values(), *self.spares], until - time.monotonic())
+        else:
+            time.sleep(max(0.0, until - time.monotonic()))
 
     def close(self) -> None:
         stop_all(list(self.children.values()) + self.spares, grace=5.0)
@@ -165,8 +173,11 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         r, k = self.ctx.redis, self.ctx.keys
         try:
+            pipe = r.pipeline(transaction=False)
             for key in r.scan_iter(match=k.member("*", "*"), count=500):
-                record = r.hgetall(key)
+                pipe.hgetall(key)
+            suspects = []
+            for record in pipe.execute():
                 if not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
                     continue
                 role, ident, inc = record["role"], record["id"], int(record["incarnation"])
@@ -174,10 +185,17 @@ class Coordinator:
                     continue
                 if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
                     continue
-                if r.exists(k.heartbeat(role, ident)):
+                suspects.append((role, ident, inc, int(record.get("pid", 0))))
+            if not suspects:
+                return
+            pipe = r.pipeline(transaction=False)
+            for role, ident, _, _ in suspects:
+                pipe.exists(k.heartbeat(role, ident))
+            beating = pipe.execute()
+            for (role, ident, inc, pid), alive in zip(suspects, beating, strict=True):
+                if alive:
                     continue
                 child = self.children.get(f"{role}:{ident}")
-                pid = int(record.get("pid", 0))
                 if child is not None and child.popen is not None and child.popen.pid == pid and child.alive:
                     child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
                     self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
@@ -224,21 +242,22 @@ class Coordinator:
     def _completed(self) -> bool:
         return self.ctx.redis.get(self.ctx.keys.state) == "completed"
 
-    def _check_run_state(self) -> None:
-        try:
-            state = self.ctx.redis.get(self.ctx.keys.state)
-        except redis.RedisError:
-            return
+    def _check_control(self) -> None:
+        """Run state, fatal errors and the requested worker count: one round trip."""
+        k = self.ctx.keys
+        state, error, scale = self.ctx.redis.mget(k.state, k.error, k.scale)
         if state is None:  # Redis restarted empty: the run is still running
-            self.ctx.redis.set(self.ctx.keys.state, "running")
+            self.ctx.redis.set(k.state, "running")
         elif state == "completed":
             agg = self.children.get("aggregator:0")
             if agg is None or not agg.alive:
                 self.exit_code = 0
         elif state == "failed":
             self.exit_code = 1
-        elif self.supervise == "none" and (error := self.ctx.redis.get(self.ctx.keys.error)):
+        elif self.supervise == "none" and error:
             self._fail(error)  # a service hit a fatal (user-fixable) error: restarting it will not help
+        if self.supervise == "local" and self.exit_code is None and scale is not None:
+            self._scale(int(scale))
 
     def _fail(self, message: str) -> None:
         self.ctx.redis.set(self.ctx.keys.error, message)
@@ -247,11 +266,11 @@ class Coordinator:
         self.log.error("run failed", error=message)
         self.exit_code = 1
 
-    def _check_scale(self) -> None:
-        want = self.ctx.redis.get(self.ctx.keys.scale)
-        if want is None or int(want) == self.target_workers:
+    def _scale(self, want: int) -> None:
+        want = max(1, want)
+        if want == self.target_workers:
             return
-        self.target_workers = max(1, int(want))
+        self.target_workers = want
         workers = sorted((c for c in self.children.values() if c.role == "worker" and c.wanted),
                          key=lambda c: int(c.ident[1:]) if c.ident[1:].isdigit() else 0)
         for c in workers[self.target_workers:]:  # graceful leave: SIGTERM -> the worker returns its leases

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ class Child:
     wanted: bool = True  # False once scaled away or after the run ended
     given_up: bool = False
     deaths: list[float] = field(default_factory=list)
+    pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), so waiting costs no polling
 
     @property
     def name(self) -> str:
@@ -47,6 +49,16 @@ class Child:
     def start(self, env: dict[str, str] | None = None) -> None:
         self.popen = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=env)
         self.started_at = time.monotonic()
+        self.close_pidfd()
+        try:
+            self.pidfd = os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # not Linux, or an old kernel: wait_for_exit polls instead
+            self.pidfd = None
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def kill(self) -> None:
         if self.alive:
@@ -74,6 +86,20 @@ def stop_all(children: list[Child], grace: float) -> None:
         except subprocess.TimeoutExpired:
             c.popen.kill()
             c.popen.wait()
+
+
+def wait_for_exit(children: list[Child], timeout: float, poll_interval: float = 0.02) -> None:
+    """Return when one of the running `children` exits, or after `timeout` seconds. Children already seen
+    to have exited (returncode set) are not waited on; without pidfds this falls back to polling."""
+    fds = []
+    for c in children:
+        if c.popen is None or c.popen.returncode is not None:
+            c.close_pidfd()
+        elif c.pidfd is None:
+            timeout = min(timeout, poll_interval)
+        else:
+            fds.append(c.pidfd)
+    select.select(fds, [], [], max(0.0, timeout))
 
 
 def backoff(restarts: int) -> float:

@@ -1,0 +1,65 @@
+"""The parameters the aggregator sends out: one copy and one wire encoding per parameter version.
+
+Frames go out zero-copy, so their bytes must not change until ZeroMQ has sent them: the optimizer
+steps the live parameters, never these copies. A copy's buffers are reused for a later version
+(instead of a fresh allocation, whose pages the kernel must fault in on every step) only once
+every send that reads them has completed, as ZeroMQ's message trackers report; a slow or
+disconnected worker keeps its buffers alive, and a new set is allocated meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from shared import protocol
+
+
+@dataclass
+class _Copy:
+    tensors: dict[str, torch.Tensor]
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    version: int = -1
+    encoded: tuple[list[dict[str, Any]], list[Any]] | None = None
+
+    def idle(self) -> bool:
+        if all(t.done for t in self.trackers):
+            self.trackers.clear()
+            return True
+        return False
+
+
+class Publisher:
+    def __init__(self, checksum: bool, pool: int = 3) -> None:
+        self.checksum = checksum
+        self.pool = pool  # copies kept for reuse; more may exist while slow sends hold them
+        self._copies: list[_Copy] = []
+        self._current: _Copy | None = None
+
+    def encoded(self, params: dict[str, torch.Tensor], version: int) -> tuple[tuple[list[dict[str, Any]], list[Any]],
+                                                                              list[zmq.MessageTracker]]:
+        """The wire encoding of `params` at `version` (copied and checksummed on the first call for that
+        version) and the tracker list that sends of it must append to."""
+        cur = self._current
+        if cur is None or cur.version != version:
+            cur = self._take(params)
+            with torch.no_grad():
+                for n, p in params.items():
+                    cur.tensors[n].copy_(p)
+            cur.version = version
+            cur.encoded = protocol.encode_tensors(cur.tensors, self.checksum)
+            self._current = cur
+        assert cur.encoded is not None
+        return cur.encoded, cur.trackers
+
+    def _take(self, params: dict[str, torch.Tensor]) -> _Copy:
+        for c in self._copies:
+            if c.idle():
+                return c
+        c = _Copy({n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in params.items()})
+        if len(self._copies) < self.pool:
+            self._copies.append(c)
+        return c

@@ -1,0 +1,77 @@
+"""The aggregator's outgoing parameters: encoded once per version, buffers reused only after ZeroMQ let go."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import zmq
+
+from services.aggregator.publish import Publisher
+from shared import protocol
+
+RUN = "r1"
+
+
+def send_params(sock: zmq.Socket, publisher: Publisher, params: dict[str, torch.Tensor], version: int) -> None:
+    encoded, trackers = publisher.encoded(params, version)
+    fields = {"term": 1, "step": version, "m": 0, "version": version, "scale": 1.0}
+    protocol.send(sock, protocol.encode("work", RUN, fields, encoded=encoded), trackers=trackers)
+
+
+def test_encoded_once_per_version_and_immune_to_later_optimizer_steps() -> None:
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        params = {"w": torch.randn(256, 256), "b": torch.randn(3)}
+        pub = Publisher(checksum=True)
+        first, _ = pub.encoded(params, 0)
+        assert pub.encoded(params, 0)[0] is first  # same version: no new copy, no new checksum
+        expected = {n: p.clone() for n, p in params.items()}
+        for _ in range(3):
+            send_params(a, pub, params, 0)
+        with torch.no_grad():
+            params["w"].add_(1.0)  # the optimizer steps while the sends may still be in flight
+        for _ in range(3):
+            msg = protocol.decode(b.recv_multipart(copy=False), RUN)
+            assert all(torch.equal(msg.tensors[n], expected[n]) for n in params)
+        second, _ = pub.encoded(params, 1)
+        assert second is not first
+        send_params(a, pub, params, 1)
+        msg = protocol.decode(b.recv_multipart(copy=False), RUN)
+        assert torch.equal(msg.tensors["w"], params["w"])
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://publish-test")  # inproc passes zero-copy frames by reference: held until b reads
+        b.connect("inproc://publish-test")
+        params = {"w": torch.randn(512, 512)}
+        v0 = params["w"].clone()
+        pub = Publisher(checksum=False)
+        send_params(a, pub, params, 0)
+        held = pub._current
+        assert held is not None and not held.idle()
+        for v in range(1, 6):
+            with torch.no_grad():
+                params["w"].add_(1.0)
+            pub.encoded(params, v)
+            assert pub._current is not held and torch.equal(pub._current.tensors["w"], params["w"])
+        # version 0's copy stayed untouched; versions 1-5 all reused one other buffer
+        assert len(pub._copies) == 2 and torch.equal(held.tensors["w"], v0)
+        msg = protocol.decode(b.recv_multipart(copy=False), RUN)
+        assert torch.equal(msg.tensors["w"], v0)
+        del msg
+        deadline = time.monotonic() + 10
+        while not held.idle():  # ZeroMQ releases the frame once nobody references it
+            assert time.monotonic() < deadline, "the received frame was never released"
+            time.sleep(0.01)
+        pub.encoded(params, 6)
+        assert len(pub._copies) == 2
+    finally:
+        ctx.destroy(linger=0)
