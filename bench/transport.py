@@ -312,6 +312,8 @@ def main() -> None:
                 "protocol_nocheck_vs_raw": C.ratio(med["protocol_nocheck"], med["raw"]),
                 "protocol_nofinite_vs_raw": C.ratio(med["protocol_nofinite"], med["raw"]),
                 "raw_sum_vs_raw": C.ratio(med["raw_sum"], med["raw"]),
+                # the protocol's own cost (header, checksum, decode, NaN/inf check) over a receiver that also sums
+                "protocol_vs_raw_sum": C.ratio(med["protocol"], med["raw_sum"]),
                 # the same comparison by the receiver's CPU cost per byte (less sensitive to other jobs' load)
                 "protocol_vs_raw_by_receiver_cpu": C.ratio(C.median(cpu[size]["raw"]), C.median(cpu[size]["protocol"])),
                 "raw_vs_memcpy": C.ratio(med["raw"], med["memcpy"]),

@@ -185,7 +185,7 @@ class ClusterConfig:
     spare_workers: int = 1
     """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast."""
     max_restarts: int = 10
-    """Restarts per process before the coordinator gives up on it and reports it."""
+    """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
     max_message_bytes: int = 1 << 31
     """Largest message a service accepts: a bigger frame makes ZeroMQ drop the peer, a bigger message is dropped."""
     checksum: bool = True

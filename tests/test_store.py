@@ -88,3 +88,22 @@ def test_optimizer_and_scheduler_state_round_trip_without_pickle() -> None:
     assert sched2.get_last_lr() == sched.get_last_lr()
     with pytest.raises(state.StateError, match="without pickle"):
         state.flatten({"x": object()})
+
+
+def test_manifests_with_sha256_from_earlier_versions_still_verify(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    store = CheckpointStore(tmp_path)
+    path = write(store, 3)
+    manifest = json.loads((path / "MANIFEST.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert set(entry) == {"bytes", "xxh3_128"}
+        del entry["xxh3_128"]
+        entry["sha256"] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    (path / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert store.verify(path) is None
+    data = bytearray((path / "meta.json").read_bytes())
+    data[0] ^= 0xFF
+    (path / "meta.json").write_bytes(bytes(data))
+    assert store.verify(path) == "meta.json checksum mismatch"

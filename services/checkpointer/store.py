@@ -5,7 +5,7 @@ Layout under `RUN_DIR/checkpoints/`:
     step-00000040/model.safetensors   model weights (plain state_dict names; loads without CMEMI)
     step-00000040/state.safetensors   optimizer / scheduler / RNG tensors
     step-00000040/meta.json           everything else (no pickle)
-    step-00000040/MANIFEST.json       size + sha256 of each file above; written last
+    step-00000040/MANIFEST.json       size + xxh3-128 of each file above; written last
 
 A checkpoint is first written as `.tmp-step-…`, every file fsynced, the manifest written and
 fsynced, then the directory is renamed into place and its parent fsynced. Only a checkpoint that
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "MANIFEST.json"
@@ -51,8 +52,14 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# The manifest's checksum guards against torn and corrupted files, not against an attacker: xxh3-128 hashes
+# ~8x faster than sha256 here (4.3 vs 0.55 GB/s), and the checkpointer's hashing competes with training for
+# CPU. Manifests written with sha256 (by earlier versions) still verify.
+HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def _digest(path: Path, algorithm: str = "xxh3_128") -> str:
+    h = HASHES[algorithm]()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
@@ -85,7 +92,7 @@ class CheckpointStore:
         save_file(rest, str(tmp / "state.safetensors"), metadata={"step": str(step)})
         (tmp / "meta.json").write_text(json.dumps(meta))
         manifest = {"step": step, "created": time.time(),
-                    "files": {f: {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)} for f in FILES}}
+                    "files": {f: {"bytes": (tmp / f).stat().st_size, "xxh3_128": _digest(tmp / f)} for f in FILES}}
         for f in FILES:
             _fsync_path(tmp / f)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -120,8 +127,12 @@ class CheckpointStore:
                 return f"{name} missing"
             if f.stat().st_size != want["bytes"]:
                 return f"{name} has {f.stat().st_size} bytes, manifest says {want['bytes']}"
-            if full and _sha256(f) != want["sha256"]:
-                return f"{name} checksum mismatch"
+            if full:
+                algorithm = next((a for a in HASHES if a in want), None)
+                if algorithm is None:
+                    return f"{name} has no checksum in the manifest"
+                if _digest(f, algorithm) != want[algorithm]:
+                    return f"{name} checksum mismatch"
         if set(manifest.get("files", {})) != set(FILES):
             return "manifest lists the wrong files"
         return None

@@ -15,7 +15,7 @@ import time
 import redis
 import zmq
 
-from services.coordinator.supervisor import Child, backoff, service_argv, stop_all, wait_for_exit
+from services.coordinator.supervisor import HEALTHY_AFTER_S, Child, backoff, service_argv, stop_all, wait_for_exit
 from shared import metrics, protocol
 from shared.membership import Member, read_events
 from shared.service import EXIT_FATAL, ServiceContext
@@ -112,6 +112,8 @@ class Coordinator:
 
     def _replace(self, child: Child) -> None:
         """Restart a dead child: a warm spare takes a worker's identity at once; otherwise a new process."""
+        if time.monotonic() - child.started_at >= HEALTHY_AFTER_S:
+            child.restarts = 0  # it had been running fine: a new fault, not a crash loop
         child.restarts += 1
         if child.restarts > self.cfg.cluster.max_restarts:
             child.given_up = True
@@ -128,6 +130,7 @@ class Coordinator:
                 self.spares.remove(spare)
                 self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), child.ident)
                 spare.ident, spare.restarts, spare.role = child.ident, child.restarts, "worker"
+                spare.started_at = time.monotonic()  # its life as this worker starts now
                 self.children[child.name] = spare
                 metrics.RESTARTS.labels("worker").inc()
                 self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.popen.pid if spare.popen else None)

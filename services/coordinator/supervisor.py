@@ -102,6 +102,9 @@ def wait_for_exit(children: list[Child], timeout: float, poll_interval: float = 
     select.select(fds, [], [], max(0.0, timeout))
 
 
+HEALTHY_AFTER_S = 60.0  # a process that ran this long since its last start was healthy: its restart count resets
+
+
 def backoff(restarts: int) -> float:
     """0 for the first restart (a fault should cost as little as possible), then 0.5 s doubling to 10 s."""
     return 0.0 if restarts <= 1 else min(10.0, 0.5 * 2 ** (restarts - 2))
