@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import msgpack
@@ -103,6 +103,12 @@ def _finite(t: torch.Tensor) -> bool:
     # One vectorised reduction, no temporaries: a NaN or inf anywhere makes the sum non-finite.
     # (It also rejects finite values whose sum overflows fp32, ~1e38, which no usable gradient reaches.)
     return t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32)))
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Exactly whether every element is finite: a sum per tensor (no temporaries), and the elementwise
+    test only where a sum is not finite (a NaN/inf, or finite values whose sum overflows)."""
+    return all(_finite(t) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

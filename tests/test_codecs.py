@@ -558,3 +558,14 @@ def test_compressed_training_converges_like_uncompressed() -> None:
         acc = _train(name)
         assert acc > baseline - 0.04, (name, acc, baseline)
     assert time.monotonic() - t0 < 20
+
+
+def test_all_finite_is_exact() -> None:
+    from shared.codecs import all_finite
+
+    assert all_finite([torch.randn(1000), torch.zeros(0), torch.tensor(3.0)])
+    assert all_finite([torch.full((4,), 3e38)])  # finite values whose sum overflows are still finite
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(1000)
+        t[517] = bad
+        assert not all_finite([torch.randn(10), t])

@@ -17,7 +17,7 @@ import torch
 import zmq
 
 from shared import protocol
-from shared.codecs import make_codec
+from shared.codecs import all_finite, make_codec
 from shared.config import ConfigError
 from shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
 from shared.membership import Member
@@ -222,7 +222,7 @@ class Worker:
             self._send("want", term=self.term, version=self.version)
             return
         loss, grads = self.compute(h["step"], h["m"], float(h["scale"]))
-        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        finite = all_finite(grads.values())
         if not finite and self.cfg.precision != "fp16":
             self.ctx.fatal(f"the gradient of microbatch {h['m']} of step {h['step']} is not finite (loss {loss}); "
                            "the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
