@@ -28,6 +28,10 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[dev]"
 	@touch $@
 
+$(VENV)/.bench: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[examples,bench]"
+	@touch $@
+
 install: $(VENV)/.installed
 
 dev: $(VENV)/.dev
@@ -52,9 +56,9 @@ compose-test:
 
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
 # saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
-BENCHES ?= overhead transport recovery checkpoint scaling compression
+BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression
 BENCH_ARGS ?= --quick
-bench: install
+bench: $(VENV)/.bench
 	@mkdir -p bench/results; rc=0; start=$$(date +%s); \
 	for b in $(BENCHES); do \
 		echo "== $(BIN)/python bench/$$b.py $(BENCH_ARGS)" >&2; \
