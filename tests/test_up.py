@@ -102,3 +102,29 @@ def test_existing_run_dir_needs_resume_or_overwrite(tmp_path: Path) -> None:
     (run_dir / "summary.json").write_text(json.dumps({}))
     r = run_up(run_dir, *FAST, timeout=60)
     assert r.rc == 2 and "--resume" in r.stderr and "--overwrite" in r.stderr
+
+
+def test_services_show_their_role_and_run_with_huge_pages(tmp_path: Path) -> None:
+    """Each service's command line names its role (operators and chaos scripts find them by it), and
+    glibc's malloc was told to use transparent huge pages for large buffers (see cmemi/cli.py)."""
+    import os
+
+    from tests.chaos import Cluster
+
+    c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
+                "cluster.spare_workers=0")
+    try:
+        c.wait_step(3)
+        seen = 0
+        for role in ("aggregator", "worker", "checkpointer"):
+            for ident, rec in c.members(role).items():
+                seen += 1
+                pid = int(rec["pid"])
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                assert b"cmemi" in cmdline and role.encode() in cmdline, (role, cmdline)
+                environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv)
+                if os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+                    assert b"glibc.malloc.hugetlb=1" in environ.get(b"GLIBC_TUNABLES", b""), (role, ident)
+        assert seen == 4  # aggregator, 2 workers, checkpointer
+    finally:
+        c.close()
