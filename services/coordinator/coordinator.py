@@ -15,7 +15,14 @@ import time
 import redis
 import zmq
 
-from services.coordinator.supervisor import HEALTHY_AFTER_S, Child, backoff, service_argv, stop_all, wait_for_exit
+from services.coordinator.supervisor import (
+    HEALTHY_AFTER_S,
+    Child,
+    backoff,
+    service_argv,
+    stop_all,
+    wait_for_exit,
+)
 from shared import metrics, protocol
 from shared.membership import Member, read_events
 from shared.service import EXIT_FATAL, ServiceContext
