@@ -43,15 +43,22 @@ def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, A
     return {k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}
 
 
-def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2) -> dict[str, Any]:
+def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2, attempts: int = 2) -> dict[str, Any]:
+    """torchrun --standalone now and then fails to start its group here (1 run in ~20); one retry, counted."""
     out = work / f"ddp-{tag}.json"
     argv = [C.PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(SCRIPT),
             "--workload", wl, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
-    rc = C.run_checked(argv, timeout=600, log_path=work / f"ddp-{tag}.log")
-    if rc != 0:
-        raise RuntimeError(f"torchrun failed ({rc}); see {work / f'ddp-{tag}.log'}")
+    for attempt in range(1, attempts + 1):
+        log_path = work / f"ddp-{tag}-{attempt}.log"
+        rc = C.run_checked(argv, timeout=600, log_path=log_path)
+        if rc == 0:
+            break
+        C.log(f"torchrun failed ({rc}), attempt {attempt}/{attempts}; last lines of {log_path}:\n"
+              + "\n".join(log_path.read_text(errors="replace").splitlines()[-8:]))
+    else:
+        raise RuntimeError(f"torchrun failed {attempts} times ({rc}); see {log_path}")
     r = json.loads(out.read_text())
-    return {k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}
+    return {**{k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}, "attempts": attempt}
 
 
 def cmemi(work: Path, wl: str, steps: int, warmup: int, workers: int, tag: str) -> dict[str, Any]:
