@@ -109,22 +109,21 @@ def test_services_show_their_role_and_run_with_huge_pages(tmp_path: Path) -> Non
     glibc's malloc was told to use transparent huge pages for large buffers (see cmemi/cli.py)."""
     import os
 
-    from tests.chaos import Cluster
+    from tests.chaos import Cluster, poll
 
     c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
                 "cluster.spare_workers=0")
     try:
-        c.wait_step(3)
-        seen = 0
-        for role in ("aggregator", "worker", "checkpointer"):
-            for ident, rec in c.members(role).items():
-                seen += 1
-                pid = int(rec["pid"])
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                assert b"cmemi" in cmdline and role.encode() in cmdline, (role, cmdline)
-                environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv)
-                if os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-                    assert b"glibc.malloc.hugetlb=1" in environ.get(b"GLIBC_TUNABLES", b""), (role, ident)
-        assert seen == 4  # aggregator, 2 workers, checkpointer
+        def running() -> list[tuple[str, dict[str, str]]] | None:
+            found = [(role, rec) for role in ("aggregator", "worker", "checkpointer") for rec in c.members(role).values()]
+            return found if len(found) == 4 else None
+
+        for role, rec in poll(running, 120, "aggregator, 2 workers and checkpointer running"):
+            pid = int(rec["pid"])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert b"cmemi" in cmdline and role.encode() in cmdline, (role, cmdline)
+            environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if kv)
+            if os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+                assert b"glibc.malloc.hugetlb=1" in environ.get(b"GLIBC_TUNABLES", b""), (role, rec["id"])
     finally:
         c.close()
