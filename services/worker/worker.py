@@ -119,6 +119,7 @@ class Worker:
                 if msg.type == "welcome":
                     self.term = msg.header["term"]
                     self.version = -1  # a new term may have rolled back: always take its parameters
+                    self.lost_reply = False  # the caller asks for work next anyway
                     self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"])
                     return
                 self._handle_reject_or_stop(msg)
