@@ -1,0 +1,89 @@
+"""A real worker process against a scripted aggregator (a ROUTER socket in the test): parameters land in
+the model in place, and a corrupted reply makes the worker ask again for a full set instead of hanging."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from shared import protocol
+from shared.config import load_config
+from shared.data import fetch, microbatch_indices, microbatch_seed
+from shared.keys import Keys
+from shared.membership import connect
+from shared.plugins import build_model, resolve
+from tests.conftest import DIGITS, ROOT, cmemi_cmd
+
+pytestmark = pytest.mark.integration
+
+RUN = "scripted"
+TERM = 7
+
+
+def recv(router: zmq.Socket, timeout: float = 60) -> tuple[bytes, protocol.Message]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if router.poll(100):
+            frames = router.recv_multipart(copy=False)
+            return frames[0].bytes, protocol.decode(frames[1:], RUN)
+    raise TimeoutError("the worker sent nothing")
+
+
+def work(params: dict[str, torch.Tensor], corrupt: bool = False) -> list:
+    parts = protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": 0, "scale": 1.0}, params)
+    if corrupt:  # one flipped byte in the middle of the largest tensor: its checksum no longer matches
+        i = max(range(1, len(parts)), key=lambda j: parts[j].nbytes)
+        data = bytearray(parts[i])
+        data[len(data) // 2] ^= 0xFF
+        parts[i] = data
+    return parts
+
+
+def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_path: Path) -> None:
+    cfg = load_config(DIGITS, [f"run.name={RUN}"])
+    model = build_model(cfg)
+    with torch.no_grad():  # not the initial weights the worker builds itself: proves they were received
+        for p in model.parameters():
+            p.mul_(0.5)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    ds = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
+    x, y = fetch(ds, microbatch_indices(cfg.run.seed, len(ds), cfg.train.global_batch, cfg.train.microbatches, 0, 0))
+    torch.default_generator.manual_seed(microbatch_seed(cfg.run.seed, 0, 0))
+    expected_loss = float(resolve(cfg.train.loss, "train.loss")(model(x), y).detach())
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    addr = protocol.bind(router, "127.0.0.1", 0)
+    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
+    log = open(tmp_path / "worker.log", "w")
+    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
+                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}"),
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        ident, msg = recv(router)
+        assert msg.type == "hello" and msg.header["wid"] == "w0"
+        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
+                      ident)
+        ident, msg = recv(router)
+        assert msg.type == "want" and msg.header["version"] == -1
+        router.send_multipart([ident, *work(params, corrupt=True)])
+        ident, msg = recv(router)  # the bad message was dropped; the worker holds no valid version now
+        assert msg.type == "want" and msg.header["version"] == -1, msg.header
+        protocol.send(router, work(params), ident)
+        ident, msg = recv(router)
+        assert msg.type == "grad" and (msg.header["step"], msg.header["m"], msg.header["version"]) == (0, 0, 0)
+        assert msg.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
+        protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        ctx.destroy(linger=0)
+    assert "bad_checksum" in (tmp_path / "worker.log").read_text()
