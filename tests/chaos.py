@@ -38,7 +38,8 @@ class Cluster:
                                      stderr=subprocess.STDOUT)
         info = poll(lambda: self._info(), 60, "cluster.json")
         self.redis: redis.Redis = connect(info["redis"])
-        self.keys = Keys(info["run"])
+        self.run = info["run"]
+        self.keys = Keys(self.run)
         self.redis_url = info["redis"]
 
     def _info(self) -> dict[str, Any] | None:

@@ -607,3 +607,60 @@ def _pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
     except OSError:
         return True
+
+
+def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path, reference: str) -> None:
+    """A worker with the right dataset (so it is admitted) answers its leases with NaN gradients. The
+    aggregator checks each step's sum, not every message: the poisoned sum is caught, the step collected
+    again with each gradient checked (the NaN ones dropped and counted), and the run ends bitwise as a
+    fault-free one."""
+    import torch
+
+    from shared.codecs import make_codec
+    from shared.config import CompressionConfig, load_config
+    from shared.data import fingerprint
+    from shared.plugins import build_model, resolve
+    from tests.conftest import DIGITS
+
+    cfg = load_config(DIGITS)
+    fp = fingerprint(resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs))
+    shapes = {n: p.shape for n, p in build_model(cfg).named_parameters()}
+    codec = make_codec(CompressionConfig())
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=1", "cluster.spare_workers=0")
+    ctx = zmq.Context()
+    try:
+        c.wait_step(20)
+        agg = c.redis.hgetall(c.keys.aggregator)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(agg["addr"])
+        me = {"wid": "mallory", "inc": 10**12}
+
+        def reply(mtype: str) -> protocol.Message:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if sock.poll(100):
+                    msg = protocol.decode(sock.recv_multipart(copy=False), c.run)
+                    assert msg.type == mtype, msg.header
+                    return msg
+            raise TimeoutError(f"no {mtype} from the aggregator")
+
+        run = c.run
+        protocol.send(sock, protocol.encode("hello", run, {**me, "fp": fp, "host": "evil"}))
+        term = reply("welcome").header["term"]
+        protocol.send(sock, protocol.encode("want", run, {**me, "term": term, "version": -1}))
+        for _ in range(5):
+            h = reply("work").header
+            info, frames = codec.encode({n: torch.full(s, float("nan")) for n, s in shapes.items()}, h["step"])
+            protocol.send(sock, protocol.encode("grad", run, {
+                **me, "term": term, "step": h["step"], "m": h["m"], "version": h["version"], "loss": 0.0, "n": 16,
+                "finite": True, "codec": info, "encode_s": 0.0}, frames))
+        protocol.send(sock, protocol.encode("leave", run, me))  # its leases go back at once
+    finally:
+        rc = c.wait()
+        ctx.destroy(linger=0)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["dropped_messages"].get("nonfinite_step", 0) >= 1 and s["dropped_messages"].get("codec_nonfinite", 0) >= 1, \
+        s["dropped_messages"]
+    assert s["params_sha256"] == reference, "a NaN gradient changed the parameters"

@@ -23,9 +23,10 @@ class Lease:
 
 
 class StepCollector:
-    def __init__(self, step: int, microbatches: int) -> None:
+    def __init__(self, step: int, microbatches: int, strict: bool = False) -> None:
         self.step = step
         self.M = microbatches
+        self.strict = strict  # a second collection of a step whose sum was not finite: check each gradient
         self.pending: deque[int] = deque(range(microbatches))
         self.leases: dict[int, Lease] = {}
         self.received: set[int] = set()

@@ -24,7 +24,7 @@ from services.aggregator.publish import Publisher
 from services.aggregator.snapshots import CheckpointerLink
 from services.aggregator.trainer import Trainer
 from shared import metrics, protocol, state
-from shared.codecs import CodecError, make_codec
+from shared.codecs import CodecError, all_finite, make_codec
 from shared.config import ConfigError
 from shared.data import data_error, fingerprint
 from shared.membership import Member, allocate
@@ -56,7 +56,8 @@ class Aggregator:
         except Exception as exc:  # user data code may raise anything: report it in one line
             ctx.fatal(data_error("aggregator", cfg, exc))
         self.M = cfg.train.microbatches
-        self.codec = make_codec(cfg.compression)  # decode side: stateless
+        # Decode side, stateless. NaN/inf is checked once per step on the sum, not per message (see _apply_step).
+        self.codec = make_codec(cfg.compression, check_finite=False)
         self.total = cfg.train.steps
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
@@ -253,6 +254,8 @@ class Aggregator:
                 return
         if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
+        elif grads is not None and self.collector.strict and not all_finite(grads.values()):
+            self._drop("codec_nonfinite", f"{info.wid}: step {h['step']} m {h['m']}: NaN or inf in the gradient")
         elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]))) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
@@ -326,6 +329,18 @@ class Aggregator:
 
     def _apply_step(self) -> None:
         grads, loss = self.collector.mean()
+        if grads is not None and not all_finite(grads.values()):
+            # Honest workers never send NaN/inf (they stop the run, or flag an fp16 overflow), so one pass over
+            # the sum replaces a pass over every gradient. If it fails, the step is collected again with each
+            # gradient checked on arrival: the bad ones are dropped and counted, the others recomputed (bitwise
+            # the same). Still not finite then: the sum of finite gradients overflows, the run diverged.
+            if self.collector.strict:
+                self.ctx.fatal(f"the summed gradient of step {self.trainer.step + 1} is not finite (it overflows); "
+                               "the run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
+            self._drop("nonfinite_step", f"step {self.collector.step}: collecting it again, checking each gradient")
+            self.collector = StepCollector(self.collector.step, self.M, strict=True)
+            self._serve_parked()
+            return
         try:
             self.trainer.apply(grads)
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
