@@ -18,7 +18,7 @@ def field_docs() -> dict[tuple[str, str], str]:
             for st, nxt in zip(node.body, node.body[1:]):  # noqa: B905 - pairs of neighbours
                 if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and isinstance(nxt, ast.Expr)
                         and isinstance(nxt.value, ast.Constant)):
-                    docs[(node.name, st.target.id)] = nxt.value.value
+                    docs[(node.name, st.target.id)] = " ".join(nxt.value.value.split())  # one table row
     return docs
 
 

@@ -327,6 +327,13 @@ class Config:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Workers' forward/backward precision: fp32, bf16 (autocast) or fp16 (autocast + dynamic loss scaling
     coordinated by the aggregator, like torch.amp.GradScaler). Master weights and optimizer state stay fp32."""
+    device: str = "auto"
+    """Where workers compute: auto (a GPU if torch sees one, else cpu), cpu, cuda (one GPU per worker: w0 on
+    cuda:0, w1 on cuda:1, ... modulo the host's GPU count) or cuda:N. The aggregator's optimizer runs on its CPU."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            _fail("device", self.device, "must be auto, cpu, cuda or cuda:N", "use auto")
 
 
 # ---------------------------------------------------------------- building from plain data

@@ -35,6 +35,7 @@ def test_example_config_loads_and_round_trips(tmp_path: Path) -> None:
     ({"cluster": {"dead_after": 0.1}}, None, "cluster.dead_after"),
     ({"cluster": {"redis": "localhost:6379"}}, None, "must be a redis:// or rediss:// URL"),
     ({"precision": "fp8"}, None, "precision"),
+    ({"device": "gpu"}, None, "config field 'device' = 'gpu': must be auto, cpu, cuda or cuda:N"),
     ({"checkpoint": {"keep_last": 0}}, None, "checkpoint.keep_last"),
 ])
 def test_bad_values_name_field_and_fix(section: dict, value: None, expected: str) -> None:

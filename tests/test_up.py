@@ -96,6 +96,14 @@ def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
     assert "has a different dataset" in error and "on host" in error and "same data on every host" in error
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+def test_a_gpu_requested_where_there_is_none_is_one_clear_line(tmp_path: Path) -> None:
+    r = run_up(tmp_path / "run", *FAST, "device=cuda", timeout=120)
+    assert r.rc == 1
+    error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
+    assert "'device' = 'cuda'" in error and "sees no CUDA GPU" in error and "device: cpu" in error
+
+
 def test_existing_run_dir_needs_resume_or_overwrite(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -16,6 +16,7 @@ import structlog
 import torch
 import zmq
 
+from services.worker.device import DeviceError, make_deterministic, pick_device, to_device
 from shared import protocol
 from shared.codecs import all_finite, make_codec
 from shared.config import ConfigError
@@ -50,6 +51,8 @@ class Worker:
         self.codec = make_codec(cfg.compression)
         self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.device = torch.device("cpu")
+        self.inbox = self.params  # where received parameters land: the model itself on a CPU
         self.version = -1
         self.term = -1
         self.lost_reply = False
@@ -75,6 +78,14 @@ class Worker:
         """Take identity `wid`: register (new incarnation) and start heartbeating."""
         self.wid = wid
         cfg = self.cfg
+        try:  # the GPU follows the worker id, so it is known only now (a spare loads on the CPU)
+            self.device = pick_device(cfg.device, wid)
+        except DeviceError as exc:
+            self.ctx.fatal(str(exc))
+        if self.device.type != "cpu":
+            make_deterministic(self.device)
+            self.model.to(self.device)
+            self.inbox = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in self.params.items()}
         self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         self.inc = self.member.incarnation
@@ -136,7 +147,7 @@ class Worker:
         if not self.sock.poll(timeout_ms):
             return None
         try:  # new parameters land straight in the model's tensors
-            return protocol.recv(self.sock, self.ctx.run, self.cfg.cluster.checksum, into=self.params)
+            return protocol.recv(self.sock, self.ctx.run, self.cfg.cluster.checksum, into=self.inbox)
         except protocol.ProtocolError as exc:
             # A reply was lost (and parameters may be half-written): ask again, for a full set of parameters.
             self.log.warning("message dropped", reason=exc.reason, detail=str(exc)[:200])
@@ -215,7 +226,7 @@ class Worker:
         if msg.tensors:
             with torch.no_grad():
                 for name, p in self.params.items():
-                    if msg.tensors[name] is not p:  # usually received in place already
+                    if msg.tensors[name] is not p:  # on a CPU they were received in place already
                         p.copy_(msg.tensors[name])
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
@@ -236,12 +247,15 @@ class Worker:
         """Gradient of microbatch (step, m), unscaled (fp16: the loss is multiplied by `scale` first)."""
         cfg = self.cfg
         idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
-        x, y = fetch(self.dataset, idx)
+        x, y = to_device(fetch(self.dataset, idx), self.device)
         # (torch.manual_seed would also queue CUDA seeding, capturing a Python stack each call: 8% of a small step)
-        torch.default_generator.manual_seed(microbatch_seed(cfg.run.seed, step, m))
+        seed = microbatch_seed(cfg.run.seed, step, m)
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.default_generators[self.device.index].manual_seed(seed)
         for p in self.params.values():
             p.grad = None
-        with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             loss = self.loss_fn(self.model(x), y)
         if self.cfg.precision == "fp16":
             # Scale by scale/M: fp16 intermediates then have the magnitudes of a single-process run over
