@@ -6,7 +6,7 @@
    time of the steps that follow a snapshot against the others (the stall training actually sees, the
    checkpointer's disk work on the shared cores included), and the disk use of RUN_DIR/checkpoints
    after the run against K (+ the final checkpoint).
-2. The store alone (services.checkpointer.store.CheckpointStore.write: safetensors, sha256 manifest,
+2. The store alone (services.checkpointer.store.CheckpointStore.write: safetensors, xxh3-128 manifest,
    fsyncs, atomic rename) for 1 MB .. 1 GB of float32 parameters, against a plain write+fsync of the
    same bytes, and the restore (verify + load) throughput.
 
@@ -161,8 +161,8 @@ def main() -> None:
             "visible_stall_s: median step time of the steps right after a snapshot minus the median of the others "
             "(2 shared cores: the checkpointer's hashing/writing competes with training for CPU)",
             "a checkpoint holds parameters + optimizer state (SGD momentum: about 2x the parameter bytes)",
-            "store: CheckpointStore.write = safetensors files + sha256 manifest + fsyncs + atomic rename; "
-            "raw = one write() of the same bytes + fsync; restore = verify (sha256) + load",
+            "store: CheckpointStore.write = safetensors files + xxh3-128 manifest + fsyncs + atomic rename; "
+            "raw = one write() of the same bytes + fsync; restore = verify (xxh3-128) + load",
         ]
     except BaseException as exc:
         C.record_error(result, exc)

@@ -60,6 +60,20 @@ def grad_fields(m: int) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k in schema}
 
 
+def grad_messages(grads: dict[str, Any], variant: str, checksum: bool) -> list[list[Any]]:
+    """The M `grad` messages of one step, encoded as a worker would (codec `none`)."""
+    from shared import protocol
+
+    codec = codec_for(variant)
+    msgs = []
+    for m in range(M):
+        fields, tensors = grad_fields(m), grads
+        if codec is not None and "codec" in protocol.SCHEMAS["grad"]:
+            fields["codec"], tensors = codec.encode(grads, 0)
+        msgs.append(protocol.encode("grad", RUN, fields, tensors, checksum))
+    return msgs
+
+
 def _parts(size: int) -> list[int]:
     n = size // 4
     return [n // 2, n // 4, n // 8, n - n // 2 - n // 4 - n // 8]
@@ -99,16 +113,7 @@ def sender(data_addr: str, ctl_addr: str) -> None:
         key = (variant, size)
         if key not in cache:
             cache.clear()  # keep one size in memory
-            grads = make_grads(size)
-            checksum = variant in ("protocol", "protocol_check_each")
-            codec = codec_for(variant)
-            msgs = []
-            for m in range(M):
-                fields, tensors = grad_fields(m), grads
-                if codec is not None and "codec" in protocol.SCHEMAS["grad"]:
-                    fields["codec"], tensors = codec.encode(grads, 0)
-                msgs.append(protocol.encode("grad", RUN, fields, tensors, checksum))
-            cache[key] = msgs
+            cache[key] = grad_messages(make_grads(size), variant, checksum=variant in ("protocol", "protocol_check_each"))
         rep.send_string("go")
         msgs = cache[key]
         for i in range(count):
@@ -175,12 +180,7 @@ def stage_breakdown(size: int, reps: int) -> dict[str, float]:
     grads = make_grads(size)
     shapes = {k: tuple(v.shape) for k, v in grads.items()}
     codec = codec_for("protocol")
-    batch = []
-    for m in range(M):
-        fields, tensors = grad_fields(m), grads
-        if codec is not None and "codec" in protocol.SCHEMAS["grad"]:
-            fields["codec"], tensors = codec.encode(grads, 0)
-        batch.append(protocol.encode("grad", RUN, fields, tensors, True))
+    batch = grad_messages(grads, "protocol", checksum=True)
     gb = size * M * reps / 1e9
     out: dict[str, float] = {}
 
