@@ -183,27 +183,22 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         r, k = self.ctx.redis, self.ctx.keys
         try:
-            pipe = r.pipeline(transaction=False)
+            # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
+            # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
+            pipe = r.pipeline(transaction=True)
+            member_prefix = k.member("", "")[:-1]  # ...:member:
             for key in r.scan_iter(match=k.member("*", "*"), count=500):
+                role, _, ident = key[len(member_prefix):].partition(":")
                 pipe.hgetall(key)
-            suspects = []
-            for record in pipe.execute():
-                if not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
+                pipe.exists(k.heartbeat(role, ident))
+            replies = pipe.execute()
+            for record, alive in zip(replies[::2], replies[1::2], strict=True):
+                if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
                     continue
-                role, ident, inc = record["role"], record["id"], int(record["incarnation"])
+                role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
                 if self.declared.get((role, ident), 0) >= inc:
                     continue
                 if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
-                    continue
-                suspects.append((role, ident, inc, int(record.get("pid", 0))))
-            if not suspects:
-                return
-            pipe = r.pipeline(transaction=False)
-            for role, ident, _, _ in suspects:
-                pipe.exists(k.heartbeat(role, ident))
-            beating = pipe.execute()
-            for (role, ident, inc, pid), alive in zip(suspects, beating, strict=True):
-                if alive:
                     continue
                 child = self.children.get(f"{role}:{ident}")
                 if child is not None and child.popen is not None and child.popen.pid == pid and child.alive:
