@@ -21,7 +21,7 @@ $(VENV)/.torch: | $(BIN)/python
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml $(VENV)/.torch
-	$(BIN)/pip install --quiet -e ".[examples]"
+	$(BIN)/pip install --quiet -e ".[all]"
 	@touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
@@ -29,7 +29,7 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	@touch $@
 
 $(VENV)/.bench: pyproject.toml $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[examples,bench]"
+	$(BIN)/pip install --quiet -e ".[all,bench]"
 	@touch $@
 
 install: $(VENV)/.installed

@@ -81,7 +81,7 @@ def real_run(work: Path, params: int, steps: int, every: int, keep_last: int) ->
 def store_sizes(work: Path, size_mib: float, repeats: int) -> dict[str, Any]:
     import torch
 
-    from services.checkpointer.store import CheckpointStore
+    from cmemi.services.checkpointer.store import CheckpointStore
 
     nbytes = int(size_mib * (1 << 20))
     n = nbytes // 4

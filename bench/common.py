@@ -442,7 +442,7 @@ class CmemiRun:
     @property
     def redis(self):
         if self._redis is None:
-            from shared.membership import connect
+            from cmemi.shared.membership import connect
 
             info = poll(self._info, 120, "cluster.json of the run")
             self._redis = connect(info["redis"])
@@ -457,7 +457,7 @@ class CmemiRun:
 
     @property
     def keys(self):
-        from shared.keys import Keys
+        from cmemi.shared.keys import Keys
 
         return Keys(self.name)
 
@@ -500,7 +500,7 @@ class CmemiRun:
 
     def kill(self, role: str, ident: str, sig: int = signal.SIGKILL) -> tuple[int, float]:
         """Record a `fault_injected` event (as tests/chaos.py does), then signal the process. Returns (pid, t)."""
-        from shared.membership import emit
+        from cmemi.shared.membership import emit
 
         rec = self.member(role, ident)
         pid = int(rec["pid"])

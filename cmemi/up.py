@@ -19,10 +19,10 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
-from services.coordinator.supervisor import _die_with_parent, service_argv
-from shared.config import Config, ConfigError, dump_config
-from shared.keys import Keys
-from shared.membership import connect, wait_for_redis
+from cmemi.services.coordinator.supervisor import _die_with_parent, service_argv
+from cmemi.shared.config import Config, ConfigError, dump_config
+from cmemi.shared.keys import Keys
+from cmemi.shared.membership import connect, wait_for_redis
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> Path:

@@ -22,9 +22,9 @@ def main() -> int:
         print("usage: cmemi-healthcheck {coordinator,aggregator,checkpointer,worker}", file=sys.stderr)
         return 2
     role = sys.argv[1]
-    from shared.config import load_config
-    from shared.keys import Keys
-    from shared.membership import connect
+    from cmemi.shared.config import load_config
+    from cmemi.shared.keys import Keys
+    from cmemi.shared.membership import connect
 
     cfg = load_config(os.environ.get("CMEMI_CONFIG", "/app/examples/digits.yaml"))
     if not cfg.cluster.redis:

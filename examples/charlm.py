@@ -45,7 +45,7 @@ def _module_file(stdlib: str, name: str) -> str:
         if os.path.isfile(path):
             return path
     raise FileNotFoundError(f"the source of stdlib module {name!r} is not at {base}.py or {base}/__init__.py; "
-                            "examples.charlm needs a Python installation that ships its .py sources")
+                            "cmemi.examples.charlm needs a Python installation that ships its .py sources")
 
 
 @functools.lru_cache(maxsize=1)

@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from examples.digits import _split
+from cmemi.examples.digits import _split
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,4 @@
-"""A custom LR scheduler, plugged in by import path: `scheduler: {name: examples.schedules:WarmupCosine}`."""
+"""A custom LR scheduler, plugged in by import path: `scheduler: {name: cmemi.examples.schedules:WarmupCosine}`."""
 
 from __future__ import annotations
 

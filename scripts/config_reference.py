@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import typing
 
-from shared import config as C
+from cmemi.shared import config as C
 
 
 def field_docs() -> dict[tuple[str, str], str]:

@@ -35,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import torch
 
-from shared.config import CODECS, CompressionConfig, _fail
+from cmemi.shared.config import CODECS, CompressionConfig, _fail
 
 # Largest tensor decode will build when the caller does not pass the expected shapes (int32 indices).
 MAX_NUMEL = (1 << 31) - 1

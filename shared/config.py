@@ -36,7 +36,7 @@ def _import_path(path: str, value: str | None, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str) or ":" not in value:
-        _fail(path, value, "must be an import path 'package.module:attribute'", f"set {path} to e.g. 'examples.digits:make_model'")
+        _fail(path, value, "must be an import path 'package.module:attribute'", f"set {path} to e.g. 'cmemi.examples.digits:make_model'")
 
 
 @dataclass
@@ -60,7 +60,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     factory: str = ""
-    """Import path of a function returning a torch.nn.Module, e.g. 'examples.digits:make_model'."""
+    """Import path of a function returning a torch.nn.Module, e.g. 'cmemi.examples.digits:make_model'."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the model factory."""
 

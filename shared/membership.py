@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from shared.keys import Keys
+from cmemi.shared.keys import Keys
 
 
 def connect(url: str) -> redis.Redis:

@@ -3,9 +3,32 @@ Redis member record (`metrics_url`). Metrics are declared once here; each proces
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from typing import Any
 
-from shared.config import Config
+from cmemi.shared.config import Config
+from cmemi.shared.extras import require
+
+try:
+    from prometheus_client import Counter, Gauge, Histogram
+except ImportError:  # the 'prometheus' extra is optional: without it every metric is a no-op
+
+    class _NoMetric:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def labels(self, *args: Any) -> _NoMetric:
+            return self
+
+        def inc(self, amount: float = 1) -> None:
+            pass
+
+        def set(self, value: float) -> None:
+            pass
+
+        def observe(self, value: float) -> None:
+            pass
+
+    Counter = Gauge = Histogram = _NoMetric  # type: ignore[misc,assignment]
 
 STEPS = Counter("cmemi_steps", "Global steps applied by the aggregator")
 STEP_SECONDS = Histogram("cmemi_step_seconds", "Wall time of a global step",
@@ -25,6 +48,7 @@ def serve(cfg: Config) -> str | None:
     """Start the /metrics endpoint if enabled; returns its URL (for the member record)."""
     if not cfg.metrics.enabled:
         return None
-    server, _thread = start_http_server(cfg.metrics.port, addr=cfg.metrics.host)
+    prometheus = require("prometheus_client", "prometheus", "config field 'metrics.enabled: true'")
+    server, _thread = prometheus.start_http_server(cfg.metrics.port, addr=cfg.metrics.host)
     host, port = server.server_address[:2]
     return f"http://{host}:{port}/metrics"

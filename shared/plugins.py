@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared.config import Config, ConfigError
+from cmemi.shared.config import Config, ConfigError
 
 
 def resolve(path: str, field: str) -> Any:

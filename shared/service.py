@@ -17,12 +17,12 @@ from typing import Any
 import redis
 import structlog
 
-from shared import metrics
-from shared.config import Config, ConfigError, load_config
-from shared.keys import Keys
-from shared.log import setup_logging
-from shared.membership import connect, emit, wait_for_redis
-from shared.security import Curve, SecurityError, curve_from_config
+from cmemi.shared import metrics
+from cmemi.shared.config import Config, ConfigError, load_config
+from cmemi.shared.keys import Keys
+from cmemi.shared.log import setup_logging
+from cmemi.shared.membership import connect, emit, wait_for_redis
+from cmemi.shared.security import Curve, SecurityError, curve_from_config
 
 EXIT_FATAL = 2  # a user error: restarting will not help
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import redis
 
-from shared.keys import Keys
-from shared.membership import connect, emit
+from cmemi.shared.keys import Keys
+from cmemi.shared.membership import connect, emit
 from tests.conftest import DIGITS, ROOT, up_args
 
 

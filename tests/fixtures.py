@@ -7,7 +7,7 @@ import sys
 import torch
 from torch.utils.data import TensorDataset
 
-from examples.digits import make_dataset
+from cmemi.examples.digits import make_dataset
 
 
 def file_dataset(path: str) -> TensorDataset:
@@ -32,7 +32,7 @@ def slow_mlp(delay: float = 0.2, **kwargs):
     import os
     import time
 
-    from examples.digits import make_model
+    from cmemi.examples.digits import make_model
 
     model = make_model(**kwargs)
     if os.environ.get("CMEMI_TEST_SLOW_WORKER") == "1":

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.coordinator.supervisor import _die_with_parent
+from cmemi.services.coordinator.supervisor import _die_with_parent
 
 PREFIX = "cmemi-nt"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-")
@@ -37,7 +37,7 @@ _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-")
 
 def gated_mlp(**kwargs):
     """The digits MLP; in a process with CMEMI_TEST_GATE=PATH, forward passes wait while PATH exists."""
-    from examples.digits import make_model
+    from cmemi.examples.digits import make_model
 
     model = make_model(**kwargs)
     gate = os.environ.get("CMEMI_TEST_GATE")

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
-from services.checkpointer.store import CheckpointStore
+from cmemi.services.checkpointer.store import CheckpointStore
 from tests.chaos import Cluster, poll
 from tests.conftest import LONG, ROOT, cmemi_cmd, run_up
 

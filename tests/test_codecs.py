@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import codecs, protocol
-from shared.codecs import (
+from cmemi.shared import codecs, protocol
+from cmemi.shared.codecs import (
     CODECS,
     CodecError,
     CompressionConfig,
@@ -21,7 +21,7 @@ from shared.codecs import (
     ratio,
     wire_bytes,
 )
-from shared.config import ConfigError
+from cmemi.shared.config import ConfigError
 
 STATELESS = ("none", "fp16", "bf16", "int8")
 
@@ -561,7 +561,7 @@ def test_compressed_training_converges_like_uncompressed() -> None:
 
 
 def test_all_finite_is_exact() -> None:
-    from shared.codecs import all_finite
+    from cmemi.shared.codecs import all_finite
 
     assert all_finite([torch.randn(1000), torch.zeros(0), torch.tensor(3.0)])
     assert all_finite([torch.full((4,), 3e38)])  # finite values whose sum overflows are still finite

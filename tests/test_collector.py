@@ -1,4 +1,4 @@
-"""Leases and ordered summation: bitwise identical sums in any arrival order; leases move on death/expiry."""
+"""Leases and tree-ordered summation: bitwise identical sums in any arrival order; leases move on death/expiry."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from services.aggregator.collector import StepCollector
+from cmemi.services.aggregator.collector import StepCollector
 
 
 def grads(m: int) -> dict[str, torch.Tensor]:
@@ -23,7 +23,7 @@ def test_sum_is_bitwise_identical_for_every_arrival_order() -> None:
         mean, loss = c.mean()
         results.add((mean["w"].numpy().tobytes(), mean["b"].numpy().tobytes(), loss))
     assert len(results) == 1
-    expected = (grads(0)["w"] + grads(1)["w"] + grads(2)["w"] + grads(3)["w"]) / 4
+    expected = ((grads(0)["w"] + grads(1)["w"]) + (grads(2)["w"] + grads(3)["w"])) / 4  # the reduction tree
     assert torch.equal(torch.frombuffer(bytearray(results.pop()[0]), dtype=torch.float32), expected)
 
 

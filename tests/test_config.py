@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config, ConfigError, config_from_dict, dump_config, env_overrides, load_config
-from shared.plugins import build_optimizer, build_scheduler, check_plugins, resolve
+from cmemi.shared.config import Config, ConfigError, config_from_dict, dump_config, env_overrides, load_config
+from cmemi.shared.plugins import build_optimizer, build_scheduler, check_plugins, resolve
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 
-BASE = {"model": {"factory": "examples.digits:make_model"}, "data": {"factory": "examples.digits:make_dataset"}}
+BASE = {"model": {"factory": "cmemi.examples.digits:make_model"}, "data": {"factory": "cmemi.examples.digits:make_dataset"}}
 
 
 def cfg_with(**sections: dict) -> Config:
@@ -63,13 +63,13 @@ def test_set_overrides_any_field_and_env() -> None:
 
 
 def test_missing_factory_lists_what_module_has() -> None:
-    cfg = cfg_with(model={"factory": "examples.digits:make_modle"})
+    cfg = cfg_with(model={"factory": "cmemi.examples.digits:make_modle"})
     with pytest.raises(ConfigError) as err:
         check_plugins(cfg)
     msg = str(err.value)
     assert "model.factory" in msg and "Did you mean 'make_model'" in msg and "make_dataset" in msg
-    with pytest.raises(ConfigError, match="cannot import module 'examples.nope'"):
-        resolve("examples.nope:x", "model.factory")
+    with pytest.raises(ConfigError, match="cannot import module 'cmemi.examples.nope'"):
+        resolve("cmemi.examples.nope:x", "model.factory")
 
 
 def test_any_torch_optimizer_and_scheduler_by_name() -> None:
@@ -95,7 +95,7 @@ def test_any_torch_optimizer_and_scheduler_by_name() -> None:
 
 @pytest.mark.parametrize("args, expected", [
     (["--set", "cluster.workers=0"], "cluster.workers' = 0: must be >= 1"),
-    (["--set", "model.factory=examples.digits:nothing"], "has no attribute 'nothing'"),
+    (["--set", "model.factory=cmemi.examples.digits:nothing"], "has no attribute 'nothing'"),
     (["--set", "cluster.wrokers=2"], "unknown key 'cluster.wrokers'"),
 ])
 def test_cli_bad_config_is_one_line_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -112,8 +112,8 @@ def test_cli_missing_config_file() -> None:
 
 
 def test_yaml_exponent_floats_are_numbers(tmp_path: Path) -> None:
-    (tmp_path / "c.yaml").write_text("model: {factory: 'examples.digits:make_model'}\n"
-                                     "data: {factory: 'examples.digits:make_dataset'}\n"
+    (tmp_path / "c.yaml").write_text("model: {factory: 'cmemi.examples.digits:make_model'}\n"
+                                     "data: {factory: 'cmemi.examples.digits:make_dataset'}\n"
                                      "optimizer: {name: AdamW, kwargs: {lr: 3e-3}}\n")
     assert load_config(tmp_path / "c.yaml").optimizer.kwargs["lr"] == 0.003
     assert config_from_dict(BASE, ["optimizer.kwargs.lr=1e-4"]).optimizer.kwargs["lr"] == 1e-4

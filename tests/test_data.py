@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from shared.data import fetch, fingerprint, microbatch_indices, microbatch_seed
+from cmemi.shared.data import fetch, fingerprint, microbatch_indices, microbatch_seed
 
 
 def test_microbatches_partition_each_epoch() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.device import DeviceError, pick_device, to_device
+from cmemi.services.worker.device import DeviceError, pick_device, to_device
 
 
 def test_cpu_and_auto_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

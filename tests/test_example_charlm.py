@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from examples import charlm
+from cmemi.examples import charlm
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from cmemi.events import load_events
-from shared import protocol
+from cmemi.shared import protocol
 from tests.chaos import Cluster
 from tests.conftest import LONG
 
@@ -616,10 +616,10 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     fault-free one."""
     import torch
 
-    from shared.codecs import make_codec
-    from shared.config import CompressionConfig, load_config
-    from shared.data import fingerprint
-    from shared.plugins import build_model, resolve
+    from cmemi.shared.codecs import make_codec
+    from cmemi.shared.config import CompressionConfig, load_config
+    from cmemi.shared.data import fingerprint
+    from cmemi.shared.plugins import build_model, resolve
     from tests.conftest import DIGITS
 
     cfg = load_config(DIGITS)

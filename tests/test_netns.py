@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from cmemi.redis_server import redis_server_binary
-from shared.config import dump_config, load_config
+from cmemi.shared.config import dump_config, load_config
 from tests import netns
 from tests.conftest import DIGITS, ROOT
 

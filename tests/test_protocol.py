@@ -7,8 +7,8 @@ import pytest
 import torch
 import zmq
 
-from shared import protocol
-from shared.protocol import ProtocolError, decode, encode
+from cmemi.shared import protocol
+from cmemi.shared.protocol import ProtocolError, decode, encode
 
 RUN = "r1"
 

@@ -7,8 +7,8 @@ import time
 import torch
 import zmq
 
-from services.aggregator.publish import Publisher
-from shared import protocol
+from cmemi.services.aggregator.publish import Publisher
+from cmemi.shared import protocol
 
 RUN = "r1"
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import zmq
 
-from shared import protocol
-from shared.security import generate
+from cmemi.shared import protocol
+from cmemi.shared.security import generate
 from tests.chaos import Cluster, poll
 from tests.conftest import LONG
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from cmemi import cli, plot, status
-from shared.keys import Keys
-from shared.membership import connect
+from cmemi.shared.keys import Keys
+from cmemi.shared.membership import connect
 from tests.chaos import Cluster, poll
 from tests.conftest import ROOT, cmemi_cmd
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.checkpointer.store import CheckpointStore
-from shared import state
+from cmemi.services.checkpointer.store import CheckpointStore
+from cmemi.shared import state
 
 
 def write(store: CheckpointStore, step: int) -> Path:

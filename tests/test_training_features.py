@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.config import config_from_dict
-from shared.plugins import build_optimizer
+from cmemi.shared.config import config_from_dict
+from cmemi.shared.plugins import build_optimizer
 from tests.chaos import Cluster, poll
 from tests.conftest import DIGITS, FAST, run_up
 from tests.test_up import plain_loop
@@ -41,8 +41,8 @@ def test_clipping_matches_clip_grad_norm_in_one_process(tmp_path: Path, monkeypa
 
 
 def test_param_groups_by_regex() -> None:
-    cfg = config_from_dict({"model": {"factory": "examples.digits:make_model"},
-                            "data": {"factory": "examples.digits:make_dataset"},
+    cfg = config_from_dict({"model": {"factory": "cmemi.examples.digits:make_model"},
+                            "data": {"factory": "cmemi.examples.digits:make_dataset"},
                             "optimizer": {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
                                           "param_groups": [{"match": "bias$", "weight_decay": 0.0}]}})
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.config import load_config
-from shared.data import fetch, microbatch_indices
-from shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from cmemi.shared.config import load_config
+from cmemi.shared.data import fetch, microbatch_indices
+from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, resolve
 from tests.conftest import DIGITS, FAST, run_up
 
 pytestmark = pytest.mark.integration

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.aggregator.server import Aggregator
-from shared.service import common_parser, start_service
+from cmemi.services.aggregator.server import Aggregator
+from cmemi.shared.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

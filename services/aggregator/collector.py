@@ -3,8 +3,8 @@
 Microbatch m of step s is leased to one worker at a time. A lease that expires, or whose worker
 is declared dead, goes back to the pending queue and is handed to the next worker that asks.
 The first gradient to arrive for m is accepted (any worker computes it bitwise identically);
-every later one is a duplicate and is dropped. Accepted gradients are summed strictly in m order,
-so the sum is bitwise the same whatever order they arrive in.
+every later one is a duplicate and is dropped. Accepted gradients are summed by the fixed reduction
+tree of `shared.reduction`, so the sum is bitwise the same whatever order they arrive in.
 """
 
 from __future__ import annotations
@@ -13,6 +13,17 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from cmemi.shared.reduction import TreeAccumulator
+
+
+def add_into(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """a += b, tensor by tensor, in a's storage (an empty dict stands for an overflowed microbatch)."""
+    if not a or not b:
+        return a or b
+    for k, v in a.items():
+        v.add_(b[k])
+    return a
 
 
 @dataclass
@@ -30,10 +41,7 @@ class StepCollector:
         self.pending: deque[int] = deque(range(microbatches))
         self.leases: dict[int, Lease] = {}
         self.received: set[int] = set()
-        self._waiting: dict[int, dict[str, torch.Tensor]] = {}  # arrived out of order
-        self._next = 0
-        self._sum: dict[str, torch.Tensor] | None = None
-        self.loss_sum = 0.0
+        self._tree: TreeAccumulator = TreeAccumulator(microbatches, add_into)
         self._losses: dict[int, float] = {}
         self.overflow = False  # some microbatch overflowed: the step is skipped, like GradScaler does
 
@@ -77,26 +85,19 @@ class StepCollector:
             self.pending.remove(m)
         self._losses[m] = loss
         self.overflow |= grads is None
-        self._waiting[m] = grads or {}
-        while self._next in self._waiting:
-            g = self._waiting.pop(self._next)
-            if g and self._sum is None:
-                self._sum = g  # the received buffers become the accumulator: no copy, no fresh allocation
-            elif g:
-                for k, v in g.items():
-                    self._sum[k].add_(v)
-            self._next += 1
+        self._tree.add(m, m + 1, grads or {})  # received buffers become accumulators: no copy, no allocation
         return None
 
     def mean(self) -> tuple[dict[str, torch.Tensor] | None, float]:
         """The average gradient (None if any microbatch overflowed) and loss over the M microbatches."""
         if not self.complete:
             raise RuntimeError(f"step {self.step}: {len(self.received)}/{self.M} microbatches received")
-        if self.overflow or self._sum is None:
+        total = self._tree.result()
+        if self.overflow or not total:
             return None, float("inf")
-        for v in self._sum.values():
+        for v in total.values():
             v.div_(self.M)
         loss = 0.0
         for m in range(self.M):
             loss += self._losses[m]
-        return self._sum, loss / self.M
+        return total, loss / self.M

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from shared.config import Config
-from shared.plugins import build_model
+from cmemi.shared.config import Config
+from cmemi.shared.plugins import build_model
 
 
 class BackgroundEval:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import zmq
 
-from shared import protocol
+from cmemi.shared import protocol
 
 
 @dataclass

@@ -17,19 +17,19 @@ import redis
 import torch
 import zmq
 
-from services.aggregator import snapshots
-from services.aggregator.collector import StepCollector
-from services.aggregator.evaluation import BackgroundEval
-from services.aggregator.publish import Publisher
-from services.aggregator.snapshots import CheckpointerLink
-from services.aggregator.trainer import Trainer
-from shared import metrics, protocol, state
-from shared.codecs import CodecError, all_finite, make_codec
-from shared.config import ConfigError
-from shared.data import data_error, fingerprint
-from shared.membership import Member, allocate
-from shared.plugins import resolve
-from shared.service import ServiceContext
+from cmemi.services.aggregator import snapshots
+from cmemi.services.aggregator.collector import StepCollector
+from cmemi.services.aggregator.evaluation import BackgroundEval
+from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.snapshots import CheckpointerLink
+from cmemi.services.aggregator.trainer import Trainer
+from cmemi.shared import metrics, protocol, state
+from cmemi.shared.codecs import CodecError, all_finite, make_codec
+from cmemi.shared.config import ConfigError
+from cmemi.shared.data import data_error, fingerprint
+from cmemi.shared.membership import Member, allocate
+from cmemi.shared.plugins import resolve
+from cmemi.shared.service import ServiceContext
 
 
 @dataclass

@@ -15,10 +15,10 @@ import redis
 import torch
 import zmq
 
-from shared import protocol, state
+from cmemi.shared import protocol, state
 
 if TYPE_CHECKING:
-    from services.aggregator.server import Aggregator
+    from cmemi.services.aggregator.server import Aggregator
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from shared.config import Config
-from shared.plugins import build_model, build_optimizer, build_scheduler
+from cmemi.shared.config import Config
+from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 
 
 class LossScaler:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.checkpointer.server import Checkpointer
-from shared.service import common_parser, start_service
+from cmemi.services.checkpointer.server import Checkpointer
+from cmemi.shared.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,10 +8,10 @@ import time
 import redis
 import zmq
 
-from services.checkpointer.store import CheckpointStore
-from shared import metrics, protocol
-from shared.membership import Member
-from shared.service import ServiceContext
+from cmemi.services.checkpointer.store import CheckpointStore
+from cmemi.shared import metrics, protocol
+from cmemi.shared.membership import Member
+from cmemi.shared.service import ServiceContext
 
 
 class Checkpointer:

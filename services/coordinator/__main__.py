@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from services.coordinator.coordinator import Coordinator
-from shared.service import common_parser, start_service
+from cmemi.services.coordinator.coordinator import Coordinator
+from cmemi.shared.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

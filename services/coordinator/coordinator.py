@@ -15,7 +15,7 @@ import time
 import redis
 import zmq
 
-from services.coordinator.supervisor import (
+from cmemi.services.coordinator.supervisor import (
     HEALTHY_AFTER_S,
     Child,
     backoff,
@@ -23,9 +23,9 @@ from services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from shared import metrics, protocol
-from shared.membership import Member, read_events
-from shared.service import EXIT_FATAL, ServiceContext
+from cmemi.shared import metrics, protocol
+from cmemi.shared.membership import Member, read_events
+from cmemi.shared.service import EXIT_FATAL, ServiceContext
 
 EXIT_FENCED = 3
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
-from services.worker.worker import Worker
-from shared.service import common_parser, start_service
+from cmemi.services.worker.worker import Worker
+from cmemi.shared.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

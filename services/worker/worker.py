@@ -16,14 +16,14 @@ import structlog
 import torch
 import zmq
 
-from services.worker.device import DeviceError, make_deterministic, pick_device, to_device
-from shared import protocol
-from shared.codecs import all_finite, make_codec
-from shared.config import ConfigError
-from shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
-from shared.membership import Member
-from shared.plugins import build_model, resolve
-from shared.service import ServiceContext
+from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device, to_device
+from cmemi.shared import protocol
+from cmemi.shared.codecs import all_finite, make_codec
+from cmemi.shared.config import ConfigError
+from cmemi.shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
+from cmemi.shared.membership import Member
+from cmemi.shared.plugins import build_model, resolve
+from cmemi.shared.service import ServiceContext
 
 EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
