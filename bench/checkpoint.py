@@ -80,7 +80,6 @@ def real_run(work: Path, params: int, steps: int, every: int, keep_last: int) ->
 # ---------------------------------------------------------------------------------------- 2. the store
 def store_sizes(work: Path, size_mib: float, repeats: int) -> dict[str, Any]:
     import torch
-
     from cmemi.services.checkpointer.store import CheckpointStore
 
     nbytes = int(size_mib * (1 << 20))

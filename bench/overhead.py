@@ -149,8 +149,9 @@ def main() -> None:
             "compute_bound_cmemi_1w_vs_plain_le_1.10": (cb.get("cmemi_1w_vs_plain") or 99) <= 1.10,
             "compute_bound_cmemi_2w_vs_ddp_2p_le_1.00": (cb.get("cmemi_2w_vs_ddp_2p") or 99) <= 1.00,
         }
-        from bench.models import count_params
         from cmemi.shared.plugins import resolve
+
+        from bench.models import count_params
 
         result["model_params"] = {wl: count_params(resolve(WORKLOADS[wl]["model"]["factory"], "m")(
             **WORKLOADS[wl]["model"]["kwargs"])) for wl in results}

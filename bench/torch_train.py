@@ -27,10 +27,10 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-from bench.models import WORKLOADS  # noqa: E402
 from cmemi.shared.data import fetch, microbatch_indices  # noqa: E402
 from cmemi.shared.plugins import resolve  # noqa: E402
+
+from bench.models import WORKLOADS  # noqa: E402
 
 
 def append(path: str | None, rec: dict) -> None:

@@ -92,12 +92,12 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
+    from cmemi.shared.data import fetch, microbatch_indices
+    from cmemi.shared.plugins import resolve
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 
     from bench.models import WORKLOADS
-    from cmemi.shared.data import fetch, microbatch_indices
-    from cmemi.shared.plugins import resolve
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -90,7 +90,6 @@ def make_grads(size: int) -> dict[str, Any]:
 def sender(data_addr: str, ctl_addr: str) -> None:
     """Serve requests "variant size count" on a REP socket by sending `count` messages on PUSH."""
     import zmq
-
     from cmemi.shared import protocol
 
     C.pin_threads(1)

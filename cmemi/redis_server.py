@@ -11,8 +11,8 @@ from pathlib import Path
 
 import redis
 
-from cmemi.shared.extras import require
 from cmemi.services.coordinator.supervisor import _die_with_parent
+from cmemi.shared.extras import require
 
 
 def redis_server_binary() -> str:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 
 import torch
+from cmemi.examples.digits import _split
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-
-from cmemi.examples.digits import _split
 
 
 @functools.lru_cache(maxsize=1)

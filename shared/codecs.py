@@ -34,7 +34,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgpack
 import torch
-
 from cmemi.shared.config import CODECS, CompressionConfig, _fail
 
 # Largest tensor decode will build when the caller does not pass the expected shapes (int32 indices).

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import redis
-
 from cmemi.shared.keys import Keys
 
 

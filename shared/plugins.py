@@ -10,7 +10,6 @@ import warnings
 from typing import Any
 
 import torch
-
 from cmemi.shared.config import Config, ConfigError
 
 

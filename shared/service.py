@@ -16,7 +16,6 @@ from typing import Any
 
 import redis
 import structlog
-
 from cmemi.shared import metrics
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys

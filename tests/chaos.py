@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import connect, emit
+
 from tests.conftest import DIGITS, ROOT, up_args
 
 

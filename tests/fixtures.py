@@ -5,9 +5,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.utils.data import TensorDataset
-
 from cmemi.examples.digits import make_dataset
+from torch.utils.data import TensorDataset
 
 
 def file_dataset(path: str) -> TensorDataset:

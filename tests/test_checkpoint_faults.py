@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from cmemi.services.checkpointer.store import CheckpointStore
 
 from cmemi.redis_server import EmbeddedRedis
-from cmemi.services.checkpointer.store import CheckpointStore
 from tests.chaos import Cluster, poll
 from tests.conftest import LONG, ROOT, cmemi_cmd, run_up
 

@@ -8,9 +8,6 @@ import time
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from cmemi.shared import codecs, protocol
 from cmemi.shared.codecs import (
     CODECS,
@@ -22,6 +19,8 @@ from cmemi.shared.codecs import (
     wire_bytes,
 )
 from cmemi.shared.config import ConfigError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 STATELESS = ("none", "fp16", "bf16", "int8")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-
 from cmemi.services.aggregator.collector import StepCollector
 
 

@@ -6,9 +6,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from cmemi.shared.config import Config, ConfigError, config_from_dict, dump_config, env_overrides, load_config
 from cmemi.shared.plugins import build_optimizer, build_scheduler, check_plugins, resolve
+
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 
 BASE = {"model": {"factory": "cmemi.examples.digits:make_model"}, "data": {"factory": "cmemi.examples.digits:make_dataset"}}

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import Dataset, TensorDataset
-
 from cmemi.shared.data import fetch, fingerprint, microbatch_indices, microbatch_seed
+from torch.utils.data import Dataset, TensorDataset
 
 
 def test_microbatches_partition_each_epoch() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cmemi.services.worker.device import DeviceError, pick_device, to_device
 
 

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from cmemi.examples import charlm
 
 

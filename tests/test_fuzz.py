@@ -31,10 +31,10 @@ import msgpack
 import pytest
 import xxhash
 import zmq
+from cmemi.shared import protocol
 from zmq.utils.monitor import recv_monitor_message
 
 from cmemi.events import load_events
-from cmemi.shared import protocol
 from tests.chaos import Cluster
 from tests.conftest import LONG
 
@@ -615,11 +615,11 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     again with each gradient checked (the NaN ones dropped and counted), and the run ends bitwise as a
     fault-free one."""
     import torch
-
     from cmemi.shared.codecs import make_codec
     from cmemi.shared.config import CompressionConfig, load_config
     from cmemi.shared.data import fingerprint
     from cmemi.shared.plugins import build_model, resolve
+
     from tests.conftest import DIGITS
 
     cfg = load_config(DIGITS)

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cmemi.shared.config import dump_config, load_config
 
 from cmemi.redis_server import redis_server_binary
-from cmemi.shared.config import dump_config, load_config
 from tests import netns
 from tests.conftest import DIGITS, ROOT
 

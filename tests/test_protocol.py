@@ -6,7 +6,6 @@ import msgpack
 import pytest
 import torch
 import zmq
-
 from cmemi.shared import protocol
 from cmemi.shared.protocol import ProtocolError, decode, encode
 

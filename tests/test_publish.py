@@ -6,7 +6,6 @@ import time
 
 import torch
 import zmq
-
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.shared import protocol
 

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from cmemi.shared.reduction import TreeAccumulator, blocks, is_subtree, split, tree_reduce
 
 

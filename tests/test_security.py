@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-
 from cmemi.shared import protocol
 from cmemi.shared.security import generate
+
 from tests.chaos import Cluster, poll
 from tests.conftest import LONG
 

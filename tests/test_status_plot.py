@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from cmemi import cli, plot, status
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import connect
+
+from cmemi import cli, plot, status
 from tests.chaos import Cluster, poll
 from tests.conftest import ROOT, cmemi_cmd
 

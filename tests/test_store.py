@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import state
 

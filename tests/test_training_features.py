@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cmemi.shared.config import config_from_dict
 from cmemi.shared.plugins import build_optimizer
+from safetensors.torch import load_file
+
 from tests.chaos import Cluster, poll
 from tests.conftest import DIGITS, FAST, run_up
 from tests.test_up import plain_loop

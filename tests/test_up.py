@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from cmemi.shared.config import load_config
 from cmemi.shared.data import fetch, microbatch_indices
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from safetensors.torch import load_file
+
 from tests.conftest import DIGITS, FAST, run_up
 
 pytestmark = pytest.mark.integration

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-
 from cmemi.shared import protocol
 from cmemi.shared.config import load_config
 from cmemi.shared.data import fetch, microbatch_indices, microbatch_seed
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import connect
 from cmemi.shared.plugins import build_model, resolve
+
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 
 pytestmark = pytest.mark.integration

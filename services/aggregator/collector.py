@@ -13,7 +13,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-
 from cmemi.shared.reduction import TreeAccumulator
 
 

@@ -10,7 +10,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import zmq
-
 from cmemi.shared import protocol
 
 

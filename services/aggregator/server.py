@@ -16,7 +16,6 @@ from typing import Any
 import redis
 import torch
 import zmq
-
 from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 import torch
 import zmq
-
 from cmemi.shared import protocol, state
 
 if TYPE_CHECKING:

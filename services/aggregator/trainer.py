@@ -6,7 +6,6 @@ import hashlib
 from typing import Any
 
 import torch
-
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 

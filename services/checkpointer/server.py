@@ -7,7 +7,6 @@ import time
 
 import redis
 import zmq
-
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import metrics, protocol
 from cmemi.shared.membership import Member

@@ -14,7 +14,6 @@ import time
 
 import redis
 import zmq
-
 from cmemi.services.coordinator.supervisor import (
     HEALTHY_AFTER_S,
     Child,

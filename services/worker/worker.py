@@ -15,7 +15,6 @@ import redis
 import structlog
 import torch
 import zmq
-
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device, to_device
 from cmemi.shared import protocol
 from cmemi.shared.codecs import all_finite, make_codec
