@@ -156,6 +156,13 @@ COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _check
             "plot": _plot, "keys": _keys}
 
 
+def _user_code_importable() -> None:
+    """The user's packages (`mypkg.models:make_net`) import from the current directory, as under `python -m
+    cmemi` (how services start): an installed `cmemi` script's sys.path starts at its bin directory instead."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
+    _user_code_importable()
     if cmd in SERVICES:
         import importlib
 
