@@ -54,6 +54,12 @@ clean:
 compose-test:
 	bash scripts/compose_test.sh
 
+# docker/stack.yml on a single-node swarm (root; its own dockerd): workers scaled, one killed, the run must end
+# with the fault-free params_sha256. Reuses compose-test's image (builds it through compose-test if missing).
+.PHONY: swarm-test
+swarm-test:
+	bash scripts/swarm_test.sh
+
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
 # saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
 BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression

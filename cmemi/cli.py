@@ -152,15 +152,28 @@ def _keys(argv: list[str]) -> int:
     return 0
 
 
+def _logs(argv: list[str]) -> int:
+    from cmemi.logs import main as logs_main
+
+    return logs_main(argv)
+
+
 COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _checkpoints, "status": _status,
-            "plot": _plot, "keys": _keys}
+            "plot": _plot, "keys": _keys, "logs": _logs}
+
+
+def _user_code_importable() -> None:
+    """The user's packages (`mypkg.models:make_net`) import from the current directory, as under `python -m
+    cmemi` (how services start): an installed `cmemi` script's sys.path starts at its bin directory instead."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,events,scale,checkpoints,status,plot,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,events,scale,checkpoints,status,plot,keys,logs,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
               "  events RUN_DIR   each fault's recovery timeline\n"
               "  scale RUN_DIR N  add or remove workers of a running cluster\n"
@@ -169,12 +182,15 @@ def main(argv: list[str] | None = None) -> None:
               "  plot RUN_DIR [-o out.png]\n"
               "                   loss, eval, lr and throughput over time, faults marked\n"
               "  keys DIR         generate CurveZMQ key pairs (security.curve)\n"
+              "  logs RUN_DIR [ROLE] [-f]\n"
+              "                   the services' logs of a run (RUN_DIR/logs/), in time order\n"
               "  checkpoints list|verify|export RUN_DIR\n"
               "                   inspect, check and export checkpoints\n"
               "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
+    _user_code_importable()
     if cmd in SERVICES:
         import importlib
 

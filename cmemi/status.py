@@ -385,7 +385,9 @@ def collect(target: Target, n_events: int = 8, timeout: float = 2.0) -> dict[str
         except LookupError as exc:
             reason = f"{exc} (redis {target.redis_label})"
         except (redis.RedisError, OSError) as exc:
-            reason = f"cannot reach redis at {target.redis_label} ({_one_line(exc)})"
+            if target.run_dir is None or not (target.run_dir / "summary.json").is_file():
+                reason = f"cannot reach redis at {target.redis_label} ({_one_line(exc)})"
+            # else: the run completed and its Redis went with it (embedded): the files are the whole story
     if target.run_dir is not None and _has_files(target.run_dir):
         report = from_files(target.run_dir, n_events)
         report.update(run=target.run, redis=target.redis_label, run_dir=str(target.run_dir),

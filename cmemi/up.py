@@ -22,6 +22,7 @@ from cmemi.redis_server import EmbeddedRedis
 from cmemi.services.coordinator.supervisor import _die_with_parent, service_argv
 from cmemi.shared.config import Config, ConfigError, dump_config
 from cmemi.shared.keys import Keys
+from cmemi.shared.log import LOG_DIR_ENV
 from cmemi.shared.membership import connect, wait_for_redis
 
 
@@ -101,9 +102,10 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
         tmp.chmod(0o600)
         os.replace(tmp, run_dir / "cluster.json")
         coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
-                                                    "--supervise", "local"), preexec_fn=_die_with_parent)
+                                                    "--supervise", "local"), preexec_fn=_die_with_parent,
+                                       env={**os.environ, LOG_DIR_ENV: os.environ.get(LOG_DIR_ENV) or str(run_dir / "logs")})
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
-              f"(redis {'embedded' if embedded else url.split('@')[-1]})", flush=True)
+              f"(redis {'embedded' if embedded else url.split('@')[-1]}; service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.steps)
         while coordinator.poll() is None:
             if stopping:
@@ -128,13 +130,15 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
             pass
         if rc == 0 and state == "completed":
             summary = json.loads((run_dir / "summary.json").read_text())
-            print(f"cmemi: completed {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
+            print(f"cmemi: completed {summary['steps']} steps in {summary['wall_s']:.1f}s "
+                  f"({summary['samples_per_s'] or 0:.0f} samples/s), final loss "
                   f"{summary['final_loss']:.4f}, eval {summary['eval']}; summary: {run_dir / 'summary.json'}")
             return 0
         if stopping:
             print("cmemi: stopped before the run completed; continue it with --resume", file=sys.stderr)
             return 130
-        print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'}", file=sys.stderr)
+        print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'} "
+              f"(service logs: cmemi logs {run_dir})", file=sys.stderr)
         return 1
     finally:
         if coordinator is not None and coordinator.poll() is None:

@@ -1,16 +1,42 @@
-"""structlog setup: JSON lines when not on a terminal, readable colours on one. Bind service/worker/step once."""
+"""structlog setup: JSON lines when not on a terminal, readable colours on one. Bind service/worker/step once.
+
+With CMEMI_LOG_DIR set (`cmemi up` sets it to RUN_DIR/logs for every process it starts), each process
+writes its log, and anything else it prints to stderr (a traceback), to LOG_DIR/ROLE[-ID].log instead: the
+terminal keeps the progress line and what the user must act on; `cmemi logs RUN_DIR` reads the files.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import structlog
 
+LOG_DIR_ENV = "CMEMI_LOG_DIR"
+
+
+def log_file_name(service: str, ident: Any = None) -> str:
+    return f"{service}-{ident}.log" if ident else f"{service}.log"
+
+
+def _stderr_to_log_file(service: str, ident: Any) -> None:
+    """Point this process's stderr (fd 2: structlog, warnings, tracebacks) at its file in CMEMI_LOG_DIR, appended
+    to across restarts. Unset or '-': stderr stays where it is."""
+    log_dir = os.environ.get(LOG_DIR_ENV)
+    if not log_dir or log_dir == "-":
+        return
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(log_dir) / log_file_name(service, ident), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+
 
 def setup_logging(service: str, **bind: Any) -> structlog.stdlib.BoundLogger:
+    _stderr_to_log_file(service, bind.get("worker_id"))
     level = os.environ.get("CMEMI_LOG_LEVEL", "INFO").upper()
     renderer: Any = (structlog.dev.ConsoleRenderer(colors=True) if sys.stderr.isatty()
                      else structlog.processors.JSONRenderer())

@@ -109,4 +109,8 @@ class Cluster:
         return json.loads((self.run_dir / "summary.json").read_text())
 
     def output(self) -> str:
-        return Path(self.log.name).read_text()[-4000:]
+        """The tail of `cmemi up`'s output and of each service's log file (RUN_DIR/logs/)."""
+        tails = [Path(self.log.name).read_text()[-4000:]]
+        tails += [f"--- {p.name}\n" + p.read_text(errors="replace")[-1500:]
+                  for p in sorted((self.run_dir / "logs").glob("*.log"))]
+        return "\n".join(tails)

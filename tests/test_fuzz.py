@@ -588,8 +588,9 @@ def test_fuzzed_aggregator_stays_up_and_accepts_nothing(tmp_path: Path, referenc
 
 
 def crash_report(c: Cluster) -> str:
-    """The last traceback in the cluster's log (the services log to it), or its tail."""
-    text = Path(c.log.name).read_text(errors="replace")
+    """The last traceback in the services' logs (RUN_DIR/logs/) or `cmemi up`'s output, or their tail."""
+    text = "".join(p.read_text(errors="replace") for p in sorted((c.run_dir / "logs").glob("*.log")))
+    text += Path(c.log.name).read_text(errors="replace")
     at = text.rfind("Traceback")
     return "\n" + (text[at:at + 3000] if at >= 0 else text[-3000:])
 

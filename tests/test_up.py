@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from cmemi.shared.data import fetch, microbatch_indices
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, resolve
 from safetensors.torch import load_file
 
-from tests.conftest import DIGITS, FAST, run_up
+from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +37,31 @@ def test_run_completes_with_everything_in_the_run_dir(tmp_path: Path) -> None:
     assert effective.train.steps == 60 and effective.cluster.spare_workers == 0
     weights = load_file(str(r.run_dir / "model.safetensors"))
     assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"}
+
+    # the terminal gets the progress lines and the final line; the services' logs are files in the run dir
+    assert '"event"' not in r.stderr and '"event"' not in r.stdout, r.stderr[-2000:]
+    logs = {p.name for p in (r.run_dir / "logs").glob("*.log")}
+    assert {"coordinator.log", "aggregator.log", "checkpointer.log", "worker-w0.log", "worker-w1.log"} <= logs, logs
+    shown = subprocess.run(cmemi_cmd("logs", str(r.run_dir), "aggregator"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0 and "run completed" in shown.stdout and "worker-w0" not in shown.stdout, shown
+    raw = subprocess.run(cmemi_cmd("logs", str(r.run_dir), "--json"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60).stdout.splitlines()
+    services = {json.loads(line)["service"] for line in raw if line.startswith("{")}
+    assert services == {"aggregator", "checkpointer", "worker"}, services  # the coordinator is quiet without faults
+    stamps = [json.loads(line)["timestamp"] for line in raw if line.startswith("{")]
+    assert stamps == sorted(stamps)
+
+    # samples/s, one definition: summary = steps x global_batch / training wall time = the final line's figure,
+    # and the last progress line (published at the last step, over the whole run) agrees with it; the only
+    # difference is the few milliseconds between that publish and the summary's wall-clock reading
+    assert s["samples_per_s"] == pytest.approx(60 * 64 / s["wall_s"], rel=1e-9)
+    assert f"({s['samples_per_s']:.0f} samples/s)" in r.stdout
+    # (up polls progress every 0.25 s and the aggregator lingers 1 s after its last step: the line is there)
+    final = [line for line in r.stdout.splitlines() if line.startswith("step     60/60")]
+    assert final, r.stdout
+    shown_rate = float(final[-1].split(" samples/s")[0].split()[-1])
+    assert shown_rate == pytest.approx(s["samples_per_s"], rel=0.1), (final, s)
 
 
 def test_same_params_with_1_2_3_workers(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
+from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import metrics, protocol, state
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
@@ -95,6 +96,7 @@ class Aggregator:
         self.drops: Counter[str] = Counter()
         self._step_bytes_in = self._step_bytes_out = 0
         self.t_start: float | None = None
+        self.throughput = Throughput(cfg.train.global_batch)  # the progress line's samples/s
         self._t_step = time.monotonic()
         self.done = self.trainer.step >= self.total
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
@@ -394,7 +396,7 @@ class Aggregator:
             pipe = self.ctx.redis.pipeline(transaction=False)
             pipe.hset(self.ctx.keys.progress, mapping={
                 "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
-                "samples_s": f"{self.cfg.train.global_batch / dt:.1f}" if dt > 0 else "0",
+                "samples_s": f"{self.throughput.rate(step, self.wall_s(), whole_run=self.done):.1f}",
                 "bytes_s": f"{(self._step_bytes_in + self._step_bytes_out) / dt:.0f}" if dt > 0 else "0",
                 "live_workers": len(self.workers), "term": self.term, "t": time.time()})
             for worker, n in self._unpublished_mb.items():
