@@ -98,7 +98,8 @@ def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume(run_dir: Path, cfg: Config, force_config: bool) -> None:
     """--resume needs a checkpoint, and the config it was written with (fields in FREE_ON_RESUME aside)."""
-    if not CheckpointStore(run_dir / "checkpoints").list():
+    root = run_dir / "checkpoints"
+    if not root.is_dir() or not CheckpointStore(root).list():
         raise ConfigError(f"nothing to resume in {str(run_dir)!r}: it holds no checkpoint; start the run without "
                           "--resume (add --overwrite to replace what is there)")
     saved = run_dir / "config.yaml"

@@ -268,36 +268,34 @@ class Coordinator:
     # ------------------------------------------------------------------ liveness
     def _check_heartbeats(self) -> None:
         r, k = self.ctx.redis, self.ctx.keys
-        try:
-            # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
-            # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
-            pipe = r.pipeline(transaction=True)
-            member_prefix = k.member("", "")[:-1]  # ...:member:
-            for key in r.scan_iter(match=k.member("*", "*"), count=500):
-                role, _, ident = key[len(member_prefix):].partition(":")
-                pipe.hgetall(key)
-                pipe.exists(k.heartbeat(role, ident))
-            replies = pipe.execute()
-            if self.supervise == "local":
-                self._check_start_deadlines(replies[::2])
-            for record, alive in zip(replies[::2], replies[1::2], strict=True):
-                if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
-                    continue
-                role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
-                if self.declared.get((role, ident), 0) >= inc:
-                    continue
-                if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
-                    continue
-                child = self.children.get(f"{role}:{ident}")
-                if child is not None and child.pid == pid and child.alive:
-                    child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
-                    self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
-                    self._replace(child)
-                elif child is None or child.pid != pid:
-                    # not ours to restart (another host / orchestrator): detect, fence, re-admit later
-                    self._declare_dead(role, ident, how="heartbeat missing", pid=pid, inc=inc)
-        except redis.RedisError as exc:
-            self.log.warning("redis unavailable during liveness check", error=str(exc))
+        # A RedisError goes to run(), which says so once per outage and retries every 0.2 s.
+        # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
+        # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
+        pipe = r.pipeline(transaction=True)
+        member_prefix = k.member("", "")[:-1]  # ...:member:
+        for key in r.scan_iter(match=k.member("*", "*"), count=500):
+            role, _, ident = key[len(member_prefix):].partition(":")
+            pipe.hgetall(key)
+            pipe.exists(k.heartbeat(role, ident))
+        replies = pipe.execute()
+        if self.supervise == "local":
+            self._check_start_deadlines(replies[::2])
+        for record, alive in zip(replies[::2], replies[1::2], strict=True):
+            if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
+                continue
+            role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
+            if self.declared.get((role, ident), 0) >= inc:
+                continue
+            if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
+                continue
+            child = self.children.get(f"{role}:{ident}")
+            if child is not None and child.pid == pid and child.alive:
+                child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
+                self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
+                self._replace(child)
+            elif child is None or child.pid != pid:
+                # not ours to restart (another host / orchestrator): detect, fence, re-admit later
+                self._declare_dead(role, ident, how="heartbeat missing", pid=pid, inc=inc)
 
     def _check_start_deadlines(self, records: list[dict[str, str]]) -> None:
         """A started process must register (a member record with its pid) within cluster.start_timeout."""

@@ -45,6 +45,7 @@ class Child:
     adopted: int | None = None  # pid of a process started by an earlier coordinator (not our child)
     spare: bool = False
     registered: bool = False  # seen in Redis under this pid (the start deadline no longer applies)
+    launched: list[str] = field(default_factory=list)  # the running process's command line (a spare's differs from argv)
     _adopted_rc: int | None = None
 
     @property
@@ -80,11 +81,12 @@ class Child:
         preexec = None if os.environ.get("CMEMI_UP_PID") else _die_with_parent  # see the module docstring
         self.adopted, self._adopted_rc, self.registered = None, None, False
         self.popen = subprocess.Popen(self.argv, preexec_fn=preexec, env=env)
+        self.launched = list(self.argv)
         self.started_at = time.monotonic()
         self._open_pidfd(self.popen.pid)
 
-    def adopt(self, pid: int) -> None:
-        self.popen, self.adopted, self._adopted_rc = None, pid, None
+    def adopt(self, pid: int, launched: list[str]) -> None:
+        self.popen, self.adopted, self._adopted_rc, self.launched = None, pid, None, list(launched)
         self.started_at = time.monotonic()
         self._open_pidfd(pid)
 
@@ -178,8 +180,8 @@ def cmdline(pid: int) -> list[str] | None:
 
 def save_children(path: Path, children: list[Child]) -> None:
     """Record every running child (pid and command line) for a restarted coordinator to adopt."""
-    rows = [{"role": c.role, "ident": c.ident, "argv": c.argv, "pid": c.pid, "spare": c.spare,
-             "restarts": c.restarts} for c in children if c.alive]
+    rows = [{"role": c.role, "ident": c.ident, "argv": c.argv, "launched": c.launched, "pid": c.pid,
+             "spare": c.spare, "restarts": c.restarts} for c in children if c.alive]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rows))
     os.replace(tmp, path)
@@ -194,11 +196,12 @@ def load_children(path: Path) -> list[Child]:
     out = []
     for row in rows:
         pid = row.get("pid")
-        if not isinstance(pid, int) or cmdline(pid) != row["argv"]:
+        launched = row.get("launched") or row["argv"]
+        if not isinstance(pid, int) or cmdline(pid) != launched:
             continue
         c = Child(row["role"], row["ident"], list(row["argv"]), restarts=int(row.get("restarts", 0)),
                   spare=bool(row.get("spare")))
-        c.adopt(pid)
+        c.adopt(pid, launched)
         if c.alive:
             out.append(c)
     return out
