@@ -79,15 +79,16 @@ def spare_pids(c: Cluster) -> list[int]:
     return out
 
 
-def redis_pid(run_dir: Path) -> int | None:
-    marker = str(run_dir / "redis").encode()
+def redis_pid(c: Cluster) -> int | None:
+    """The embedded redis-server (it retitles itself "redis-server HOST:PORT")."""
+    marker = c.redis_url.rsplit("@", 1)[1].split("/")[0].encode()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                argv = (d / "cmdline").read_bytes().split(b"\0")
+                cmd = (d / "cmdline").read_bytes()
             except OSError:
                 continue
-            if argv and argv[0].endswith(b"redis-server") and marker in argv:
+            if b"redis-server" in cmd and marker in cmd:
                 return int(d.name)
     return None
 
@@ -105,10 +106,10 @@ def test_redis_killed_twice_and_one_run_per_directory(tmp_path: Path, reference:
         assert (run_dir / "config.yaml").is_file() and c.proc.poll() is None
         for target in (300, 700):
             c.wait_step(target)
-            pid = redis_pid(run_dir)
+            pid = redis_pid(c)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            poll(lambda pid=pid: (redis_pid(run_dir) or pid) != pid, 30, "redis-server restarted")
+            poll(lambda pid=pid: (redis_pid(c) or pid) != pid, 30, "redis-server restarted")
             poll(lambda t=target: c.step() > t + 50, 60, "training goes on after the Redis restart")
     finally:
         rc = c.wait()
