@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
+from cmemi.services.checkpointer.server import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared.config import Config, ConfigError, dump_config
 from cmemi.shared.keys import Keys
@@ -152,7 +153,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             print("cmemi: stopped before the run completed; continue it with --resume", file=sys.stderr)
             return 130
         print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'}", file=sys.stderr)
-        return 1
+        return 2 if error and error.startswith(DISK_FULL) else 1  # resumable once there is room
     finally:
         if sup is not None:
             sup.stop(grace=0)

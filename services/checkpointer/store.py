@@ -10,7 +10,9 @@ Layout under `RUN_DIR/checkpoints/`:
 A checkpoint is first written as `.tmp-step-…`, every file fsynced, the manifest written and
 fsynced, then the directory is renamed into place and its parent fsynced. Only a checkpoint that
 reached its final name is ever pointed at, so a crash at any moment leaves at worst a `.tmp-`
-leftover, removed at the next start.
+leftover, removed at the next start. A step written again (a restarted aggregator redid it) keeps the
+existing checkpoint if it verifies (training is deterministic: it is the same); only a damaged one,
+which nothing may point at, is replaced.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class CheckpointStore:
 
     def write(self, step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
         final = self.root / step_dir_name(step)
+        if final.exists() and self.verify(final) is None:
+            return final  # never remove a good checkpoint `latest` may name: keep it
         tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{time.monotonic_ns()}"
         tmp.mkdir()
         model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
@@ -98,7 +102,7 @@ class CheckpointStore:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_path(tmp / MANIFEST)
         _fsync_path(tmp)
-        if final.exists():  # the same step written again (a restarted aggregator redid it): replace
+        if final.exists():  # damaged (it did not verify above): nothing points at it, replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_path(self.root)
