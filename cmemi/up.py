@@ -37,7 +37,8 @@ from cmemi.supervise import (
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False) -> tuple[Path, RunLock]:
     run_dir = cfg.run.path.resolve()
     lock = RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
-    used = run_dir.exists() and any((run_dir / n).exists() for n in ("checkpoints", "summary.json", "metrics.jsonl"))
+    used = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) or any(
+        (run_dir / n).exists() for n in ("summary.json", "metrics.jsonl"))
     if used and not (resume or overwrite):
         raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue it, "
                           "--overwrite to start over, or choose another run.name / run.dir")

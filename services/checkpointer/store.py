@@ -17,6 +17,7 @@ which nothing may point at, is replaced.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 import xxhash
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "MANIFEST.json"
@@ -68,6 +70,15 @@ def _digest(path: Path, algorithm: str = "xxh3_128") -> str:
     return h.hexdigest()
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O errors as OSError (with errno ENOSPC for a full disk)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        full = "No space left" in str(exc) or "os error 28" in str(exc)
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"writing {path}: {exc}") from exc
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -92,8 +103,8 @@ class CheckpointStore:
         tmp.mkdir()
         model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         rest = {k: v for k, v in tensors.items() if not k.startswith("model.")}
-        save_file(model, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
-        save_file(rest, str(tmp / "state.safetensors"), metadata={"step": str(step)})
+        _save_file(model, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
+        _save_file(rest, tmp / "state.safetensors", metadata={"step": str(step)})
         (tmp / "meta.json").write_text(json.dumps(meta))
         manifest = {"step": step, "created": time.time(),
                     "files": {f: {"bytes": (tmp / f).stat().st_size, "xxh3_128": _digest(tmp / f)} for f in FILES}}
