@@ -57,11 +57,14 @@ def _up(argv: list[str]) -> int:
                    help="override a config field, e.g. --set cluster.workers=3 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
     p.add_argument("--overwrite", action="store_true", help="delete an earlier run in run.dir and start over")
+    p.add_argument("--force-config", action="store_true",
+                   help="with --resume: continue with a changed config (by default only fields that change no "
+                        "result, e.g. train.steps or cluster.*, may differ)")
     args = p.parse_args(argv)
     try:
         cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)
-        return up(cfg, resume=args.resume, overwrite=args.overwrite)
+        return up(cfg, resume=args.resume, overwrite=args.overwrite, force_config=args.force_config)
     except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2

@@ -42,13 +42,19 @@ class EmbeddedRedis:
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0, port: int | None = None) -> EmbeddedRedis:
-        """Start on a free port (or on `port`, e.g. to restart a server where its clients expect it)."""
+        """Start on a free port (or on `port`, e.g. to restart a server where its clients expect it).
+
+        Durability: an append-only file fsynced every second (`appendfsync everysec`), replayed on a restart,
+        so a killed redis-server loses at most the last second of writes, which every service rewrites anyway
+        (heartbeats, records, progress). A first start (no `port`) begins with no data."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if port is None:
+            (self.workdir / "appendonly.aof").unlink(missing_ok=True)
         binary = redis_server_binary()
         for _attempt in range(5):  # a free port can be taken between probing and binding: retry
             self.port = port or _free_port(self.host)
             self.proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
                  "--dir", str(self.workdir), "--requirepass", self.password, "--protected-mode", "yes",
                  "--logfile", str(self.workdir / "redis.log")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)

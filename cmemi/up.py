@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,25 +17,41 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
-from cmemi.services.coordinator.supervisor import _die_with_parent, service_argv
+from cmemi.services.checkpointer.server import DISK_FULL
+from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared.config import Config, ConfigError, dump_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import LOG_DIR_ENV
 from cmemi.shared.membership import connect, wait_for_redis
+from cmemi.supervise import (
+    RunLock,
+    Supervisor,
+    become_subreaper,
+    check_resume,
+    clear_run_dir,
+    refuse_live_run,
+    run_supervised,
+    stop_orphans,
+)
 
 
-def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool) -> Path:
+def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False) -> tuple[Path, RunLock]:
     run_dir = cfg.run.path.resolve()
-    used = run_dir.exists() and any((run_dir / n).exists() for n in ("checkpoints", "summary.json", "metrics.jsonl"))
+    lock = RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
+    used = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) or any(
+        (run_dir / n).exists() for n in ("summary.json", "metrics.jsonl"))
     if used and not (resume or overwrite):
         raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue it, "
                           "--overwrite to start over, or choose another run.name / run.dir")
+    if resume and not overwrite:
+        check_resume(run_dir, cfg, force_config)
     if used and overwrite:
-        shutil.rmtree(run_dir)
+        clear_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run.dir = str(run_dir)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
-    return run_dir
+    (run_dir / "children.json").unlink(missing_ok=True)  # a new coordinator starts its services afresh
+    return run_dir, lock
 
 
 def clear_run_keys(client: redis.Redis, keys: Keys) -> None:
@@ -76,8 +90,10 @@ class Progress:
             print()
 
 
-def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
-    run_dir = prepare_run_dir(cfg, resume, overwrite)
+def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False) -> int:
+    run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config)
+    become_subreaper()
+    os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
     keys = Keys(cfg.run.name)
     embedded = None
     if cfg.cluster.redis is None:
@@ -92,37 +108,40 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
         stopping = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    coordinator: subprocess.Popen | None = None
+    sup: Supervisor | None = None
     try:
         client = connect(url)
         wait_for_redis(client, timeout=30)
+        refuse_live_run(client, keys)
         clear_run_keys(client, keys)
         tmp = run_dir / "cluster.json.tmp"  # written whole, then renamed: readers never see half a file
         tmp.write_text(json.dumps({"redis": url, "run": cfg.run.name}))
         tmp.chmod(0o600)
         os.replace(tmp, run_dir / "cluster.json")
-        coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
-                                                    "--supervise", "local"), preexec_fn=_die_with_parent,
-                                       env={**os.environ, LOG_DIR_ENV: os.environ.get(LOG_DIR_ENV) or str(run_dir / "logs")})
+        os.environ.setdefault(LOG_DIR_ENV, str(run_dir / "logs"))  # every service inherits where its log goes
+        sup = Supervisor(service_argv("coordinator", str(run_dir / "config.yaml"), url, "--supervise", "local"),
+                         embedded, client, keys, cfg.cluster.max_restarts)
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
               f"(redis {'embedded' if embedded else url.split('@')[-1]}; service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.steps)
-        while coordinator.poll() is None:
-            if stopping:
-                print("\ncmemi: stopping (Ctrl-C again is not needed; waiting up to 10 s)", flush=True)
-                coordinator.terminate()
-                try:
-                    coordinator.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    coordinator.kill()
-                break
+
+        def show() -> None:
             try:
                 progress.show(client.hgetall(keys.progress))
             except redis.RedisError:
                 pass
-            time.sleep(0.25)
+
+        try:
+            ended = run_supervised(sup, lambda: stopping, show)
+        except RuntimeError as exc:  # the coordinator or redis-server keeps dying
+            progress.end()
+            print(f"cmemi: error: {exc}", file=sys.stderr)
+            return 1
+        if ended is None:
+            print("\ncmemi: stopping (Ctrl-C again is not needed; waiting up to 10 s)", flush=True)
+            sup.stop()
         progress.end()
-        rc = coordinator.wait()
+        rc = sup.coordinator.wait() if sup.coordinator is not None else 1
         state = error = None
         try:
             state, error = client.get(keys.state), client.get(keys.error)
@@ -139,12 +158,14 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
             return 130
         print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'} "
               f"(service logs: cmemi logs {run_dir})", file=sys.stderr)
-        return 1
+        return 2 if error and error.startswith(DISK_FULL) else 1  # resumable once there is room
     finally:
-        if coordinator is not None and coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
+        if sup is not None:
+            sup.stop(grace=0)
+        stop_orphans(run_dir)
         if embedded is not None:
             embedded.stop()
         for s, h in old.items():
             signal.signal(s, h)
+        os.environ.pop("CMEMI_UP_PID", None)
+        lock.release()

@@ -186,6 +186,8 @@ class ClusterConfig:
     """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast."""
     max_restarts: int = 10
     """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
+    start_timeout: float = 180.0
+    """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
     max_message_bytes: int = 1 << 31
     """Largest message a service accepts: a bigger frame makes ZeroMQ drop the peer, a bigger message is dropped."""
     checksum: bool = True
@@ -210,6 +212,7 @@ class ClusterConfig:
             _fail("cluster.spare_workers", self.spare_workers, "must be >= 0", "use 1 (or 0 to save memory)")
         if self.max_restarts < 0:
             _fail("cluster.max_restarts", self.max_restarts, "must be >= 0", "use e.g. 10")
+        _positive("cluster.start_timeout", self.start_timeout, "use e.g. 180")
         if self.max_message_bytes < 1 << 16:
             _fail("cluster.max_message_bytes", self.max_message_bytes, "must be >= 65536", "use e.g. 2147483648")
         if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):

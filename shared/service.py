@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 import structlog
-from cmemi.shared import metrics
+from cmemi.shared import lifeline, metrics
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import setup_logging
@@ -76,6 +76,7 @@ def common_parser(role: str, doc: str | None) -> argparse.ArgumentParser:
 
 
 def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceContext:
+    lifeline.hold()
     log = setup_logging(role, **bind)
     try:
         cfg = load_config(args.config, args.set)

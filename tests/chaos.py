@@ -30,11 +30,11 @@ def poll(cond, timeout: float, what: str, interval: float = 0.02) -> Any:
 class Cluster:
     """A `cmemi up` in the background, with its Redis for inspection and for recording injected faults."""
 
-    def __init__(self, run_dir: Path, *sets: str, config: str = DIGITS) -> None:
+    def __init__(self, run_dir: Path, *sets: str, config: str = DIGITS, flags: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = open(run_dir.parent / f"{run_dir.name}.log", "w")
-        self.proc = subprocess.Popen(up_args(run_dir, *sets, config=config), cwd=ROOT, stdout=self.log,
+        self.log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+        self.proc = subprocess.Popen([*up_args(run_dir, *sets, config=config), *flags], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         info = poll(lambda: self._info(), 60, "cluster.json")
         self.redis: redis.Redis = connect(info["redis"])

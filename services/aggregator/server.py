@@ -23,7 +23,7 @@ from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import metrics, protocol, state
+from cmemi.shared import atomic, metrics, protocol, state
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
@@ -432,7 +432,7 @@ class Aggregator:
         summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))
         if self.ckpt_stall_s:
             summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)
-        (self.ctx.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic.write_text(self.ctx.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self._set_completed()
         self.ctx.emit("run_completed", steps=self.trainer.step, params_sha256=summary["params_sha256"])
         self.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})

@@ -2,7 +2,8 @@
 
 Training waits only for the in-memory copy (`collect`); the checkpointer writes to disk in its own
 process. At most one snapshot is in flight; a newer one replaces one not yet sent. If the
-checkpointer restarts (new address in Redis), the in-flight snapshot is sent again.
+checkpointer restarts (a new incarnation in Redis, on a new address or on the same fixed port), the
+in-flight snapshot is sent again.
 """
 
 from __future__ import annotations
@@ -66,15 +67,19 @@ class CheckpointerLink:
         self.agg = agg
         self.sock: zmq.Socket | None = None
         self.addr: str | None = None
+        self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
         self.in_flight: Snapshot | None = None
         self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
         self._next_check = 0.0
 
     def _lookup(self) -> str | None:
         try:
-            return self.agg.ctx.redis.hget(self.agg.ctx.keys.checkpointer, "addr") or self.addr
+            addr, inc = self.agg.ctx.redis.hmget(self.agg.ctx.keys.checkpointer, ["addr", "incarnation"])
         except redis.RedisError:
             return self.addr  # Redis is down: keep talking to the checkpointer we know
+        if addr is not None and inc is not None:
+            self.inc = inc
+        return addr or self.addr
 
     def _connect(self) -> bool:
         addr = self._lookup()
@@ -131,8 +136,8 @@ class CheckpointerLink:
             self._send(self.in_flight, final=False)
         elif self.in_flight is not None and time.monotonic() > self._next_check:
             self._next_check = time.monotonic() + 0.5
-            old = self.addr
-            if self._connect() and self.addr != old:
+            old = (self.addr, self.inc)
+            if self._connect() and (self.addr, self.inc) != old:
                 self._send(self.in_flight, final=False)  # the checkpointer restarted: send again
         return saved
 
@@ -147,15 +152,15 @@ class CheckpointerLink:
                 continue
             assert self.sock is not None
             protocol.send(self.sock, protocol.encode(mtype, self.agg.ctx.run, fields, tensors))
-            sent_to, next_check = self.addr, time.monotonic() + 0.5
+            sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
             while time.monotonic() < deadline:
                 for msg in self._replies(100):
                     if accept(msg):
                         return msg
                 if time.monotonic() > next_check:
                     next_check = time.monotonic() + 0.5
-                    if self._lookup() != sent_to:
-                        break  # the checkpointer restarted elsewhere: ask again there
+                    if (self._lookup(), self.inc) != sent_to:
+                        break  # the checkpointer restarted (elsewhere or on the same port): ask again
         raise TimeoutError(f"the checkpointer did not answer {mtype!r} within {timeout:g}s; "
                            "is `cmemi checkpointer` running and reachable?")
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
+from pathlib import Path
 
 import redis
 import zmq
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import metrics, protocol
+from cmemi.shared import atomic, metrics, protocol
 from cmemi.shared.membership import Member
 from cmemi.shared.service import ServiceContext
+
+DISK_FULL = "disk full"  # how a full-disk error starts: `cmemi up` exits 2 on it (resumable, not a failure)
 
 
 class Checkpointer:
@@ -90,11 +94,14 @@ class Checkpointer:
     def _save(self, identity: bytes, msg: protocol.Message) -> None:
         step = msg.header["step"]
         t0 = time.monotonic()
-        path = self.store.write(step, msg.header["meta"], msg.tensors)
+        path = self._write(step, msg)
         write_s = time.monotonic() - t0
         metrics.CHECKPOINT_SECONDS.observe(write_s)
         if msg.header["final"]:
-            shutil.copyfile(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
+            try:
+                atomic.copy_file(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
+            except OSError as exc:
+                self._disk_full(step, exc, path.stat().st_size if path.exists() else 0)
         self.latest = step
         self._sync_pointer()
         removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
@@ -104,8 +111,48 @@ class Checkpointer:
         self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
         protocol.send(self.sock, protocol.encode("saved", self.ctx.run, {"step": step, "path": str(path)}), identity)
 
+    def _write(self, step: int, msg: protocol.Message) -> Path:
+        """Write a checkpoint; on a full disk apply retention as if it were written, then try once more."""
+        try:
+            return self.store.write(step, msg.header["meta"], msg.tensors)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.store.clean_leftovers()
+            removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1), self.cfg.checkpoint.keep_every,
+                                        protect=self.latest)
+            self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
+        try:
+            return self.store.write(step, msg.header["meta"], msg.tensors)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self.store.clean_leftovers()
+            self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in msg.tensors.values()))
+            raise  # not reached: _disk_full exits
+
+    def _disk_full(self, step: int, exc: OSError, need: int) -> None:
+        """One clear line and a clean stop; the run resumes from the last checkpoint once there is room."""
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise exc
+        free = shutil.disk_usage(self.store.root).free
+        self.ctx.fatal(f"{DISK_FULL} writing checkpoint of step {step} to {self.store.root}: need "
+                       f"{need / 1e6:.1f} MB, {free / 1e6:.1f} free; free some space, then continue with "
+                       "`cmemi up --resume`")
+
+    def _latest_step(self) -> int | None:
+        try:
+            value = self.ctx.redis.get(self.ctx.keys.ckpt_latest)
+        except redis.RedisError:
+            value = None
+        return int(value) if value is not None else self.latest
+
     def _restore(self, identity: bytes, msg: protocol.Message) -> None:
-        for info in reversed(self.store.list()):
+        """Restore what `latest` names; if it does not verify, the newest checkpoint that does."""
+        latest = self._latest_step()
+        infos = self.store.list()
+        infos.sort(key=lambda i: (i.step == latest, i.step))  # the pointer's target first, then newest first
+        for info in reversed(infos):
             problem = self.store.verify(info.path)
             if problem is None:
                 meta, tensors = self.store.load(info.path)

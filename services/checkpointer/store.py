@@ -10,11 +10,14 @@ Layout under `RUN_DIR/checkpoints/`:
 A checkpoint is first written as `.tmp-step-…`, every file fsynced, the manifest written and
 fsynced, then the directory is renamed into place and its parent fsynced. Only a checkpoint that
 reached its final name is ever pointed at, so a crash at any moment leaves at worst a `.tmp-`
-leftover, removed at the next start.
+leftover, removed at the next start. A step written again (a restarted aggregator redid it) keeps the
+existing checkpoint if it verifies (training is deterministic: it is the same); only a damaged one,
+which nothing may point at, is replaced.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 import xxhash
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 MANIFEST = "MANIFEST.json"
@@ -66,6 +70,15 @@ def _digest(path: Path, algorithm: str = "xxh3_128") -> str:
     return h.hexdigest()
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O errors as OSError (with errno ENOSPC for a full disk)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        full = "No space left" in str(exc) or "os error 28" in str(exc)
+        raise OSError(errno.ENOSPC if full else errno.EIO, f"writing {path}: {exc}") from exc
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -84,12 +97,14 @@ class CheckpointStore:
 
     def write(self, step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
         final = self.root / step_dir_name(step)
+        if final.exists() and self.verify(final) is None:
+            return final  # never remove a good checkpoint `latest` may name: keep it
         tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{time.monotonic_ns()}"
         tmp.mkdir()
         model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         rest = {k: v for k, v in tensors.items() if not k.startswith("model.")}
-        save_file(model, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
-        save_file(rest, str(tmp / "state.safetensors"), metadata={"step": str(step)})
+        _save_file(model, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
+        _save_file(rest, tmp / "state.safetensors", metadata={"step": str(step)})
         (tmp / "meta.json").write_text(json.dumps(meta))
         manifest = {"step": step, "created": time.time(),
                     "files": {f: {"bytes": (tmp / f).stat().st_size, "xxh3_128": _digest(tmp / f)} for f in FILES}}
@@ -98,7 +113,7 @@ class CheckpointStore:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_path(tmp / MANIFEST)
         _fsync_path(tmp)
-        if final.exists():  # the same step written again (a restarted aggregator redid it): replace
+        if final.exists():  # damaged (it did not verify above): nothing points at it, replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_path(self.root)

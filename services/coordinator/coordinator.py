@@ -10,14 +10,18 @@ Two modes (`--supervise`):
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import redis
 import zmq
 from cmemi.services.coordinator.supervisor import (
     HEALTHY_AFTER_S,
+    UNKNOWN_EXIT,
     Child,
     backoff,
+    load_children,
+    save_children,
     service_argv,
     stop_all,
     wait_for_exit,
@@ -47,6 +51,11 @@ class Coordinator:
         self.events_file = open(ctx.run_dir / "events.jsonl", "a", buffering=1)
         self.target_workers = self.cfg.cluster.workers
         self.exit_code: int | None = None
+        self.children_file = ctx.run_dir / "children.json"  # what a restarted coordinator adopts
+        self._saved_children: list[tuple[str, int | None]] = []
+        self.spare_failures = 0  # spares that died in a row without taking a slot
+        self.pending_fences: dict[tuple[str, str], int] = {}  # fences Redis could not take yet
+        self._redis_down_since: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -54,12 +63,7 @@ class Coordinator:
         r.set(k.state, "running", nx=True)  # a restarted coordinator must not reopen a finished run
         self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
         if self.supervise == "local":
-            self._add("checkpointer", "0")
-            self._add("aggregator", "0")
-            for i in range(self.target_workers):
-                self._add("worker", f"w{i}")
-            for _ in range(self.cfg.cluster.spare_workers):
-                self._add_spare()
+            self._adopt_or_start()
         next_scan = 0.0
         while self.exit_code is None:
             if self.ctx.stopping.is_set():
@@ -73,26 +77,38 @@ class Coordinator:
                 if now >= next_scan and self.exit_code is None:
                     next_scan = now + self.cfg.cluster.heartbeat_interval / 2
                     self._tail_events()
+                    self._retry_fences()
                     self._check_heartbeats()
                     self._check_control()
+                if self._redis_down_since is not None:
+                    self.log.info("redis is back", down_s=round(time.monotonic() - self._redis_down_since, 2))
+                    self._redis_down_since = None
             except redis.RedisError as exc:  # Redis down or restarting: keep supervising, retry shortly
-                self.log.warning("redis unavailable", error=str(exc))
+                if self._redis_down_since is None:  # one line per outage, not one per attempt
+                    self._redis_down_since = time.monotonic()
+                    self.log.warning("redis unavailable; retrying every 0.2 s", error=str(exc))
                 next_scan = time.monotonic() + 0.2
-            self._wait(next_scan)
+            if self.supervise == "local":
+                self._save_children()
+            self._wait(next_scan, floor=0.2 if self._redis_down_since is not None else 0.0)
         return self.exit_code
 
-    def _wait(self, until: float) -> None:
-        """Sleep until `until`, a child's exit, or a pending restart's time, whichever comes first."""
+    def _wait(self, until: float, floor: float = 0.0) -> None:
+        """Sleep until `until`, a child's exit, or a pending restart's time, whichever comes first
+        (but at least `floor` seconds: while Redis is down nothing is retried faster than that)."""
         if self.supervise == "local":
             for c in self.children.values():
-                if c.popen is None and c.wanted and not c.given_up:
+                if not c.running and c.wanted and not c.given_up:
                     until = min(until, c.next_start)
+            until = max(until, time.monotonic() + floor)
             wait_for_exit([*self.children.values(), *self.spares], until - time.monotonic())
         else:
             time.sleep(max(0.0, until - time.monotonic()))
 
     def close(self) -> None:
         stop_all(list(self.children.values()) + self.spares, grace=5.0)
+        if self.supervise == "local":
+            self.children_file.unlink(missing_ok=True)
         self._tail_events()
         self.events_file.close()
         self.member.stop()
@@ -101,23 +117,54 @@ class Coordinator:
         self.zctx.destroy(linger=200)
 
     # ------------------------------------------------------------------ children
-    def _add(self, role: str, ident: str) -> Child:
+    def _argv(self, role: str, ident: str) -> list[str]:
         extra = ["--worker-id", ident] if role == "worker" else []
-        child = Child(role, ident, service_argv(role, self.config_path, self.redis_url, *extra))
+        return service_argv(role, self.config_path, self.redis_url, *extra)
+
+    def _adopt_or_start(self) -> None:
+        """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
+        then start whatever is missing. Nothing healthy is restarted."""
+        for child in load_children(self.children_file):
+            if child.spare:
+                self.spares.append(child)
+                self._spare_seq = max(self._spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)
+            else:
+                self.children[child.name] = child
+            self.ctx.emit("process_adopted", role=child.role, id=child.ident, pid=child.pid)
+            self.log.info("adopted running process", process=child.name, pid=child.pid)
+        for role, ident in (("checkpointer", "0"), ("aggregator", "0"),
+                            *(("worker", f"w{i}") for i in range(self.target_workers))):
+            if f"{role}:{ident}" not in self.children:
+                self._add(role, ident)
+        for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
+            self._add_spare()
+        self._save_children()
+
+    def _save_children(self) -> None:
+        everyone = [*self.children.values(), *self.spares]
+        now = sorted((c.name + ("/spare" if c.spare else ""), c.pid if c.alive else None) for c in everyone)
+        if now != self._saved_children:
+            save_children(self.children_file, everyone)
+            self._saved_children = now
+
+    def _add(self, role: str, ident: str) -> Child:
+        child = Child(role, ident, self._argv(role, ident))
         self.children[child.name] = child
         child.start()
-        self.ctx.emit("process_started", role=role, id=ident, pid=child.popen.pid if child.popen else None)
+        self.ctx.emit("process_started", role=role, id=ident, pid=child.pid)
         return child
 
     def _add_spare(self) -> None:
         self._spare_seq += 1
         ident = f"spare{self._spare_seq}"
-        child = Child("worker", ident, service_argv("worker", self.config_path, self.redis_url, "--spare", ident))
+        child = Child("worker", ident, service_argv("worker", self.config_path, self.redis_url, "--spare", ident),
+                      spare=True)
         child.start()
         self.spares.append(child)
 
     def _replace(self, child: Child) -> None:
         """Restart a dead child: a warm spare takes a worker's identity at once; otherwise a new process."""
+        child.forget()
         if time.monotonic() - child.started_at >= HEALTHY_AFTER_S:
             child.restarts = 0  # it had been running fine: a new fault, not a crash loop
         child.restarts += 1
@@ -133,87 +180,146 @@ class Coordinator:
         if child.role == "worker":
             spare = next((s for s in self.spares if s.alive), None)
             if spare is not None:
+                try:
+                    self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), child.ident)
+                except redis.RedisError:
+                    spare = None  # Redis is down: the spare cannot be told; start a new process instead
+            if spare is not None:
                 self.spares.remove(spare)
-                self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), child.ident)
-                spare.ident, spare.restarts, spare.role = child.ident, child.restarts, "worker"
+                spare.ident, spare.restarts, spare.role, spare.spare = child.ident, child.restarts, "worker", False
+                spare.argv = list(child.argv)  # if it dies in turn, this slot restarts as a normal worker
                 spare.started_at = time.monotonic()  # its life as this worker starts now
+                spare.registered = False
                 self.children[child.name] = spare
                 metrics.RESTARTS.labels("worker").inc()
-                self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.popen.pid if spare.popen else None)
+                self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.pid)
                 self._add_spare()
                 return
         child.next_start = time.monotonic() + backoff(child.restarts)
-        child.popen = None
+
+    def _exit_kind(self, child: Child, rc: int) -> str:
+        """How a child ended: "fatal" (a user error), "normal" (exit 0, or its record says stopped) or "died".
+        An adopted process's exit code cannot be read: its own Redis record and the run's error decide."""
+        if rc == EXIT_FATAL:
+            return "fatal"
+        if rc == 0:
+            return "normal"
+        if rc == UNKNOWN_EXIT:
+            r, k = self.ctx.redis, self.ctx.keys
+            record, error = r.hgetall(k.member(child.role, child.ident)), r.get(k.error)
+            if error:
+                return "fatal"
+            if record.get("pid") == str(child.pid) and record.get("state") == "stopped":
+                return "normal"
+        return "died"
 
     def _check_children(self) -> None:
         now = time.monotonic()
         for child in list(self.children.values()):
-            if child.popen is None:
+            if not child.running:
                 if child.wanted and not child.given_up and now >= child.next_start:
                     child.start()
                     metrics.RESTARTS.labels(child.role).inc()
-                    self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process",
-                                  pid=child.popen.pid if child.popen else None)
+                    self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process", pid=child.pid)
                 continue
-            rc = child.popen.poll()
+            rc = child.poll()
             if rc is None:
                 continue
             if not child.wanted:
+                child.forget()
                 del self.children[child.name]
                 continue
-            if rc == EXIT_FATAL:
-                error = self.ctx.redis.get(self.ctx.keys.error) or f"{child.name} exited with a fatal error"
-                self._fail(error)
+            kind = self._exit_kind(child, rc)
+            if kind == "fatal":
+                self._fail(self.ctx.redis.get(self.ctx.keys.error) or f"{child.name} exited with a fatal error")
                 return
-            if rc == 0 and self._completed():
+            if kind == "normal" and self._completed():
+                child.forget()
                 child.wanted = False  # finished its part of a completed run
                 continue
-            self._declare_dead(child.role, child.ident, how=f"exit code {rc}", pid=child.popen.pid)
+            if kind == "normal":  # left on its own before the end (e.g. told to stop): not a death, restart
+                self.ctx.emit("exited", role=child.role, id=child.ident, pid=child.pid)
+                child.forget()
+                child.next_start = now
+                continue
+            self._declare_dead(child.role, child.ident, how=f"exit code {rc}" if rc != UNKNOWN_EXIT else "exited",
+                               pid=child.pid)
             self._replace(child)
         for spare in list(self.spares):
-            rc = spare.popen.poll() if spare.popen else None
-            if rc is not None:
-                self.spares.remove(spare)
-                if rc == EXIT_FATAL:
-                    self._fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
-                    return
+            rc = spare.poll()
+            if rc is None:
+                continue
+            self.spares.remove(spare)
+            spare.forget()
+            kind = self._exit_kind(spare, rc)
+            if kind == "fatal":
+                self._fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
+                return
+            if self._completed():
+                continue
+            # a dead spare is replaced, unless spares keep dying without ever taking a slot (a crash loop)
+            self.spare_failures += kind == "died"
+            if self.spare_failures <= self.cfg.cluster.max_restarts:
+                self._add_spare()
+            elif self.spare_failures == self.cfg.cluster.max_restarts + 1:
+                self.ctx.emit("gave_up", role="worker", id="spares", restarts=self.spare_failures - 1)
+                self.log.error("spare workers keep dying; not starting more (the worker slots are still kept)")
 
     # ------------------------------------------------------------------ liveness
     def _check_heartbeats(self) -> None:
         r, k = self.ctx.redis, self.ctx.keys
-        try:
-            # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
-            # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
-            pipe = r.pipeline(transaction=True)
-            member_prefix = k.member("", "")[:-1]  # ...:member:
-            for key in r.scan_iter(match=k.member("*", "*"), count=500):
-                role, _, ident = key[len(member_prefix):].partition(":")
-                pipe.hgetall(key)
-                pipe.exists(k.heartbeat(role, ident))
-            replies = pipe.execute()
-            for record, alive in zip(replies[::2], replies[1::2], strict=True):
-                if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
-                    continue
-                role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
-                if self.declared.get((role, ident), 0) >= inc:
-                    continue
-                if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
-                    continue
-                child = self.children.get(f"{role}:{ident}")
-                if child is not None and child.popen is not None and child.popen.pid == pid and child.alive:
-                    child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
-                    self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
-                    self._replace(child)
-                elif child is None or child.popen is None or child.popen.pid != pid:
-                    # not ours to restart (another host / orchestrator): detect, fence, re-admit later
-                    self._declare_dead(role, ident, how="heartbeat missing", pid=pid, inc=inc)
-        except redis.RedisError as exc:
-            self.log.warning("redis unavailable during liveness check", error=str(exc))
+        # A RedisError goes to run(), which says so once per outage and retries every 0.2 s.
+        # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
+        # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
+        pipe = r.pipeline(transaction=True)
+        member_prefix = k.member("", "")[:-1]  # ...:member:
+        for key in r.scan_iter(match=k.member("*", "*"), count=500):
+            role, _, ident = key[len(member_prefix):].partition(":")
+            pipe.hgetall(key)
+            pipe.exists(k.heartbeat(role, ident))
+        replies = pipe.execute()
+        if self.supervise == "local":
+            self._check_start_deadlines(replies[::2])
+        for record, alive in zip(replies[::2], replies[1::2], strict=True):
+            if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
+                continue
+            role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
+            if self.declared.get((role, ident), 0) >= inc:
+                continue
+            if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
+                continue
+            child = self.children.get(f"{role}:{ident}")
+            if child is not None and child.pid == pid and child.alive:
+                child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
+                self._declare_dead(role, ident, how="heartbeat missing (hung)", pid=pid, inc=inc)
+                self._replace(child)
+            elif child is None or child.pid != pid:
+                # not ours to restart (another host / orchestrator): detect, fence, re-admit later
+                self._declare_dead(role, ident, how="heartbeat missing", pid=pid, inc=inc)
+
+    def _check_start_deadlines(self, records: list[dict[str, str]]) -> None:
+        """A started process must register (a member record with its pid) within cluster.start_timeout."""
+        pids = {(rec.get("role"), rec.get("id")): rec.get("pid") for rec in records if rec}
+        now = time.monotonic()
+        for child in list(self.children.values()):
+            if child.registered or not child.alive:
+                continue
+            if pids.get((child.role, child.ident)) == str(child.pid):
+                child.registered = True
+            elif now - child.started_at > self.cfg.cluster.start_timeout:
+                pid = child.pid
+                child.kill()
+                self._declare_dead(child.role, child.ident, pid=pid, how=f"did not register within "
+                                   f"cluster.start_timeout={self.cfg.cluster.start_timeout:g}s (hung at start)")
+                self._replace(child)
 
     def _declare_dead(self, role: str, ident: str, how: str, pid: int | None, inc: int | None = None) -> None:
         r, k = self.ctx.redis, self.ctx.keys
         if inc is None:
-            record = r.hgetall(k.member(role, ident))
+            try:
+                record = r.hgetall(k.member(role, ident))
+            except redis.RedisError:
+                record = {}  # Redis is down: restart now; the aggregator fences the old incarnation on the new hello
             if record and int(record.get("pid", -1)) == pid:
                 inc = int(record["incarnation"])
         metrics.DEATHS.labels(role).inc()
@@ -222,10 +328,20 @@ class Coordinator:
         if inc is None:
             return  # died before registering: nothing to fence
         self.declared[(role, ident)] = inc
-        r.set(k.fence(role, ident), inc)
-        self.ctx.emit("fenced", role=role, id=ident, incarnation=inc)
-        if role == "worker":
-            self._tell_aggregator_fence(ident, inc)
+        self.pending_fences[(role, ident)] = inc
+        try:
+            self._retry_fences()
+        except redis.RedisError:
+            pass  # retried at every scan until Redis answers
+
+    def _retry_fences(self) -> None:
+        r, k = self.ctx.redis, self.ctx.keys
+        for (role, ident), inc in list(self.pending_fences.items()):
+            r.set(k.fence(role, ident), inc)
+            del self.pending_fences[(role, ident)]
+            self.ctx.emit("fenced", role=role, id=ident, incarnation=inc)
+            if role == "worker":
+                self._tell_aggregator_fence(ident, inc)
 
     def _tell_aggregator_fence(self, wid: str, inc: int) -> None:
         addr = self.ctx.redis.hget(self.ctx.keys.aggregator, "addr")
@@ -254,7 +370,7 @@ class Coordinator:
             self.ctx.redis.set(k.state, "running")
         elif state == "completed":
             agg = self.children.get("aggregator:0")
-            if agg is None or not agg.alive:
+            if agg is None or not agg.alive or self.supervise == "none":
                 self.exit_code = 0
         elif state == "failed":
             self.exit_code = 1
@@ -279,8 +395,7 @@ class Coordinator:
                          key=lambda c: int(c.ident[1:]) if c.ident[1:].isdigit() else 0)
         for c in workers[self.target_workers:]:  # graceful leave: SIGTERM -> the worker returns its leases
             c.wanted = False
-            if c.popen is not None and c.alive:
-                c.popen.terminate()
+            c.signal(signal.SIGTERM)
         used = {c.ident for c in self.children.values()}
         i = 0
         while sum(1 for c in self.children.values() if c.role == "worker" and c.wanted) < self.target_workers:

@@ -1,13 +1,15 @@
 """Local supervision: start the services as child processes, notice deaths and hangs, restart with backoff.
 
 Each child's command line shows its role (`python -m cmemi worker --worker-id w1 ...`), so an
-operator or a chaos script can find it. Children die with the supervisor (PR_SET_PDEATHSIG), so a
-killed `cmemi up` leaves no orphans.
+operator or a chaos script can find it. Under `cmemi up` (CMEMI_UP_PID set) the services outlive a
+coordinator restart and die with `cmemi up` instead (shared/lifeline.py); the new coordinator adopts
+them from `RUN_DIR/children.json`. Without `cmemi up`, children die with the coordinator (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import select
 import signal
@@ -15,6 +17,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -37,21 +42,63 @@ class Child:
     given_up: bool = False
     deaths: list[float] = field(default_factory=list)
     pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), so waiting costs no polling
+    adopted: int | None = None  # pid of a process started by an earlier coordinator (not our child)
+    spare: bool = False
+    registered: bool = False  # seen in Redis under this pid (the start deadline no longer applies)
+    launched: list[str] = field(default_factory=list)  # the running process's command line (a spare's differs from argv)
+    _adopted_rc: int | None = None
 
     @property
     def name(self) -> str:
         return f"{self.role}:{self.ident}"
 
     @property
+    def pid(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.pid
+        return self.adopted
+
+    @property
+    def running(self) -> bool:
+        """A process exists for this child (ours or adopted), whether or not it has exited yet."""
+        return self.popen is not None or self.adopted is not None
+
+    @property
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.running and self.poll() is None
+
+    def poll(self) -> int | None:
+        """None while running; the exit code once exited (UNKNOWN_EXIT for an adopted process)."""
+        if self.popen is not None:
+            return self.popen.poll()
+        if self.adopted is None:
+            return None
+        if self._adopted_rc is None and not _process_running(self.adopted, self.pidfd):
+            self._adopted_rc = UNKNOWN_EXIT
+        return self._adopted_rc
 
     def start(self, env: dict[str, str] | None = None) -> None:
-        self.popen = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=env)
+        preexec = None if os.environ.get("CMEMI_UP_PID") else _die_with_parent  # see the module docstring
+        self.adopted, self._adopted_rc, self.registered = None, None, False
+        self.popen = subprocess.Popen(self.argv, preexec_fn=preexec, env=env)
+        self.launched = list(self.argv)
         self.started_at = time.monotonic()
+        self._open_pidfd(self.popen.pid)
+
+    def adopt(self, pid: int, launched: list[str]) -> None:
+        self.popen, self.adopted, self._adopted_rc, self.launched = None, pid, None, list(launched)
+        self.started_at = time.monotonic()
+        self._open_pidfd(pid)
+
+    def forget(self) -> None:
+        """The process is gone: the slot has no process until the next start."""
+        self.popen, self.adopted, self._adopted_rc = None, None, None
+        self.close_pidfd()
+
+    def _open_pidfd(self, pid: int) -> None:
         self.close_pidfd()
         try:
-            self.pidfd = os.pidfd_open(self.popen.pid)
+            self.pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):  # not Linux, or an old kernel: wait_for_exit polls instead
             self.pidfd = None
 
@@ -60,32 +107,104 @@ class Child:
             os.close(self.pidfd)
             self.pidfd = None
 
+    def signal(self, sig: int) -> None:
+        pid = self.pid
+        if pid is not None and self.alive:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
     def kill(self) -> None:
-        if self.alive:
-            assert self.popen is not None
-            self.popen.kill()  # hung or fenced: no grace
+        """Hung or fenced: no grace. Returns once the process is gone."""
+        if not self.alive:
+            return
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
             self.popen.wait()
+        else:
+            _wait_gone(self, 10.0)
 
 
 def service_argv(role: str, config: str, redis_url: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "cmemi", role, "--config", config, "--redis", redis_url, *extra]
 
 
+def _process_running(pid: int, pidfd: int | None) -> bool:
+    """For a process that is not our child: running (not exited, not a zombie)."""
+    if pidfd is not None:
+        return not select.select([pidfd], [], [], 0)[0]
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_gone(c: Child, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while c.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        if c.pidfd is not None:
+            select.select([c.pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        else:
+            time.sleep(0.02)
+    return True
+
+
 def stop_all(children: list[Child], grace: float) -> None:
     """SIGTERM everyone, wait up to `grace` seconds, then SIGKILL whoever is left."""
     for c in children:
-        if c.alive:
-            assert c.popen is not None
-            c.popen.send_signal(signal.SIGTERM)
+        c.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for c in children:
-        if c.popen is None:
+        if c.popen is not None:
+            try:
+                c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.popen.kill()
+                c.popen.wait()
+        elif c.adopted is not None and not _wait_gone(c, max(0.0, deadline - time.monotonic())):
+            c.kill()
+
+
+# ---------------------------------------------------------------- adoption across coordinator restarts
+def cmdline(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return None
+
+
+def save_children(path: Path, children: list[Child]) -> None:
+    """Record every running child (pid and command line) for a restarted coordinator to adopt."""
+    rows = [{"role": c.role, "ident": c.ident, "argv": c.argv, "launched": c.launched, "pid": c.pid,
+             "spare": c.spare, "restarts": c.restarts} for c in children if c.alive]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows))
+    os.replace(tmp, path)
+
+
+def load_children(path: Path) -> list[Child]:
+    """Children recorded by an earlier coordinator that still run the same command line (not a reused pid)."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for row in rows:
+        pid = row.get("pid")
+        launched = row.get("launched") or row["argv"]
+        if not isinstance(pid, int) or cmdline(pid) != launched:
             continue
-        try:
-            c.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.popen.kill()
-            c.popen.wait()
+        c = Child(row["role"], row["ident"], list(row["argv"]), restarts=int(row.get("restarts", 0)),
+                  spare=bool(row.get("spare")))
+        c.adopt(pid, launched)
+        if c.alive:
+            out.append(c)
+    return out
 
 
 def wait_for_exit(children: list[Child], timeout: float, poll_interval: float = 0.02) -> None:
@@ -93,7 +212,7 @@ def wait_for_exit(children: list[Child], timeout: float, poll_interval: float = 
     to have exited (returncode set) are not waited on; without pidfds this falls back to polling."""
     fds = []
     for c in children:
-        if c.popen is None or c.popen.returncode is not None:
+        if not c.running or (c.popen is not None and c.popen.returncode is not None) or c._adopted_rc is not None:
             c.close_pidfd()
         elif c.pidfd is None:
             timeout = min(timeout, poll_interval)

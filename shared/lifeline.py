@@ -1,0 +1,38 @@
+"""Die with `cmemi up`, not with the coordinator.
+
+`cmemi up` exports CMEMI_UP_PID to everything it starts. Services started by the coordinator must
+survive a coordinator restart (the new one adopts them), so they cannot use PR_SET_PDEATHSIG on
+their parent; instead a daemon thread waits on a pidfd of `cmemi up` and kills this process the
+moment `cmemi up` is gone, whatever killed it (SIGKILL included).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold() -> None:
+    """Start the lifeline if this process runs under `cmemi up`; no-op otherwise."""
+    value = os.environ.get("CMEMI_UP_PID")
+    if not value:
+        return
+    try:
+        fd = os.pidfd_open(int(value))
+    except ProcessLookupError:
+        _die()  # `cmemi up` is already gone
+        return
+    except (AttributeError, OSError, ValueError):
+        return  # no pidfds here (old kernel): the orphans are stopped by `cmemi up` on a clean exit only
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        _die()
+
+    threading.Thread(target=watch, name="lifeline", daemon=True).start()

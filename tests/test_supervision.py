@@ -1,0 +1,151 @@
+"""No single point of failure in `cmemi up`: the coordinator and redis-server die and come back, worker slots
+never leak, one `cmemi up` per run directory, and `--resume` refuses what it cannot honour."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.chaos import Cluster, poll
+from tests.conftest import FAST, LONG, ROOT, up_args
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+
+def finished_like_reference(c: Cluster, rc: int, reference: str) -> dict:
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == 1200 and s["params_sha256"] == reference
+    metrics = [json.loads(x) for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 1201)), "a step was lost or redone"
+    return s
+
+
+def no_normal_exit_is_a_death(c: Cluster) -> None:
+    events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    bad = [e for e in events if e["kind"] == "died" and e.get("how") == "exit code 0"]
+    assert bad == [], bad
+
+
+def live_workers(c: Cluster) -> int:
+    return int(c.redis.hget(c.keys.progress, "live_workers") or 0)
+
+
+def test_coordinator_killed_then_a_worker_then_the_spare_that_took_its_slot(tmp_path: Path, reference: str) -> None:
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=2", "cluster.spare_workers=1")
+    try:
+        c.wait_step(100)
+        before = {role: {i: r["incarnation"] for i, r in c.members(role).items()} for role in ("aggregator", "checkpointer", "worker")}
+        c.replaced("coordinator", "0", c.signal("coordinator", "0"))
+        c.wait_step(c.step() + 50)
+        after = {role: {i: r["incarnation"] for i, r in c.members(role).items()} for role in ("aggregator", "checkpointer", "worker")}
+        assert after == before, "a healthy service was restarted with the coordinator"
+        assert any(e["kind"] == "process_adopted" for e in c.events())
+        # a worker dies under the new coordinator: the warm spare takes its slot
+        c.replaced("worker", "w0", c.signal("worker", "w0"))
+        taken = poll(lambda: [e for e in c.events("restarted") if e.get("via") == "spare"], 30, "the spare takes w0")
+        # ... and the spare that took the slot dies in turn: the slot is refilled again (never as a waiting spare)
+        c.wait_step(c.step() + 30)
+        t_kill = time.monotonic()
+        c.replaced("worker", "w0", c.signal("worker", "w0"))
+        poll(lambda: live_workers(c) == 2 and c.step() > 0, 30, "live_workers back to 2")
+        assert time.monotonic() - t_kill < 30
+        # a dead spare is replaced: there is one waiting spare process again
+        poll(lambda: len(spare_pids(c)) == 1, 60, "a new warm spare")
+        assert taken
+    finally:
+        rc = c.wait()
+    finished_like_reference(c, rc, reference)
+    no_normal_exit_is_a_death(c)
+
+
+def spare_pids(c: Cluster) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"--spare" in argv and str(c.run_dir).encode() in b" ".join(argv):
+                out.append(int(d.name))
+    return out
+
+
+def redis_pid(c: Cluster) -> int | None:
+    """The embedded redis-server (it retitles itself "redis-server HOST:PORT")."""
+    marker = c.redis_url.rsplit("@", 1)[1].split("/")[0].encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"redis-server" in cmd and marker in cmd:
+                return int(d.name)
+    return None
+
+
+def test_redis_killed_twice_and_one_run_per_directory(tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    c = Cluster(run_dir, *LONG, "cluster.workers=2", "checkpoint.every_steps=100")
+    try:
+        # a second `cmemi up` on the same directory is refused at once, naming the holder; so is --overwrite
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            second = subprocess.run([*up_args(run_dir, *LONG), *extra], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=60)
+            assert second.returncode == 2, second.stderr
+            assert "in use by cmemi up" in second.stderr and f"pid {c.proc.pid}" in second.stderr, second.stderr
+        assert (run_dir / "config.yaml").is_file() and c.proc.poll() is None
+        for target in (300, 700):
+            c.wait_step(target)
+            pid = redis_pid(c)
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            poll(lambda pid=pid: (redis_pid(c) or pid) != pid, 30, "redis-server restarted")
+            poll(lambda t=target: c.step() > t + 50, 60, "training goes on after the Redis restart")
+    finally:
+        rc = c.wait()
+    finished_like_reference(c, rc, reference)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert len([e for e in events if e["kind"] == "restarted" and e["role"] == "redis"]) == 2
+    no_normal_exit_is_a_death(c)
+    # the coordinator said once per outage that Redis was away, not once per retry
+    log = Path(c.log.name).read_text()
+    assert log.count("redis unavailable; retrying") <= 4, log.count("redis unavailable; retrying")
+    # the lock went with the run: --resume now checks the config and refuses a changed one, naming the field
+    changed = subprocess.run([*up_args(run_dir, *LONG, "train.global_batch=32"), "--resume"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert changed.returncode == 2 and "train.global_batch" in changed.stderr and "--force-config" in changed.stderr
+
+
+def test_resume_with_nothing_to_resume(tmp_path: Path) -> None:
+    r = subprocess.run([*up_args(tmp_path / "run", *FAST), "--resume"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "nothing to resume" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
+    """flock: the kernel releases the lock of a SIGKILLed holder; the file names who held it."""
+    run_dir = tmp_path / "run"
+    code = ("import sys, time; from pathlib import Path; from cmemi.supervise import RunLock; "
+            f"RunLock(Path({str(run_dir)!r})); print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        from cmemi.supervise import RunLock, RunLocked
+
+        with pytest.raises(RunLocked, match=f"pid {holder.pid}"):
+            RunLock(run_dir)
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(run_dir).release()
