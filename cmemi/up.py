@@ -19,6 +19,7 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
+from cmemi.run_security import child_env, secure_run
 from cmemi.services.coordinator.supervisor import _die_with_parent, service_argv
 from cmemi.shared.config import Config, ConfigError, dump_config
 from cmemi.shared.keys import Keys
@@ -77,6 +78,7 @@ class Progress:
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
     run_dir = prepare_run_dir(cfg, resume, overwrite)
+    secure_run(cfg, run_dir)
     keys = Keys(cfg.run.name)
     embedded = None
     if cfg.cluster.redis is None:
@@ -100,10 +102,11 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
         tmp.write_text(json.dumps({"redis": url, "run": cfg.run.name}))
         tmp.chmod(0o600)
         os.replace(tmp, run_dir / "cluster.json")
-        coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
-                                                    "--supervise", "local"), preexec_fn=_die_with_parent)
+        coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), "--supervise", "local"),
+                                       preexec_fn=_die_with_parent, env=child_env(url))
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
-              f"(redis {'embedded' if embedded else url.split('@')[-1]})", flush=True)
+              f"(redis {'embedded' if embedded else url.split('@')[-1]}, "
+              f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'})", flush=True)
         progress = Progress(cfg.train.steps)
         while coordinator.poll() is None:
             if stopping:

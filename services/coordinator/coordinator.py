@@ -30,10 +30,10 @@ EXIT_FENCED = 3
 
 
 class Coordinator:
-    def __init__(self, ctx: ServiceContext, supervise: str, config_path: str, redis_url: str) -> None:
+    def __init__(self, ctx: ServiceContext, supervise: str, config_path: str) -> None:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
         self.supervise = supervise
-        self.config_path, self.redis_url = config_path, redis_url
+        self.config_path = config_path  # children find Redis through the inherited CMEMI_REDIS_URL
         self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra=ctx.member_extra).start()
         self.children: dict[str, Child] = {}
@@ -103,7 +103,7 @@ class Coordinator:
     # ------------------------------------------------------------------ children
     def _add(self, role: str, ident: str) -> Child:
         extra = ["--worker-id", ident] if role == "worker" else []
-        child = Child(role, ident, service_argv(role, self.config_path, self.redis_url, *extra))
+        child = Child(role, ident, service_argv(role, self.config_path, *extra))
         self.children[child.name] = child
         child.start()
         self.ctx.emit("process_started", role=role, id=ident, pid=child.popen.pid if child.popen else None)
@@ -112,7 +112,7 @@ class Coordinator:
     def _add_spare(self) -> None:
         self._spare_seq += 1
         ident = f"spare{self._spare_seq}"
-        child = Child("worker", ident, service_argv("worker", self.config_path, self.redis_url, "--spare", ident))
+        child = Child("worker", ident, service_argv("worker", self.config_path, "--spare", ident))
         child.start()
         self.spares.append(child)
 
