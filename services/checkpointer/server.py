@@ -32,6 +32,7 @@ class Checkpointer:
         self.drops: Counter[str] = Counter()  # by reason; mirrored to Redis (ckpt:dropped) for summary.json
         self._unpublished_drops: Counter[str] = Counter()
         self.terms = TermWatch(ctx.redis, ctx.keys)
+        self.restored_terms: set[int] = set()  # a second restore_req of a term is not the aggregator's
         self.latest: int | None = None
         self._advertise()
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
@@ -120,7 +121,10 @@ class Checkpointer:
                 self._drop("bad_meta", problem)
                 return
             self._save(identity, msg)
+        elif msg.header["term"] in self.restored_terms:  # an aggregator asks once, at its start
+            self._drop("repeated_restore", f"term {msg.header['term']}")
         else:
+            self.restored_terms.add(msg.header["term"])
             self._restore(identity, msg)
 
     def _save(self, identity: bytes, msg: protocol.Message) -> None:
