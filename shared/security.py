@@ -130,7 +130,11 @@ class Curve:
     def _pair(self, name: str) -> KeyPair:
         assert self.keys_dir is not None
         if name not in self._mine:
-            self._mine[name] = load_keypair(self.keys_dir / f"{name}.key_secret", name)
+            path = self.keys_dir / f"{name}.key_secret"
+            if name == "worker" and not path.exists():  # a host given its own worker-N key instead of the shared one
+                own = sorted(self.keys_dir.glob("worker-*.key_secret"))
+                path = own[0] if len(own) == 1 else path
+            self._mine[name] = load_keypair(path, name)
         return self._mine[name]
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
