@@ -141,17 +141,20 @@ def _plot(argv: list[str]) -> int:
 def _keys(argv: list[str]) -> int:
     from cmemi.shared.security import generate
 
-    p = argparse.ArgumentParser(prog="cmemi keys", description="Generate CurveZMQ key pairs for security.curve.")
+    p = argparse.ArgumentParser(prog="cmemi keys", description="Generate the CurveZMQ key pairs of a cluster "
+                                "(security.keys_dir): server, aggregator, coordinator, worker.")
     p.add_argument("directory")
-    p.add_argument("--clients", type=int, default=1, help="client key pairs to make (one per host or process)")
+    p.add_argument("--workers", type=int, default=0, help="extra worker key pairs worker-0..N-1 (e.g. one per "
+                   "host); the shared worker key is always made. Add more later with a new directory: copy its "
+                   "worker-*.key files into the servers' directory, no restart needed")
+    p.add_argument("--if-missing", action="store_true", help="keep the keys a directory already has")
     args = p.parse_args(argv)
-    made = generate(Path(args.directory), args.clients)
-    pub = {f.stem: f.read_text().split('public-key = "')[1].split('"')[0] for f in made if f.suffix == ".key"}
-    print(f"wrote {len(made)} files to {args.directory} (secret keys are mode 600). In the config:\n"
-          f"security:\n  curve: true\n  server_secret_key_file: {args.directory}/server.key_secret"
-          f"   # aggregator + checkpointer hosts\n  server_public_key: '{pub['server']}'\n"
-          f"  client_secret_key_file: {args.directory}/client0.key_secret   # each client its own\n"
-          f"  allowed_client_keys:\n" + "".join(f"    - '{pub[k]}'\n" for k in sorted(pub) if k != "server"))
+    made = generate(Path(args.directory), args.workers, if_missing=args.if_missing)
+    print(f"wrote {len(made)} files to {args.directory} (secret keys mode 600). In the config of every service:\n"
+          f"security:\n  curve: true\n  keys_dir: {Path(args.directory).resolve()}\n"
+          "Each host needs the public *.key files and only its own role's *.key_secret: the aggregator host "
+          "server + aggregator, the checkpointer host server, the coordinator host coordinator, worker hosts "
+          "worker (or worker-N).")
     return 0
 
 

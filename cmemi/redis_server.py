@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import socket
@@ -41,6 +42,17 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
+    def _write_conf(self) -> Path:
+        """The server's settings in a 0600 file: the password never appears on a command line (`ps`)."""
+        conf = self.workdir / "redis.conf"
+        tmp = self.workdir / "redis.conf.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"port {self.port}\nbind {self.host}\nsave \"\"\nappendonly yes\nappendfsync everysec\ndir \"{self.workdir}\"\n"
+                    f"requirepass {self.password}\nprotected-mode yes\nlogfile \"{self.workdir / 'redis.log'}\"\n")
+        os.replace(tmp, conf)
+        return conf
+
     def start(self, timeout: float = 10.0, port: int | None = None) -> EmbeddedRedis:
         """Start on a free port (or on `port`, e.g. to restart a server where its clients expect it).
 
@@ -53,11 +65,8 @@ class EmbeddedRedis:
         binary = redis_server_binary()
         for _attempt in range(5):  # a free port can be taken between probing and binding: retry
             self.port = port or _free_port(self.host)
-            self.proc = subprocess.Popen(
-                [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                 "--dir", str(self.workdir), "--requirepass", self.password, "--protected-mode", "yes",
-                 "--logfile", str(self.workdir / "redis.log")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([binary, str(self._write_conf())], stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
             client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:

@@ -126,8 +126,8 @@ class Supervisor:
     """Runs the coordinator (and the embedded redis-server) until the run ends; restarts them when they die."""
 
     def __init__(self, argv: list[str], embedded: EmbeddedRedis | None, client: redis.Redis, keys: Keys,
-                 max_restarts: int) -> None:
-        self.argv, self.embedded, self.client, self.keys = argv, embedded, client, keys
+                 max_restarts: int, env: dict[str, str] | None = None) -> None:
+        self.argv, self.embedded, self.client, self.keys, self.env = argv, embedded, client, keys, env
         self.max_restarts = max_restarts
         self.coordinator: subprocess.Popen | None = None
         self.restarts = {"coordinator": 0, "redis": 0}
@@ -138,7 +138,7 @@ class Supervisor:
         # PR_SET_PDEATHSIG: the coordinator dies with `cmemi up`; the services it starts do too (shared/lifeline.py)
         from cmemi.services.coordinator.supervisor import _die_with_parent
 
-        self.coordinator = subprocess.Popen(self.argv, preexec_fn=_die_with_parent)
+        self.coordinator = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=self.env)
         self.started["coordinator"] = time.monotonic()
 
     def _count(self, what: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
+from cmemi.run_security import child_env, secure_run
 from cmemi.services.checkpointer.server import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared.config import Config, ConfigError, dump_config
@@ -92,6 +93,7 @@ class Progress:
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False) -> int:
     run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config)
+    secure_run(cfg, run_dir)
     become_subreaper()
     os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
     keys = Keys(cfg.run.name)
@@ -119,10 +121,12 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
         tmp.chmod(0o600)
         os.replace(tmp, run_dir / "cluster.json")
         os.environ.setdefault(LOG_DIR_ENV, str(run_dir / "logs"))  # every service inherits where its log goes
-        sup = Supervisor(service_argv("coordinator", str(run_dir / "config.yaml"), url, "--supervise", "local"),
-                         embedded, client, keys, cfg.cluster.max_restarts)
+        sup = Supervisor(service_argv("coordinator", str(run_dir / "config.yaml"), "--supervise", "local"),
+                         embedded, client, keys, cfg.cluster.max_restarts, env=child_env(url))
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
-              f"(redis {'embedded' if embedded else url.split('@')[-1]}; service logs: cmemi logs {run_dir})", flush=True)
+              f"(redis {'embedded' if embedded else url.split('@')[-1]}, "
+              f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
+              f"service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.steps)
 
         def show() -> None:

@@ -188,8 +188,8 @@ class ClusterConfig:
     """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
     start_timeout: float = 180.0
     """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
-    max_message_bytes: int = 1 << 31
-    """Largest message a service accepts: a bigger frame makes ZeroMQ drop the peer, a bigger message is dropped."""
+    max_message_bytes: int | None = None
+    """Largest message (and ZeroMQ frame) a service accepts; null: 4 x the model's parameter + buffer bytes + 16 MiB."""
     checksum: bool = True
     """Verify an xxh3 checksum of every tensor frame on receipt."""
 
@@ -213,7 +213,7 @@ class ClusterConfig:
         if self.max_restarts < 0:
             _fail("cluster.max_restarts", self.max_restarts, "must be >= 0", "use e.g. 10")
         _positive("cluster.start_timeout", self.start_timeout, "use e.g. 180")
-        if self.max_message_bytes < 1 << 16:
+        if self.max_message_bytes is not None and self.max_message_bytes < 1 << 16:
             _fail("cluster.max_message_bytes", self.max_message_bytes, "must be >= 65536", "use e.g. 2147483648")
         if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             _fail("cluster.redis", self.redis, "must be a redis:// or rediss:// URL", "e.g. redis://:password@10.0.0.5:6379/0, or null")
@@ -253,28 +253,10 @@ class MetricsConfig:
 
 @dataclass
 class SecurityConfig:
-    curve: bool = False
-    """Encrypt and authenticate every ZeroMQ connection with CurveZMQ (keys from `cmemi keys DIR`)."""
-    server_secret_key_file: str | None = None
-    """Server key pair (the *.key_secret file) used by the aggregator and the checkpointer."""
-    server_public_key: str | None = None
-    """The server's public key (Z85, 40 characters): what clients check the servers against."""
-    client_secret_key_file: str | None = None
-    """This process's client key pair (*.key_secret): workers, coordinator, aggregator (to the checkpointer)."""
-    allowed_client_keys: list[str] = field(default_factory=list)
-    """Public keys (Z85) of the clients the servers accept; any other peer fails the handshake."""
-
-    def __post_init__(self) -> None:
-        for i, key in enumerate(self.allowed_client_keys):
-            if not isinstance(key, str) or len(key) != 40:
-                _fail(f"security.allowed_client_keys[{i}]", key, "must be a 40-character Z85 public key",
-                      "copy it from the client's .key file made by `cmemi keys`")
-        if self.server_public_key is not None and len(self.server_public_key) != 40:
-            _fail("security.server_public_key", self.server_public_key, "must be a 40-character Z85 public key",
-                  "copy it from server.key made by `cmemi keys`")
-        if self.curve and not self.allowed_client_keys:
-            _fail("security.allowed_client_keys", self.allowed_client_keys, "is empty while security.curve is on",
-                  "list the public keys of your workers, coordinator and aggregator")
+    curve: bool = True
+    """Encrypt and authenticate every ZeroMQ connection with CurveZMQ, one key per role; false only on a trusted network."""
+    keys_dir: str | None = None
+    """Key directory from `cmemi keys DIR` (a host needs its role's *.key_secret and the public *.key files); null: `cmemi up` makes RUN_DIR/keys."""
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")

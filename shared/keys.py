@@ -15,6 +15,7 @@
 | `microbatches` | hash | aggregator, every step | accepted microbatches per `wid:incarnation` |
 | `events` | stream | everyone | joins, deaths, fences, restarts, checkpoints (XADD, field `json`) |
 | `ckpt:latest` | string | checkpointer | step of the newest durable checkpoint |
+| `ckpt:dropped` | hash | checkpointer | messages it dropped, by reason (copied into `summary.json`) |
 | `spare:{id}` | list | coordinator | worker id a warm spare process should take over |
 | `control:scale` | string | `cmemi scale` | requested worker count |
 """
@@ -35,6 +36,7 @@ class Keys:
         self.microbatches = p + "microbatches"
         self.events = p + "events"
         self.ckpt_latest = p + "ckpt:latest"
+        self.ckpt_dropped = p + "ckpt:dropped"
         self.scale = p + "control:scale"
 
     def member(self, role: str, ident: str) -> str:

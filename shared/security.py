@@ -1,19 +1,37 @@
-"""CurveZMQ encryption and authentication of every peer (`security.curve`).
+"""CurveZMQ encryption, authentication, and a role for every peer (`security.*`).
 
-Servers (aggregator, checkpointer) hold the server key pair; clients (workers, the coordinator, the
-aggregator talking to the checkpointer) hold a client key pair each and must be listed by public key
-in `security.allowed_client_keys`. A peer that is not listed, or not encrypted at all, fails the
-handshake inside ZeroMQ: its messages never reach the service's logic. Keys come from `cmemi keys DIR`.
+On by default. A key directory (`security.keys_dir`, made by `cmemi keys DIR`, or by `cmemi up` in
+RUN_DIR/keys for the run) holds one key pair per role, secrets mode 0600:
+
+    server.key[_secret]       the aggregator and the checkpointer serve with it
+    aggregator.key[_secret]   the aggregator, as a client of the checkpointer
+    coordinator.key[_secret]  the coordinator, as a client of the aggregator (fences)
+    worker.key[_secret]       every worker (one shared key: scaling up needs no new key)
+    worker-NAME.key           more worker keys (public part only on the servers), e.g. one per host;
+                              picked up while running, so adding a host needs no restart
+
+A host needs only its own role's secret plus the public `*.key` files. Servers accept only the
+public keys found there, and pyzmq's authenticator sets every message's `User-Id` to the client's
+Z85 key: `Curve.role(frame)` maps it back to the role, and each server checks that role per
+message type (only workers ask for work, only the coordinator fences, only the aggregator talks to
+the checkpointer). A peer with an unknown key, or no encryption at all, fails the handshake inside
+ZeroMQ: its bytes never reach a service, and libzmq buffers nothing for it.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+ROLES = ("aggregator", "coordinator", "worker")  # client roles; "server" is the servers' own pair
+RESCAN_S = 1.0  # an unknown key re-reads keys_dir at most this often (new worker keys while running)
 
 
 class SecurityError(ValueError):
@@ -26,25 +44,76 @@ class KeyPair:
     secret: bytes
 
 
-def load_keypair(path: str, what: str) -> KeyPair:
+def load_keypair(path: Path, what: str) -> KeyPair:
     try:
-        public, secret = zmq.auth.load_certificate(path)
+        public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise SecurityError(f"cannot read {what} {path!r} ({exc}); create keys with `cmemi keys DIR`") from None
+        raise SecurityError(f"cannot read the {what} key {str(path)!r} ({exc}); create the keys with "
+                            "`cmemi keys DIR` and set security.keys_dir: DIR (or security.curve: false)") from None
     if secret is None:
-        raise SecurityError(f"{what} {path!r} holds no secret key; point it at the *.key_secret file")
+        raise SecurityError(f"{what} key {str(path)!r} holds no secret key; copy {path.name} from the "
+                            "directory `cmemi keys` made")
     return KeyPair(public, secret)
 
 
-def generate(directory: Path, clients: int) -> list[Path]:
-    """A server key pair and `clients` client key pairs (name.key public, name.key_secret secret)."""
+def public_key(path: Path) -> bytes:
+    public, _secret = zmq.auth.load_certificate(str(path))
+    return public
+
+
+def generate(directory: Path, extra_workers: int = 0, if_missing: bool = False) -> list[Path]:
+    """Key pairs for the server and each client role (plus `extra_workers` more worker keys), secrets 0600.
+    `if_missing`: keep a directory that already has its keys (a resumed run, a restarted compose)."""
     directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    names = ["server", *ROLES, *(f"worker-{i}" for i in range(extra_workers))]
     made = []
-    for name in ["server", *(f"client{i}" for i in range(clients))]:
-        pub, sec = zmq.auth.create_certificates(str(directory), name)
+    for name in names:
+        if if_missing and (directory / f"{name}.key_secret").is_file():
+            continue
+        old = os.umask(0o077)  # the secret never exists with looser permissions, not even for a moment
+        try:
+            pub, sec = zmq.auth.create_certificates(str(directory), name)
+        finally:
+            os.umask(old)
         Path(sec).chmod(0o600)
+        Path(pub).chmod(0o644)
         made += [Path(pub), Path(sec)]
     return made
+
+
+def read_public_keys(directory: Path) -> dict[bytes, str]:
+    """Z85 public key -> role, from the *.key files of a key directory."""
+    out: dict[bytes, str] = {}
+    for path in sorted(directory.glob("*.key")):
+        role = "worker" if path.stem.startswith("worker") else path.stem
+        if role in ROLES:
+            try:
+                out[public_key(path)] = role
+            except (OSError, ValueError):
+                continue  # half-written while we read: the next rescan sees it
+    return out
+
+
+class _Roles:
+    """The authenticator's callback: a key is allowed if keys_dir names it (re-read for unknown keys)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.lock = threading.Lock()
+        self.by_key = read_public_keys(directory)
+        self.next_scan = time.monotonic() + RESCAN_S
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:  # pyzmq hands over the Z85 form
+        with self.lock:
+            if z85_key not in self.by_key and time.monotonic() >= self.next_scan:
+                self.next_scan = time.monotonic() + RESCAN_S
+                self.by_key = read_public_keys(self.directory)
+            return z85_key in self.by_key
+
+    def role(self, z85_key: str) -> str | None:
+        with self.lock:
+            return self.by_key.get(z85_key.encode())
 
 
 @dataclass
@@ -52,36 +121,60 @@ class Curve:
     """Per-process CurveZMQ setup; a no-op when security.curve is false."""
 
     enabled: bool
-    server: KeyPair | None = None  # only processes that serve (aggregator, checkpointer)
-    server_public: bytes | None = None
-    client: KeyPair | None = None
-    allowed: list[bytes] = field(default_factory=list)
+    keys_dir: Path | None = None
+    role_name: str = ""
     _auth: ThreadAuthenticator | None = None
+    _roles: _Roles | None = None
+    _mine: dict[str, KeyPair] = field(default_factory=dict)
+
+    def _pair(self, name: str) -> KeyPair:
+        assert self.keys_dir is not None
+        if name not in self._mine:
+            path = self.keys_dir / f"{name}.key_secret"
+            if name == "worker" and not path.exists():  # a host given its own worker-N key instead of the shared one
+                own = sorted(self.keys_dir.glob("worker-*.key_secret"))
+                path = own[0] if len(own) == 1 else path
+            self._mine[name] = load_keypair(path, name)
+        return self._mine[name]
 
     def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
-        """Make `sock` a CURVE server that accepts only the allowed client keys (ZAP, one thread per context)."""
+        """Make `sock` a CURVE server that accepts only keys listed in keys_dir (ZAP, one thread per context)."""
         if not self.enabled:
             return
-        if self.server is None:
-            raise SecurityError("security.curve is on but security.server_secret_key_file is not set")
+        server = self._pair("server")
         if self._auth is None:
+            assert self.keys_dir is not None
+            self._roles = _Roles(self.keys_dir)
             self._auth = ThreadAuthenticator(ctx)
             self._auth.start()
-            allowed = set(self.allowed)
-            self._auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(allowed))
-        sock.curve_secretkey = self.server.secret
-        sock.curve_publickey = self.server.public
+            self._auth.configure_curve_callback(domain="*", credentials_provider=self._roles)
+        sock.curve_secretkey = server.secret
+        sock.curve_publickey = server.public
         sock.curve_server = True
 
     def connect_as_client(self, sock: zmq.Socket) -> None:
         if not self.enabled:
             return
-        if self.client is None or self.server_public is None:
-            raise SecurityError("security.curve is on but security.client_secret_key_file or "
-                                "security.server_public_key is not set")
-        sock.curve_secretkey = self.client.secret
-        sock.curve_publickey = self.client.public
-        sock.curve_serverkey = self.server_public
+        assert self.keys_dir is not None
+        mine = self._pair(self.role_name)
+        try:
+            server_public = public_key(self.keys_dir / "server.key")
+        except (OSError, ValueError) as exc:
+            raise SecurityError(f"cannot read the server's public key in {str(self.keys_dir)!r} ({exc}); "
+                                "copy server.key from the directory `cmemi keys` made") from None
+        sock.curve_secretkey = mine.secret
+        sock.curve_publickey = mine.public
+        sock.curve_serverkey = server_public
+
+    def role(self, frame: zmq.Frame) -> str | None:
+        """The role of the peer that sent `frame` (None with Curve off: no key, no role)."""
+        if not self.enabled or self._roles is None:
+            return None
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            return ""
+        return self._roles.role(user) or ""
 
     def close(self) -> None:
         if self._auth is not None:
@@ -89,22 +182,19 @@ class Curve:
             self._auth = None
 
 
-class _Allowed:
-    def __init__(self, keys: set[bytes]) -> None:
-        self.keys = keys
-
-    def callback(self, domain: str, z85_key: bytes) -> bool:  # pyzmq hands over the Z85 form
-        return z85_key in self.keys
-
-
-def curve_from_config(sec: object) -> Curve:
-    """Build the process's Curve from a SecurityConfig (see shared.config)."""
+def curve_from_config(sec: object, role: str) -> Curve:
+    """Build the process's Curve from a SecurityConfig (see shared.config); checks its own keys now, so a
+    missing or unreadable key is one clear line at start, not a failure at the first connection."""
     if not getattr(sec, "curve", False):
         return Curve(False)
-    server = load_keypair(sec.server_secret_key_file, "security.server_secret_key_file") \
-        if sec.server_secret_key_file else None
-    client = load_keypair(sec.client_secret_key_file, "security.client_secret_key_file") \
-        if sec.client_secret_key_file else None
-    server_public = sec.server_public_key.encode() if sec.server_public_key else (server.public if server else None)
-    return Curve(True, server=server, server_public=server_public, client=client,
-                 allowed=[k.encode() for k in sec.allowed_client_keys])
+    keys_dir = getattr(sec, "keys_dir", None)
+    if not keys_dir:
+        raise SecurityError("security.curve is on but security.keys_dir is not set; make keys with "
+                            "`cmemi keys DIR` and set security.keys_dir: DIR (`cmemi up` does this by itself), "
+                            "or set security.curve: false on a trusted network")
+    curve = Curve(True, Path(keys_dir), role)
+    if role in ("aggregator", "checkpointer"):
+        curve._pair("server")
+    if role in ROLES:
+        curve._pair(role)
+    return curve

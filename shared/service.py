@@ -7,6 +7,7 @@ message in Redis (`error`), so the supervisor reports them instead of restarting
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -19,11 +20,13 @@ import structlog
 from cmemi.shared import lifeline, metrics
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
+from cmemi.shared.limits import derive_max_message_bytes
 from cmemi.shared.log import setup_logging
 from cmemi.shared.membership import connect, emit, wait_for_redis
 from cmemi.shared.security import Curve, SecurityError, curve_from_config
 
 EXIT_FATAL = 2  # a user error: restarting will not help
+REDIS_URL_ENV = "CMEMI_REDIS_URL"  # how `cmemi up` and the coordinator hand the Redis URL (and password) down
 
 
 @dataclass
@@ -71,8 +74,14 @@ def common_parser(role: str, doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"cmemi {role}", description=(doc or "").strip().splitlines()[0] if doc else None)
     p.add_argument("--config", required=True, help="run config YAML (the run directory's config.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-    p.add_argument("--redis", default=None, help="Redis URL (default: cluster.redis from the config)")
+    p.add_argument("--redis", default=None, help="Redis URL (default: $CMEMI_REDIS_URL, then cluster.redis); a "
+                   "password here is visible to every local user in `ps`: prefer the environment variable")
     return p
+
+
+def redis_url(args: argparse.Namespace, cfg: Config) -> str | None:
+    """--redis, else the inherited environment (never on a command line: `ps` shows argv to everyone), else the config."""
+    return args.redis or os.environ.get(REDIS_URL_ENV) or cfg.cluster.redis
 
 
 def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceContext:
@@ -83,9 +92,9 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     except ConfigError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
-    url = args.redis or cfg.cluster.redis
+    url = redis_url(args, cfg)
     if not url:
-        print(f"cmemi {role}: error: no Redis URL; pass --redis URL or set cluster.redis", file=sys.stderr)
+        print(f"cmemi {role}: error: no Redis URL; set {REDIS_URL_ENV}, cluster.redis or --redis URL", file=sys.stderr)
         sys.exit(EXIT_FATAL)
     client = connect(url)
     wait_for_redis(client, timeout=30)
@@ -97,10 +106,12 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        curve = curve_from_config(cfg.security)
+        curve = curve_from_config(cfg.security, role)
     except SecurityError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
+    if role != "coordinator":
+        derive_max_message_bytes(cfg)
     cfg.run.path.mkdir(parents=True, exist_ok=True)
     metrics_url = metrics.serve(cfg)
     extra = {"metrics_url": metrics_url} if metrics_url else {}

@@ -521,7 +521,8 @@ class FuzzCluster(Cluster):
 def test_fuzzed_aggregator_stays_up_and_accepts_nothing(tmp_path: Path, reference: str, corpus, capsys) -> None:
     t0 = time.monotonic()
     c = FuzzCluster(tmp_path / "run", *LONG, "cluster.workers=2", "cluster.spare_workers=0",
-                f"cluster.max_message_bytes={MAX_MESSAGE_BYTES}", f"run.name={RUN}")  # its own embedded Redis
+                f"cluster.max_message_bytes={MAX_MESSAGE_BYTES}", f"run.name={RUN}",  # its own embedded Redis
+                "security.curve=false")  # fuzz the receive path itself: with Curve on, nothing gets that far
     try:
         c.wait_step(40, timeout=180)
         agg = c.redis.hgetall(c.keys.aggregator)
@@ -619,7 +620,9 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     from cmemi.shared.codecs import make_codec
     from cmemi.shared.config import CompressionConfig, load_config
     from cmemi.shared.data import fingerprint
+    from cmemi.shared.membership import Member
     from cmemi.shared.plugins import build_model, resolve
+    from zmq import auth as _  # noqa: F401  (zmq.auth.load_certificate)
 
     from tests.conftest import DIGITS
 
@@ -629,13 +632,18 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     codec = make_codec(CompressionConfig())
     c = Cluster(tmp_path / "run", *LONG, "cluster.workers=1", "cluster.spare_workers=0")
     ctx = zmq.Context()
+    member = None
     try:
         c.wait_step(20)
         agg = c.redis.hgetall(c.keys.aggregator)
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        keys = c.run_dir / "keys"  # it holds the worker key and registers in Redis, as a worker host can
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(str(keys / "worker.key_secret"))
+        sock.curve_serverkey = zmq.auth.load_certificate(str(keys / "server.key"))[0]
         sock.connect(agg["addr"])
-        me = {"wid": "mallory", "inc": 10**12}
+        member = Member(c.redis, c.keys, "worker", "mallory", 0.1, 1.0).start()
+        me = {"wid": "mallory", "inc": member.incarnation}
 
         def reply(mtype: str) -> protocol.Message:
             deadline = time.monotonic() + 60
@@ -658,6 +666,8 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
                 "finite": True, "codec": info, "encode_s": 0.0}, frames))
         protocol.send(sock, protocol.encode("leave", run, me))  # its leases go back at once
     finally:
+        if member is not None:
+            member.stop()
         rc = c.wait()
         ctx.destroy(linger=0)
     assert rc == 0, c.output()

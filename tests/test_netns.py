@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from cmemi.shared.config import dump_config, load_config
+from cmemi.shared.security import generate
 
 from cmemi.redis_server import redis_server_binary
 from tests import netns
@@ -92,7 +93,9 @@ def test_separate_hosts_cut_worker_is_fenced_and_replaced(lab: netns.NetLab, tmp
     logs = tmp_path / "logs"
     logs.mkdir()
     name = f"netns-{secrets.token_hex(4)}"
-    cfg = load_config(DIGITS, [*SETS, f"run.name={name}", f"run.dir={run_dir}"])
+    keys = tmp_path / "keys"  # CurveZMQ is on by default: the documented one step for separate hosts
+    generate(keys)
+    cfg = load_config(DIGITS, [*SETS, f"run.name={name}", f"run.dir={run_dir}", f"security.keys_dir={keys}"])
     cfg_path = tmp_path / "cluster.yaml"
     cfg_path.write_text(dump_config(cfg))
     (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -119,9 +122,10 @@ def test_separate_hosts_cut_worker_is_fenced_and_replaced(lab: netns.NetLab, tmp
     procs: dict[str, subprocess.Popen] = {}
 
     def start(role: str, host: str, *extra: str, log: str | None = None, **env: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "cmemi", role, "--config", str(cfg_path), "--redis", url,
+        argv = [sys.executable, "-m", "cmemi", role, "--config", str(cfg_path),
                 "--set", f"cluster.host={hosts[host].ip}", *extra]
-        return lab.start(hosts[host], argv, logs / f"{log or host}.log", cwd=ROOT, env={**os.environ, **env})
+        return lab.start(hosts[host], argv, logs / f"{log or host}.log", cwd=ROOT,
+                         env={**os.environ, "CMEMI_REDIS_URL": url, **env})  # the password stays out of argv
 
     procs["coord"] = start("coordinator", "coord", "--supervise", "none")
     procs["ckpt"] = start("checkpointer", "ckpt")

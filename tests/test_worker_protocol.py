@@ -62,7 +62,8 @@ def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_
     connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
     log = open(tmp_path / "worker.log", "w")
     proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
-                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}"),
+                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
+                                      "--set", "security.curve=false"),  # a plain ROUTER plays the aggregator
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         ident, msg = recv(router)

@@ -3,7 +3,11 @@
 Microbatch m of step s is leased to one worker at a time. A lease that expires, or whose worker
 is declared dead, goes back to the pending queue and is handed to the next worker that asks.
 The first gradient to arrive for m is accepted (any worker computes it bitwise identically);
-every later one is a duplicate and is dropped. Accepted gradients are summed by the fixed reduction
+every later one is a duplicate and is dropped. A gradient counts only from a worker incarnation
+that was leased that m in this step (`granted`): nobody injects a gradient for a microbatch it
+was not given. When the queue is empty, an outstanding lease held longer than `reissue_after` is
+handed to the next idle worker as well (oldest first, fewest holders first), so a withheld lease
+costs one recomputation, never a whole `lease_timeout` (docs/design.md, "Idle workers"). Accepted gradients are summed by the fixed reduction
 tree of `shared.reduction`, so the sum is bitwise the same whatever order they arrive in.
 """
 
@@ -38,7 +42,9 @@ class StepCollector:
         self.M = microbatches
         self.strict = strict  # a second collection of a step whose sum was not finite: check each gradient
         self.pending: deque[int] = deque(range(microbatches))
-        self.leases: dict[int, Lease] = {}
+        self.leases: dict[int, Lease] = {}  # m -> its newest holder (whose deadline counts)
+        self.granted: dict[int, set[tuple[str, int]]] = {}  # m -> every (wid, inc) leased it in this step
+        self.leased_at: dict[int, float] = {}  # m -> when it was first leased (re-issue oldest first)
         self.received: set[int] = set()
         self._tree: TreeAccumulator = TreeAccumulator(microbatches, add_into)
         self._losses: dict[int, float] = {}
@@ -48,12 +54,26 @@ class StepCollector:
     def complete(self) -> bool:
         return len(self.received) == self.M
 
-    def lease(self, wid: str, inc: int, now: float, timeout: float) -> int | None:
-        if not self.pending:
+    def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None) -> int | None:
+        """The next microbatch for worker (wid, inc): from the queue, else (with `reissue_after`) an outstanding
+        lease held at least that long by another worker; None if there is nothing to hand out."""
+        if self.pending:
+            m = self.pending.popleft()
+        elif reissue_after is None or (m := self._reissuable(wid, inc, now - reissue_after)) is None:
             return None
-        m = self.pending.popleft()
         self.leases[m] = Lease(wid, inc, now + timeout)
+        self.granted.setdefault(m, set()).add((wid, inc))
+        self.leased_at.setdefault(m, now)
         return m
+
+    def _reissuable(self, wid: str, inc: int, before: float) -> int | None:
+        outstanding = [m for m, t in self.leased_at.items()
+                       if m not in self.received and t <= before and (wid, inc) not in self.granted.get(m, ())]
+        return min(outstanding, key=lambda m: (len(self.granted.get(m, ())), self.leased_at[m], m), default=None)
+
+    def reissuable(self, now: float, reissue_after: float) -> bool:
+        return not self.pending and any(m not in self.received and t <= now - reissue_after
+                                        for m, t in self.leased_at.items())
 
     def release(self, wid: str, max_inc: int | None = None) -> list[int]:
         """Return the leases of worker `wid` (of incarnations <= max_inc) to the front of the queue."""
@@ -62,6 +82,9 @@ class StepCollector:
         for m in reversed(freed):
             del self.leases[m]
             self.pending.appendleft(m)
+            self.leased_at.pop(m, None)
+        for holders in self.granted.values():  # a fenced or departed incarnation's gradients no longer count
+            holders -= {h for h in holders if h[0] == wid and (max_inc is None or h[1] <= max_inc)}
         return freed
 
     def expire(self, now: float) -> list[int]:
@@ -69,17 +92,27 @@ class StepCollector:
         for m in reversed(expired):
             del self.leases[m]
             self.pending.appendleft(m)
+            self.leased_at.pop(m, None)
         return expired
 
-    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float) -> str | None:
-        """Accept microbatch m's gradient (None: it overflowed under fp16 loss scaling); returns a drop
-        reason instead if it is not wanted. The collector owns accepted tensors: it sums into them."""
+    def check(self, m: int, holder: tuple[str, int]) -> str | None:
+        """Why a gradient for m from `holder` would be dropped (None: it would be accepted)."""
         if not 0 <= m < self.M:
             return "bad_microbatch"
         if m in self.received:
             return "duplicate"
+        if holder not in self.granted.get(m, ()):
+            return "not_leased"
+        return None
+
+    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float, holder: tuple[str, int]) -> str | None:
+        """Accept microbatch m's gradient from `holder` = (wid, inc) (grads None: it overflowed under fp16 loss
+        scaling); returns a drop reason instead if it is not wanted. The collector owns accepted tensors."""
+        if (reason := self.check(m, holder)) is not None:
+            return reason
         self.received.add(m)
         self.leases.pop(m, None)
+        self.leased_at.pop(m, None)
         if m in self.pending:
             self.pending.remove(m)
         self._losses[m] = loss

@@ -17,6 +17,7 @@ import redis
 import torch
 import zmq
 from cmemi.services.aggregator import snapshots
+from cmemi.services.aggregator.admission import ROLE_OF, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval
 from cmemi.services.aggregator.publish import Publisher
@@ -93,6 +94,7 @@ class Aggregator:
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
+        self.reissue = ReissuePolicy()
         self.drops: Counter[str] = Counter()
         self._step_bytes_in = self._step_bytes_out = 0
         self.t_start: float | None = None
@@ -107,9 +109,15 @@ class Aggregator:
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
                                                                "incarnation": self.member.incarnation})
 
+    def _reissuable(self) -> bool:
+        after = self.reissue.after
+        return after is not None and self.collector.reissuable(time.monotonic(), after)
+
     def _housekeeping(self, now: float) -> None:
         if self.collector.expire(now):
             self.ctx.emit("lease_expired", step=self.collector.step)
+            self._serve_parked()
+        elif self.parked and self._reissuable():  # a lease is withheld (or slow) while workers idle
             self._serve_parked()
         if now >= self._next_redis_check:  # Redis may have restarted empty: advertise again
             self._next_redis_check = now + 1.0
@@ -161,6 +169,9 @@ class Aggregator:
         if handler is None:
             self._drop("unexpected_type", msg.type)
             return
+        if (role := self.ctx.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
+            self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")  # e.g. a worker key fencing
+            return
         if msg.type == "grad":  # all gradient bytes workers sent, accepted or not
             metrics.BYTES_IN.inc(size)
             self.bytes_in += size
@@ -195,11 +206,18 @@ class Aggregator:
     def _on_hello(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
         wid, inc = h["wid"], h["inc"]
-        if h["fp"] != self.fp:
+        if (why := registered(self.ctx.redis, self.ctx.keys, wid, inc)) is not None:
+            # Not the incarnation Redis holds for this id: a forgery or a stale process. The reply says nothing
+            # the sender did not know (no incarnation, no dataset hash); a real worker retries after registering.
+            self._drop(why, f"{wid}/{inc}")
+            self._send(identity, "reject", fatal=False, reason=f"worker {wid} on host {h['host']}: incarnation "
+                       f"{inc} is not registered for it ({why}); say hello after registering")
+            return
+        if h["fp"] != self.fp:  # names the worker's own fingerprint only: the reply reveals no hash of ours
             self._send(identity, "reject", fatal=True, reason=(
-                f"worker {wid} on host {h['host']} has a different dataset: length {h['fp'].get('length')} "
-                f"sha256 {str(h['fp'].get('sha256'))[:12]}, the aggregator's is length {self.fp['length']} "
-                f"sha256 {self.fp['sha256'][:12]}; make data.factory/data.kwargs give the same data on every host"))
+                f"worker {wid} on host {h['host']} has a different dataset (length {h['fp'].get('length')}, "
+                f"sha256 {str(h['fp'].get('sha256'))[:12]}) than the aggregator; make data.factory/data.kwargs "
+                "give the same data on every host (compare the fingerprints in each service's log)"))
             return
         if self._is_fenced(wid, inc):
             self._send(identity, "reject", fatal=False, reason=f"incarnation {inc} of worker {wid} is fenced")
@@ -244,6 +262,11 @@ class Aggregator:
             self._drop("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {self.collector.step}")
             self._serve(identity, info, h["version"])
             return
+        holder = (info.wid, info.inc)
+        if (reason := self.collector.check(h["m"], holder)) is not None:  # before decoding: injection costs little
+            self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
+            self._serve(identity, info, h["version"])
+            return
         if h["finite"] or not self.trainer.scaler.enabled:
             try:
                 t0 = time.perf_counter()
@@ -257,9 +280,10 @@ class Aggregator:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
         elif grads is not None and self.collector.strict and not all_finite(grads.values()):
             self._drop("codec_nonfinite", f"{info.wid}: step {h['step']} m {h['m']}: NaN or inf in the gradient")
-        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]))) is not None:
+        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]), holder)) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
+            self.reissue.accepted(info, time.monotonic())
             self._unpublished_mb[f"{info.wid}:{info.inc}"] += 1
             if (info.wid, info.inc) not in self._contributed:
                 self._contributed.add((info.wid, info.inc))
@@ -313,7 +337,9 @@ class Aggregator:
             return
         if self.t_start is None:
             self.t_start = self._t_step = time.monotonic()
-        m = self.collector.lease(info.wid, info.inc, time.monotonic(), self.cfg.cluster.lease_timeout)
+        now = time.monotonic()
+        self.reissue.leased(info, now)
+        m = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
         if m is None:
             self.parked[identity] = (info, held_version)
             return
@@ -323,7 +349,7 @@ class Aggregator:
 
     def _serve_parked(self) -> None:
         for identity, (info, held_version) in list(self.parked.items()):
-            if not self.collector.pending and not self.done:
+            if not self.collector.pending and not self.done and not self._reissuable():
                 return
             del self.parked[identity]
             self._serve(identity, info, held_version)
@@ -430,6 +456,7 @@ class Aggregator:
         step, meta, tensors = snapshots.collect(self)
         meta["summary"] = summary
         summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))
+        summary["checkpointer_dropped_messages"] = self._checkpointer_drops()
         if self.ckpt_stall_s:
             summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)
         atomic.write_text(self.ctx.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
@@ -437,6 +464,12 @@ class Aggregator:
         self.ctx.emit("run_completed", steps=self.trainer.step, params_sha256=summary["params_sha256"])
         self.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
         self._linger(1.0)
+
+    def _checkpointer_drops(self) -> dict[str, int]:
+        try:
+            return {k: int(v) for k, v in self.ctx.redis.hgetall(self.ctx.keys.ckpt_dropped).items()}
+        except redis.RedisError:
+            return {}
 
     def _set_completed(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import redis
 import zmq
+from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import atomic, metrics, protocol
 from cmemi.shared.membership import Member
@@ -31,7 +33,10 @@ class Checkpointer:
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
-        self.drops = 0
+        self.drops: Counter[str] = Counter()  # by reason; mirrored to Redis (ckpt:dropped) for summary.json
+        self._unpublished_drops: Counter[str] = Counter()
+        self.terms = TermWatch(ctx.redis, ctx.keys)
+        self.restored_terms: set[int] = set()  # a second restore_req of a term is not the aggregator's
         self.latest: int | None = None
         self._advertise()
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
@@ -68,28 +73,63 @@ class Checkpointer:
                     self._sync_pointer()
                 except redis.RedisError:
                     pass
+                self._publish_drops()
                 if self.ctx.run_state() == "completed":  # the final checkpoint is on disk: nothing left to do
                     self.log.info("run completed; exiting")
                     return
 
+    def _drop(self, reason: str, detail: str = "") -> None:
+        """Count, don't log each one: a flood of hostile messages must not become a flood of log lines."""
+        self.drops[reason] += 1
+        self._unpublished_drops[reason] += 1
+        metrics.DROPPED.labels(reason).inc()
+        if self.drops[reason] <= 3 or self.drops[reason] % 1000 == 0:
+            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
+
+    def _publish_drops(self) -> None:
+        if not self._unpublished_drops:
+            return
+        try:
+            pipe = self.ctx.redis.pipeline(transaction=False)
+            for reason, n in self._unpublished_drops.items():
+                pipe.hincrby(self.ctx.keys.ckpt_dropped, reason, n)
+            pipe.execute()
+            self._unpublished_drops.clear()
+        except redis.RedisError:
+            pass  # next time
+
     def _receive(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
-            self.drops += 1
+            self._drop("no_identity")
             return
         identity = frames[0].bytes
+        if (size := protocol.message_bytes(frames[1:])) > self.cfg.cluster.max_message_bytes:
+            self._drop("too_big", f"{size} bytes")
+            return
         try:
             msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
         except protocol.ProtocolError as exc:
-            self.drops += 1
-            self.log.warning("message dropped", reason=exc.reason, detail=str(exc)[:200])
+            self._drop(exc.reason, str(exc))
+            return
+        if msg.type not in ("snapshot", "restore_req"):
+            self._drop("unexpected_type", msg.type)
+            return
+        if (role := self.ctx.curve.role(frames[1])) is not None and role != "aggregator":
+            self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")
+            return
+        if not self.terms.current(msg.header["term"]):
+            self._drop("stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}")
             return
         if msg.type == "snapshot":
+            if (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)) is not None:
+                self._drop("bad_meta", problem)
+                return
             self._save(identity, msg)
-        elif msg.type == "restore_req":
-            self._restore(identity, msg)
+        elif msg.header["term"] in self.restored_terms:  # an aggregator asks once, at its start
+            self._drop("repeated_restore", f"term {msg.header['term']}")
         else:
-            self.drops += 1
-            self.log.warning("message dropped", reason="unexpected_type", type=msg.type)
+            self.restored_terms.add(msg.header["term"])
+            self._restore(identity, msg)
 
     def _save(self, identity: bytes, msg: protocol.Message) -> None:
         step = msg.header["step"]
@@ -109,6 +149,7 @@ class Checkpointer:
         self.ctx.emit("checkpoint_saved", step=step, path=str(path), bytes=size, write_s=round(write_s, 4),
                       removed=removed, final=msg.header["final"])
         self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
+        self._publish_drops()  # before the ack: the final summary reads them right after it
         protocol.send(self.sock, protocol.encode("saved", self.ctx.run, {"step": step, "path": str(path)}), identity)
 
     def _write(self, step: int, msg: protocol.Message) -> Path:

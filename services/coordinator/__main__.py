@@ -1,11 +1,12 @@
-"""The coordinator. Run: `cmemi coordinator --config RUN_DIR/config.yaml --redis URL [--supervise local|none]`."""
+"""The coordinator. Run: `cmemi coordinator --config RUN_DIR/config.yaml [--supervise local|none]`."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from cmemi.services.coordinator.coordinator import Coordinator
-from cmemi.shared.service import common_parser, start_service
+from cmemi.shared.service import REDIS_URL_ENV, common_parser, redis_url, start_service
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
                         "none: an orchestrator restarts them, the coordinator detects, fences and re-admits")
     args = p.parse_args(argv)
     ctx = start_service("coordinator", args)
-    coord = Coordinator(ctx, args.supervise, args.config, args.redis or ctx.cfg.cluster.redis or "")
+    os.environ[REDIS_URL_ENV] = redis_url(args, ctx.cfg) or ""  # what the children it starts inherit
+    coord = Coordinator(ctx, args.supervise, args.config)
     try:
         rc = coord.run()
     finally:

@@ -34,10 +34,10 @@ EXIT_FENCED = 3
 
 
 class Coordinator:
-    def __init__(self, ctx: ServiceContext, supervise: str, config_path: str, redis_url: str) -> None:
+    def __init__(self, ctx: ServiceContext, supervise: str, config_path: str) -> None:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
         self.supervise = supervise
-        self.config_path, self.redis_url = config_path, redis_url
+        self.config_path = config_path  # children find Redis through the inherited CMEMI_REDIS_URL
         self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra=ctx.member_extra).start()
         self.children: dict[str, Child] = {}
@@ -119,7 +119,7 @@ class Coordinator:
     # ------------------------------------------------------------------ children
     def _argv(self, role: str, ident: str) -> list[str]:
         extra = ["--worker-id", ident] if role == "worker" else []
-        return service_argv(role, self.config_path, self.redis_url, *extra)
+        return service_argv(role, self.config_path, *extra)
 
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
@@ -157,7 +157,7 @@ class Coordinator:
     def _add_spare(self) -> None:
         self._spare_seq += 1
         ident = f"spare{self._spare_seq}"
-        child = Child("worker", ident, service_argv("worker", self.config_path, self.redis_url, "--spare", ident),
+        child = Child("worker", ident, service_argv("worker", self.config_path, "--spare", ident),
                       spare=True)
         child.start()
         self.spares.append(child)

@@ -126,8 +126,9 @@ class Child:
             _wait_gone(self, 10.0)
 
 
-def service_argv(role: str, config: str, redis_url: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "cmemi", role, "--config", config, "--redis", redis_url, *extra]
+def service_argv(role: str, config: str, *extra: str) -> list[str]:
+    """No secret here: argv is readable by every local user (`ps`); the Redis URL travels in the environment."""
+    return [sys.executable, "-m", "cmemi", role, "--config", config, *extra]
 
 
 def _process_running(pid: int, pidfd: int | None) -> bool:
