@@ -101,7 +101,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
         tmp.chmod(0o600)
         os.replace(tmp, run_dir / "cluster.json")
         coordinator = subprocess.Popen(service_argv("coordinator", str(run_dir / "config.yaml"), url,
-                                                    "--supervise", "local"), preexec_fn=_die_with_parent)
+                                                    "--supervise", "local"), preexec_fn=_die_with_parent,
+                                       env={**os.environ, "CMEMI_UP": "1"})  # services leave the error line to us
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
               f"(redis {'embedded' if embedded else url.split('@')[-1]})", flush=True)
         progress = Progress(cfg.train.steps)
@@ -121,9 +122,9 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
             time.sleep(0.25)
         progress.end()
         rc = coordinator.wait()
-        state = error = None
+        state = error = user_error = None
         try:
-            state, error = client.get(keys.state), client.get(keys.error)
+            state, error, user_error = client.get(keys.state), client.get(keys.error), client.get(keys.user_error)
         except redis.RedisError:
             pass
         if rc == 0 and state == "completed":
@@ -135,7 +136,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False) -> int:
             print("cmemi: stopped before the run completed; continue it with --resume", file=sys.stderr)
             return 130
         print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'}", file=sys.stderr)
-        return 1
+        return 2 if user_error else 1  # 2: user-fixable (config, data, user code); restarting would not help
     finally:
         if coordinator is not None and coordinator.poll() is None:
             coordinator.kill()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
@@ -40,6 +42,23 @@ def microbatch_seed(seed: int, step: int, m: int) -> int:
     """Seed of the RNG during microbatch (s, m) (dropout etc.): identical on whichever worker runs it."""
     digest = hashlib.blake2b(f"{seed}/{step}/{m}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def seed_microbatch(seed: int, step: int, m: int, device: torch.device | None = None) -> None:
+    """Seed every process-global RNG a dataset or model may draw from — torch (CPU, and the GPU in use),
+    numpy and Python's `random` — from (seed, step, m). Call it *before* the data is read, so random
+    augmentation in `__getitem__` and dropout give the same bits on whichever worker runs (step, m).
+
+    These generators are process-global: nothing else may draw from them concurrently (no background
+    thread reading data while the compute thread runs dropout). About 30 µs per microbatch on a CPU.
+    """
+    s = microbatch_seed(seed, step, m)
+    # (torch.manual_seed would also queue CUDA seeding, capturing a Python stack each call: 8% of a small step)
+    torch.default_generator.manual_seed(s)
+    if device is not None and device.type == "cuda":
+        torch.cuda.default_generators[device.index or 0].manual_seed(s)
+    np.random.seed(s & 0xFFFF_FFFF)  # numpy's legacy global RNG takes 32 bits
+    random.seed(s)
 
 
 def fetch(dataset: Dataset, indices: torch.Tensor) -> Any:
