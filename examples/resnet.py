@@ -13,10 +13,9 @@ import random
 
 import numpy as np
 import torch
+from cmemi.examples.digits import _split
 from torch import nn
 from torch.utils.data import Dataset
-
-from cmemi.examples.digits import _split
 
 
 class AugmentedDigits(Dataset):
@@ -51,22 +50,24 @@ def make_dataset(split: str = "train", **kwargs: float) -> AugmentedDigits:
 
 
 class Block(nn.Module):
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, momentum: float) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
+        self.bn1 = nn.BatchNorm2d(channels, momentum=momentum)
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
+        self.bn2 = nn.BatchNorm2d(channels, momentum=momentum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
         return torch.relu(x + self.bn2(self.conv2(out)))
 
 
-def make_model(channels: int = 16, blocks: int = 2, dropout: float = 0.2) -> nn.Module:
+def make_model(channels: int = 16, blocks: int = 2, dropout: float = 0.2, bn_momentum: float = 0.1) -> nn.Module:
+    """`bn_momentum`: BatchNorm's; CMEMI updates running statistics once per global step (README: buffers), so a
+    short run may want a larger one than a process updating them every microbatch."""
     return nn.Sequential(
-        nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-        *[Block(channels) for _ in range(blocks)],
+        nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels, momentum=bn_momentum), nn.ReLU(),
+        *[Block(channels, bn_momentum) for _ in range(blocks)],
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(channels, 10),
     )
 

@@ -93,8 +93,18 @@ def fingerprint(dataset: Dataset, samples: int = 256) -> dict[str, Any]:
         raise DataError("dataset has no len(); return a map-style dataset (with __len__ and __getitem__)") from None
     h = hashlib.sha256(str(n).encode())
     picks = range(n) if n <= samples else sorted({(i * (n - 1)) // (samples - 1) for i in range(samples)})
+    seed_microbatch(0, -1, 0)  # a dataset that augments at random reads the same bits on every host
     for i in picks:
         _feed(h, dataset[i])
+    if n:  # the same seeds must give the same sample, or no worker can reproduce another's microbatch
+        first, again = hashlib.sha256(), hashlib.sha256()
+        for digest in (first, again):
+            seed_microbatch(0, -1, 0)
+            _feed(digest, dataset[picks[0]])
+        if first.digest() != again.digest():
+            raise DataError("dataset item 0 differs between two reads with the same seeds: its __getitem__ draws "
+                            "from a random generator CMEMI does not seed (torch, numpy and random are seeded per "
+                            "microbatch); draw from those, or from a generator seeded from them")
     return {"length": n, "sha256": h.hexdigest()}
 
 
@@ -102,6 +112,8 @@ def data_error(who: str, cfg: Any, exc: BaseException) -> str:
     """One line naming the process, the host, the dataset call and the fix."""
     import socket
 
+    from cmemi.shared.usercode import describe
+
     return (f"{who} on host {socket.gethostname()} cannot read the dataset: {cfg.data.factory}(**{cfg.data.kwargs}) "
-            f"raised {type(exc).__name__}: {exc}".replace("\n", " ")
+            f"raised {describe(exc).line()}"
             + "; check that data.kwargs (paths) exist and are readable on this host")
