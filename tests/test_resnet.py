@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from cmemi.reference import train
 from tests.chaos import Cluster
-from tests.conftest import FAST, ROOT, run_up
+from tests.conftest import FAST, ROOT, cmemi_cmd, run_up
 from tests.plain import plain_loop
 
 RESNET = str(ROOT / "examples" / "resnet.yaml")
@@ -28,10 +29,15 @@ R = ("train.steps=60", "scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "
 
 
 @pytest.fixture(scope="module")
-def resnet_reference() -> dict:
-    torch.set_num_threads(1)
-    _, summary = train(load_config(RESNET, list(R)))
-    assert summary["stopped_early"] and summary["steps"] == 50, summary
+def resnet_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`cmemi reference` on R, through the command line."""
+    out = tmp_path_factory.mktemp("reference") / "summary.json"
+    args = [a for s in R for a in ("--set", s)]
+    proc = subprocess.run(cmemi_cmd("reference", RESNET, *args, "--out", str(out)), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert json.loads(proc.stdout) == summary and summary["stopped_early"] and summary["steps"] == 50, summary
     return summary
 
 
