@@ -42,11 +42,11 @@ def resnet_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_reference: dict) -> None:
     want = resnet_reference["params_sha256"]
     for n in (1, 3):
-        r = run_up(tmp_path / f"w{n}", *R, f"cluster.workers={n}", config=RESNET)
+        r = run_up(tmp_path / f"w{n}", *R, f"cluster.workers={n}", config=RESNET, timeout=600)
         assert r.rc == 0, r.stderr[-3000:]
         assert r.summary["params_sha256"] == want and r.summary["steps"] == 50, (n, r.summary)
     c = Cluster(tmp_path / "faults", *R, "cluster.workers=2", config=RESNET)
@@ -103,7 +103,7 @@ def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
     (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}"), ("RuntimeError", "collate", "stack")),
 ], ids=["forward_raises", "collate_fails"])
 def test_a_bug_in_user_code_stops_the_run_once(tmp_path: Path, sets: tuple[str, ...], names: tuple[str, ...]) -> None:
-    r = run_up(tmp_path / "run", *FAST, *sets, "eval.fn=null", timeout=240)
+    r = run_up(tmp_path / "run", *FAST, *sets, "eval.fn=null", timeout=600)
     ended = time.time()
     assert r.rc == 2, r.stderr[-3000:]
     line = error_line(r.stderr)
