@@ -78,3 +78,54 @@ def test_environment_differences_are_named() -> None:
     diff = differences({**want, "cpu": "AVX512"}, want, tuple(want))
     assert diff == ["cpu AVX512 (expected AVX2)"]
     assert differences(None, want, tuple(want))[0].startswith("no environment")
+
+
+def test_signatures_of_user_functions_are_checked_at_start() -> None:
+    import pytest
+    from cmemi.shared.config import ConfigError, load_config
+    from cmemi.shared.plugins import check_plugins
+
+    from tests.conftest import DIGITS
+
+    with pytest.raises(ConfigError, match=r"eval_two_args\(model, dataset\).*fixtures.py.*evaluate\(model\)"):
+        check_plugins(load_config(DIGITS, ["eval.fn=tests.fixtures:eval_two_args"]))
+    with pytest.raises(ConfigError, match="train.loss"):
+        check_plugins(load_config(DIGITS, ["train.loss=tests.fixtures:constant_eval"]))  # takes 1, called with 2
+
+
+def test_the_step_0_evaluation_reports_a_broken_eval_fn_in_one_line() -> None:
+    from cmemi.services.aggregator.evaluation import Probe
+    from cmemi.shared.config import load_config
+    from cmemi.shared.plugins import build_model
+
+    from tests.conftest import DIGITS
+    from tests.fixtures import constant_eval, raising_eval
+
+    cfg = load_config(DIGITS)
+    state = build_model(cfg).state_dict()
+    bad = Probe(cfg, raising_eval, state)
+    assert bad.done.wait(60)
+    assert bad.error is not None and "KeyError" in bad.error and "raising_eval" in bad.error and "fixtures.py" in bad.error
+    good = Probe(cfg, constant_eval, state)
+    assert good.done.wait(60) and good.error is None
+
+
+def test_a_worker_with_another_environment_is_refused_or_admitted_with_a_warning() -> None:
+    from types import SimpleNamespace
+
+    from cmemi.services.aggregator.server import Aggregator
+
+    sent: list[dict] = []
+    warned: list[str] = []
+    own = {"torch": "2.13.0", "threads": "1", "cpu": "AVX2"}
+    for require in (True, False):
+        fake = SimpleNamespace(env=own, first_env=None, cfg=SimpleNamespace(cluster=SimpleNamespace(
+            require_same_environment=require)), _send=lambda ident, mtype, **f: sent.append({"type": mtype, **f}),
+            log=SimpleNamespace(warning=lambda msg, **f: warned.append(f["detail"])))
+        same = {**own, "device": "cpu", "gpu": ""}
+        assert Aggregator._same_environment(fake, b"a", "w0", {"host": "h", "env": same})
+        other = {**same, "cpu": "AVX512"}
+        assert Aggregator._same_environment(fake, b"b", "w1", {"host": "h2", "env": other}) is not require
+    assert len(sent) == 1 and sent[0]["fatal"] and "cpu AVX512 (expected AVX2)" in sent[0]["reason"]
+    assert "require_same_environment: false" in sent[0]["reason"] and "worker w1 on host h2" in sent[0]["reason"]
+    assert len(warned) == 1 and "cpu AVX512" in warned[0]

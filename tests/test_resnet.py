@@ -90,14 +90,14 @@ def first_admission(run_dir: Path) -> float:
 
 
 def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    r = run_up(tmp_path / "run", *FAST, "eval.fn=tests.fixtures:eval_two_args", timeout=120)
-    assert r.rc == 2 and time.monotonic() - t0 < 60
+    r = run_up(tmp_path / "run", *FAST, "eval.fn=tests.fixtures:eval_two_args", timeout=300)
+    assert r.rc == 2 and not (r.run_dir / "cluster.json").exists(), "the cluster was started"
     line = error_line(r.stderr)
     assert "eval.fn" in line and "eval_two_args" in line and "fixtures.py" in line
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("sets, names", [
     (("model.factory=tests.fixtures:raising_model", "model.kwargs={}"), ("ValueError", "boom", "forward", "fixtures.py")),
     (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}"), ("RuntimeError", "collate", "stack")),
