@@ -14,9 +14,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.reference import train  # noqa: E402
 from cmemi.shared.config import load_config  # noqa: E402
 
+from cmemi.reference import train  # noqa: E402
 from tests.plain import plain_loop  # noqa: E402
 
 
