@@ -129,3 +129,34 @@ def test_a_worker_with_another_environment_is_refused_or_admitted_with_a_warning
     assert len(sent) == 1 and sent[0]["fatal"] and "cpu AVX512 (expected AVX2)" in sent[0]["reason"]
     assert "require_same_environment: false" in sent[0]["reason"] and "worker w1 on host h2" in sent[0]["reason"]
     assert len(warned) == 1 and "cpu AVX512" in warned[0]
+
+
+def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> None:
+    from types import SimpleNamespace
+
+    import pytest
+    from cmemi.services.worker.compute import UserCodeError
+    from cmemi.services.worker.worker import Worker
+
+    def worker(errors: list[Exception | None]) -> SimpleNamespace:
+        def run(step: int, m: int, scale: float):
+            e = errors.pop(0)
+            if e is None:
+                return 1.0, {}, None
+            try:
+                raise e
+            except Exception as exc:
+                raise UserCodeError("forward pass", exc) from exc
+
+        def fatal(message: str):
+            raise SystemExit(message)
+
+        return SimpleNamespace(runner=SimpleNamespace(run=run), wid="w0", log=SimpleNamespace(warning=lambda *a, **k: None),
+                               ctx=SimpleNamespace(fatal=fatal))
+
+    assert Worker.compute(worker([OSError("flaky read"), None]), 0, 0) == (1.0, {}, None)  # transient: goes on
+    with pytest.raises(SystemExit, match=r"ValueError: boom \(raised in run, .*test_buffer_rule.py:\d+\) during "
+                                         "forward pass, the same way twice on worker w0"):
+        Worker.compute(worker([ValueError("boom"), ValueError("boom")]), 0, 0)
+    with pytest.raises(UserCodeError):  # failing differently: not known to be deterministic, the process restarts
+        Worker.compute(worker([ValueError("boom"), ValueError("other")]), 0, 0)
