@@ -22,7 +22,8 @@ from tests.conftest import FAST, ROOT, cmemi_cmd, run_up
 from tests.plain import plain_loop
 
 RESNET = str(ROOT / "examples" / "resnet.yaml")
-# Early stopping on a metric that never improves: evaluations at 10, 20, 30, 40 -> the run stops at step 50.
+# Early stopping on a metric that never improves: evaluations at 10, 20, 30, 40 -> the run stops at step 50
+# (the decision from the evaluation at 40 is taken at the next boundary). A checkpoint every 5 steps.
 R = ("train.steps=60", "scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "checkpoint.every_steps=5",
      "eval.fn=tests.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
      "eval.patience=3", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
@@ -62,7 +63,8 @@ def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_refer
     s = c.summary
     assert s["params_sha256"] == want and s["steps"] == 50 and s["stopped_early"], s
     assert s["term"] >= 2, "the aggregator was not restarted"
-    assert [e["step"] for e in s["eval_history"]] == [10, 20, 30, 40]
+    assert s["eval_history"] == resnet_reference["eval_history"] and [e["step"] for e in s["eval_history"]] == [
+        10, 20, 30, 40, 50]  # the one at 50 (when the stop is decided) is collected at the end
     weights = load_file(str(c.run_dir / "model.safetensors"))
     assert int(weights["1.num_batches_tracked"]) == 50 * 4  # one count per microbatch, as one process
     assert weights["1.running_mean"].abs().sum() > 0 and not torch.equal(weights["1.running_var"], torch.ones(16))
