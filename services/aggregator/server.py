@@ -292,7 +292,7 @@ class Aggregator:
         if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
         elif self.report_buffers and contribution is None:
-            self._drop("buffer_names", f"{info.wid}: buffers do not match the model")
+            self._drop("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif grads is not None and self.collector.strict and not all_finite(grads.values()):
             self._drop("codec_nonfinite", f"{info.wid}: step {h['step']} m {h['m']}: NaN or inf in the gradient")
         elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]), contribution)) is not None:

@@ -68,8 +68,11 @@ class Trainer:
         return None
 
     def contribution(self, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """A microbatch's reported buffers as a term of the step's buffer sum; None if they do not match."""
+        """A microbatch's reported buffers as a term of the step's buffer sum; None if they do not match the model
+        or are not finite (honest workers stop the run before sending those)."""
         if not buffer_rule.check(produced, self.buffers):
+            return None
+        if not all(bool(torch.isfinite(b).all()) for b in produced.values() if b.is_floating_point()):
             return None
         return buffer_rule.contribution(self.buffers, produced)
 
