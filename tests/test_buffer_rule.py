@@ -160,3 +160,21 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
         Worker.compute(worker([ValueError("boom"), ValueError("boom")]), 0, 0)
     with pytest.raises(UserCodeError):  # failing differently: not known to be deterministic, the process restarts
         Worker.compute(worker([ValueError("boom"), ValueError("other")]), 0, 0)
+
+
+def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> None:
+    from cmemi.services.aggregator.trainer import Trainer
+    from cmemi.shared.config import load_config
+
+    from tests.conftest import ROOT
+
+    t = Trainer(load_config(str(ROOT / "examples" / "resnet.yaml")))
+    good = {n: b.clone() for n, b in t.buffers.items()}
+    assert t.contribution({n: b.clone() for n, b in good.items()}) is not None
+    assert t.contribution({**good, "1.running_var": torch.full_like(good["1.running_var"], float("nan"))}) is None
+    assert t.contribution({k: v for k, v in good.items() if k != "1.running_mean"}) is None
+    assert t.contribution({**good, "1.running_mean": torch.zeros(3)}) is None
+    assert t.wire_state().keys() >= {"buffer:1.running_mean"}  # buffers go out with the parameters
+    before = t.params_sha256()
+    t.buffers["1.running_mean"].add_(1.0)
+    assert t.params_sha256() != before  # and are part of the result's hash
