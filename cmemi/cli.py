@@ -70,6 +70,12 @@ def _up(argv: list[str]) -> int:
         return 2
 
 
+def _reference(argv: list[str]) -> int:
+    from cmemi.reference import main as reference_main
+
+    return reference_main(argv)
+
+
 def _events(argv: list[str]) -> int:
     from cmemi.events import format_table, load_events, timelines
 
@@ -164,7 +170,7 @@ def _logs(argv: list[str]) -> int:
     return logs_main(argv)
 
 
-COMMANDS = {"up": _up, "events": _events, "scale": _scale, "checkpoints": _checkpoints, "status": _status,
+COMMANDS = {"up": _up, "reference": _reference, "events": _events, "scale": _scale, "checkpoints": _checkpoints, "status": _status,
             "plot": _plot, "keys": _keys, "logs": _logs}
 
 
@@ -179,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,events,scale,checkpoints,status,plot,keys,logs,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,reference,events,scale,checkpoints,status,plot,keys,logs,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
+              "  reference CONFIG train it in one process as the cluster would; prints params_sha256\n"
               "  events RUN_DIR   each fault's recovery timeline\n"
               "  scale RUN_DIR N  add or remove workers of a running cluster\n"
               "  status RUN_DIR [--watch] [--json]\n"

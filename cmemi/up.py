@@ -96,6 +96,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
     secure_run(cfg, run_dir)
     become_subreaper()
     os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
+    os.environ["CMEMI_UP"] = "1"  # services leave the run's error line to `cmemi up`
     keys = Keys(cfg.run.name)
     embedded = None
     if cfg.cluster.redis is None:
@@ -146,9 +147,9 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             sup.stop()
         progress.end()
         rc = sup.coordinator.wait() if sup.coordinator is not None else 1
-        state = error = None
+        state = error = user_error = None
         try:
-            state, error = client.get(keys.state), client.get(keys.error)
+            state, error, user_error = client.get(keys.state), client.get(keys.error), client.get(keys.user_error)
         except redis.RedisError:
             pass
         if rc == 0 and state == "completed":
@@ -162,7 +163,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             return 130
         print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'} "
               f"(service logs: cmemi logs {run_dir})", file=sys.stderr)
-        return 2 if error and error.startswith(DISK_FULL) else 1  # resumable once there is room
+        # 2: user-fixable (config, data, user code, a full disk: resumable once there is room); restarting won't help
+        return 2 if user_error or (error and error.startswith(DISK_FULL)) else 1
     finally:
         if sup is not None:
             sup.stop(grace=0)
@@ -172,4 +174,5 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
         for s, h in old.items():
             signal.signal(s, h)
         os.environ.pop("CMEMI_UP_PID", None)
+        os.environ.pop("CMEMI_UP", None)
         lock.release()

@@ -63,9 +63,15 @@ class ModelConfig:
     """Import path of a function returning a torch.nn.Module, e.g. 'cmemi.examples.digits:make_model'."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the model factory."""
+    buffers: Literal["mean", "frozen"] = "mean"
+    """Buffers (BatchNorm running stats, counters): mean folds each step's microbatch buffers into the model
+    (floating: tree sum / M; integer counters: advanced as one process would); frozen keeps the initial ones."""
 
     def __post_init__(self) -> None:
         _import_path("model.factory", self.factory)
+        if self.buffers not in ("mean", "frozen"):
+            _fail("model.buffers", self.buffers, "must be mean or frozen",
+                  "use mean (train BatchNorm statistics) or frozen (keep the initial buffers)")
 
 
 @dataclass
@@ -192,6 +198,9 @@ class ClusterConfig:
     """Largest message (and ZeroMQ frame) a service accepts; null: 4 x the model's parameter + buffer bytes + 16 MiB."""
     checksum: bool = True
     """Verify an xxh3 checksum of every tensor frame on receipt."""
+    require_same_environment: bool = True
+    """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
+    equality needs them equal); false admits it with a warning."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:

@@ -11,6 +11,7 @@
 | `checkpointer` | hash | checkpointer | addr, pid, incarnation |
 | `state` | string | coordinator / aggregator | starting, running, completed, failed |
 | `error` | string | any | why the run failed (one line) |
+| `error:user` | string | a service's `ctx.fatal` | set: the failure is user-fixable (config, data, user code); `cmemi up` exits 2 |
 | `progress` | hash | aggregator, every step | step, total, loss, lr, samples_s, bytes_s, live_workers, term, t |
 | `microbatches` | hash | aggregator, every step | accepted microbatches per `wid:incarnation` |
 | `events` | stream | everyone | joins, deaths, fences, restarts, checkpoints (XADD, field `json`) |
@@ -32,6 +33,7 @@ class Keys:
         self.checkpointer = p + "checkpointer"
         self.state = p + "state"
         self.error = p + "error"
+        self.user_error = p + "error:user"
         self.progress = p + "progress"
         self.microbatches = p + "microbatches"
         self.events = p + "events"

@@ -101,13 +101,29 @@ def check_plugins(cfg: Config) -> None:
     """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker."""
     resolve(cfg.model.factory, "model.factory")
     resolve(cfg.data.factory, "data.factory")
-    resolve(cfg.train.loss, "train.loss")
+    check_signature(resolve(cfg.train.loss, "train.loss"), "train.loss", cfg.train.loss, "loss(output, target)", 2)
     if cfg.eval.fn:
-        resolve(cfg.eval.fn, "eval.fn")
+        check_signature(resolve(cfg.eval.fn, "eval.fn"), "eval.fn", cfg.eval.fn, "evaluate(model) -> dict", 1)
     model = build_model(cfg)
     opt = build_optimizer(cfg, dict(model.named_parameters()))
     build_scheduler(cfg, opt)
     dry_run_schedule(cfg)
+
+
+def check_signature(fn: Any, field: str, path: str, expected: str, positional: int) -> None:
+    """Can `fn` be called with `positional` positional arguments? Fails at start-up, naming the function."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    try:
+        sig.bind(*range(positional))
+    except TypeError as exc:
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise ConfigError(f"config field '{field}' = {path!r}: {getattr(fn, '__name__', path)}{sig}{where} cannot be "
+                          f"called as {expected} ({exc}); change it to take {positional} argument"
+                          f"{'s' if positional > 1 else ''}") from None
 
 
 def dry_run_schedule(cfg: Config) -> None:

@@ -51,12 +51,15 @@ class ServiceContext:
     def fatal(self, message: str) -> None:
         """Record a one-line, user-fixable error for the run and exit with EXIT_FATAL."""
         self.log.error("fatal", error=message)
-        try:
-            self.redis.set(self.keys.error, message)
+        first = True
+        try:  # the first fatal error is the run's (others that follow are its consequences)
+            first = bool(self.redis.set(self.keys.error, message, nx=True))
+            self.redis.set(self.keys.user_error, "1")
             self.emit("fatal", service=self.log_service, error=message)
         except redis.RedisError:
             pass
-        print(f"cmemi: error: {message}", file=sys.stderr, flush=True)
+        if first and os.environ.get("CMEMI_UP") != "1":  # under `cmemi up`, it prints the run's error once
+            print(f"cmemi: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_FATAL)
 
     def run_state(self) -> str | None:

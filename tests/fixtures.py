@@ -56,3 +56,39 @@ def poisoned_digits(index: int = 0, value: float = 1e6) -> TensorDataset:
 def constant_eval(model) -> dict[str, float]:
     """An evaluation that never improves, for early-stopping tests."""
     return {"score": 1.0}
+
+
+def eval_two_args(model, dataset) -> dict[str, float]:
+    """A wrong evaluation signature: eval.fn is called as evaluate(model)."""
+    return {"accuracy": 0.0}
+
+
+class _RaisingForward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom from the user's forward")
+
+
+def raising_model() -> torch.nn.Module:
+    return _RaisingForward()
+
+
+class _Uneven(torch.utils.data.Dataset):
+    """Samples of two lengths: reading one works, collating a microbatch of them fails."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int):
+        return torch.zeros(64 if i % 2 else 63), torch.tensor(i % 10)
+
+
+def uneven_dataset() -> torch.utils.data.Dataset:
+    return _Uneven()
+
+
+def raising_eval(model) -> dict[str, float]:
+    raise KeyError("no such split")

@@ -620,6 +620,7 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     from cmemi.shared.codecs import make_codec
     from cmemi.shared.config import CompressionConfig, load_config
     from cmemi.shared.data import fingerprint
+    from cmemi.shared.environment import environment
     from cmemi.shared.membership import Member
     from cmemi.shared.plugins import build_model, resolve
     from zmq import auth as _  # noqa: F401  (zmq.auth.load_certificate)
@@ -655,7 +656,8 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
             raise TimeoutError(f"no {mtype} from the aggregator")
 
         run = c.run
-        protocol.send(sock, protocol.encode("hello", run, {**me, "fp": fp, "host": "evil"}))
+        env = environment(torch.device("cpu"), cfg)  # a forger that knows the environment, too
+        protocol.send(sock, protocol.encode("hello", run, {**me, "fp": fp, "host": "evil", "env": env}))
         term = reply("welcome").header["term"]
         protocol.send(sock, protocol.encode("want", run, {**me, "term": term, "version": -1}))
         for _ in range(5):

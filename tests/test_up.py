@@ -108,7 +108,7 @@ def test_matches_a_plain_pytorch_loop(tmp_path: Path) -> None:
 def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
     r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:file_dataset",
                f"data.kwargs={{path: {tmp_path}/missing.pt}}", timeout=120)
-    assert r.rc == 1
+    assert r.rc == 2  # user-fixable: not retried
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
     assert "cannot read the dataset" in error and "missing.pt" in error and "on host" in error
     assert "check that data.kwargs" in error
@@ -117,7 +117,7 @@ def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
 def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
     r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
                timeout=120)
-    assert r.rc == 1
+    assert r.rc == 2
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
     assert "has a different dataset" in error and "on host" in error and "same data on every host" in error
 

@@ -47,6 +47,7 @@ class StepCollector:
         self.leased_at: dict[int, float] = {}  # m -> when it was first leased (re-issue oldest first)
         self.received: set[int] = set()
         self._tree: TreeAccumulator = TreeAccumulator(microbatches, add_into)
+        self._buffers: TreeAccumulator = TreeAccumulator(microbatches, add_into)  # model.buffers: mean
         self._losses: dict[int, float] = {}
         self.overflow = False  # some microbatch overflowed: the step is skipped, like GradScaler does
 
@@ -105,9 +106,11 @@ class StepCollector:
             return "not_leased"
         return None
 
-    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float, holder: tuple[str, int]) -> str | None:
+    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float, holder: tuple[str, int],
+              buffers: dict[str, torch.Tensor] | None = None) -> str | None:
         """Accept microbatch m's gradient from `holder` = (wid, inc) (grads None: it overflowed under fp16 loss
-        scaling); returns a drop reason instead if it is not wanted. The collector owns accepted tensors."""
+        scaling) and its buffer contribution (shared.buffers.contribution; None for a model whose buffers do not
+        travel); returns a drop reason instead if it is not wanted. The collector owns accepted tensors."""
         if (reason := self.check(m, holder)) is not None:
             return reason
         self.received.add(m)
@@ -118,7 +121,13 @@ class StepCollector:
         self._losses[m] = loss
         self.overflow |= grads is None
         self._tree.add(m, m + 1, grads or {})  # received buffers become accumulators: no copy, no allocation
+        if buffers is not None:
+            self._buffers.add(m, m + 1, buffers)
         return None
+
+    def buffer_sum(self) -> dict[str, torch.Tensor] | None:
+        """The tree sum of the step's buffer contributions (same tree as the gradients); None if none came."""
+        return self._buffers.result() if self._buffers.complete else None
 
     def mean(self) -> tuple[dict[str, torch.Tensor] | None, float]:
         """The average gradient (None if any microbatch overflowed) and loss over the M microbatches."""

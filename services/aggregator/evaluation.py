@@ -2,16 +2,57 @@
 
 Early stopping stays deterministic: the decision from the evaluation at step s is taken at the next
 evaluation boundary (s + every_steps), waiting for that evaluation only if it is still running then.
+Its state (history, best, evaluations since the best, the evaluation in flight) is in every snapshot.
+
+`probe` runs the user's evaluation once at step 0, in the background, so a broken eval.fn stops the run
+in seconds instead of after training.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model
+from cmemi.shared.usercode import describe
+
+
+class EvalError(RuntimeError):
+    """The user's eval.fn raised or returned something that is not a dict of numbers: one line, with where."""
+
+
+def run_eval(fn: Any, model: torch.nn.Module, name: str) -> dict[str, float]:
+    model.eval()
+    try:
+        with torch.no_grad():
+            result = fn(model)
+        return {k: float(v) for k, v in dict(result).items()}
+    except Exception as exc:
+        raise EvalError(f"eval.fn {name} failed: {describe(exc).line()}; fix it and run again") from None
+    finally:
+        model.train()
+
+
+class Probe:
+    """The first evaluation, at step 0, in a background thread: only its failure matters."""
+
+    def __init__(self, cfg: Config, fn: Any, state: dict[str, torch.Tensor]) -> None:
+        self.error: str | None = None
+        self.done = threading.Event()
+        model = build_model(cfg)
+        model.load_state_dict(state)
+        threading.Thread(target=self._run, args=(fn, model, cfg.eval.fn), daemon=True, name="eval-probe").start()
+
+    def _run(self, fn: Any, model: torch.nn.Module, name: str) -> None:
+        try:
+            run_eval(fn, model, name)
+        except EvalError as exc:
+            self.error = str(exc)
+        finally:
+            self.done.set()
 
 
 class BackgroundEval:
@@ -26,9 +67,7 @@ class BackgroundEval:
 
     def _run(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         self.model.load_state_dict(state)
-        self.model.eval()
-        with torch.no_grad():
-            return {k: float(v) for k, v in dict(self.fn(self.model)).items()}
+        return run_eval(self.fn, self.model, str(self.cfg.eval.fn))
 
     def start(self, step: int, state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
         """Evaluate `state` (a copy) in the background; first collects the previous evaluation, waiting if needed."""
@@ -58,6 +97,19 @@ class BackgroundEval:
             self.best, self.since_best = value, 0
         else:
             self.since_best += 1
+
+    def running_step(self) -> int | None:
+        return self.running[0] if self.running is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides early stopping, for the snapshot (the evaluation in flight is named by its step)."""
+        return {"history": self.history, "best": self.best, "since_best": self.since_best,
+                "running": self.running_step()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.history = list(sd["history"])
+        self.best = None if sd["best"] is None else float(sd["best"])
+        self.since_best = int(sd["since_best"])
 
     @property
     def should_stop(self) -> bool:

@@ -19,15 +19,17 @@ import zmq
 from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.admission import ROLE_OF, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
-from cmemi.services.aggregator.evaluation import BackgroundEval
+from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, run_eval
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import atomic, metrics, protocol, state
+from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
+from cmemi.shared.environment import OWN, SHARED, differences, environment
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
 from cmemi.shared.service import ServiceContext
@@ -57,6 +59,9 @@ class Aggregator:
         except Exception as exc:  # user data code may raise anything: report it in one line
             ctx.fatal(data_error("aggregator", cfg, exc))
         self.M = cfg.train.microbatches
+        self.env = environment(torch.device("cpu"), cfg)
+        self.report_buffers = bool(self.trainer.buffers) and cfg.model.buffers == "mean"
+        self.first_env: dict[str, str] | None = None
         # Decode side, stateless. NaN/inf is checked once per step on the sum, not per message (see _apply_step).
         self.codec = make_codec(cfg.compression, check_finite=False)
         self.total = cfg.train.steps
@@ -72,6 +77,7 @@ class Aggregator:
         self.wall_before = 0.0  # training seconds of earlier terms (restored from the checkpoint)
         self.ckpt = CheckpointerLink(self)
         self.publisher = Publisher(cfg.cluster.checksum)
+        self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
         restored = self.ckpt.fetch_latest(timeout=120)
         if restored is not None:
             try:
@@ -90,7 +96,6 @@ class Aggregator:
         self._next_redis_check = 0.0
         self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
-        self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
@@ -102,6 +107,9 @@ class Aggregator:
         self._t_step = time.monotonic()
         self.done = self.trainer.step >= self.total
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
+        # A broken eval.fn (wrong signature, raises) stops the run now, not after training: evaluate once at step 0.
+        self.probe = (Probe(cfg, self.eval_fn, self._weights()) if self.eval_fn and self.trainer.step == 0
+                      and not self.done else None)
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
         self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
 
@@ -113,7 +121,14 @@ class Aggregator:
         after = self.reissue.after
         return after is not None and self.collector.reissuable(time.monotonic(), after)
 
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
+
     def _housekeeping(self, now: float) -> None:
+        if self.probe is not None and self.probe.done.is_set():
+            if self.probe.error is not None:
+                self.ctx.fatal(self.probe.error)
+            self.probe = None
         if self.collector.expire(now):
             self.ctx.emit("lease_expired", step=self.collector.step)
             self._serve_parked()
@@ -188,7 +203,7 @@ class Aggregator:
         """Send a message; `params`: with the current parameters (encoded once per version, sent zero-copy)."""
         encoded, trackers = None, None
         if params:
-            encoded, trackers = self.publisher.encoded(self.trainer.params, self.trainer.step)
+            encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
         elif mtype == "work":  # a work message always lists its tensors, here none
             encoded = ([], [])
         parts = protocol.encode(mtype, self.ctx.run, fields, encoded=encoded)
@@ -222,12 +237,31 @@ class Aggregator:
         if self._is_fenced(wid, inc):
             self._send(identity, "reject", fatal=False, reason=f"incarnation {inc} of worker {wid} is fenced")
             return
+        if not self._same_environment(identity, wid, h):
+            return
         self._fence(wid, inc - 1, announce=False)  # a worker id has one live incarnation: the newest
         self.workers[identity] = WorkerInfo(wid, inc, h["host"], time.monotonic())
         self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
                    total_steps=self.total)
         self.ctx.emit("worker_admitted", worker=wid, incarnation=inc, host=h["host"], term=self.term)
         self.log.info("worker admitted", worker=wid, incarnation=inc, host=h["host"])
+
+    def _same_environment(self, identity: bytes, wid: str, h: dict[str, Any]) -> bool:
+        """Bitwise equality needs the same torch, threads, CPU kernels and device on every worker."""
+        env = h.get("env")
+        if self.first_env is None and isinstance(env, dict):
+            self.first_env = {f: str(env.get(f)) for f in SHARED}
+        diff = differences(env, self.env, OWN) + differences(env, self.first_env or {}, SHARED if self.first_env else ())
+        if not diff:
+            return True
+        what = (f"worker {wid} on host {h['host']} has a different environment: {', '.join(diff)}; results would "
+                "not be bitwise equal")
+        if self.cfg.cluster.require_same_environment:
+            self._send(identity, "reject", fatal=True, reason=f"{what}; install the same torch and hardware everywhere, "
+                       "or set cluster.require_same_environment: false to admit it anyway")
+            return False
+        self.log.warning("environment differs (admitted: cluster.require_same_environment is false)", detail=what)
+        return True
 
     def _known(self, identity: bytes, msg: protocol.Message) -> WorkerInfo | None:
         h = msg.header
@@ -258,6 +292,7 @@ class Aggregator:
             return
         h = msg.header
         grads = None
+        produced = {k[len(PREFIX):]: msg.tensors.pop(k) for k in [k for k in msg.tensors if k.startswith(PREFIX)]}
         if h["step"] != self.collector.step or h["version"] != self.trainer.step:
             self._drop("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {self.collector.step}")
             self._serve(identity, info, h["version"])
@@ -276,11 +311,16 @@ class Aggregator:
                 self._drop(f"codec_{exc.reason}", f"{info.wid}: {exc}")
                 self._serve(identity, info, h["version"])
                 return
+        contribution = None
+        if self.report_buffers:  # model.buffers: mean, and the model has some
+            contribution = self.trainer.contribution({k: v.clone() for k, v in produced.items()})
         if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
+        elif self.report_buffers and contribution is None:
+            self._drop("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif grads is not None and self.collector.strict and not all_finite(grads.values()):
             self._drop("codec_nonfinite", f"{info.wid}: step {h['step']} m {h['m']}: NaN or inf in the gradient")
-        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]), holder)) is not None:
+        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]), holder, contribution)) is not None:
             self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
         else:
             self.reissue.accepted(info, time.monotonic())
@@ -369,7 +409,7 @@ class Aggregator:
             self._serve_parked()
             return
         try:
-            self.trainer.apply(grads)
+            self.trainer.apply(grads, self.collector.buffer_sum())
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
             self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
                            "check optimizer.kwargs and scheduler.kwargs")
@@ -390,8 +430,11 @@ class Aggregator:
                     "live_workers": len(self.workers), "t": time.time()}
             self.metrics.write(json.dumps(line) + "\n")
         if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
-            for entry in self.bg_eval.start(step, {k: v.clone() for k, v in self.trainer.model.state_dict().items()}):
-                self._log_eval(entry)
+            try:
+                for entry in self.bg_eval.start(step, self._weights()):
+                    self._log_eval(entry)
+            except EvalError as exc:
+                self.ctx.fatal(str(exc))
             if self.bg_eval.should_stop:  # decided from the previous evaluation: deterministic
                 self.stopped_early = True
                 self.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
@@ -439,12 +482,14 @@ class Aggregator:
     # ------------------------------------------------------------------ end of run
     def _finish(self) -> None:
         wall = self.wall_s()
-        if self.bg_eval is not None:
-            for entry in self.bg_eval.collect(wait=True):
-                self._log_eval(entry)
-        evaluation = self.trainer.evaluate(self.eval_fn) if self.eval_fn else {}
+        try:
+            if self.bg_eval is not None:
+                for entry in self.bg_eval.collect(wait=True):
+                    self._log_eval(entry)
+        except EvalError as exc:
+            self.ctx.fatal(str(exc))
         summary = {
-            "steps": self.trainer.step, "final_loss": self.final_loss, "eval": evaluation, "wall_s": wall,
+            "steps": self.trainer.step, "final_loss": self.final_loss, "eval": {}, "wall_s": wall,
             "samples_per_s": self.trainer.step * self.cfg.train.global_batch / wall if wall > 0 else None,
             "workers": self.cfg.cluster.workers, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
             "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
@@ -454,8 +499,13 @@ class Aggregator:
             "eval_history": self.bg_eval.history if self.bg_eval is not None else [],
         }
         step, meta, tensors = snapshots.collect(self)
-        meta["summary"] = summary
-        summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))
+        meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
+        summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)
+        if self.eval_fn:
+            try:
+                summary["eval"] = run_eval(self.eval_fn, self.trainer.model, str(self.cfg.eval.fn))
+            except EvalError as exc:
+                self.ctx.fatal(f"{exc} (the final checkpoint {summary['final_checkpoint']} was written)")
         summary["checkpointer_dropped_messages"] = self._checkpointer_drops()
         if self.ckpt_stall_s:
             summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)

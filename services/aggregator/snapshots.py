@@ -26,6 +26,11 @@ Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 def collect(agg: Aggregator) -> Snapshot:
     """Everything needed to continue the run bitwise identically: copies, so training can go on at once."""
     t = agg.trainer
+    if agg.bg_eval is not None and agg.bg_eval.running_step() not in (None, t.step):
+        # An evaluation of an earlier step is still running: its weights are not in this snapshot, so wait for
+        # it (rare: only when checkpoints fall between evaluation boundaries and evaluation is slow).
+        for entry in agg.bg_eval.collect(wait=True):
+            agg._log_eval(entry)
     named: dict[str, Any] = {
         "model": t.model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
@@ -35,6 +40,8 @@ def collect(agg: Aggregator) -> Snapshot:
         "progress": {"step": t.step, "term": agg.term, "final_loss": agg.final_loss,
                      "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp,
                      "skipped": t.skipped, "wall_s": agg.wall_s()},
+        # early stopping: history, best, patience counter, and the evaluation in flight (of this step's weights)
+        "early_stop": agg.bg_eval.state_dict() if agg.bg_eval is not None else None,
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
@@ -58,6 +65,11 @@ def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tens
     agg.wall_before = float(named["progress"]["wall_s"])
     agg.bytes_in = int(named["progress"]["bytes_sent"])
     agg.bytes_out = int(named["progress"]["bytes_received"])
+    early = named.get("early_stop")
+    if agg.bg_eval is not None and early is not None:
+        agg.bg_eval.load_state_dict(early)
+        if early["running"] is not None and int(early["running"]) == t.step:  # it was lost with the old term
+            agg.bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
 
 
 class CheckpointerLink:

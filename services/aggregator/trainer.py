@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
+from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 
@@ -52,6 +52,8 @@ class Trainer:
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
         self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.buffers = buffer_rule.travelling(self.model)  # empty for most MLPs: then nothing is done for them
+        self.model.train()  # as on the workers (evaluation switches to eval() and back)
 
     @property
     def lr(self) -> float:
@@ -65,9 +67,22 @@ class Trainer:
                 return "grad_shape"
         return None
 
-    def apply(self, mean_grads: dict[str, torch.Tensor] | None) -> None:
+    def contribution(self, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A microbatch's reported buffers as a term of the step's buffer sum; None if they do not match the model
+        or are not finite (honest workers stop the run before sending those)."""
+        if not buffer_rule.check(produced, self.buffers):
+            return None
+        if not all(bool(torch.isfinite(b).all()) for b in produced.values() if b.is_floating_point()):
+            return None
+        return buffer_rule.contribution(self.buffers, produced)
+
+    def apply(self, mean_grads: dict[str, torch.Tensor] | None,
+              buffer_sum: dict[str, torch.Tensor] | None = None) -> None:
         """One global step. `None` (a microbatch overflowed): skip optimizer.step() as GradScaler.step()
-        would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned."""
+        would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned.
+        `buffer_sum` (model.buffers: mean): the tree sum of the microbatches' buffer contributions."""
+        if buffer_sum is not None:
+            buffer_rule.fold(self.buffers, buffer_sum, self.cfg.train.microbatches)
         if mean_grads is not None:
             for n, p in self.params.items():
                 p.grad = mean_grads[n]
@@ -84,16 +99,16 @@ class Trainer:
         self.step += 1
 
     def params_sha256(self) -> str:
+        """SHA-256 of the parameters' bytes (sorted by name), then the travelling buffers' (sorted by name):
+        trained statistics are part of the result. A model without buffers hashes its parameters only."""
         h = hashlib.sha256()
-        for n in sorted(self.params):
-            h.update(self.params[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for group in (self.params, self.buffers):
+            for n in sorted(group):
+                h.update(group[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def evaluate(self, fn: Any) -> dict[str, float]:
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                result = fn(self.model)
-        finally:
-            self.model.train()
-        return {k: float(v) for k, v in dict(result).items()}
+    def wire_state(self) -> dict[str, torch.Tensor]:
+        """What goes out with a new parameter version: the parameters and the step's buffers."""
+        if not self.buffers:
+            return self.params
+        return {**self.params, **{buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}}

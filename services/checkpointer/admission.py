@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from cmemi.shared.keys import Keys
 
-SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress"}
+SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress", "early_stop"}
 OPTIONAL = {"summary"}  # the final snapshot carries the run's summary
 PROGRESS = {"step": int, "term": int, "final_loss": (int, float), "bytes_sent": int, "bytes_received": int,
             "fingerprint": dict, "skipped": int, "wall_s": (int, float)}

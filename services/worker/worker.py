@@ -15,14 +15,18 @@ import redis
 import structlog
 import torch
 import zmq
-from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device, to_device
+from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
+from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
 from cmemi.shared import protocol
+from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import ConfigError
-from cmemi.shared.data import data_error, fetch, fingerprint, microbatch_indices, microbatch_seed
+from cmemi.shared.data import data_error, fingerprint
+from cmemi.shared.environment import environment
 from cmemi.shared.membership import Member
 from cmemi.shared.plugins import build_model, resolve
 from cmemi.shared.service import ServiceContext
+from cmemi.shared.usercode import describe
 
 EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
@@ -48,10 +52,10 @@ class Worker:
         self.n = self.fp["length"]
         # error-feedback state lives here; a worker that dies takes its residual with it (see README)
         self.codec = make_codec(cfg.compression)
-        self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.runner = MicrobatchRunner(cfg, self.model, self.dataset, self.loss_fn)
+        self.params = self.runner.params
         self.device = torch.device("cpu")
-        self.inbox = self.params  # where received parameters land: the model itself on a CPU
+        self._set_inbox()
         self.version = -1
         self.term = -1
         self.lost_reply = False
@@ -83,14 +87,21 @@ class Worker:
             self.ctx.fatal(str(exc))
         if self.device.type != "cpu":
             make_deterministic(self.device)
-            self.model.to(self.device)
-            self.inbox = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in self.params.items()}
+            self.runner.to(self.device)
+            self._set_inbox()
         self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         self.inc = self.member.incarnation
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
         self.log = self.ctx.log
         self.ctx.emit("worker_started", worker=wid, incarnation=self.inc, host=self.host)
+
+    def _set_inbox(self) -> None:
+        """Where received parameters land (the model itself on a CPU) and the step's buffers (always a copy:
+        each microbatch starts from them, while the forward pass changes the model's own)."""
+        params = (self.params if self.device.type == "cpu" else
+                  {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in self.params.items()})
+        self.inbox = {**params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
 
     # ------------------------------------------------------------------ connection
     def _aggregator(self) -> tuple[str, int] | None:
@@ -120,7 +131,7 @@ class Worker:
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             self.sock.connect(addr)
             self.agg_addr = addr
-            self._send("hello", fp=self.fp, host=self.host)
+            self._send("hello", fp=self.fp, host=self.host, env=environment(self.device, self.cfg))
             deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
             while time.monotonic() < deadline and not self.ctx.stopping.is_set():
                 msg = self._recv(100)
@@ -227,47 +238,46 @@ class Worker:
                 for name, p in self.params.items():
                     if msg.tensors[name] is not p:  # on a CPU they were received in place already
                         p.copy_(msg.tensors[name])
+                for name, b in self.runner.step_buffers.items():
+                    if msg.tensors[PREFIX + name] is not b:
+                        b.copy_(msg.tensors[PREFIX + name])
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
             self.version = -1
             self._send("want", term=self.term, version=self.version)
             return
-        loss, grads = self.compute(h["step"], h["m"], float(h["scale"]))
+        loss, grads, produced = self.compute(h["step"], h["m"], float(h["scale"]))
         finite = all_finite(grads.values())
         if not finite and self.cfg.precision != "fp16":
             self.ctx.fatal(f"the gradient of microbatch {h['m']} of step {h['step']} is not finite (loss {loss}); "
                            "the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
         t0 = time.perf_counter()
         info, frames = self.codec.encode(grads, h["step"]) if finite else ({}, {})
+        if produced is not None:
+            frames = {**frames, **{PREFIX + n: b for n, b in produced.items()}}
         self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term, step=h["step"], m=h["m"],
                    version=self.version, loss=loss, n=self.cfg.train.global_batch // self.cfg.train.microbatches)
 
-    def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
-        """Gradient of microbatch (step, m), unscaled (fp16: the loss is multiplied by `scale` first)."""
-        cfg = self.cfg
-        idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
-        x, y = to_device(fetch(self.dataset, idx), self.device)
-        # (torch.manual_seed would also queue CUDA seeding, capturing a Python stack each call: 8% of a small step)
-        seed = microbatch_seed(cfg.run.seed, step, m)
-        torch.default_generator.manual_seed(seed)
-        if self.device.type == "cuda":
-            torch.cuda.default_generators[self.device.index].manual_seed(seed)
-        for p in self.params.values():
-            p.grad = None
-        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            loss = self.loss_fn(self.model(x), y)
-        if self.cfg.precision == "fp16":
-            # Scale by scale/M: fp16 intermediates then have the magnitudes of a single-process run over
-            # the whole global batch, so overflows happen exactly where torch.amp.GradScaler sees them.
-            M = self.cfg.train.microbatches
-            (loss.float() * (scale / M)).backward()
-        else:
-            loss.backward()
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
-        if self.cfg.precision == "fp16":
-            for g in grads.values():
-                g.mul_(M / scale)
-        return float(loss.detach()), grads
+    def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor] | None]:
+        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py).
+
+        User code that raises is run once more, at once, from the same seeds and buffers: failing the
+        same way again, the error is deterministic (restarting or moving the microbatch would repeat it)
+        and the run stops with one line; succeeding, it was transient and training goes on."""
+        try:
+            return self.runner.run(step, m, scale)
+        except UserCodeError as first:
+            seen = describe(first.cause)
+            self.log.warning("user code failed; retrying once to tell a bug from a transient error",
+                             error=seen.line(), where=first.phase)
+            try:
+                return self.runner.run(step, m, scale)
+            except UserCodeError as again:
+                if describe(again.cause) == seen:
+                    self.ctx.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.wid}: "
+                                   "a bug in user code, not retried; fix it and run again")
+                raise
 
     def close(self) -> None:
         if self.member is not None:

@@ -1,0 +1,89 @@
+"""One microbatch's gradient (and the buffers its forward produced): the worker's computation, shared
+with the single-process reference (`cmemi reference`) so both compute the same bits.
+
+Every microbatch starts from the step's buffers and with every global RNG seeded from (seed, step, m),
+*then* reads its data: augmentation in `__getitem__` and dropout are the same bits on any worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from cmemi.services.worker.device import to_device
+from cmemi.shared import buffers as buffer_rule
+from cmemi.shared.config import Config
+from cmemi.shared.data import fetch, microbatch_indices, seed_microbatch
+
+
+class UserCodeError(RuntimeError):
+    """User code (dataset, collate, model, loss) raised while computing a microbatch; `phase` says which."""
+
+    def __init__(self, phase: str, cause: BaseException) -> None:
+        super().__init__(f"{phase}: {cause}")
+        self.phase, self.cause = phase, cause
+
+
+class MicrobatchRunner:
+    def __init__(self, cfg: Config, model: torch.nn.Module, dataset: Any, loss_fn: Any) -> None:
+        self.cfg, self.model, self.dataset, self.loss_fn = cfg, model, dataset, loss_fn
+        self.n = len(dataset)
+        self.device = torch.device("cpu")
+        self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.buffers = buffer_rule.travelling(model)  # the model's live buffers
+        # The step's starting buffers (CPU): every microbatch starts from these; new versions land here.
+        self.step_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
+        self.report_buffers = bool(self.buffers) and cfg.model.buffers == "mean"
+
+    def to(self, device: torch.device) -> None:
+        self.device = device
+        self.model.to(device)
+        self.buffers = buffer_rule.travelling(self.model)
+        if device.type == "cuda":
+            self.step_buffers = {n: b.pin_memory() for n, b in self.step_buffers.items()}
+
+    def run(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                  dict[str, torch.Tensor] | None]:
+        """(loss, gradient unscaled, buffers produced or None) of microbatch (step, m); fp16: the loss is
+        multiplied by `scale` first. Raises UserCodeError when user code raises."""
+        cfg = self.cfg
+        if self.buffers:
+            with torch.no_grad():
+                for n, b in self.buffers.items():
+                    b.copy_(self.step_buffers[n])
+        seed_microbatch(cfg.run.seed, step, m, self.device)  # before the data is read: augmentation is seeded
+        idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
+        try:
+            x, y = to_device(fetch(self.dataset, idx), self.device)
+        except Exception as exc:  # __getitem__ or collate
+            raise UserCodeError(f"reading microbatch {m} of step {step} ({cfg.data.factory}, collate)", exc) from exc
+        for p in self.params.values():
+            p.grad = None
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            try:
+                out = self.model(x)
+            except Exception as exc:
+                raise UserCodeError(f"forward pass of {cfg.model.factory} on microbatch {m} of step {step}",
+                                    exc) from exc
+            try:
+                loss = self.loss_fn(out, y)
+            except Exception as exc:
+                raise UserCodeError(f"loss {cfg.train.loss} on microbatch {m} of step {step}", exc) from exc
+        M = cfg.train.microbatches
+        try:
+            if cfg.precision == "fp16":
+                # Scale by scale/M: fp16 intermediates then have the magnitudes of a single-process run over
+                # the whole global batch, so overflows happen exactly where torch.amp.GradScaler sees them.
+                (loss.float() * (scale / M)).backward()
+            else:
+                loss.backward()
+        except Exception as exc:
+            raise UserCodeError(f"backward pass on microbatch {m} of step {step}", exc) from exc
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        if cfg.precision == "fp16":
+            for g in grads.values():
+                g.mul_(M / scale)
+        produced = ({n: b.detach().to("cpu", copy=True) for n, b in self.buffers.items()}
+                    if self.report_buffers else None)
+        return float(loss.detach()), grads, produced
