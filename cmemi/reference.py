@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from cmemi.services.worker.device import make_deterministic, pick_device
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, resolve
+
+HOLDER = ("reference", 0)  # the one (worker id, incarnation) that holds every lease of a reference run
 
 
 class ReferenceError(RuntimeError):
@@ -61,6 +64,7 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
                     b.copy_(trainer.buffers[n])
             collector = StepCollector(step, M)
             for m in range(M):
+                collector.lease(*HOLDER, now=0.0, timeout=math.inf)  # m, in order: the reference holds every lease
                 mb_loss, grads, produced = runner.run(step, m, trainer.scaler.scale)
                 finite = all_finite(grads.values())
                 if not finite and cfg.precision != "fp16":
@@ -70,7 +74,7 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
                     info, frames = encoder.encode(grads, step)
                     decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)
                 contribution = trainer.contribution(produced) if report and produced is not None else None
-                collector.offer(m, decoded, mb_loss, contribution)
+                collector.offer(m, decoded, mb_loss, HOLDER, contribution)
             grads, loss = collector.mean()
             if grads is not None and not all_finite(grads.values()):
                 raise ReferenceError(f"the summed gradient of step {step + 1} is not finite: the run diverged")

