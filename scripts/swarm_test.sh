@@ -288,13 +288,15 @@ wait_for "the coordinator to fence the killed worker" 60 event_seen fenced "$VIC
 # swarm (not the test) starts a new task in the killed one's place: three running workers again
 three_running() { [[ $(tasks_of worker | wc -l) == 3 ]] && ! tasks_of worker | grep -q "^${VICTIM:0:12}"; }
 wait_for "swarm to replace the killed worker's task" 120 three_running
-wait_for "the replacement to train (live_workers=3)" 300 live_workers 3
+run_completed() { [[ $(rcli get "$STATE_KEY" | tr -d '\r') == completed ]]; }
+replacement_or_done() { live_workers 3 || run_completed; }
+wait_for "the replacement to train (live_workers=3)" 300 replacement_or_done
+live_workers 3 || die "the run completed before the replacement trained: raise CMEMI_SWARM_STEPS"
 log "swarm replaced the killed task; 3 workers at step $(progress step)"
 phase_done
 
 phase "training to the end"
 wait_step "$STEPS" 900
-run_completed() { [[ $(rcli get "$STATE_KEY" | tr -d '\r') == completed ]]; }
 wait_for "run state completed" 120 run_completed
 SUMMARY=$(run_file summary.json) || die "no summary.json in the run volume"
 SHA=$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["params_sha256"])' "$SUMMARY")
