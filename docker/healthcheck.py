@@ -4,7 +4,8 @@
 Usage (compose `healthcheck.test`): cmemi-healthcheck ROLE   (coordinator, aggregator, checkpointer, worker)
 
 Reads the same config as the service (CMEMI_CONFIG, default /app/examples/digits.yaml, plus the
-CMEMI__SECTION__FIELD environment overrides) to find the Redis URL and the run name. Healthy when a
+CMEMI__SECTION__FIELD environment overrides) to find the run name, and the Redis URL as the services do:
+CMEMI_REDIS_URL, else cluster.redis. Healthy when a
 member record of ROLE whose host is this container's hostname is running and its heartbeat key (which
 expires `cluster.dead_after` after the last beat) still holds that record's incarnation. Exit 0
 healthy, 1 unhealthy. A process that finished cleanly (record state `stopped`) counts as healthy.
@@ -27,11 +28,12 @@ def main() -> int:
     from cmemi.shared.membership import connect
 
     cfg = load_config(os.environ.get("CMEMI_CONFIG", "/app/examples/digits.yaml"))
-    if not cfg.cluster.redis:
-        print("unhealthy: no Redis URL (set CMEMI__CLUSTER__REDIS)")
+    url = os.environ.get("CMEMI_REDIS_URL") or cfg.cluster.redis  # shared.service.redis_url's order, without --redis
+    if not url:
+        print("unhealthy: no Redis URL (set CMEMI_REDIS_URL or CMEMI__CLUSTER__REDIS)")
         return 1
     keys = Keys(cfg.run.name)
-    client = connect(cfg.cluster.redis)
+    client = connect(url)
     host = socket.gethostname()
     for key in client.scan_iter(match=keys.member(role, "*"), count=500):
         record = client.hgetall(key)

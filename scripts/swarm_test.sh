@@ -4,13 +4,15 @@
 #   1. the image cmemi:compose-test: reused when present (CI runs compose-test first with
 #      CMEMI_COMPOSE_KEEP_IMAGE=1), else built by running scripts/compose_test.sh that way;
 #   2. a Docker engine (dockerd started here and stopped at the end, as compose-test does), a one-node
-#      swarm (`docker swarm init`), the node labelled cmemi.runs=true, the Redis password as a swarm secret;
+#      swarm (`docker swarm init`), the node labelled cmemi.runs=true, the Redis password as a swarm secret,
+#      the CurveZMQ keys made by `cmemi keys` (in the image) and each file made a secret `cmemi-FILE`, as the
+#      README and docker/stack.yml document it;
 #   3. a fault-free reference run inside the image (`cmemi up`), giving params_sha256;
 #   4. `docker stack deploy` with 2 workers, scaled to 3 mid-run (`docker service scale`), one worker's
 #      container SIGKILLed: the coordinator declares it dead and fences it, swarm starts a new task by
 #      itself (restart_policy on-failure), the run completes with the reference's params_sha256 and every
 #      service ends in a completed (exit 0) task;
-#   5. teardown WHATEVER happens: the stack, its volume, the secret, the swarm, the image (unless
+#   5. teardown WHATEVER happens: the stack, its volume, the secrets, the swarm, the image (unless
 #      CMEMI_SWARM_KEEP_IMAGE=1), the daemon, and the iptables/nftables rules, ip_forward and interfaces
 #      it changed.
 #
@@ -108,7 +110,7 @@ cleanup() {
             wait_for_quiet 120 sh -c "[ -z \"\$(docker ps -aq --filter label=com.docker.stack.namespace=$STACK)\" ]"
             docker ps -aq --filter "label=com.docker.stack.namespace=$STACK" | xargs -r docker rm -f >/dev/null 2>&1
             docker volume ls -q --filter "label=com.docker.stack.namespace=$STACK" | xargs -r docker volume rm -f >/dev/null 2>&1
-            timeout 60 docker secret rm cmemi_redis_password >/dev/null 2>&1
+            docker secret ls -q --filter name=cmemi | xargs -r timeout 60 docker secret rm >/dev/null 2>&1
             timeout 120 docker swarm leave --force >/dev/null 2>&1
         fi
         timeout 60 docker rm -f "$STACK-reference" >/dev/null 2>&1
@@ -197,9 +199,18 @@ SWARM_UP=1
 timeout 120 docker swarm init --advertise-addr "$ADDR" >/dev/null || die "docker swarm init failed"
 NODE=$(docker info -f '{{.Swarm.NodeID}}')
 docker node update --label-add cmemi.runs=true "$NODE" >/dev/null
-REDIS_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
-printf '%s' "$REDIS_PASSWORD" | docker secret create cmemi_redis_password - >/dev/null || die "docker secret create failed"
-log "swarm on $ADDR (node $NODE, label cmemi.runs=true), secret cmemi_redis_password"
+# the password goes from python3 through a pipe into the secret: never an argument, never in this shell
+python3 -c 'import secrets; print(secrets.token_hex(16), end="")' | docker secret create cmemi_redis_password - >/dev/null \
+    || die "docker secret create cmemi_redis_password failed"
+# CurveZMQ keys, the documented step: `cmemi keys DIR`, then each file a secret cmemi-FILE (docker/stack.yml)
+mkdir -m 700 "$WORK/keys"
+docker run --rm --network none --user "$(id -u):$(id -g)" -v "$WORK/keys:/keys" "$IMAGE" keys /keys >/dev/null \
+    || die "cmemi keys (in $IMAGE) failed"
+for f in "$WORK"/keys/*; do
+    docker secret create "cmemi-${f##*/}" "$f" >/dev/null || die "docker secret create cmemi-${f##*/} failed"
+done
+rm -rf "$WORK/keys"
+log "swarm on $ADDR (node $NODE, label cmemi.runs=true), secrets: $(docker secret ls --format '{{.Name}}' | sort | xargs)"
 phase_done
 
 # ------------------------------------------------------------------------------------------ 3. reference
@@ -235,7 +246,8 @@ tasks_of() {  # running containers of a service
 }
 redis_cid() { tasks_of redis | head -1; }
 wait_for "the redis task" 300 sh -c "[ -n \"\$(docker ps -q --filter label=com.docker.swarm.service.name=${STACK}_redis --filter status=running)\" ]"
-rcli() { docker exec "$(redis_cid)" redis-cli --no-auth-warning -a "$REDIS_PASSWORD" "$@"; }
+# redis-cli inside the Redis task, the password from its secret into REDISCLI_AUTH (not onto any command line)
+rcli() { docker exec "$(redis_cid)" sh -c 'REDISCLI_AUTH="$(cat /run/secrets/cmemi_redis_password)" exec redis-cli "$@"' rcli "$@"; }
 progress() { rcli hget "cmemi:$RUN_NAME:progress" "$1" | tr -d '\r'; }
 # The run volume, read from a throwaway container (the stack's volume on this node).
 VOLUME=${STACK}_runs
