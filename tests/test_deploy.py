@@ -1,5 +1,6 @@
 """deploy/kubernetes/ validates against the Kubernetes schemas (kubernetes-validate bundles them), and its
-manifests hold together: the coordinator does not supervise, the run directory is a claim, secrets exist."""
+manifests hold together: the coordinator does not supervise, the run directory is a claim, secrets exist, every
+CMEMI container gets the Redis URL in CMEMI_REDIS_URL and its role's CurveZMQ keys at security.keys_dir."""
 
 from __future__ import annotations
 
@@ -34,7 +35,16 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -
             pytest.fail(f"{path.name}: {doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
 
 
-def test_the_manifests_hold_together() -> None:
+# The secret keys each role loads at start (shared.security.curve_from_config): servers the server pair,
+# clients their own role's pair.
+OWN_SECRETS = {"coordinator": {"coordinator.key_secret"}, "aggregator": {"server.key_secret", "aggregator.key_secret"},
+               "checkpointer": {"server.key_secret"}, "worker": {"worker.key_secret"}}
+
+
+def test_the_manifests_hold_together(tmp_path: Path) -> None:
+    from cmemi.shared.security import generate
+
+    made = {p.name for p in generate(tmp_path / "keys")}  # what `cmemi keys DIR` writes: the Secret's keys
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
     listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
@@ -50,18 +60,63 @@ def test_the_manifests_hold_together() -> None:
     for name in ("cmemi-coordinator", "cmemi-aggregator", "cmemi-checkpointer", "cmemi-worker"):
         spec = pod(name)
         assert spec["restartPolicy"] == "OnFailure"
-        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        container = spec["containers"][0]
+        names = [e["name"] for e in container["env"]]
+        env = {e["name"]: e for e in container["env"]}
         assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "cmemi-redis"
-        assert env["CMEMI__CLUSTER__REDIS"]["value"].startswith("redis://:$(REDIS_PASSWORD)@cmemi-redis:")
+        # the URL through CMEMI_REDIS_URL (what the services read); $(REDIS_PASSWORD) expands only if defined before
+        assert env["CMEMI_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@cmemi-redis:")
+        assert names.index("REDIS_PASSWORD") < names.index("CMEMI_REDIS_URL")
+        assert "PASSWORD" not in " ".join(container.get("command", []) + container["args"])
+        # CurveZMQ keys: the Secret, required, mounted where security.keys_dir points
+        mount = [m for m in container["volumeMounts"] if m["name"] == "keys"][0]
+        assert env["CMEMI__SECURITY__KEYS_DIR"]["value"] == mount["mountPath"] and mount.get("readOnly")
         keys = [v for v in spec["volumes"] if v["name"] == "keys"][0]["secret"]
-        assert keys["secretName"] == "cmemi-curve-keys"
+        assert keys["secretName"] == "cmemi-curve-keys" and not keys.get("optional", False)
+        role = container["name"]
+        projected = {item["key"] for item in keys["items"]}
+        assert all(item["key"] == item["path"] for item in keys["items"])  # the file names security.py reads
+        assert projected <= made, projected - made  # only files `cmemi keys` writes
+        assert {"server.key", *OWN_SECRETS[role]} <= projected  # what the role loads at start
+        assert {f for f in projected if f.endswith("_secret")} == OWN_SECRETS[role]  # no other role's secret
+        assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]  # can read the 0440 files
         config = [v for v in spec["volumes"] if v["name"] == "config"][0]["configMap"]["name"]
         assert ("ConfigMap", config) in docs
     assert ("Secret", "cmemi-redis") in docs and ("Service", "cmemi-redis") in docs
+    redis = docs[("Deployment", "cmemi-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert "$(" not in " ".join(redis.get("command", []) + redis.get("args", []))  # no password on its command line
     # the config the services read is a valid CMEMI config
     from cmemi.shared.config import config_from_dict
 
     config_from_dict(yaml.safe_load(docs[("ConfigMap", "cmemi-config")]["data"]["config.yaml"]), [])
+
+
+def test_the_swarm_stack_gives_every_service_its_keys_and_the_redis_url(tmp_path: Path) -> None:
+    """docker/stack.yml, read statically (swarm-test runs it for real): each CMEMI service mounts the public keys and
+    only its role's secret keys as /run/secrets/<the file name `cmemi keys` writes>, keys_dir points there, the
+    Redis URL reaches it as CMEMI_REDIS_URL, and no password is put on a command line."""
+    from cmemi.shared.security import generate
+
+    made = {p.name for p in generate(tmp_path / "keys")}
+    stack = yaml.safe_load((ROOT / "docker" / "stack.yml").read_text())
+    declared = stack["secrets"]
+    assert all(declared[name].get("external") for name in declared)
+    assert {f"cmemi-{f}" for f in made} <= set(declared)  # the documented step: a secret cmemi-FILE per file
+    for role, own in OWN_SECRETS.items():
+        svc = stack["services"][role]
+        assert svc["environment"]["CMEMI__SECURITY__KEYS_DIR"] == "/run/secrets"
+        assert 'export CMEMI_REDIS_URL="redis://:$$(cat /run/secrets/cmemi_redis_password)@redis:' in svc["entrypoint"][2]
+        assert "CMEMI_REDIS_URL=" in svc["healthcheck"]["test"][1]
+        files = {}
+        for grant in svc["secrets"]:
+            if isinstance(grant, dict):
+                assert grant["source"] == f"cmemi-{grant['target']}" and grant["source"] in declared
+                files[grant["target"]] = grant
+        assert set(files) <= made and {"server.key", *own} <= set(files)
+        assert {f for f in files if f.endswith("_secret")} == own
+        assert all(files[f]["mode"] == 0o400 and files[f]["uid"] == "10001" for f in own)
+    redis = stack["services"]["redis"]["entrypoint"]
+    assert "requirepass" not in redis[-1].split("redis-server", 1)[1]  # in its 0600 config file, not argv
 
 
 def test_the_validation_catches_a_wrong_manifest() -> None:
