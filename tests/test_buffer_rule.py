@@ -180,3 +180,20 @@ def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> N
     before = t.params_sha256()
     t.buffers["1.running_mean"].add_(1.0)
     assert t.params_sha256() != before  # and are part of the result's hash
+
+
+def test_frozen_buffers_stay_initial_and_mean_buffers_train() -> None:
+    from cmemi.shared.config import load_config
+    from cmemi.shared.plugins import build_model
+
+    from cmemi.reference import train
+    from tests.conftest import ROOT
+
+    config, sets = str(ROOT / "examples" / "resnet.yaml"), ["train.steps=2", "eval.fn=null"]
+    initial = build_model(load_config(config, sets)).state_dict()
+    frozen, _ = train(load_config(config, [*sets, "model.buffers=frozen"]))
+    mean, _ = train(load_config(config, sets))
+    for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        assert torch.equal(frozen.model.state_dict()[name], initial[name])
+        assert not torch.equal(mean.model.state_dict()[name], initial[name])
+    assert int(mean.model.state_dict()["1.num_batches_tracked"]) == 2 * 4

@@ -52,9 +52,9 @@ def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_refer
         assert r.summary["params_sha256"] == want and r.summary["steps"] == 50, (n, r.summary)
     c = Cluster(tmp_path / "faults", *R, "cluster.workers=2", config=RESNET)
     try:
-        c.wait_step(3)
+        c.wait_step(3, timeout=600)  # start-up on a loaded machine takes minutes
         c.signal("worker", "w0")
-        c.wait_step(22)
+        c.wait_step(22, timeout=600)
         c.signal("aggregator", "0")
         rc = c.wait(timeout=600)
     finally:

@@ -112,11 +112,13 @@ def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
     assert "cannot read the dataset" in error and "missing.pt" in error and "on host" in error
     assert "check that data.kwargs" in error
+    assert "FileNotFoundError" in error and "file_dataset" in error  # the user's exception and function
+    assert sum(line.startswith("cmemi: error:") for line in r.stderr.splitlines()) == 1  # said once
 
 
 def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
     r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
-               timeout=120)
+               timeout=300)  # workers must start to be refused: minutes on a loaded machine
     assert r.rc == 2
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
     assert "has a different dataset" in error and "on host" in error and "same data on every host" in error
