@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
               "  keys DIR         generate CurveZMQ key pairs (security.curve)\n"
               "  checkpoints list|verify|export RUN_DIR\n"
               "                   inspect, check and export checkpoints\n"
-              "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
+              "  aggregator|worker|checkpointer|coordinator --config ...  (Redis URL in $CMEMI_REDIS_URL)\n"
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
