@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
               "                   the services' logs of a run (RUN_DIR/logs/), in time order\n"
               "  checkpoints list|verify|export RUN_DIR\n"
               "                   inspect, check and export checkpoints\n"
-              "  aggregator|worker|checkpointer|coordinator --config ... --redis URL\n"
+              "  aggregator|worker|checkpointer|coordinator --config ...  (Redis URL in $CMEMI_REDIS_URL)\n"
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]

@@ -47,7 +47,7 @@ def machine_line() -> str:
 
 
 def benchmark() -> str:
-    o, t, r = load("overhead"), load("transport"), load("recovery")
+    o, t, r, cv = load("overhead"), load("transport"), load("recovery"), load("curve")
     ft, c, s = load("torchft_recovery"), load("checkpoint"), load("scaling")
     cb, mb = o["ratios"]["compute_bound"], o["ratios"]["comm_bound"]
     cst, mst = o["step_times"]["compute_bound"]["median_step_time_s"], o["step_times"]["comm_bound"]["median_step_time_s"]
@@ -85,6 +85,14 @@ def benchmark() -> str:
          f"{span(list(ratio.values()), '{:.2f}')} ({sizes[0]}–{sizes[-1]} messages); against a raw receiver that "
          f"**also sums**: {span(vs_sum, '{:.2f}')}",
          "≥ 0.8" + ok[t["target_protocol_vs_raw_ge_0.8"]]),
+        (f"CurveZMQ on / off (the default is on), comm-bound step (the comm-bound MLP, {cv['workers']} workers, "
+         f"M = {cv['microbatches']}, ~{cv['runs']['on'][0]['bytes_per_step'] / 1e6:.0f} MB moved per step)",
+         f"**{cv['ratio_on_vs_off']:.1f}×** ({sec(cv['step_time_median_s']['on'], 2)} vs "
+         f"{sec(cv['step_time_median_s']['off'], 2)} median step; measured at load average "
+         f"{span([cv['machine']['loadavg_at_start'][0], cv['machine']['loadavg_at_end'][0]], '{:.1f}')} on the "
+         f"{cv['machine']['cpus']} cores — an overloaded machine, so the ratio is noisy; `bench/results/curve.json`). "
+         "Encryption and authentication are one more pass over every byte in each sender and receiver: for a "
+         "comm-bound model on a network you trust, `security.curve: false` is the fast path", ""),
         ("worker SIGKILL → its replacement's first gradient accepted (median, warm spare)",
          f"**{sec(wk['timeline_median_s']['first_grad_s'])}** over {wk['kills']} kills, "
          f"{wk['steps']['steps_lost']} steps lost, {wk['steps']['steps_redone']} redone", "< 3 s" +

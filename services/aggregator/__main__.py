@@ -1,4 +1,4 @@
-"""The aggregator (parameter server). Run: `cmemi aggregator --config RUN_DIR/config.yaml --redis URL`."""
+"""The aggregator (parameter server). Run: `cmemi aggregator --config RUN_DIR/config.yaml` (Redis URL in $CMEMI_REDIS_URL)."""
 
 from __future__ import annotations
 

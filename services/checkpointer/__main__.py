@@ -1,4 +1,4 @@
-"""The checkpointer. Run: `cmemi checkpointer --config RUN_DIR/config.yaml --redis URL` on the host that owns the disk."""
+"""The checkpointer. Run: `cmemi checkpointer --config RUN_DIR/config.yaml` (Redis URL in $CMEMI_REDIS_URL) on the host that owns the disk."""
 
 from __future__ import annotations
 

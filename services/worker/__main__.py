@@ -1,4 +1,4 @@
-"""A worker. Run: `cmemi worker --config RUN_DIR/config.yaml --redis URL --worker-id w3` on any host with the data."""
+"""A worker. Run: `cmemi worker --config RUN_DIR/config.yaml --worker-id w3` (Redis URL in $CMEMI_REDIS_URL) on any host with the data."""
 
 from __future__ import annotations
 
