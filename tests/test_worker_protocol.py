@@ -113,7 +113,7 @@ def test_a_lost_reply_costs_a_round_trip_and_a_gradient_over_the_cap_stops_the_w
         assert msg.type == "want", msg.header  # asked again by itself
         # work on the weights it holds (version -1: no parameters travel), so only the gradient is large
         protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
-                                                            "scale": 1.0}), ident)
+                                                            "scale": 1.0}, {}), ident)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2, err[-2000:]
         line = [x for x in err.splitlines() if x.startswith("cmemi: error:")][-1]
