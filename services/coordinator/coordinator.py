@@ -27,6 +27,7 @@ from cmemi.services.coordinator.supervisor import (
     wait_for_exit,
 )
 from cmemi.shared import metrics, protocol
+from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, ServiceContext
 
@@ -38,6 +39,8 @@ class Coordinator:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
         self.supervise = supervise
         self.config_path, self.redis_url = config_path, redis_url
+        self.counters = Counters(ctx.run_dir / "counters.json", ctx.redis, ctx.keys)
+        self.counters.check()  # before our own incarnation is drawn
         self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra=ctx.member_extra).start()
         self.children: dict[str, Child] = {}
@@ -77,6 +80,9 @@ class Coordinator:
                 if now >= next_scan and self.exit_code is None:
                     next_scan = now + self.cfg.cluster.heartbeat_interval / 2
                     self._tail_events()
+                    if restored := self.counters.check():
+                        self.ctx.emit("counters_restored", keys=restored, gap=GAP)
+                        self.log.warning("redis lost counters; moved them past the highest known", keys=restored)
                     self._retry_fences()
                     self._check_heartbeats()
                     self._check_control()
