@@ -256,8 +256,8 @@ class Coordinator:
             if rc is None:
                 continue
             self.spares.remove(spare)
-            spare.forget()
             kind = self._exit_kind(spare, rc)
+            spare.forget()
             if kind == "fatal":
                 self._fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
                 return
