@@ -292,6 +292,9 @@ class Coordinator:
             role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
             if self.declared.get((role, ident), 0) >= inc:
                 continue
+            if int(r.get(k.fence(role, ident)) or 0) >= inc:  # declared by an earlier coordinator
+                self.declared[(role, ident)] = inc
+                continue
             if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
                 continue
             child = self.children.get(f"{role}:{ident}")
