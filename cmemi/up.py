@@ -52,6 +52,7 @@ def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bo
     cfg.run.dir = str(run_dir)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     (run_dir / "children.json").unlink(missing_ok=True)  # a new coordinator starts its services afresh
+    (run_dir / "cluster.json").unlink(missing_ok=True)  # names the previous run's Redis until rewritten
     return run_dir, lock
 
 

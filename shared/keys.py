@@ -2,7 +2,7 @@
 
 | key | type | written by | meaning |
 |---|---|---|---|
-| `incarnation` | counter | every process at start | INCR gives each process start a unique incarnation number |
+| `incarnation` | counter | every process at start | INCR gives each process start a unique incarnation number (kept growing across Redis data loss by the coordinator, shared/counters.py) |
 | `member:{role}:{id}` | hash | the process | incarnation, pid, host, started_at, state |
 | `hb:{role}:{id}` | string + TTL | the process, every `heartbeat_interval` | its incarnation; expires `dead_after` after the last beat |
 | `fence:{role}:{id}` | string | coordinator | incarnations <= this value are fenced (dead) |

@@ -51,22 +51,10 @@ def read_events(client: redis.Redis, keys: Keys, after: str = "0-0", block_ms: i
     return out
 
 
-# Incarnations and terms must keep growing even if Redis restarts empty (a counter starting over at 1
-# would collide with fences the aggregator still remembers): never hand out less than the wall clock.
-_ALLOCATE = """
-local v = redis.call('INCR', KEYS[1])
-local floor = tonumber(ARGV[1])
-if v < floor then
-  redis.call('SET', KEYS[1], floor)
-  v = floor
-end
-return v
-"""
-
-
 def allocate(client: redis.Redis, key: str) -> int:
-    """A number larger than every number handed out before under `key`, across Redis data loss."""
-    return int(client.eval(_ALLOCATE, 1, key, str(int(time.time()))))
+    """A number larger than every number handed out before under `key`: Redis INCR, kept growing across Redis
+    data loss by the coordinator (shared/counters.py), never floored on a wall clock."""
+    return int(client.incr(key))
 
 
 # Only touch the record if it is still ours: a newer incarnation may already have taken the id.

@@ -88,3 +88,40 @@ def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_
         log.close()
         ctx.destroy(linger=0)
     assert "bad_checksum" in (tmp_path / "worker.log").read_text()
+
+
+def test_a_lost_reply_costs_a_round_trip_and_a_gradient_over_the_cap_stops_the_worker(redis_server,
+                                                                                        tmp_path: Path) -> None:
+    """The scripted aggregator ignores the worker's first request: the worker asks again after a timeout, not
+    never. Its gradient (~105 kB) is over cluster.max_message_bytes=65536: it is not sent; the worker stops with
+    one line naming the size and the cap (exit 2)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    addr = protocol.bind(router, "127.0.0.1", 0)
+    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
+    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
+                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
+                                      "--set", "cluster.max_message_bytes=65536"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ident, msg = recv(router)
+        assert msg.type == "hello"
+        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
+                      ident)
+        ident, msg = recv(router)
+        assert msg.type == "want"  # its reply is "lost": nothing is sent back
+        ident, msg = recv(router, timeout=30)
+        assert msg.type == "want", msg.header  # asked again by itself
+        # work on the weights it holds (version -1: no parameters travel), so only the gradient is large
+        protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
+                                                            "scale": 1.0}, {}), ident)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err[-2000:]
+        line = [x for x in err.splitlines() if x.startswith("cmemi: error:")][-1]
+        assert "'grad' message of" in line and "exceeds cluster.max_message_bytes=65536" in line, line
+        assert not router.poll(200), "the oversized gradient was sent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)

@@ -284,6 +284,10 @@ class Aggregator:
     def _on_want(self, identity: bytes, msg: protocol.Message) -> None:
         info = self._known(identity, msg)
         if info is not None:
+            # A worker that asks holds no lease (it works on one at a time, and the link keeps order): a lease
+            # still on its name was lost on the way (its work or its grad); it goes back to the queue now.
+            if self.collector.release(info.wid, info.inc):
+                self._serve_parked()
             self._serve(identity, info, msg.header["version"])
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:

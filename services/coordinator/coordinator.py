@@ -27,6 +27,7 @@ from cmemi.services.coordinator.supervisor import (
     wait_for_exit,
 )
 from cmemi.shared import metrics, protocol
+from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, ServiceContext
 
@@ -38,6 +39,8 @@ class Coordinator:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
         self.supervise = supervise
         self.config_path = config_path  # children find Redis through the inherited CMEMI_REDIS_URL
+        self.counters = Counters(ctx.run_dir / "counters.json", ctx.redis, ctx.keys)
+        self.counters.check()  # before our own incarnation is drawn
         self.member = Member(ctx.redis, ctx.keys, "coordinator", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra=ctx.member_extra).start()
         self.children: dict[str, Child] = {}
@@ -77,6 +80,9 @@ class Coordinator:
                 if now >= next_scan and self.exit_code is None:
                     next_scan = now + self.cfg.cluster.heartbeat_interval / 2
                     self._tail_events()
+                    if restored := self.counters.check():
+                        self.ctx.emit("counters_restored", keys=restored, gap=GAP)
+                        self.log.warning("redis lost counters; moved them past the highest known", keys=restored)
                     self._retry_fences()
                     self._check_heartbeats()
                     self._check_control()
@@ -250,8 +256,8 @@ class Coordinator:
             if rc is None:
                 continue
             self.spares.remove(spare)
-            spare.forget()
             kind = self._exit_kind(spare, rc)
+            spare.forget()
             if kind == "fatal":
                 self._fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
                 return
@@ -285,6 +291,9 @@ class Coordinator:
                 continue
             role, ident, inc, pid = record["role"], record["id"], int(record["incarnation"]), int(record.get("pid", 0))
             if self.declared.get((role, ident), 0) >= inc:
+                continue
+            if int(r.get(k.fence(role, ident)) or 0) >= inc:  # declared by an earlier coordinator
+                self.declared[(role, ident)] = inc
                 continue
             if time.time() - float(record.get("started_at", 0)) < self.cfg.cluster.dead_after:
                 continue

@@ -59,6 +59,8 @@ class Worker:
         self.version = -1
         self.term = -1
         self.lost_reply = False
+        self.last_heard = time.monotonic()  # last message from the aggregator (or our last request)
+        self.reask_s = max(2.0, 2 * cfg.cluster.dead_after)  # no reply this long: the request or reply was lost
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
@@ -150,12 +152,19 @@ class Worker:
         assert self.sock is not None
         parts = protocol.encode(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields}, tensors,
                                 self.cfg.cluster.checksum)
+        size, cap = protocol.message_bytes(parts), self.cfg.cluster.max_message_bytes
+        if size > cap:  # the aggregator could only drop it (libzmq drops an oversized frame before we see it)
+            self.ctx.fatal(f"worker {self.wid}: a {mtype!r} message of {size} bytes exceeds cluster.max_message_bytes"
+                           f"={cap}; raise cluster.max_message_bytes (on every service) or shrink the model or "
+                           "gradient (compression.codec)")
         protocol.send(self.sock, parts)
+        self.last_heard = time.monotonic()
 
     def _recv(self, timeout_ms: int) -> protocol.Message | None:
         assert self.sock is not None
         if not self.sock.poll(timeout_ms):
             return None
+        self.last_heard = time.monotonic()
         try:  # new parameters land straight in the model's tensors
             return protocol.recv(self.sock, self.ctx.run, self.cfg.cluster.checksum, into=self.inbox)
         except protocol.ProtocolError as exc:
@@ -214,6 +223,9 @@ class Worker:
                 self._handle_reject_or_stop(msg)
             elif self.lost_reply:
                 self.lost_reply = False
+                self._send("want", term=self.term, version=self.version)
+            elif time.monotonic() - self.last_heard > self.reask_s:  # a want, work or grad went missing
+                self.log.info("no reply; asking again", after_s=round(time.monotonic() - self.last_heard, 1))
                 self._send("want", term=self.term, version=self.version)
             elif time.monotonic() > next_check:  # idle: is our aggregator still the current one?
                 next_check = time.monotonic() + 1.0

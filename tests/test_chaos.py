@@ -1,0 +1,98 @@
+"""The CI chaos run: one `cmemi up` with 30 random faults over every role during the first 80 % of the steps.
+It must end as a fault-free run does (exit 0, the same params_sha256), with every worker slot refilled."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.chaos import Cluster, poll
+from tests.conftest import LONG
+from tests.test_supervision import redis_pid
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(900)]
+
+KINDS = ("worker_kill", "worker_stop", "aggregator", "checkpointer", "coordinator", "redis")
+SEED = int(os.environ.get("CMEMI_CHAOS_SEED", "20261130"))
+STEPS = 1200
+WORKERS = 2
+RECOVERY_S = 10.0  # live_workers is back to cluster.workers this long after the last fault
+
+
+def schedule(rng: random.Random, per_kind: int = 5) -> list[tuple[int, str]]:
+    kinds = [k for k in KINDS for _ in range(per_kind)]
+    rng.shuffle(kinds)
+    first, last = 30, int(0.8 * STEPS)
+    return [(first + i * (last - first) // len(kinds), k) for i, k in enumerate(kinds)]
+
+
+def running_pid(c: Cluster, role: str, ident: str | None = None) -> tuple[str, int]:
+    """A running, heartbeating member of `role` (any id if None): (id, pid). Waits through Redis restarts."""
+    def find() -> tuple[str, int] | None:
+        try:
+            live = c.members(role)
+        except redis.RedisError:
+            return None
+        ids = sorted(live) if ident is None else [i for i in live if i == ident]
+        return (ids[0], int(live[ids[0]]["pid"])) if ids else None
+    return poll(find, 120, f"a running {role}", interval=0.05)
+
+
+def inject(c: Cluster, rng: random.Random, kind: str) -> None:
+    if kind == "redis":
+        pid = poll(lambda: redis_pid(c), 60, "the redis-server")
+        os.kill(pid, signal.SIGKILL)
+        return
+    role = {"worker_kill": "worker", "worker_stop": "worker"}.get(kind, kind)
+    ident, pid = running_pid(c, role, None if role == "worker" else "0")
+    if role == "worker":
+        ident, pid = running_pid(c, "worker", rng.choice([f"w{i}" for i in range(WORKERS)]))
+    if kind == "worker_stop":  # shorter or longer than dead_after (1 s): resumed, or taken for hung and killed
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(rng.uniform(0.2, 1.8))
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it died by itself meanwhile (a previous fault): still a fault of that role
+
+
+def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str) -> None:
+    rng = random.Random(SEED)
+    plan = schedule(rng)
+    print(f"chaos seed {SEED} (CMEMI_CHAOS_SEED): {plan}")
+    c = Cluster(tmp_path / "run", *LONG, f"cluster.workers={WORKERS}", "cluster.spare_workers=1",
+                "checkpoint.every_steps=50")
+    done: list[str] = []
+    try:
+        for at, kind in plan:
+            poll(lambda at=at: c.step() >= at, 180, f"step {at}", interval=0.05)
+            inject(c, rng, kind)
+            done.append(kind)
+        last_fault, last_fault_wall = time.monotonic(), time.time()
+
+        def recovered() -> bool:  # progress published after the last fault shows every slot filled
+            try:
+                p = c.redis.hgetall(c.keys.progress)
+            except redis.RedisError:
+                return False
+            return float(p.get("t", 0)) > last_fault_wall and int(p.get("live_workers", 0)) == WORKERS
+
+        poll(recovered, 60, "live_workers back to cluster.workers")
+        recovery_s = time.monotonic() - last_fault
+    finally:
+        rc = c.wait(timeout=600)
+    assert rc == 0, c.output()
+    assert len(done) == 30 and all(done.count(k) == 5 for k in KINDS), done
+    assert c.summary["steps"] == STEPS and c.summary["params_sha256"] == reference
+    assert recovery_s <= RECOVERY_S, f"live_workers took {recovery_s:.1f}s to return to {WORKERS}"
