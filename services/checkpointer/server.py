@@ -54,10 +54,18 @@ class Checkpointer:
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.checkpointer, mapping={"addr": self.addr,
                                                                  "incarnation": self.member.incarnation})
-        if self.latest is None:
-            good = self.store.latest_good(full=True)
-            self.latest = good.step if good is not None else None  # rebuilt from the manifests on disk
+        if self.latest is None:  # rebuilt from the manifests on disk: the newest checkpoint that verifies
+            for info in reversed(self.store.list()):
+                problem = self.store.verify(info.path)
+                if problem is None:
+                    self.latest = info.step
+                    break
+                self._damaged(info.step, problem)
         self._sync_pointer()
+
+    def _damaged(self, step: int, problem: str) -> None:
+        self.log.error("checkpoint damaged, falling back to an older one", step=step, problem=problem)
+        self.ctx.emit("checkpoint_damaged", step=step, problem=problem)
 
     def run(self) -> None:
         next_check = 0.0
@@ -201,8 +209,7 @@ class Checkpointer:
                                                          tensors), identity)
                 self.ctx.emit("checkpoint_restored", step=info.step, term=msg.header["term"])
                 return
-            self.log.error("checkpoint damaged, falling back to an older one", step=info.step, problem=problem)
-            self.ctx.emit("checkpoint_damaged", step=info.step, problem=problem)
+            self._damaged(info.step, problem)
         protocol.send(self.sock, protocol.encode("no_checkpoint", self.ctx.run, {"term": msg.header["term"]}), identity)
 
     def close(self) -> None:
