@@ -33,6 +33,8 @@ class Cluster:
     def __init__(self, run_dir: Path, *sets: str, config: str = DIGITS, flags: tuple[str, ...] = ()) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
+        # a previous run's cluster.json names a Redis that is gone: read only the one this `cmemi up` writes
+        (run_dir / "cluster.json").unlink(missing_ok=True)
         self.log = open(run_dir.parent / f"{run_dir.name}.log", "a")
         self.proc = subprocess.Popen([*up_args(run_dir, *sets, config=config), *flags], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
