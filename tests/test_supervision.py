@@ -148,4 +148,6 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
     finally:
         holder.kill()
         holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
     RunLock(run_dir).release()
