@@ -161,7 +161,14 @@ class Hoarder(threading.Thread):
         a, run = self.a, self.a.run
         sock = a.socket(a.agg_addr)
         sock.setsockopt(zmq.SNDTIMEO, 5000)
-        protocol.send(sock, protocol.encode("hello", run, {**self.me, "fp": self.fp, "host": "evil"}))
+        import torch
+        from cmemi.shared.config import load_config
+        from cmemi.shared.environment import environment
+
+        from tests.conftest import DIGITS
+
+        env = environment(torch.device("cpu"), load_config(DIGITS))  # it knows the environment, as a worker does
+        protocol.send(sock, protocol.encode("hello", run, {**self.me, "fp": self.fp, "host": "evil", "env": env}))
         term = None
         while not self.stop.is_set():
             if not sock.poll(100):

@@ -101,7 +101,8 @@ def test_a_lost_reply_costs_a_round_trip_and_a_gradient_over_the_cap_stops_the_w
     connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
     proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
                                       "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
-                                      "--set", "cluster.max_message_bytes=65536"),
+                                      "--set", "cluster.max_message_bytes=65536",
+                                      "--set", "security.curve=false"),  # a plain ROUTER plays the aggregator
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ident, msg = recv(router)
