@@ -162,23 +162,19 @@ class Checkpointer:
 
     def _write(self, step: int, msg: protocol.Message) -> Path:
         """Write a checkpoint; on a full disk apply retention as if it were written, then try once more."""
-        try:
-            return self.store.write(step, msg.header["meta"], msg.tensors)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self.store.clean_leftovers()
-            removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1), self.cfg.checkpoint.keep_every,
-                                        protect=self.latest)
-            self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
-        try:
-            return self.store.write(step, msg.header["meta"], msg.tensors)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self.store.clean_leftovers()
-            self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in msg.tensors.values()))
-            raise  # not reached: _disk_full exits
+        for attempt in (1, 2):
+            try:
+                return self.store.write(step, msg.header["meta"], msg.tensors)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                self.store.clean_leftovers()
+                if attempt == 2:
+                    self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in msg.tensors.values()))
+                removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1),
+                                            self.cfg.checkpoint.keep_every, protect=self.latest)
+                self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
+        raise AssertionError("not reached: _disk_full exits")
 
     def _disk_full(self, step: int, exc: OSError, need: int) -> None:
         """One clear line and a clean stop; the run resumes from the last checkpoint once there is room."""
