@@ -72,10 +72,6 @@ def test_all_workers_but_one_killed_at_once(tmp_path: Path, reference: str) -> N
     assert set(live[:2]) <= died
 
 
-@pytest.mark.xfail(strict=False, reason="regression found at the end of the session that merged issues 12-14: "
-                   "a SIGSTOPped worker started outside the coordinator (another host) was not fenced in the "
-                   "fresh-clone run (no 'fenced' event; the run still ended with the fault-free params_sha256). "
-                   "Open for the next session: find why the coordinator's heartbeat scan missed it")
 def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path) -> None:
     slow = ("model.factory=tests.fixtures:slow_mlp", "model.kwargs={delay: 0.3}", "train.steps=1500",
             "scheduler.kwargs.T_max=1500", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
@@ -91,9 +87,9 @@ def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path
         extra = subprocess.Popen([sys.executable, "-m", "cmemi", "worker", "--config", str(c.run_dir / "config.yaml"),
                                   "--redis", c.redis_url, "--worker-id", "straggler"], cwd=ROOT, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("first_grad_accepted")), 60,
-             "straggler contributing")
-        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("worker_admitted")), 5, "admitted")
+        # Its gradients are late by design (re-issue hands its microbatches to idle fast workers and the first
+        # complete copy wins), so "contributing" is not the signal: being admitted and holding a lease is.
+        poll(lambda: any(e.get("worker") == "straggler" for e in c.events("worker_admitted")), 60, "admitted")
         time.sleep(0.1)  # into its next (slow) microbatch
         c.signal("worker", "straggler", signal.SIGSTOP)
         poll(lambda: any(e.get("id") == "straggler" for e in c.events("fenced")), 30, "straggler fenced")
@@ -103,6 +99,7 @@ def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path
     finally:
         if extra is not None and extra.poll() is None:
             extra.kill()
+            extra.wait()
         rc = c.wait()
     assert rc == 0, c.output()
     s = c.summary
