@@ -52,15 +52,25 @@ def running_pid(c: Cluster, role: str, ident: str | None = None) -> tuple[str, i
     return poll(find, 120, f"a running {role}", interval=0.05)
 
 
+def running_worker(c: Cluster, rng: random.Random) -> tuple[str, int] | None:
+    try:
+        live = c.members("worker")
+    except redis.RedisError:
+        return None
+    ident = rng.choice(sorted(live)) if live else None
+    return (ident, int(live[ident]["pid"])) if ident else None
+
+
 def inject(c: Cluster, rng: random.Random, kind: str) -> None:
     if kind == "redis":
         pid = poll(lambda: redis_pid(c), 60, "the redis-server")
         os.kill(pid, signal.SIGKILL)
         return
     role = {"worker_kill": "worker", "worker_stop": "worker"}.get(kind, kind)
-    ident, pid = running_pid(c, role, None if role == "worker" else "0")
-    if role == "worker":
-        ident, pid = running_pid(c, "worker", rng.choice([f"w{i}" for i in range(WORKERS)]))
+    if role == "worker":  # any running worker: waiting for one slot that is restarting would let the run end first
+        ident, pid = poll(lambda: running_worker(c, rng), 120, "a running worker", interval=0.05)
+    else:
+        ident, pid = running_pid(c, role, "0")
     if kind == "worker_stop":  # shorter or longer than dead_after (1 s): resumed, or taken for hung and killed
         os.kill(pid, signal.SIGSTOP)
         time.sleep(rng.uniform(0.2, 1.8))

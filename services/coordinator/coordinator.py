@@ -130,17 +130,28 @@ class Coordinator:
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
         then start whatever is missing. Nothing healthy is restarted."""
+        slots = self._registered_workers()
         for child in load_children(self.children_file):
             if child.spare:
-                self.spares.append(child)
                 self._spare_seq = max(self._spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)
+                if (slot := slots.get(child.pid)) is not None and f"worker:{slot}" not in self.children:
+                    # handed a slot just before the previous coordinator died (children.json still said spare)
+                    child.ident, child.spare, child.argv = slot, False, self._argv("worker", slot)
+            if child.spare:
+                self.spares.append(child)
             else:
                 self.children[child.name] = child
             self.ctx.emit("process_adopted", role=child.role, id=child.ident, pid=child.pid)
             self.log.info("adopted running process", process=child.name, pid=child.pid)
         for role, ident in (("checkpointer", "0"), ("aggregator", "0"),
                             *(("worker", f"w{i}") for i in range(self.target_workers))):
-            if f"{role}:{ident}" not in self.children:
+            if f"{role}:{ident}" in self.children:
+                continue
+            if role == "worker":  # the slot's process died while no coordinator ran: a warm spare first
+                child = Child(role, ident, self._argv(role, ident))
+                self.children[child.name] = child
+                self._replace(child, died=False)
+            else:
                 self._add(role, ident)
         for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
             self._add_spare()
@@ -168,12 +179,23 @@ class Coordinator:
         child.start()
         self.spares.append(child)
 
-    def _replace(self, child: Child) -> None:
-        """Restart a dead child: a warm spare takes a worker's identity at once; otherwise a new process."""
+    def _registered_workers(self) -> dict[int, str]:
+        """pid -> worker id of the worker records in Redis that are running (empty when Redis is down)."""
+        r, k = self.ctx.redis, self.ctx.keys
+        try:
+            records = [r.hgetall(key) for key in r.scan_iter(match=k.member("worker", "*"), count=500)]
+        except redis.RedisError:
+            return {}
+        return {int(rec["pid"]): rec["id"] for rec in records
+                if rec.get("state") == "running" and rec.get("pid", "").isdigit() and "id" in rec}
+
+    def _replace(self, child: Child, died: bool = True) -> None:
+        """Restart a dead child (or fill an empty worker slot, `died=False`): a warm spare takes a worker's
+        identity at once; otherwise a new process."""
         child.forget()
         if time.monotonic() - child.started_at >= HEALTHY_AFTER_S:
             child.restarts = 0  # it had been running fine: a new fault, not a crash loop
-        child.restarts += 1
+        child.restarts += died
         if child.restarts > self.cfg.cluster.max_restarts:
             child.given_up = True
             msg = (f"{child.name} died {child.restarts} times; not restarting it again "
@@ -200,8 +222,9 @@ class Coordinator:
                 metrics.RESTARTS.labels("worker").inc()
                 self.ctx.emit("restarted", role="worker", id=child.ident, via="spare", pid=spare.pid)
                 self._add_spare()
+                self._save_children()  # at once: a coordinator dying now must not adopt it as a spare
                 return
-        child.next_start = time.monotonic() + backoff(child.restarts)
+        child.next_start = time.monotonic() + (backoff(child.restarts) if died else 0.0)
 
     def _exit_kind(self, child: Child, rc: int) -> str:
         """How a child ended: "fatal" (a user error), "normal" (exit 0, or its record says stopped) or "died".
