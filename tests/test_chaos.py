@@ -16,9 +16,6 @@ from tests.chaos import Cluster, poll
 from tests.conftest import LONG
 from tests.test_supervision import redis_pid
 
-# Not in `make test` (CI) yet: on the 2-core machine one run met every check but the recovery bound (13 s
-# against the 10 s then asserted), a second run under extra load lost a worker slot for over 120 s. Run it
-# with `make chaos-test`; issue 13 stays open until it passes reliably.
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.chaos, pytest.mark.timeout(900)]
 
 KINDS = ("worker_kill", "worker_stop", "aggregator", "checkpointer", "coordinator", "redis")
@@ -85,7 +82,7 @@ def inject(c: Cluster, rng: random.Random, kind: str) -> None:
         pass  # it died by itself meanwhile (a previous fault): still a fault of that role
 
 
-def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str) -> None:
+def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, capsys: pytest.CaptureFixture) -> None:
     rng = random.Random(SEED)
     plan = schedule(rng)
     print(f"chaos seed {SEED} (CMEMI_CHAOS_SEED): {plan}")
@@ -113,4 +110,6 @@ def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str) ->
     assert rc == 0, c.output()
     assert len(done) == 30 and all(done.count(k) == 5 for k in KINDS), done
     assert c.summary["steps"] == STEPS and c.summary["params_sha256"] == reference
+    with capsys.disabled():  # the figure the README quotes, in every CI log
+        print(f"\nchaos: live_workers back to {WORKERS} {recovery_s:.1f}s after the last of 30 faults")
     assert recovery_s <= RECOVERY_S, f"live_workers took {recovery_s:.1f}s to return to {WORKERS}"
