@@ -173,3 +173,27 @@ def test_export_loads_with_plain_torch(tmp_path: Path) -> None:
         probe = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
         assert probe.returncode == 0, probe.stderr
         assert "0.weight" in probe.stdout
+
+
+def test_a_small_message_cap_sends_everything_in_parts(tmp_path: Path, reference: str) -> None:
+    """cluster.max_message_bytes=65536, under digits' ~105 kB of parameters: gradients, parameters, snapshots
+    and the restore after an aggregator SIGKILL can only travel in parts (a bigger message is never sent, and
+    ZeroMQ would cut off its sender). The run ends bitwise like the fault-free one with the default cap."""
+    cap = 65536
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=50", "cluster.workers=2",
+                f"cluster.max_message_bytes={cap}")
+    try:
+        c.wait_step(250)
+        poll(lambda: int(c.redis.get(c.keys.ckpt_latest) or 0) >= 100, 60, "a checkpoint written from parts")
+        c.replaced("aggregator", "0", c.signal("aggregator", "0"))  # its successor restores in parts
+    finally:
+        rc = c.wait()
+    s = finished_like_reference(c, rc, reference)
+    events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
+    assert len(restored) == 1 and restored[0] >= 100 and restored[0] % 50 == 0, restored
+    assert (c.run_dir / "model.safetensors").stat().st_size > cap  # it came as one snapshot, in parts
+    reasons = {**s["dropped_messages"], **s["checkpointer_dropped_messages"]}
+    transfer_drops = {"part_order", "part_repeated", "stale_part", "unknown_transfer", "bad_range", "missing_bytes",
+                      "transfer_abandoned", "transfer_interleaved", "too_big", "too_many_parts", "part_from_stranger"}
+    assert not transfer_drops & set(reasons), reasons
