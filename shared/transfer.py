@@ -188,7 +188,7 @@ class Assembler:
         if header["type"] != "part":
             return protocol.decode_body(header, metas, frames[1:], self.checksum)
         if not allow_parts:
-            raise ProtocolError("part_from_stranger", "a part from a peer not admitted")
+            raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, _Frames(frames[1:]), into)
 
     def recv(self, sock: zmq.Socket, into: dict[str, torch.Tensor] | None = None, peer: bytes = b"") -> Message | None:

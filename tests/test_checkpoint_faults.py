@@ -195,5 +195,5 @@ def test_a_small_message_cap_sends_everything_in_parts(tmp_path: Path, reference
     assert (c.run_dir / "model.safetensors").stat().st_size > cap  # it came as one snapshot, in parts
     reasons = {**s["dropped_messages"], **s["checkpointer_dropped_messages"]}
     transfer_drops = {"part_order", "part_repeated", "stale_part", "unknown_transfer", "bad_range", "missing_bytes",
-                      "transfer_abandoned", "transfer_interleaved", "too_big", "too_many_parts", "part_from_stranger"}
+                      "transfer_abandoned", "transfer_interleaved", "too_big", "too_many_parts", "unexpected_part"}
     assert not transfer_drops & set(reasons), reasons
