@@ -82,15 +82,17 @@ def test_a_message_that_fits_is_sent_whole_and_decodes_as_before() -> None:
 
 
 def test_parts_over_real_sockets_land_in_the_into_tensors() -> None:
-    tensors = {"a": torch.randn(3 * CAP // 4), "b": torch.randn(10)}
-    into = {"a": torch.empty(3 * CAP // 4), "b": torch.empty(10)}
+    """Chunks of 1 MiB go out zero-copy (memoryview slices of the tensors) and land in `into` in place."""
+    cap = 1 << 20
+    tensors = {"a": torch.randn(3 * cap // 4 + 5), "b": torch.randn(10)}
+    into = {"a": torch.empty(3 * cap // 4 + 5), "b": torch.empty(10)}
     ctx = zmq.Context()
     try:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         port = a.bind_to_random_port("tcp://127.0.0.1")
         b.connect(f"tcp://127.0.0.1:{port}")
-        msgs = transfer.messages("snapshot", RUN, FIELDS, CAP, tensors)
-        assert len(msgs) >= 4
+        msgs = transfer.messages("snapshot", RUN, FIELDS, cap, tensors)
+        assert len(msgs) >= 3 and all(protocol.message_bytes(m) <= cap for m in msgs)
         transfer.send(a, msgs)
         asm, msg = transfer.Assembler(RUN, bound=1 << 30), None
         for _ in msgs:
@@ -203,3 +205,19 @@ def test_whole_messages_still_meet_the_old_checks() -> None:
         asm.decode(b"p", [*parts, b"extra"])
     with pytest.raises(ProtocolError, match="unexpected_part"):  # a plain decoder refuses parts
         protocol.decode(snapshot_parts(big_tensors())[0], RUN)
+
+
+def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does_not(monkeypatch) -> None:
+    from cmemi.shared import limits
+    from cmemi.shared.config import load_config
+
+    from tests.conftest import DIGITS
+    small = load_config(DIGITS, [])
+    derived = 4 * limits.model_bytes(small) + limits.MARGIN
+    assert limits.derive_max_message_bytes(small) == derived == limits.logical_bytes(small)  # digits: as before
+    monkeypatch.setattr(limits, "model_bytes", lambda cfg: 1 << 30)  # a 1 GiB model
+    big = load_config(DIGITS, [])
+    assert limits.derive_max_message_bytes(big) == limits.DEFAULT_CAP == 64 << 20
+    assert limits.logical_bytes(big) == 4 * (1 << 30) + limits.MARGIN
+    explicit = load_config(DIGITS, ["cluster.max_message_bytes=65536"])
+    assert limits.derive_max_message_bytes(explicit) == 65536 and limits.logical_bytes(explicit) > 1 << 32
