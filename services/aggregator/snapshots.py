@@ -102,6 +102,7 @@ class CheckpointerLink:
         if addr != self.addr:
             if self.sock is not None:
                 self.sock.close(linger=0)
+                self.parts.keep(())  # the rest of a restore in parts will not come on a new socket
             self.sock = self.agg.zctx.socket(zmq.DEALER)
             self.agg.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)

@@ -128,6 +128,7 @@ class Worker:
             addr, term = found
             if self.sock is not None:
                 self.sock.close(linger=0)
+                self.parts.keep(())  # the rest of an unfinished transfer will never come on a new socket
             self.sock = self.zctx.socket(zmq.DEALER)
             self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.IDENTITY, f"{self.wid}/{self.inc}/{term}".encode())
