@@ -178,7 +178,8 @@ def test_export_loads_with_plain_torch(tmp_path: Path) -> None:
 def test_a_small_message_cap_sends_everything_in_parts(tmp_path: Path, reference: str) -> None:
     """cluster.max_message_bytes=65536, under digits' ~105 kB of parameters: gradients, parameters, snapshots
     and the restore after an aggregator SIGKILL can only travel in parts (a bigger message is never sent, and
-    ZeroMQ would cut off its sender). The run ends bitwise like the fault-free one with the default cap."""
+    ZeroMQ would cut off its sender); a worker SIGKILL too. The run ends bitwise like the fault-free one with the
+    default cap."""
     cap = 65536
     c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=50", "cluster.workers=2",
                 f"cluster.max_message_bytes={cap}")
@@ -186,6 +187,8 @@ def test_a_small_message_cap_sends_everything_in_parts(tmp_path: Path, reference
         c.wait_step(250)
         poll(lambda: int(c.redis.get(c.keys.ckpt_latest) or 0) >= 100, 60, "a checkpoint written from parts")
         c.replaced("aggregator", "0", c.signal("aggregator", "0"))  # its successor restores in parts
+        c.wait_step(500)
+        c.replaced("worker", "w0", c.signal("worker", "w0"))  # a gradient in parts may be cut short: never waited for
     finally:
         rc = c.wait()
     s = finished_like_reference(c, rc, reference)
