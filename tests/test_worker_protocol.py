@@ -152,3 +152,37 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
             proc.kill()
             proc.wait()
         ctx.destroy(linger=0)
+
+
+def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_server, tmp_path: Path) -> None:
+    """1,500 more parameter tensors: the gradient's header (its tensor table) leaves no room for a chunk under
+    cluster.max_message_bytes=65536. Nothing is sent; the worker stops with one line naming size and cap (exit 2)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    addr = protocol.bind(router, "127.0.0.1", 0)
+    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
+    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
+                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
+                                      "--set", "model.factory=tests.fixtures:many_tensors_mlp",
+                                      "--set", "cluster.max_message_bytes=65536", "--set", "security.curve=false"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ident, msg = recv(router)
+        assert msg.type == "hello"
+        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
+                      ident)
+        ident, msg = recv(router)
+        assert msg.type == "want"
+        protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
+                                                            "scale": 1.0}, {}), ident)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err[-2000:]
+        line = [x for x in err.splitlines() if x.startswith("cmemi: error:")][-1]
+        assert "'grad' message of" in line and "exceeds cluster.max_message_bytes=65536" in line, line
+        assert "header alone" in line, line
+        assert not router.poll(200), "something of the gradient was sent"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)
