@@ -195,7 +195,8 @@ class ClusterConfig:
     start_timeout: float = 180.0
     """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
     max_message_bytes: int | None = None
-    """Largest message (and ZeroMQ frame) a service accepts; null: 4 x the model's parameter + buffer bytes + 16 MiB."""
+    """Largest ZeroMQ message (and frame) sent or accepted; bigger messages travel in parts of at most this size.
+    null: 4 x the model's parameter + buffer bytes + 16 MiB, at most 64 MiB."""
     checksum: bool = True
     """Verify an xxh3 checksum of every tensor frame on receipt."""
     require_same_environment: bool = True

@@ -61,6 +61,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "restore_req": {"term": _INT},
     "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
     "no_checkpoint": {"term": _INT},
+    # one part of a logical message too big for one ZeroMQ message (shared/transfer.py); part 0 also has "of"
+    "part": {"xfer": _INT, "index": _INT, "count": _INT, "frames": _LIST},
 }
 
 _TENSOR = {"name": _STR, "dtype": _STR, "shape": _LIST, "nbytes": _INT, "xxh": _INT + _NONE}
@@ -143,7 +145,7 @@ def _check_fields(header: dict[str, Any], schema: dict[str, tuple[type, ...]], w
             raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}")
 
 
-def _parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
+def parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
     """Validate a header frame; returns the header and its tensor entries."""
     raw = first.bytes if isinstance(first, zmq.Frame) else bytes(first)
     if len(raw) > 1 << 20:
@@ -152,6 +154,11 @@ def _parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
         header = msgpack.unpackb(raw, strict_map_key=True)
     except Exception as exc:  # msgpack raises many unrelated types for hostile input
         raise ProtocolError("not_msgpack", type(exc).__name__) from None
+    return check_header(header, run)
+
+
+def check_header(header: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
+    """Validate an unpacked header (a message's, or the logical one a part 0 carries)."""
     if not isinstance(header, dict):
         raise ProtocolError("not_a_map", type(header).__name__)
     mtype = header.get("type")
@@ -176,10 +183,16 @@ def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
     """Validate and decode a received message (frames as received with copy=False, identity removed)."""
     if not frames:
         raise ProtocolError("empty", "no frames")
-    header, metas = _parse(frames[0], run)
-    if len(frames) - 1 != len(metas):
-        raise ProtocolError("frame_count", f"{len(frames) - 1} frames for {len(metas)} tensors")
-    tensors = {meta["name"]: _tensor(meta, frame, checksum) for meta, frame in zip(metas, frames[1:], strict=True)}
+    return decode_body(*parse(frames[0], run), frames[1:], checksum)
+
+
+def decode_body(header: dict[str, Any], metas: list[Any], frames: list[Any], checksum: bool = True) -> Message:
+    """The message of a validated header (from `parse`) and its tensor frames."""
+    if header["type"] == "part":
+        raise ProtocolError("unexpected_part", "a part of a bigger message, and no reassembly here")
+    if len(frames) != len(metas):
+        raise ProtocolError("frame_count", f"{len(frames)} frames for {len(metas)} tensors")
+    tensors = {meta["name"]: _tensor(meta, frame, checksum) for meta, frame in zip(metas, frames, strict=True)}
     if len(tensors) != len(metas):
         raise ProtocolError("bad_tensor", "duplicate tensor names")
     return Message(header, tensors)
@@ -193,44 +206,64 @@ def recv(sock: zmq.Socket, run: str, checksum: bool = True, into: dict[str, torc
     the whole message has been consumed, and tensors of `into` may hold partial data.
     """
     try:
-        header, metas = _parse(sock.recv(copy=False), run)
-        tensors: dict[str, torch.Tensor] = {}
-        for meta in metas:
-            if not sock.getsockopt(zmq.RCVMORE):
-                raise ProtocolError("frame_count", f"{len(tensors)} frames for {len(metas)} tensors")
-            target = (into or {}).get(meta["name"])
-            if target is not None and DTYPES.get(meta["dtype"]) == target.dtype and meta["shape"] == list(target.shape) \
-                    and target.is_contiguous():
-                buf = tensor_bytes(target)
-                n = sock.recv_into(buf)
-                if n != buf.nbytes or meta["nbytes"] != n:
-                    raise ProtocolError("bad_length", f"{meta['name']!r}: {n} bytes, shape needs {buf.nbytes}")
-                if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
-                    raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
-                tensors[meta["name"]] = target
-            else:
-                tensors[meta["name"]] = _tensor(meta, sock.recv(copy=False), checksum)
-        if sock.getsockopt(zmq.RCVMORE):
-            raise ProtocolError("frame_count", f"more frames than the {len(metas)} tensors")
-        if len(tensors) != len(metas):
-            raise ProtocolError("bad_tensor", "duplicate tensor names")
-        return Message(header, tensors)
+        return recv_body(sock, *parse(sock.recv(copy=False), run), checksum, into)
     except ProtocolError:
-        while sock.getsockopt(zmq.RCVMORE):  # the rest of a bad message must not be read as the next one
-            sock.recv(copy=False)
+        drain(sock)
         raise
 
 
-def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:
+def drain(sock: zmq.Socket) -> None:
+    """Read the rest of a bad message: it must not be read as the next one."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(copy=False)
+
+
+def recv_body(sock: zmq.Socket, header: dict[str, Any], metas: list[Any], checksum: bool = True,
+              into: dict[str, torch.Tensor] | None = None) -> Message:
+    """The tensor frames of a message whose header `parse` validated (see `recv`; the caller drains on error)."""
+    if header["type"] == "part":
+        raise ProtocolError("unexpected_part", "a part of a bigger message, and no reassembly here")
+    tensors: dict[str, torch.Tensor] = {}
+    for meta in metas:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("frame_count", f"{len(tensors)} frames for {len(metas)} tensors")
+        target = (into or {}).get(meta["name"])
+        if target is not None and DTYPES.get(meta["dtype"]) == target.dtype and meta["shape"] == list(target.shape) \
+                and target.is_contiguous():
+            buf = tensor_bytes(target)
+            n = sock.recv_into(buf)
+            if n != buf.nbytes or meta["nbytes"] != n:
+                raise ProtocolError("bad_length", f"{meta['name']!r}: {n} bytes, shape needs {buf.nbytes}")
+            if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
+                raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
+            tensors[meta["name"]] = target
+        else:
+            tensors[meta["name"]] = _tensor(meta, sock.recv(copy=False), checksum)
+    if sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("frame_count", f"more frames than the {len(metas)} tensors")
+    if len(tensors) != len(metas):
+        raise ProtocolError("bad_tensor", "duplicate tensor names")
+    return Message(header, tensors)
+
+
+def tensor_spec(meta: dict[str, Any]) -> tuple[torch.dtype, list[int], int]:
+    """dtype, shape and byte length of a tensor entry, validated (nbytes must match the shape)."""
     dtype = DTYPES.get(meta["dtype"])
     if dtype is None:
         raise ProtocolError("bad_dtype", repr(meta["dtype"])[:40])
     shape = meta["shape"]
     if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
         raise ProtocolError("bad_shape", repr(shape)[:60])
-    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
     expected = math.prod(shape) * dtype.itemsize
-    if meta["nbytes"] != expected or buf.nbytes != expected:
+    if meta["nbytes"] != expected:
+        raise ProtocolError("bad_length", f"{meta['name']!r}: header says {meta['nbytes']} bytes, shape needs {expected}")
+    return dtype, shape, expected
+
+
+def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:
+    dtype, shape, expected = tensor_spec(meta)
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+    if buf.nbytes != expected:
         raise ProtocolError("bad_length", f"{meta['name']!r}: {buf.nbytes} bytes, header says {meta['nbytes']}, shape needs {expected}")
     if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
         raise ProtocolError("bad_checksum", repr(meta["name"])[:60])

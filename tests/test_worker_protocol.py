@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol
+from cmemi.shared import protocol, transfer
 from cmemi.shared.config import load_config
 from cmemi.shared.data import fetch, microbatch_indices, microbatch_seed
 from cmemi.shared.keys import Keys
@@ -90,18 +90,34 @@ def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_
     assert "bad_checksum" in (tmp_path / "worker.log").read_text()
 
 
-def test_a_lost_reply_costs_a_round_trip_and_a_gradient_over_the_cap_stops_the_worker(redis_server,
-                                                                                        tmp_path: Path) -> None:
+def halved_params_and_loss() -> tuple[dict[str, torch.Tensor], float]:
+    """Parameters the worker cannot have built itself, and the loss of microbatch (0, 0) with them."""
+    cfg = load_config(DIGITS, [f"run.name={RUN}"])
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    ds = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
+    x, y = fetch(ds, microbatch_indices(cfg.run.seed, len(ds), cfg.train.global_batch, cfg.train.microbatches, 0, 0))
+    torch.default_generator.manual_seed(microbatch_seed(cfg.run.seed, 0, 0))
+    loss = float(resolve(cfg.train.loss, "train.loss")(model(x), y).detach())
+    return {n: p.detach() for n, p in model.named_parameters()}, loss
+
+
+def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_parts(redis_server,
+                                                                                   tmp_path: Path) -> None:
     """The scripted aggregator ignores the worker's first request: the worker asks again after a timeout, not
-    never. Its gradient (~105 kB) is over cluster.max_message_bytes=65536: it is not sent; the worker stops with
-    one line naming the size and the cap (exit 2)."""
+    never. With cluster.max_message_bytes=65536, the parameters (~105 kB) reach it in parts, land in its model
+    (the loss proves it), and its gradient comes back in parts, each ZeroMQ message under the cap."""
+    cap = 65536
+    params, expected_loss = halved_params_and_loss()
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     addr = protocol.bind(router, "127.0.0.1", 0)
     connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
     proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
                                       "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
-                                      "--set", "cluster.max_message_bytes=65536",
+                                      "--set", f"cluster.max_message_bytes={cap}",
                                       "--set", "security.curve=false"),  # a plain ROUTER plays the aggregator
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -113,14 +129,58 @@ def test_a_lost_reply_costs_a_round_trip_and_a_gradient_over_the_cap_stops_the_w
         assert msg.type == "want"  # its reply is "lost": nothing is sent back
         ident, msg = recv(router, timeout=30)
         assert msg.type == "want", msg.header  # asked again by itself
-        # work on the weights it holds (version -1: no parameters travel), so only the gradient is large
+        sent = transfer.messages("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": 0, "scale": 1.0}, cap,
+                                 params)
+        assert len(sent) >= 2
+        transfer.send(router, sent, ident)
+        asm, grad, sizes = transfer.Assembler(RUN, bound=1 << 30), None, []
+        deadline = time.monotonic() + 60
+        while grad is None and time.monotonic() < deadline:
+            if router.poll(100):
+                frames = router.recv_multipart(copy=False)
+                sizes.append(protocol.message_bytes(frames[1:]))
+                grad = asm.decode(frames[0].bytes, frames[1:])
+        assert grad is not None and grad.type == "grad", "no gradient"
+        assert len(sizes) >= 2 and max(sizes) <= cap, sizes
+        assert grad.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
+        assert sum(t.numel() for t in grad.tensors.values()) == sum(p.numel() for p in params.values())
+        protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        ctx.destroy(linger=0)
+
+
+def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_server, tmp_path: Path) -> None:
+    """1,500 more parameter tensors: the gradient's header (its tensor table) leaves no room for a chunk under
+    cluster.max_message_bytes=65536. Nothing is sent; the worker stops with one line naming size and cap (exit 2)."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    addr = protocol.bind(router, "127.0.0.1", 0)
+    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
+    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
+                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
+                                      "--set", "model.factory=tests.fixtures:many_tensors_mlp",
+                                      "--set", "cluster.max_message_bytes=65536", "--set", "security.curve=false"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ident, msg = recv(router)
+        assert msg.type == "hello"
+        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
+                      ident)
+        ident, msg = recv(router)
+        assert msg.type == "want"
         protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
                                                             "scale": 1.0}, {}), ident)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2, err[-2000:]
         line = [x for x in err.splitlines() if x.startswith("cmemi: error:")][-1]
         assert "'grad' message of" in line and "exceeds cluster.max_message_bytes=65536" in line, line
-        assert not router.poll(200), "the oversized gradient was sent"
+        assert "header alone" in line, line
+        assert not router.poll(200), "something of the gradient was sent"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -24,7 +24,7 @@ from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import atomic, metrics, protocol, state
+from cmemi.shared import atomic, limits, metrics, protocol, state, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
@@ -71,6 +71,11 @@ class Aggregator:
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
+        self.drops: Counter[str] = Counter()
+        # gradients bigger than one message, from admitted workers only (one partial transfer each)
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+                                        peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1,
+                                        on_abandon=self._drop)
         self.term = allocate(ctx.redis, ctx.keys.term)
         self.final_loss = float("nan")
         self.bytes_in = self.bytes_out = 0
@@ -100,7 +105,6 @@ class Aggregator:
         self.fenced: dict[str, int] = {}
         self.collector = StepCollector(self.trainer.step, self.M)
         self.reissue = ReissuePolicy()
-        self.drops: Counter[str] = Counter()
         self._step_bytes_in = self._step_bytes_out = 0
         self.t_start: float | None = None
         self.throughput = Throughput(cfg.train.global_batch)  # the progress line's samples/s
@@ -134,6 +138,7 @@ class Aggregator:
             self._serve_parked()
         elif self.parked and self._reissuable():  # a lease is withheld (or slow) while workers idle
             self._serve_parked()
+        self.parts.keep(self.workers)  # a fenced or departed worker's unfinished gradient goes
         if now >= self._next_redis_check:  # Redis may have restarted empty: advertise again
             self._next_redis_check = now + 1.0
             if not self.ctx.redis.exists(self.ctx.keys.aggregator):
@@ -175,10 +180,13 @@ class Aggregator:
         if size > self.cfg.cluster.max_message_bytes:  # ZeroMQ's MAXMSGSIZE bounds one frame; this, the whole
             self._drop("too_big", f"{size} bytes")
             return
-        try:
-            msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
+        try:  # a part allocates only for an admitted worker (an unauthenticated flood cannot make us allocate)
+            msg = self.parts.decode(identity, frames[1:], allow_parts=identity in self.workers)
         except protocol.ProtocolError as exc:
             self._drop(exc.reason, str(exc))
+            return
+        if msg is None:  # a part of a bigger gradient (only workers send parts here); the rest is still coming
+            self._count_grad_bytes(size)
             return
         handler = self._handlers.get(msg.type)
         if handler is None:
@@ -188,10 +196,13 @@ class Aggregator:
             self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")  # e.g. a worker key fencing
             return
         if msg.type == "grad":  # all gradient bytes workers sent, accepted or not
-            metrics.BYTES_IN.inc(size)
-            self.bytes_in += size
-            self._step_bytes_in += size
+            self._count_grad_bytes(size)
         handler(self, identity, msg)
+
+    def _count_grad_bytes(self, size: int) -> None:
+        metrics.BYTES_IN.inc(size)
+        self.bytes_in += size
+        self._step_bytes_in += size
 
     def _drop(self, reason: str, detail: str = "") -> None:
         self.drops[reason] += 1
@@ -206,9 +217,12 @@ class Aggregator:
             encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
         elif mtype == "work":  # a work message always lists its tensors, here none
             encoded = ([], [])
-        parts = protocol.encode(mtype, self.ctx.run, fields, encoded=encoded)
+        try:  # parameters over the cap go in parts
+            msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"aggregator: {exc}")
         try:
-            n = protocol.send(self.sock, parts, identity, trackers)
+            n = transfer.send(self.sock, msgs, identity, trackers)
         except zmq.ZMQError as exc:
             self.log.warning("send failed", error=str(exc))
             return

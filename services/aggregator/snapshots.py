@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import torch
 import zmq
-from cmemi.shared import protocol, state
+from cmemi.shared import limits, protocol, state, transfer
 
 if TYPE_CHECKING:
     from cmemi.services.aggregator.server import Aggregator
@@ -82,6 +82,8 @@ class CheckpointerLink:
         self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
         self.in_flight: Snapshot | None = None
         self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
+        self.parts = transfer.Assembler(agg.ctx.run, limits.logical_bytes(agg.cfg), agg.cfg.cluster.checksum,
+                                        on_abandon=agg._drop)  # a restore bigger than one message
         self._next_check = 0.0
 
     def _lookup(self) -> str | None:
@@ -100,6 +102,7 @@ class CheckpointerLink:
         if addr != self.addr:
             if self.sock is not None:
                 self.sock.close(linger=0)
+                self.parts.keep(())  # the rest of a restore in parts will not come on a new socket
             self.sock = self.agg.zctx.socket(zmq.DEALER)
             self.agg.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
@@ -111,14 +114,25 @@ class CheckpointerLink:
     def _send(self, snap: Snapshot, final: bool) -> None:
         assert self.sock is not None
         step, meta, tensors = snap
-        protocol.send(self.sock, protocol.encode("snapshot", self.agg.ctx.run, {
-            "step": step, "term": self.agg.term, "final": final, "meta": meta}, tensors))
+        self._send_message("snapshot", {"step": step, "term": self.agg.term, "final": final, "meta": meta}, tensors)
+
+    def _send_message(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
+        """One logical message, in parts if it is over the cap."""
+        assert self.sock is not None
+        try:
+            msgs = transfer.messages(mtype, self.agg.ctx.run, fields, self.agg.cfg.cluster.max_message_bytes, tensors,
+                                     self.agg.cfg.cluster.checksum)
+        except transfer.TooBig as exc:
+            self.agg.ctx.fatal(f"aggregator: {exc}")
+        transfer.send(self.sock, msgs)
 
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
         out = []
         while self.sock is not None and self.sock.poll(timeout_ms):
             try:
-                out.append(protocol.decode(self.sock.recv_multipart(copy=False), self.agg.ctx.run))
+                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
+                if msg is not None:
+                    out.append(msg)
             except protocol.ProtocolError as exc:
                 self.agg.log.warning("bad reply from checkpointer", error=str(exc))
             timeout_ms = 0
@@ -162,8 +176,7 @@ class CheckpointerLink:
             if not self._connect():
                 time.sleep(0.05)
                 continue
-            assert self.sock is not None
-            protocol.send(self.sock, protocol.encode(mtype, self.agg.ctx.run, fields, tensors))
+            self._send_message(mtype, fields, tensors)
             sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
             while time.monotonic() < deadline:
                 for msg in self._replies(100):

@@ -12,7 +12,7 @@ import redis
 import zmq
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import atomic, metrics, protocol
+from cmemi.shared import atomic, limits, metrics, protocol, transfer
 from cmemi.shared.membership import Member
 from cmemi.shared.service import ServiceContext
 
@@ -35,6 +35,9 @@ class Checkpointer:
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.drops: Counter[str] = Counter()  # by reason; mirrored to Redis (ckpt:dropped) for summary.json
         self._unpublished_drops: Counter[str] = Counter()
+        # snapshots bigger than one message: one partial transfer at a time (there is one aggregator)
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
+                                        on_abandon=self._drop)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         self.restored_terms: set[int] = set()  # a second restore_req of a term is not the aggregator's
         self.latest: int | None = None
@@ -114,16 +117,18 @@ class Checkpointer:
         if (size := protocol.message_bytes(frames[1:])) > self.cfg.cluster.max_message_bytes:
             self._drop("too_big", f"{size} bytes")
             return
+        if (role := self.ctx.curve.role(frames[1])) is not None and role != "aggregator":
+            self._drop("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part allocates
+            return
         try:
-            msg = protocol.decode(frames[1:], self.ctx.run, self.cfg.cluster.checksum)
+            msg = self.parts.decode(identity, frames[1:])
         except protocol.ProtocolError as exc:
             self._drop(exc.reason, str(exc))
             return
+        if msg is None:  # a part of a bigger snapshot; the rest is still coming
+            return
         if msg.type not in ("snapshot", "restore_req"):
             self._drop("unexpected_type", msg.type)
-            return
-        if (role := self.ctx.curve.role(frames[1])) is not None and role != "aggregator":
-            self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")
             return
         if not self.terms.current(msg.header["term"]):
             self._drop("stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}")
@@ -158,7 +163,7 @@ class Checkpointer:
                       removed=removed, final=msg.header["final"])
         self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
         self._publish_drops()  # before the ack: the final summary reads them right after it
-        protocol.send(self.sock, protocol.encode("saved", self.ctx.run, {"step": step, "path": str(path)}), identity)
+        self._reply(identity, "saved", {"step": step, "path": str(path)})
 
     def _write(self, step: int, msg: protocol.Message) -> Path:
         """Write a checkpoint; on a full disk apply retention as if it were written, then try once more."""
@@ -201,12 +206,20 @@ class Checkpointer:
             problem = self.store.verify(info.path)
             if problem is None:
                 meta, tensors = self.store.load(info.path)
-                protocol.send(self.sock, protocol.encode("restore", self.ctx.run, {"step": info.step, "meta": meta},
-                                                         tensors), identity)
+                self._reply(identity, "restore", {"step": info.step, "meta": meta}, tensors)
                 self.ctx.emit("checkpoint_restored", step=info.step, term=msg.header["term"])
                 return
             self._damaged(info.step, problem)
-        protocol.send(self.sock, protocol.encode("no_checkpoint", self.ctx.run, {"term": msg.header["term"]}), identity)
+        self._reply(identity, "no_checkpoint", {"term": msg.header["term"]})
+
+    def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
+        """One logical message, in parts if it is over the cap."""
+        try:
+            msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
+                                     self.cfg.cluster.checksum)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"checkpointer: {exc}")
+        transfer.send(self.sock, msgs, identity)
 
     def close(self) -> None:
         self.member.stop()

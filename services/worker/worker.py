@@ -17,7 +17,7 @@ import torch
 import zmq
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
-from cmemi.shared import protocol
+from cmemi.shared import limits, protocol, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import ConfigError
@@ -61,6 +61,8 @@ class Worker:
         self.lost_reply = False
         self.last_heard = time.monotonic()  # last message from the aggregator (or our last request)
         self.reask_s = max(2.0, 2 * cfg.cluster.dead_after)  # no reply this long: the request or reply was lost
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+                                        on_abandon=self._abandoned)  # parameters bigger than one message
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
@@ -126,6 +128,7 @@ class Worker:
             addr, term = found
             if self.sock is not None:
                 self.sock.close(linger=0)
+                self.parts.keep(())  # the rest of an unfinished transfer will never come on a new socket
             self.sock = self.zctx.socket(zmq.DEALER)
             self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.IDENTITY, f"{self.wid}/{self.inc}/{term}".encode())
@@ -150,14 +153,12 @@ class Worker:
 
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         assert self.sock is not None
-        parts = protocol.encode(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields}, tensors,
-                                self.cfg.cluster.checksum)
-        size, cap = protocol.message_bytes(parts), self.cfg.cluster.max_message_bytes
-        if size > cap:  # the aggregator could only drop it (libzmq drops an oversized frame before we see it)
-            self.ctx.fatal(f"worker {self.wid}: a {mtype!r} message of {size} bytes exceeds cluster.max_message_bytes"
-                           f"={cap}; raise cluster.max_message_bytes (on every service) or shrink the model or "
-                           "gradient (compression.codec)")
-        protocol.send(self.sock, parts)
+        try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
+            msgs = transfer.messages(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields},
+                                     self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"worker {self.wid}: {exc}")
+        transfer.send(self.sock, msgs)
         self.last_heard = time.monotonic()
 
     def _recv(self, timeout_ms: int) -> protocol.Message | None:
@@ -166,13 +167,22 @@ class Worker:
             return None
         self.last_heard = time.monotonic()
         try:  # new parameters land straight in the model's tensors
-            return protocol.recv(self.sock, self.ctx.run, self.cfg.cluster.checksum, into=self.inbox)
+            msg = self.parts.recv(self.sock, into=self.inbox)
+            if msg is None and self.parts.pending:  # parameters in parts are half written until the last one
+                self.version = -1
+            return msg
         except protocol.ProtocolError as exc:
+            if exc.reason == "stale_part":  # the rest of a transfer already dropped (and asked again for)
+                return None
             # A reply was lost (and parameters may be half-written): ask again, for a full set of parameters.
             self.log.warning("message dropped", reason=exc.reason, detail=str(exc)[:200])
             self.version = -1
             self.lost_reply = True
             return None
+
+    def _abandoned(self, reason: str, detail: str) -> None:
+        self.log.warning("message dropped", reason=reason, detail=detail[:200])
+        self.version = -1  # parameters may be half written
 
     def _handle_reject_or_stop(self, msg: protocol.Message) -> None:
         if msg.type == "stop":
