@@ -3,6 +3,7 @@ restarted coordinator adopts exactly the processes an earlier one started (not a
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -54,6 +55,7 @@ def test_a_spare_that_took_a_slot_restarts_as_that_worker(redis_server, tmp_path
     coord.ctx = SimpleNamespace(redis=connect(redis_server.url), keys=Keys("slots"),
                                 emit=lambda kind, **f: events.append((kind, f)))
     coord._add_spare = lambda: None  # no new spare: the next death must start a new process
+    coord.children_file, coord._saved_children = tmp_path / "children.json", []  # saved right after a hand-off
     worker = Child("worker", "w0", sleeper("--worker-id", "w0"))
     spare = Child("worker", "spare1", sleeper("--spare", "spare1"), spare=True)
     coord.children[worker.name] = worker
@@ -66,6 +68,8 @@ def test_a_spare_that_took_a_slot_restarts_as_that_worker(redis_server, tmp_path
         took = coord.children["worker:w0"]
         assert took is spare and not took.spare and took.argv == worker.argv
         assert coord.ctx.redis.lpop(Keys("slots").spare("spare1")) == "w0"
+        rows = json.loads((tmp_path / "children.json").read_text())  # a coordinator dying now adopts it as w0
+        assert [(r["ident"], r["spare"], r["pid"]) for r in rows] == [("w0", False, spare.pid)]
         took.kill()
         coord._replace(took)  # no spare left: a new process, with the worker's command line
         assert not took.running and took.next_start <= time.monotonic() + 0.5
