@@ -75,7 +75,7 @@ restore_network() {
         done
     fi
     local m
-    findmnt -rn -o TARGET | grep -E '^(/var)?/run/docker/|^/var/lib/docker/' | sort -r | while read -r m; do
+    findmnt -rn -o TARGET | { grep -E '^(/var)?/run/docker/|^/var/lib/docker/' || true; } | sort -r | while read -r m; do
         grep -qxF "$m" "$WORK/mounts" 2>/dev/null || umount -l "$m" 2>/dev/null || true
     done
     local iface
@@ -328,6 +328,7 @@ for svc in coordinator aggregator checkpointer; do
 done
 completed=$(docker service ps --format '{{.CurrentState}}' "${STACK}_worker" | grep -c '^Complete' || true)
 (( completed >= 3 )) || die "$completed worker tasks completed, expected 3: $(docker service ps "${STACK}_worker")"
-run_file model.safetensors | head -c 1 | grep -q . || die "no final model in the run volume"
+MODEL_BYTES=$(run_file model.safetensors | wc -c)   # wc reads it all: `head -c 1` would SIGPIPE the reader under pipefail
+(( MODEL_BYTES > 0 )) || die "no final model in the run volume"
 log "params_sha256 matches the fault-free reference (scaled 2 -> 3 workers, one killed at step $KILL_STEP)"
 phase_done
