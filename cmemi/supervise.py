@@ -27,6 +27,7 @@ import redis
 from cmemi.redis_server import EmbeddedRedis
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.services.coordinator.supervisor import HEALTHY_AFTER_S, backoff, load_children, stop_all
+from cmemi.shared import startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import emit
@@ -140,6 +141,7 @@ class Supervisor:
 
         self.coordinator = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=self.env)
         self.started["coordinator"] = time.monotonic()
+        startup.mark("coordinator_spawned")
 
     def _count(self, what: str) -> bool:
         """One more restart of `what`; False once it failed max_restarts times in a row."""

@@ -26,7 +26,7 @@ from cmemi.services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from cmemi.shared import metrics, protocol
+from cmemi.shared import metrics, startup
 from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, ServiceContext
@@ -46,6 +46,7 @@ class Coordinator:
         self.children: dict[str, Child] = {}
         self.spares: list[Child] = []
         self._spare_seq = 0
+        self._spares_deferred = False  # a fresh run starts its warm spares once a worker is admitted
         self.declared: dict[tuple[str, str], int] = {}  # (role, id) -> newest incarnation declared dead
         self.zctx = zmq.Context()
         self.agg_sock: zmq.Socket | None = None
@@ -67,6 +68,11 @@ class Coordinator:
         self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
         if self.supervise == "local":
             self._adopt_or_start()
+            startup.mark("services_spawned")
+        startup.report(r, k, "coordinator", "0")
+        # The wire protocol imports torch (2-3 s of CPU): only now, once the services are spawned, so it is
+        # not on the start-up's critical path, and before the first fence needs it.
+        import cmemi.shared.protocol  # noqa: F401
         next_scan = 0.0
         while self.exit_code is None:
             if self.ctx.stopping.is_set():
@@ -129,8 +135,11 @@ class Coordinator:
 
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
-        then start whatever is missing. Nothing healthy is restarted."""
-        for child in load_children(self.children_file):
+        then start whatever is missing. Nothing healthy is restarted. A fresh run starts its warm spares only
+        once a worker is admitted: at start-up they would compete for the CPU with the processes the first
+        step waits for (importing torch, building the dataset), and no worker can die before it runs."""
+        adopted = load_children(self.children_file)
+        for child in adopted:
             if child.spare:
                 self.spares.append(child)
                 self._spare_seq = max(self._spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)
@@ -142,9 +151,16 @@ class Coordinator:
                             *(("worker", f"w{i}") for i in range(self.target_workers))):
             if f"{role}:{ident}" not in self.children:
                 self._add(role, ident)
+        if adopted:
+            self._start_spares()
+        else:
+            self._spares_deferred = True
+        self._save_children()
+
+    def _start_spares(self) -> None:
+        self._spares_deferred = False
         for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
             self._add_spare()
-        self._save_children()
 
     def _save_children(self) -> None:
         everyone = [*self.children.values(), *self.spares]
@@ -365,6 +381,8 @@ class Coordinator:
             self.agg_sock.connect(addr)
             self.agg_addr = addr
         assert self.agg_sock is not None
+        from cmemi.shared import protocol  # imported once in run(), after the services were spawned
+
         protocol.send(self.agg_sock, protocol.encode("fence", self.ctx.run, {"wid": wid, "inc": inc}))
 
     # ------------------------------------------------------------------ run state, scale, events
@@ -421,6 +439,8 @@ class Coordinator:
             for entry_id, event in read_events(self.ctx.redis, self.ctx.keys, self.events_cursor):
                 self.events_cursor = entry_id
                 self.events_file.write(json.dumps(event) + "\n")
+                if self._spares_deferred and event["kind"] == "worker_admitted":
+                    self._start_spares()
         except redis.RedisError:
             pass
 
