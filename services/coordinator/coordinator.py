@@ -46,7 +46,7 @@ class Coordinator:
         self.children: dict[str, Child] = {}
         self.spares: list[Child] = []
         self._spare_seq = 0
-        self._spares_deferred = False  # a fresh run starts its warm spares once a worker is admitted
+        self._deferred = False  # a fresh run starts what it needs only later once a worker is admitted
         self.declared: dict[tuple[str, str], int] = {}  # (role, id) -> newest incarnation declared dead
         self.zctx = zmq.Context()
         self.agg_sock: zmq.Socket | None = None
@@ -69,10 +69,9 @@ class Coordinator:
         if self.supervise == "local":
             self._adopt_or_start()
             startup.mark("services_spawned")
+        else:
+            self._after_start_up()
         startup.report(r, k, "coordinator", "0")
-        # The wire protocol imports torch (2-3 s of CPU): only now, once the services are spawned, so it is
-        # not on the start-up's critical path, and before the first fence needs it.
-        import cmemi.shared.protocol  # noqa: F401
         next_scan = 0.0
         while self.exit_code is None:
             if self.ctx.stopping.is_set():
@@ -135,9 +134,8 @@ class Coordinator:
 
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
-        then start whatever is missing. Nothing healthy is restarted. A fresh run starts its warm spares only
-        once a worker is admitted: at start-up they would compete for the CPU with the processes the first
-        step waits for (importing torch, building the dataset), and no worker can die before it runs."""
+        then start whatever is missing. Nothing healthy is restarted. A fresh run does what only later needs
+        once a worker is admitted (_after_start_up)."""
         adopted = load_children(self.children_file)
         for child in adopted:
             if child.spare:
@@ -152,15 +150,21 @@ class Coordinator:
             if f"{role}:{ident}" not in self.children:
                 self._add(role, ident)
         if adopted:
-            self._start_spares()
+            self._after_start_up()
         else:
-            self._spares_deferred = True
+            self._deferred = True
         self._save_children()
 
-    def _start_spares(self) -> None:
-        self._spares_deferred = False
-        for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
-            self._add_spare()
+    def _after_start_up(self) -> None:
+        """Start the warm spares and import the wire protocol (torch: 2-3 s of CPU), which only a fence needs.
+        On a fresh run, not before a worker is admitted: until then both would compete for the CPU with the
+        processes the first step waits for (importing torch, building the dataset), and no worker has run
+        that could die. (A fence before then imports the protocol itself.)"""
+        self._deferred = False
+        if self.supervise == "local":
+            for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
+                self._add_spare()
+        import cmemi.shared.protocol  # noqa: F401
 
     def _save_children(self) -> None:
         everyone = [*self.children.values(), *self.spares]
@@ -381,7 +385,7 @@ class Coordinator:
             self.agg_sock.connect(addr)
             self.agg_addr = addr
         assert self.agg_sock is not None
-        from cmemi.shared import protocol  # imported once in run(), after the services were spawned
+        from cmemi.shared import protocol  # see _after_start_up
 
         protocol.send(self.agg_sock, protocol.encode("fence", self.ctx.run, {"wid": wid, "inc": inc}))
 
@@ -439,8 +443,8 @@ class Coordinator:
             for entry_id, event in read_events(self.ctx.redis, self.ctx.keys, self.events_cursor):
                 self.events_cursor = entry_id
                 self.events_file.write(json.dumps(event) + "\n")
-                if self._spares_deferred and event["kind"] == "worker_admitted":
-                    self._start_spares()
+                if self._deferred and event["kind"] == "worker_admitted":
+                    self._after_start_up()
         except redis.RedisError:
             pass
 
