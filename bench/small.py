@@ -68,7 +68,7 @@ def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, A
                        env_=env)
     if rc != 0:
         raise RuntimeError(f"plain loop failed ({rc}); see {work / f'plain-{wl}-{tag}.log'}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "load_avg": C.load_avg()}
 
 
 def cmemi(work: Path, wl: str, workers: int, steps: int, warmup: int, tag: str) -> dict[str, Any]:
@@ -129,7 +129,8 @@ def main() -> None:
         "bench": "small", "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
         "global_batch": BATCH, "microbatches": MICROBATCHES, "steps": steps, "warmup_skipped": args.warmup,
         "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
-        "command": ".venv/bin/python bench/small.py" + (" --quick" if args.quick else ""),
+        "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
+                                                                     not a.endswith(".json"))]),
         "runs": {wl: {"plain": [], "cmemi_1w": [], "cmemi_2w": []} for wl in WORKLOADS}, "digits_startup": []}
     try:
         for r in range(repeats):
