@@ -48,10 +48,8 @@ def _up(argv: list[str]) -> int:
     from cmemi.shared import startup
     from cmemi.shared.config import ConfigError, load_config
     from cmemi.shared.extras import MissingExtra
-    from cmemi.shared.plugins import check_plugins
-    from cmemi.up import up
+    from cmemi.supervise import RunLock
 
-    startup.mark("imported")
     p = argparse.ArgumentParser(prog="cmemi up", description="Run the whole cluster on this machine.")
     p.add_argument("config", help="run config YAML, e.g. examples/digits.yaml, or the name of a bundled example "
                    f"({', '.join(bundled_examples())})")
@@ -65,15 +63,25 @@ def _up(argv: list[str]) -> int:
     p.add_argument("--verbose", action="store_true",
                    help="print when each process reached each start-up phase, up to the first step")
     args = p.parse_args(argv)
+    lock = None
     try:
         cfg = load_config(config_path(args.config), args.set)
+        # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
+        lock = RunLock(cfg.run.path.resolve())
+        from cmemi.shared.plugins import check_plugins
+        from cmemi.up import up
+
+        startup.mark("imported")
         check_plugins(cfg)
         startup.mark("plugins_checked")
         return up(cfg, resume=args.resume, overwrite=args.overwrite, force_config=args.force_config,
-                  verbose=args.verbose)
+                  verbose=args.verbose, lock=lock)
     except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _reference(argv: list[str]) -> int:

@@ -38,9 +38,12 @@ from cmemi.supervise import (
 )
 
 
-def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False) -> tuple[Path, RunLock]:
+def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False,
+                    lock: RunLock | None = None) -> tuple[Path, RunLock]:
+    """`lock`: the run directory's lock when the caller took it already (a second RunLock in this process
+    would be refused by the first)."""
     run_dir = cfg.run.path.resolve()
-    lock = RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
+    lock = lock or RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
     used = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) or any(
         (run_dir / n).exists() for n in ("summary.json", "metrics.jsonl"))
     if used and not (resume or overwrite):
@@ -95,8 +98,8 @@ class Progress:
 
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False,
-       verbose: bool = False) -> int:
-    run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config)
+       verbose: bool = False, lock: RunLock | None = None) -> int:
+    run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config, lock)
     secure_run(cfg, run_dir)
     become_subreaper()
     os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
