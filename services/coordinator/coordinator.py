@@ -9,8 +9,10 @@ Two modes (`--supervise`):
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
+import threading
 import time
 
 import redis
@@ -159,12 +161,15 @@ class Coordinator:
         """Start the warm spares and import the wire protocol (torch: 2-3 s of CPU), which only a fence needs.
         On a fresh run, not before a worker is admitted: until then both would compete for the CPU with the
         processes the first step waits for (importing torch, building the dataset), and no worker has run
-        that could die. (A fence before then imports the protocol itself.)"""
+        that could die. The import runs in a thread so that supervision never pauses for it (a fence that
+        comes first waits for it on Python's import lock)."""
         self._deferred = False
         if self.supervise == "local":
             for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
                 self._add_spare()
-        import cmemi.shared.protocol  # noqa: F401
+            self._save_children()  # at once: a coordinator killed now must leave them to its successor
+        threading.Thread(target=importlib.import_module, args=("cmemi.shared.protocol",), name="import-protocol",
+                         daemon=True).start()
 
     def _save_children(self) -> None:
         everyone = [*self.children.values(), *self.spares]
