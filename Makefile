@@ -66,7 +66,7 @@ swarm-test:
 
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
 # saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
-BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression
+BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression small
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.bench
 	@mkdir -p bench/results; rc=0; start=$$(date +%s); \

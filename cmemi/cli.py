@@ -45,10 +45,10 @@ def config_path(arg: str) -> str:
 
 
 def _up(argv: list[str]) -> int:
+    from cmemi.shared import startup
     from cmemi.shared.config import ConfigError, load_config
     from cmemi.shared.extras import MissingExtra
-    from cmemi.shared.plugins import check_plugins
-    from cmemi.up import up
+    from cmemi.supervise import RunLock
 
     p = argparse.ArgumentParser(prog="cmemi up", description="Run the whole cluster on this machine.")
     p.add_argument("config", help="run config YAML, e.g. examples/digits.yaml, or the name of a bundled example "
@@ -60,14 +60,28 @@ def _up(argv: list[str]) -> int:
     p.add_argument("--force-config", action="store_true",
                    help="with --resume: continue with a changed config (by default only fields that change no "
                         "result, e.g. train.steps or cluster.*, may differ)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print when each process reached each start-up phase, up to the first step")
     args = p.parse_args(argv)
+    lock = None
     try:
         cfg = load_config(config_path(args.config), args.set)
+        # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
+        lock = RunLock(cfg.run.path.resolve())
+        from cmemi.shared.plugins import check_plugins
+        from cmemi.up import up
+
+        startup.mark("imported")
         check_plugins(cfg)
-        return up(cfg, resume=args.resume, overwrite=args.overwrite, force_config=args.force_config)
+        startup.mark("plugins_checked")
+        return up(cfg, resume=args.resume, overwrite=args.overwrite, force_config=args.force_config,
+                  verbose=args.verbose, lock=lock)
     except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _reference(argv: list[str]) -> int:
@@ -207,9 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     if cmd in SERVICES:
         import importlib
 
+        from cmemi.shared import startup
+
         if from_command_line:
             _with_huge_pages(argv)
-        importlib.import_module(f"cmemi.services.{cmd}.__main__").main(rest)
+        service = importlib.import_module(f"cmemi.services.{cmd}.__main__")
+        startup.mark("imported")
+        service.main(rest)
         return
     if cmd not in COMMANDS:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)

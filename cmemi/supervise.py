@@ -25,8 +25,8 @@ from typing import Any
 import redis
 
 from cmemi.redis_server import EmbeddedRedis
-from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.services.coordinator.supervisor import HEALTHY_AFTER_S, backoff, load_children, stop_all
+from cmemi.shared import startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import emit
@@ -98,6 +98,9 @@ def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 def check_resume(run_dir: Path, cfg: Config, force_config: bool) -> None:
     """--resume needs a checkpoint, and the config it was written with (fields in FREE_ON_RESUME aside)."""
+    # imports torch: not at module level, so `cmemi up` can take the run directory's lock before torch loads
+    from cmemi.services.checkpointer.store import CheckpointStore
+
     root = run_dir / "checkpoints"
     if not root.is_dir() or not CheckpointStore(root).list():
         raise ConfigError(f"nothing to resume in {str(run_dir)!r}: it holds no checkpoint; start the run without "
@@ -140,6 +143,7 @@ class Supervisor:
 
         self.coordinator = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=self.env)
         self.started["coordinator"] = time.monotonic()
+        startup.mark("coordinator_spawned")
 
     def _count(self, what: str) -> bool:
         """One more restart of `what`; False once it failed max_restarts times in a row."""

@@ -20,10 +20,12 @@ from cmemi.redis_server import EmbeddedRedis
 from cmemi.run_security import child_env, secure_run
 from cmemi.services.checkpointer.server import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
+from cmemi.shared import startup
 from cmemi.shared.config import Config, ConfigError, dump_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import LOG_DIR_ENV
 from cmemi.shared.membership import connect, wait_for_redis
+from cmemi.startup_report import StartupReport
 from cmemi.supervise import (
     RunLock,
     Supervisor,
@@ -36,9 +38,12 @@ from cmemi.supervise import (
 )
 
 
-def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False) -> tuple[Path, RunLock]:
+def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False,
+                    lock: RunLock | None = None) -> tuple[Path, RunLock]:
+    """`lock`: the run directory's lock when the caller took it already (a second RunLock in this process
+    would be refused by the first)."""
     run_dir = cfg.run.path.resolve()
-    lock = RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
+    lock = lock or RunLock(run_dir)  # before anything is read or deleted: one `cmemi up` per run directory
     used = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()) or any(
         (run_dir / n).exists() for n in ("summary.json", "metrics.jsonl"))
     if used and not (resume or overwrite):
@@ -92,8 +97,9 @@ class Progress:
             print()
 
 
-def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False) -> int:
-    run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config)
+def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False,
+       verbose: bool = False, lock: RunLock | None = None) -> int:
+    run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config, lock)
     secure_run(cfg, run_dir)
     become_subreaper()
     os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
@@ -102,6 +108,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
     embedded = None
     if cfg.cluster.redis is None:
         embedded = EmbeddedRedis(run_dir / "redis").start()
+        startup.mark("redis_started")
         url = embedded.url
     else:
         url = cfg.cluster.redis
@@ -116,6 +123,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
     try:
         client = connect(url)
         wait_for_redis(client, timeout=30)
+        startup.mark("redis_ready")
         refuse_live_run(client, keys)
         clear_run_keys(client, keys)
         tmp = run_dir / "cluster.json.tmp"  # written whole, then renamed: readers never see half a file
@@ -130,8 +138,19 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
               f"service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.steps)
+        report: StartupReport | None = None
+
+        def show_startup() -> None:
+            if verbose:
+                progress.end()
+                print(report.format() if report is not None else "cmemi: start-up: no timeline", flush=True)
 
         def show() -> None:
+            nonlocal report
+            if report is None:  # the coordinator has just been spawned: every phase of `cmemi up` is known
+                report = StartupReport(run_dir, client, keys, cfg.cluster.workers, startup.phases())
+            if report.poll():
+                show_startup()
             try:
                 progress.show(client.hgetall(keys.progress))
             except redis.RedisError:
@@ -143,6 +162,9 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             progress.end()
             print(f"cmemi: error: {exc}", file=sys.stderr)
             return 1
+        if report is not None and not report.done and not report.poll():  # a run that ended before all reported
+            report.write()
+            show_startup()
         if ended is None:
             print("\ncmemi: stopping (Ctrl-C again is not needed; waiting up to 10 s)", flush=True)
             sup.stop()

@@ -160,8 +160,36 @@ def scaling() -> str:
     return "\n".join(lines)
 
 
+def small() -> str:
+    """bench/small.py: small models' step time against a plain loop, and `cmemi up`'s start-up (optional file)."""
+    if not (RESULTS / "small.json").is_file():
+        return "No results yet: `make bench BENCHES=small BENCH_ARGS=` writes `bench/results/small.json`."
+    d = load("small")
+    m = d["machine"]
+    lines = [f"Measured with `{d['command']}` on {m['cpus']} CPU cores, torch {m['torch']}, 1-minute load average "
+             f"{span([m['loadavg_at_start'][0], m['loadavg_at_end'][0]], '{:.1f}')}; {d['dataset']}, {d['optimizer']}, "
+             f"batch {d['global_batch']} in {d['microbatches']} microbatches, {d['steps']} steps "
+             f"(median of {d['repeats']}); ms per step = training wall-clock time per step after "
+             f"{d['warmup_skipped']} warm-up steps.", "",
+             "| model | plain PyTorch loop (all cores) | CMEMI 1 worker | CMEMI 2 workers |", "|---|---|---|---|"]
+    for wl, x in d["ms_per_step"].items():
+        r = d["ratios"][wl]
+        lines.append(f"| {wl} | {x['plain']:.2f} ms | {x['cmemi_1w']:.2f} ms ({r['cmemi_1w_vs_plain']:.2f}×) | "
+                     f"{x['cmemi_2w']:.2f} ms ({r['cmemi_2w_vs_plain']:.2f}×) |")
+    st = d["startup"]
+    lines += ["", f"`cmemi up digits` → its first step: **{st['first_step_s']:.1f} s** (target ≤ 5 s on an idle machine; "
+              f"load average {' '.join(str(x) for x in st['load_avg'])} when it was measured). When each process "
+              "reached each phase (seconds since `cmemi up` started; CPU seconds it had used by then):", "",
+              "| process | phases | CPU s |", "|---|---|---|"]
+    for name, phases in [*st["processes"].items(), ("run", st["run"])]:
+        cpu = st["cpu_s"].get(name)
+        lines.append(f"| {name} | {', '.join(f'{k} {v:.2f}' for k, v in phases.items())} | "
+                     f"{'' if cpu is None else f'{cpu:.2f}'} |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {"bench-table": benchmark, "compression-table": compression,
-                                        "scaling-table": scaling}
+                                        "scaling-table": scaling, "small-table": small}
 
 
 def block_bounds(text: str, name: str) -> tuple[int, int]:

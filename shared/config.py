@@ -189,7 +189,7 @@ class ClusterConfig:
     lease_timeout: float = 30.0
     """A microbatch not returned within this many seconds is handed to another worker."""
     spare_workers: int = 1
-    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast."""
+    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once a worker is admitted."""
     max_restarts: int = 10
     """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
     start_timeout: float = 180.0

@@ -17,10 +17,9 @@ from typing import Any
 
 import redis
 import structlog
-from cmemi.shared import lifeline, metrics
+from cmemi.shared import lifeline, metrics, startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
-from cmemi.shared.limits import derive_max_message_bytes
 from cmemi.shared.log import setup_logging
 from cmemi.shared.membership import connect, emit, wait_for_redis
 from cmemi.shared.security import Curve, SecurityError, curve_from_config
@@ -101,6 +100,7 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
         sys.exit(EXIT_FATAL)
     client = connect(url)
     wait_for_redis(client, timeout=30)
+    startup.mark("connected")
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:  # handlers only set flags; loops notice
@@ -113,7 +113,9 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     except SecurityError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
-    if role != "coordinator":
+    if role != "coordinator":  # imported here: the coordinator needs no torch (its start-up is on everyone's path)
+        from cmemi.shared.limits import derive_max_message_bytes
+
         derive_max_message_bytes(cfg)
     cfg.run.path.mkdir(parents=True, exist_ok=True)
     metrics_url = metrics.serve(cfg)

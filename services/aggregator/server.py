@@ -24,7 +24,7 @@ from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import atomic, limits, metrics, protocol, state, transfer
+from cmemi.shared import atomic, limits, metrics, protocol, startup, state, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
@@ -50,12 +50,16 @@ class Aggregator:
         torch.set_num_threads(cfg.cluster.threads_per_worker)
         try:
             self.trainer = Trainer(cfg)
+            startup.mark("model_built")
             factory = resolve(cfg.data.factory, "data.factory")
             self.eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
         except ConfigError as exc:
             ctx.fatal(str(exc))
         try:
-            self.fp = fingerprint(factory(**cfg.data.kwargs))
+            dataset = factory(**cfg.data.kwargs)
+            startup.mark("dataset_built")
+            self.fp = fingerprint(dataset)
+            startup.mark("fingerprinted")
         except Exception as exc:  # user data code may raise anything: report it in one line
             ctx.fatal(data_error("aggregator", cfg, exc))
         self.M = cfg.train.microbatches
@@ -84,6 +88,7 @@ class Aggregator:
         self.publisher = Publisher(cfg.cluster.checksum)
         self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
         restored = self.ckpt.fetch_latest(timeout=120)
+        startup.mark("checkpoint_asked")
         if restored is not None:
             try:
                 snapshots.restore(self, restored.header["meta"], restored.tensors)
@@ -115,6 +120,8 @@ class Aggregator:
         self.probe = (Probe(cfg, self.eval_fn, self._weights()) if self.eval_fn and self.trainer.step == 0
                       and not self.done else None)
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
+        startup.mark("listening")
+        startup.report(ctx.redis, ctx.keys, "aggregator", "0")
         self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
 
     def _advertise(self) -> None:

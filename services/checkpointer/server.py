@@ -12,7 +12,7 @@ import redis
 import zmq
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import atomic, limits, metrics, protocol, transfer
+from cmemi.shared import atomic, limits, metrics, protocol, startup, transfer
 from cmemi.shared.membership import Member
 from cmemi.shared.service import ServiceContext
 
@@ -42,6 +42,8 @@ class Checkpointer:
         self.restored_terms: set[int] = set()  # a second restore_req of a term is not the aggregator's
         self.latest: int | None = None
         self._advertise()
+        startup.mark("listening")
+        startup.report(ctx.redis, ctx.keys, "checkpointer", "0")
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
 
     def _sync_pointer(self) -> None:

@@ -9,8 +9,10 @@ Two modes (`--supervise`):
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
+import threading
 import time
 
 import redis
@@ -26,7 +28,7 @@ from cmemi.services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from cmemi.shared import metrics, protocol
+from cmemi.shared import metrics, startup
 from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, ServiceContext
@@ -46,6 +48,7 @@ class Coordinator:
         self.children: dict[str, Child] = {}
         self.spares: list[Child] = []
         self._spare_seq = 0
+        self._deferred = False  # a fresh run starts what it needs only later once a worker is admitted
         self.declared: dict[tuple[str, str], int] = {}  # (role, id) -> newest incarnation declared dead
         self.zctx = zmq.Context()
         self.agg_sock: zmq.Socket | None = None
@@ -67,6 +70,10 @@ class Coordinator:
         self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
         if self.supervise == "local":
             self._adopt_or_start()
+            startup.mark("services_spawned")
+        else:
+            self._after_start_up()
+        startup.report(r, k, "coordinator", "0")
         next_scan = 0.0
         while self.exit_code is None:
             if self.ctx.stopping.is_set():
@@ -129,9 +136,11 @@ class Coordinator:
 
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
-        then start whatever is missing. Nothing healthy is restarted."""
+        then start whatever is missing. Nothing healthy is restarted. A fresh run does what only later needs
+        once a worker is admitted (_after_start_up)."""
         slots = self._registered_workers()
-        for child in load_children(self.children_file):
+        adopted = load_children(self.children_file)
+        for child in adopted:
             if child.spare:
                 self._spare_seq = max(self._spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)
                 if (slot := slots.get(child.pid)) is not None and f"worker:{slot}" not in self.children:
@@ -147,15 +156,31 @@ class Coordinator:
                             *(("worker", f"w{i}") for i in range(self.target_workers))):
             if f"{role}:{ident}" in self.children:
                 continue
-            if role == "worker":  # the slot's process died while no coordinator ran: a warm spare first
+            if role == "worker" and adopted:  # its process died while no coordinator ran: a warm spare first
                 child = Child(role, ident, self._argv(role, ident))
                 self.children[child.name] = child
                 self._replace(child, died=False)
             else:
                 self._add(role, ident)
-        for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
-            self._add_spare()
+        if adopted:
+            self._after_start_up()
+        else:
+            self._deferred = True
         self._save_children()
+
+    def _after_start_up(self) -> None:
+        """Start the warm spares and import the wire protocol (torch: 2-3 s of CPU), which only a fence needs.
+        On a fresh run, not before a worker is admitted: until then both would compete for the CPU with the
+        processes the first step waits for (importing torch, building the dataset), and no worker has run
+        that could die. The import runs in a thread so that supervision never pauses for it (a fence that
+        comes first waits for it on Python's import lock)."""
+        self._deferred = False
+        if self.supervise == "local":
+            for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
+                self._add_spare()
+            self._save_children()  # at once: a coordinator killed now must leave them to its successor
+        threading.Thread(target=importlib.import_module, args=("cmemi.shared.protocol",), name="import-protocol",
+                         daemon=True).start()
 
     def _save_children(self) -> None:
         everyone = [*self.children.values(), *self.spares]
@@ -388,6 +413,8 @@ class Coordinator:
             self.agg_sock.connect(addr)
             self.agg_addr = addr
         assert self.agg_sock is not None
+        from cmemi.shared import protocol  # see _after_start_up
+
         protocol.send(self.agg_sock, protocol.encode("fence", self.ctx.run, {"wid": wid, "inc": inc}))
 
     # ------------------------------------------------------------------ run state, scale, events
@@ -444,6 +471,8 @@ class Coordinator:
             for entry_id, event in read_events(self.ctx.redis, self.ctx.keys, self.events_cursor):
                 self.events_cursor = entry_id
                 self.events_file.write(json.dumps(event) + "\n")
+                if self._deferred and event["kind"] == "worker_admitted":
+                    self._after_start_up()
         except redis.RedisError:
             pass
 

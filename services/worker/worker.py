@@ -17,7 +17,7 @@ import torch
 import zmq
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
-from cmemi.shared import limits, protocol, transfer
+from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import ConfigError
@@ -41,12 +41,15 @@ class Worker:
         try:
             factory = resolve(cfg.data.factory, "data.factory")
             self.model = build_model(cfg)
+            startup.mark("model_built")
             self.loss_fn = resolve(cfg.train.loss, "train.loss")
         except ConfigError as exc:
             ctx.fatal(str(exc))
         try:
             self.dataset = factory(**cfg.data.kwargs)
+            startup.mark("dataset_built")
             self.fp = fingerprint(self.dataset)
+            startup.mark("fingerprinted")
         except Exception as exc:  # any failure reading user data must become a clear, fatal message
             ctx.fatal(data_error(f"worker {label}", cfg, exc))
         self.n = self.fp["length"]
@@ -96,6 +99,7 @@ class Worker:
         self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         self.inc = self.member.incarnation
+        startup.mark("registered")
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
         self.log = self.ctx.log
         self.ctx.emit("worker_started", worker=wid, incarnation=self.inc, host=self.host)
@@ -216,6 +220,8 @@ class Worker:
         self._connect()
         if self.ctx.stopping.is_set():
             return
+        startup.mark("welcomed")
+        startup.report(self.ctx.redis, self.ctx.keys, "worker", self.wid)
         self._send("want", term=self.term, version=self.version)
         next_check = time.monotonic() + 1.0
         while not self.ctx.stopping.is_set():

@@ -1,0 +1,163 @@
+"""Small models: CMEMI's per-step floor against a plain PyTorch loop, and the start-up of `cmemi up`.
+
+Workloads (bench/small_models.py): an MLP and a small 1-D CNN on 4,000 synthetic samples of 40 features,
+10 classes; Adam (lr 1e-3), global batch 100.
+  (a) plain: one process, torch's default threads (all cores), one forward/backward of the whole batch per step
+  (b) `cmemi up` with 1 worker, 4 microbatches (the config's defaults: one torch thread per process)
+  (c) `cmemi up` with 2 workers, 4 microbatches
+Variants alternate within each repeat, so drift of the machine's load hits them alike; medians over repeats.
+Then `cmemi up` of the digits example as a new user runs it (defaults, a warm spare): the time from `cmemi up`
+to its first step, with every process's phases (RUN_DIR/startup.json, as `cmemi up --verbose` prints them).
+
+    .venv/bin/python bench/small.py [--quick] [--steps N] [--repeats R] [--out bench/results/small.json]
+
+Prints one JSON object: `ms_per_step` (wall-clock training time per step after the warm-up steps), `ratios`
+(CMEMI / plain, lower is better) and `startup` (seconds since `cmemi up` started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as C  # noqa: E402
+
+WORKLOADS = {"mlp": "bench.small_models:mlp", "cnn1d": "bench.small_models:cnn1d"}
+DATA = "bench.small_models:dataset"
+BATCH, MICROBATCHES, LR = 100, 4, 1e-3
+
+
+def plain_loop(model_path: str, steps: int, warmup: int) -> dict[str, Any]:
+    """The loop a user writes first (in a fresh process with torch's default threads): batches in a fixed
+    shuffled order, Adam, cross-entropy."""
+    import torch
+    from cmemi.shared.plugins import resolve
+
+    x, y = resolve(DATA, "data")().tensors
+    torch.manual_seed(0)
+    model = resolve(model_path, "model")()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    per_epoch = len(y) // BATCH
+    t0 = c0 = 0.0
+    for step in range(steps):
+        if step == warmup:
+            t0, c0 = time.perf_counter(), time.process_time()
+        idx = order[(step % per_epoch) * BATCH:(step % per_epoch + 1) * BATCH]
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"ms_per_step": 1000 * wall / (steps - warmup), "cpu_ms_per_step": 1000 * cpu / (steps - warmup),
+            "threads": torch.get_num_threads(), "final_loss": loss.item()}
+
+
+def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    out = work / f"plain-{wl}-{tag}.json"
+    env = {k: v for k, v in C.env().items() if k not in C.THREAD_VARS}  # torch's default: every core
+    rc = C.run_checked([C.PY, str(Path(__file__).resolve()), "--plain", wl, "--steps", str(steps), "--warmup",
+                        str(warmup), "--out", str(out)], timeout=600, log_path=work / f"plain-{wl}-{tag}.log",
+                       env_=env)
+    if rc != 0:
+        raise RuntimeError(f"plain loop failed ({rc}); see {work / f'plain-{wl}-{tag}.log'}")
+    return {**json.loads(out.read_text()), "load_avg": C.load_avg()}
+
+
+def cmemi(work: Path, wl: str, workers: int, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    name = C.safe_name(f"small_{wl}_{workers}w_{tag}")
+    cfg = {"run": {"name": name, "dir": str(work / name), "seed": 0},
+           "model": {"factory": WORKLOADS[wl]}, "data": {"factory": DATA},
+           "optimizer": {"name": "Adam", "kwargs": {"lr": LR}},
+           "train": {"steps": steps, "global_batch": BATCH, "microbatches": MICROBATCHES},
+           "cluster": {"workers": workers, "spare_workers": 0},
+           "checkpoint": {"every_steps": 0}}
+    with C.CmemiRun(cfg, work) as run:
+        rc = run.wait(timeout=900)
+        if rc != 0:
+            raise RuntimeError(f"cmemi up failed ({rc}); see {run.log_path}:\n{run.group.tail() if run.group else ''}")
+        metrics = run.metrics()
+        startup = json.loads((run.run_dir / "startup.json").read_text())
+    rows = [m for m in metrics if m["step"] > warmup]
+    first = next(m for m in metrics if m["step"] == warmup)
+    wall = rows[-1]["t"] - first["t"]
+    return {"ms_per_step": 1000 * wall / len(rows),
+            "step_time_median_ms": 1000 * C.median(m["step_time_s"] for m in rows),
+            "final_loss": metrics[-1]["loss"], "first_step_s": startup["first_step_s"], "load_avg": C.load_avg()}
+
+
+def digits_startup(work: Path, tag: str) -> dict[str, Any]:
+    """`cmemi up digits` with its defaults; the start-up timeline it wrote."""
+    import yaml
+
+    cfg = yaml.safe_load((C.ROOT / "examples" / "digits.yaml").read_text())
+    name = C.safe_name(f"small_digits_{tag}")
+    cfg["run"] = {**cfg["run"], "name": name, "dir": str(work / name)}
+    with C.CmemiRun(cfg, work) as run:
+        rc = run.wait(timeout=900)
+        if rc != 0:
+            raise RuntimeError(f"cmemi up failed ({rc}); see {run.log_path}:\n{run.group.tail() if run.group else ''}")
+        return json.loads((run.run_dir / "startup.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="300 steps, 1 repeat")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 2000; --quick 300)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=None, help="default 3; --quick 1")
+    p.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/small.json")
+    p.add_argument("--keep", action="store_true")
+    p.add_argument("--plain", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)  # one plain loop, in a child
+    args = p.parse_args()
+    steps = args.steps or (300 if args.quick else 2000)
+    repeats = args.repeats or (1 if args.quick else 3)
+    if args.plain:
+        Path(args.out).write_text(json.dumps(plain_loop(WORKLOADS[args.plain], steps, args.warmup)))
+        return
+    C.setup()
+    t0 = time.monotonic()
+    work = C.workdir("small", args.keep)
+    result: dict[str, Any] = {
+        "bench": "small", "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
+        "global_batch": BATCH, "microbatches": MICROBATCHES, "steps": steps, "warmup_skipped": args.warmup,
+        "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
+        "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
+                                                                     not a.endswith(".json"))]),
+        "runs": {wl: {"plain": [], "cmemi_1w": [], "cmemi_2w": []} for wl in WORKLOADS}, "digits_startup": []}
+    try:
+        for r in range(repeats):
+            for wl in WORKLOADS:
+                runs = result["runs"][wl]
+                runs["plain"].append(plain(work, wl, steps, args.warmup, f"r{r}"))
+                for w in (1, 2):
+                    runs[f"cmemi_{w}w"].append(cmemi(work, wl, w, steps, args.warmup, f"r{r}"))
+                C.log(f"{wl} repeat {r}: " + ", ".join(f"{k} {v[-1]['ms_per_step']:.2f} ms/step" for k, v in runs.items()))
+            result["digits_startup"].append(digits_startup(work, f"r{r}"))
+            C.log(f"digits: first step after {result['digits_startup'][-1]['first_step_s']} s")
+        result["ms_per_step"] = {wl: {k: C.rnd(C.median(x["ms_per_step"] for x in v), 3) for k, v in runs.items()}
+                                 for wl, runs in result["runs"].items()}
+        result["ratios"] = {wl: {f"{k}_vs_plain": C.ratio(v[k], v["plain"]) for k in ("cmemi_1w", "cmemi_2w")}
+                            for wl, v in result["ms_per_step"].items()}
+        best = sorted(result["digits_startup"], key=lambda s: s["first_step_s"] or float("inf"))
+        result["startup"] = best[len(best) // 2]  # the median run, whole, so its phases add up
+        result["startup_first_step_s"] = result["startup"]["first_step_s"]
+        result["targets"] = {"cnn1d_cmemi_1w_vs_plain_le_1.5": result["ratios"]["cnn1d"]["cmemi_1w_vs_plain"] <= 1.5,
+                             "cnn1d_cmemi_2w_vs_plain_le_1.0": result["ratios"]["cnn1d"]["cmemi_2w_vs_plain"] <= 1.0,
+                             "digits_first_step_le_5s": result["startup_first_step_s"] <= 5.0}
+    except BaseException as exc:
+        C.record_error(result, exc)
+    C.finish(result, work, args.keep, t0)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
