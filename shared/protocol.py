@@ -18,8 +18,8 @@ import msgpack
 import torch
 import xxhash
 import zmq
-
-PROTOCOL_VERSION = 1
+from cmemi.shared.wire import PROTOCOL_VERSION, header_only
+from cmemi.shared.wire import header as make_header
 
 # dtype name on the wire -> torch dtype. A closed table: nothing else is ever constructed.
 DTYPES: dict[str, torch.dtype] = {
@@ -108,9 +108,9 @@ def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torc
     contiguous CPU tensors that nobody mutates until sent."""
     if encoded is None and tensors is not None:
         encoded = encode_tensors(tensors, checksum)
-    header = {"type": mtype, "proto": PROTOCOL_VERSION, "run": run, **fields}
     if encoded is None:
-        return [msgpack.packb(header)]
+        return [header_only(mtype, run, fields)]
+    header = make_header(mtype, run, fields)
     header["tensors"] = encoded[0]
     return [msgpack.packb(header), *encoded[1]]
 

@@ -9,10 +9,8 @@ Two modes (`--supervise`):
 
 from __future__ import annotations
 
-import importlib
 import json
 import signal
-import threading
 import time
 
 import redis
@@ -28,7 +26,7 @@ from cmemi.services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from cmemi.shared import metrics, startup
+from cmemi.shared import metrics, startup, wire
 from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, ServiceContext
@@ -169,18 +167,14 @@ class Coordinator:
         self._save_children()
 
     def _after_start_up(self) -> None:
-        """Start the warm spares and import the wire protocol (torch: 2-3 s of CPU), which only a fence needs.
-        On a fresh run, not before a worker is admitted: until then both would compete for the CPU with the
-        processes the first step waits for (importing torch, building the dataset), and no worker has run
-        that could die. The import runs in a thread so that supervision never pauses for it (a fence that
-        comes first waits for it on Python's import lock)."""
+        """Start the warm spares. On a fresh run, not before a worker is admitted: until then they would compete
+        for the CPU with the processes the first step waits for (importing torch, building the dataset), and no
+        worker has run that could die."""
         self._deferred = False
         if self.supervise == "local":
             for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
                 self._add_spare()
             self._save_children()  # at once: a coordinator killed now must leave them to its successor
-        threading.Thread(target=importlib.import_module, args=("cmemi.shared.protocol",), name="import-protocol",
-                         daemon=True).start()
 
     def _save_children(self) -> None:
         everyone = [*self.children.values(), *self.spares]
@@ -413,9 +407,8 @@ class Coordinator:
             self.agg_sock.connect(addr)
             self.agg_addr = addr
         assert self.agg_sock is not None
-        from cmemi.shared import protocol  # see _after_start_up
-
-        protocol.send(self.agg_sock, protocol.encode("fence", self.ctx.run, {"wid": wid, "inc": inc}))
+        # header-only (shared/wire.py): the coordinator never imports torch, so a restarted one is up in ~1 s
+        self.agg_sock.send(wire.header_only("fence", self.ctx.run, {"wid": wid, "inc": inc}))
 
     # ------------------------------------------------------------------ run state, scale, events
     def _completed(self) -> bool:
