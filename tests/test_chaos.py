@@ -22,12 +22,11 @@ KINDS = ("worker_kill", "worker_stop", "aggregator", "checkpointer", "coordinato
 SEED = int(os.environ.get("CMEMI_CHAOS_SEED", "20261130"))
 STEPS = 1200
 WORKERS = 2
-# live_workers is back to cluster.workers this long after the last fault. The bound is one process start-up
-# (import torch, build the dataset and model) plus detection: faults a few seconds apart use up the warm spare
-# faster than a new one starts, so the last slot is often refilled by a fresh process — 13 s measured on the
-# 2-core CI machine while training runs. Forking workers from a warm zygote (the small-steps issue) would
-# bring this near dead_after.
-RECOVERY_S = 30.0
+# live_workers is back to cluster.workers this long after the last fault. The worst case is one process
+# start-up (import torch, build the model) plus detection, when faults a few steps apart have used up the warm
+# spare: 4.5 s measured after the adoption fixes (a dead slot goes to an adopted spare; the coordinator imports no
+# torch), 13 s before them, on the 2-core machine while training runs.
+RECOVERY_S = 20.0
 
 
 def schedule(rng: random.Random, per_kind: int = 5) -> list[tuple[int, str]]:
