@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,50 +45,41 @@ def work(params: dict[str, torch.Tensor], corrupt: bool = False) -> list:
     return parts
 
 
-def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_path: Path) -> None:
-    cfg = load_config(DIGITS, [f"run.name={RUN}"])
-    model = build_model(cfg)
-    with torch.no_grad():  # not the initial weights the worker builds itself: proves they were received
-        for p in model.parameters():
-            p.mul_(0.5)
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    ds = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
-    x, y = fetch(ds, microbatch_indices(cfg.run.seed, len(ds), cfg.train.global_batch, cfg.train.microbatches, 0, 0))
-    torch.default_generator.manual_seed(microbatch_seed(cfg.run.seed, 0, 0))
-    expected_loss = float(resolve(cfg.train.loss, "train.loss")(model(x), y).detach())
-
+@contextmanager
+def scripted_worker(redis_server, tmp_path: Path, *sets: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+    """A real worker w0 (Curve off: a plain ROUTER plays the aggregator) and that ROUTER: (router, proc)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     addr = protocol.bind(router, "127.0.0.1", 0)
     connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
-    log = open(tmp_path / "worker.log", "w")
+    extra = [a for kv in sets for a in ("--set", kv)]
     proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
                                       "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
-                                      "--set", "security.curve=false"),  # a plain ROUTER plays the aggregator
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                                      "--set", "security.curve=false", *extra),
+                            cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
     try:
-        ident, msg = recv(router)
-        assert msg.type == "hello" and msg.header["wid"] == "w0"
-        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
-                      ident)
-        ident, msg = recv(router)
-        assert msg.type == "want" and msg.header["version"] == -1
-        router.send_multipart([ident, *work(params, corrupt=True)])
-        ident, msg = recv(router)  # the bad message was dropped; the worker holds no valid version now
-        assert msg.type == "want" and msg.header["version"] == -1, msg.header
-        protocol.send(router, work(params), ident)
-        ident, msg = recv(router)
-        assert msg.type == "grad" and (msg.header["step"], msg.header["m"], msg.header["version"]) == (0, 0, 0)
-        assert msg.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
-        protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
-        assert proc.wait(timeout=60) == 0
+        yield router, proc
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-        log.close()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
         ctx.destroy(linger=0)
-    assert "bad_checksum" in (tmp_path / "worker.log").read_text()
+
+
+def welcome(router: zmq.Socket) -> bytes:
+    """Take the worker's hello, welcome it at step 0; returns its identity."""
+    ident, msg = recv(router)
+    assert msg.type == "hello" and msg.header["wid"] == "w0"
+    protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
+                  ident)
+    return ident
+
+
+def stop(router: zmq.Socket, ident: bytes) -> None:
+    protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
 
 
 def halved_params_and_loss() -> tuple[dict[str, torch.Tensor], float]:
@@ -104,6 +96,25 @@ def halved_params_and_loss() -> tuple[dict[str, torch.Tensor], float]:
     return {n: p.detach() for n, p in model.named_parameters()}, loss
 
 
+def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_path: Path) -> None:
+    params, expected_loss = halved_params_and_loss()
+    with open(tmp_path / "worker.log", "w") as log, \
+            scripted_worker(redis_server, tmp_path, stdout=log, stderr=subprocess.STDOUT) as (router, proc):
+        ident = welcome(router)
+        ident, msg = recv(router)
+        assert msg.type == "want" and msg.header["version"] == -1
+        router.send_multipart([ident, *work(params, corrupt=True)])
+        ident, msg = recv(router)  # the bad message was dropped; the worker holds no valid version now
+        assert msg.type == "want" and msg.header["version"] == -1, msg.header
+        protocol.send(router, work(params), ident)
+        ident, msg = recv(router)
+        assert msg.type == "grad" and (msg.header["step"], msg.header["m"], msg.header["version"]) == (0, 0, 0)
+        assert msg.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
+        stop(router, ident)
+        assert proc.wait(timeout=60) == 0
+    assert "bad_checksum" in (tmp_path / "worker.log").read_text()
+
+
 def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_parts(redis_server,
                                                                                    tmp_path: Path) -> None:
     """The scripted aggregator ignores the worker's first request: the worker asks again after a timeout, not
@@ -111,20 +122,8 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
     (the loss proves it), and its gradient comes back in parts, each ZeroMQ message under the cap."""
     cap = 65536
     params, expected_loss = halved_params_and_loss()
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    addr = protocol.bind(router, "127.0.0.1", 0)
-    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
-    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
-                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
-                                      "--set", f"cluster.max_message_bytes={cap}",
-                                      "--set", "security.curve=false"),  # a plain ROUTER plays the aggregator
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ident, msg = recv(router)
-        assert msg.type == "hello"
-        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
-                      ident)
+    with scripted_worker(redis_server, tmp_path, f"cluster.max_message_bytes={cap}") as (router, proc):
+        welcome(router)
         ident, msg = recv(router)
         assert msg.type == "want"  # its reply is "lost": nothing is sent back
         ident, msg = recv(router, timeout=30)
@@ -144,33 +143,17 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         assert len(sizes) >= 2 and max(sizes) <= cap, sizes
         assert grad.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
         assert sum(t.numel() for t in grad.tensors.values()) == sum(p.numel() for p in params.values())
-        protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
+        stop(router, ident)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        ctx.destroy(linger=0)
 
 
 def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_server, tmp_path: Path) -> None:
     """1,500 more parameter tensors: the gradient's header (its tensor table) leaves no room for a chunk under
     cluster.max_message_bytes=65536. Nothing is sent; the worker stops with one line naming size and cap (exit 2)."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    addr = protocol.bind(router, "127.0.0.1", 0)
-    connect(redis_server.url).hset(Keys(RUN).aggregator, mapping={"addr": addr, "term": TERM})
-    proc = subprocess.Popen(cmemi_cmd("worker", "--config", DIGITS, "--redis", redis_server.url, "--worker-id", "w0",
-                                      "--set", f"run.name={RUN}", "--set", f"run.dir={tmp_path / 'run'}",
-                                      "--set", "model.factory=tests.fixtures:many_tensors_mlp",
-                                      "--set", "cluster.max_message_bytes=65536", "--set", "security.curve=false"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ident, msg = recv(router)
-        assert msg.type == "hello"
-        protocol.send(router, protocol.encode("welcome", RUN, {"term": TERM, "step": 0, "version": 0, "total_steps": 1}),
-                      ident)
+    with scripted_worker(redis_server, tmp_path, "model.factory=tests.fixtures:many_tensors_mlp",
+                         "cluster.max_message_bytes=65536") as (router, proc):
+        welcome(router)
         ident, msg = recv(router)
         assert msg.type == "want"
         protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
@@ -181,8 +164,3 @@ def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_se
         assert "'grad' message of" in line and "exceeds cluster.max_message_bytes=65536" in line, line
         assert "header alone" in line, line
         assert not router.poll(200), "something of the gradient was sent"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        ctx.destroy(linger=0)
