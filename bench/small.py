@@ -110,14 +110,14 @@ def digits_startup(work: Path, tag: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="300 steps, 1 repeat")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 2000; --quick 300)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 1000; --quick 300)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--repeats", type=int, default=None, help="default 3; --quick 1")
     p.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/small.json")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--plain", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)  # one plain loop, in a child
     args = p.parse_args()
-    steps = args.steps or (300 if args.quick else 2000)
+    steps = args.steps or (300 if args.quick else 1000)  # 3 repeats fit `make bench`'s 900 s per bench
     repeats = args.repeats or (1 if args.quick else 3)
     if args.plain:
         Path(args.out).write_text(json.dumps(plain_loop(WORKLOADS[args.plain], steps, args.warmup)))

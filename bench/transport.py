@@ -47,11 +47,22 @@ def codec_for(variant: str):
     return make_codec(CompressionConfig(), check_finite=variant == "protocol_check_each")
 
 
+def leased_collector(M: int) -> Any:
+    """A step collector with every microbatch leased to the one sender here ("w0", 1)."""
+    from cmemi.services.aggregator.collector import StepCollector
+
+    collector = StepCollector(0, M)
+    for _ in range(M):
+        collector.lease("w0", 1, now=0.0, timeout=float("inf"))
+    return collector
+
+
 def grad_fields(m: int) -> dict[str, Any]:
     """Header fields of a `grad` message, whatever fields this version's schema requires."""
     from cmemi.shared import protocol
 
-    fields: dict[str, Any] = {"wid": "w0", "inc": 1, "term": 1, "step": 0, "m": m, "version": 0, "loss": 1.0, "n": 1,
+    fields: dict[str, Any] = {"wid": "w0", "inc": 1, "term": 1, "step": 0, "lo": m, "hi": m + 1, "version": 0,
+                              "losses": [1.0], "n": 1,
                               "finite": True, "encode_s": 0.0}
     schema = protocol.SCHEMAS["grad"]
     for key, types in schema.items():
@@ -126,7 +137,6 @@ def sender(data_addr: str, ctl_addr: str) -> None:
 def receive_burst(pull, req, variant: str, size: int, count: int) -> tuple[float, float]:
     """Bytes per second over messages 2..count of one burst (the first one starts the clock), and the
     receiving process's CPU seconds per GB (all its threads: ZeroMQ's I/O thread included)."""
-    from cmemi.services.aggregator.collector import StepCollector
     from cmemi.shared import protocol
     from cmemi.shared.codecs import all_finite
 
@@ -134,7 +144,7 @@ def receive_burst(pull, req, variant: str, size: int, count: int) -> tuple[float
     assert req.recv_string() == "go"
     nbytes = 0
     t0 = 0.0
-    collector = StepCollector(0, M)
+    collector = leased_collector(M)
     codec = codec_for(variant) if variant.startswith("protocol") else None
     shapes = {f"layer{i}.weight": (n,) for i, n in enumerate(_parts(size))} if codec else None
     for i in range(count):
@@ -145,20 +155,20 @@ def receive_burst(pull, req, variant: str, size: int, count: int) -> tuple[float
             import torch
 
             tensors = {str(k): torch.frombuffer(f.buffer, dtype=torch.float32) for k, f in enumerate(frames[1:])}
-            if collector.offer(i % M, tensors, 0.0) is not None:
+            if collector.offer(i % M, tensors, 0.0, ("w0", 1)) is not None:
                 raise RuntimeError("collector refused a gradient")
         else:
             msg = protocol.decode(frames, RUN, checksum=variant in ("protocol", "protocol_check_each"))
             grads = msg.tensors
             if codec is not None and "codec" in msg.header:  # as the aggregator: codec decode (none: views)
                 grads = codec.decode(msg.header["codec"], msg.tensors, shapes=shapes)
-            if collector.offer(msg.header["m"], grads, float(msg.header["loss"])) is not None:
+            if collector.offer((msg.header["lo"], msg.header["hi"]), grads, msg.header["losses"], ("w0", 1)) is not None:
                 raise RuntimeError("collector refused a gradient")
         if variant != "raw" and collector.complete:
             mean, _ = collector.mean()
             if variant.startswith("protocol") and not all_finite(mean.values()):  # as the aggregator, per step
                 raise RuntimeError("the sum is not finite")
-            collector = StepCollector(0, M)
+            collector = leased_collector(M)
         if i == 0:
             t0, c0 = time.perf_counter(), time.process_time()
         else:
@@ -173,7 +183,6 @@ def stage_breakdown(size: int, reps: int) -> dict[str, float]:
     and the ordered sum (StepCollector.offer x M + mean)."""
     import gc
 
-    from cmemi.services.aggregator.collector import StepCollector
     from cmemi.shared import protocol
 
     grads = make_grads(size)
@@ -212,11 +221,11 @@ def stage_breakdown(size: int, reps: int) -> dict[str, float]:
         msgs = [protocol.decode(f, RUN, False) for f in fresh()]
         gc.collect()
         t = time.process_time()
-        coll = StepCollector(0, M)
+        coll = leased_collector(M)
         for msg in msgs:
             grads_m = (codec_for("protocol").decode(msg.header["codec"], msg.tensors, shapes=shapes)
                        if codec is not None and "codec" in msg.header else msg.tensors)
-            coll.offer(msg.header["m"], grads_m, 1.0)
+            coll.offer((msg.header["lo"], msg.header["hi"]), grads_m, msg.header["losses"], ("w0", 1))
         coll.mean()
         total += time.process_time() - t
     out["ordered_sum_and_mean"] = total / gb - out.get("codec_decode_no_finite_check", 0.0)

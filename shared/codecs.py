@@ -58,6 +58,7 @@ class CodecError(ValueError):
 class GradientCodec(Protocol):
     name: str
     deterministic: bool
+    per_microbatch: bool
 
     def encode(self, grads: dict[str, torch.Tensor], step: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
         ...
@@ -268,6 +269,9 @@ class _Codec:
     tag = "raw"            # the info["codec"] of compressed tensors
     deterministic = True
     stateful = False
+    # Rounds each gradient it encodes in a way the result must repeat (deterministic and lossy): it is applied to
+    # every microbatch, as the single-process reference does, so leases are single microbatches, never blocks.
+    per_microbatch = False
 
     def __init__(self, cfg: CompressionConfig | None = None, *, check_finite: bool = True,
                  max_numel: int = MAX_NUMEL) -> None:
@@ -359,6 +363,8 @@ class NoneCodec(_Codec):
 class CastCodec(_Codec):
     """fp16 or bf16 cast. A tensor whose cast is not finite (fp16 overflows above 65504) goes dense."""
 
+    per_microbatch = True
+
     def __init__(self, cfg: CompressionConfig | None = None, *, dtype: torch.dtype = torch.float16, **kw: Any) -> None:
         self.name = self.tag = "fp16" if dtype == torch.float16 else "bf16"
         self.dtype = dtype
@@ -377,6 +383,7 @@ class Int8Codec(_Codec):
     """Per-chunk absmax int8: q = round(x * 127 / absmax), scale = absmax / 127, decode q * scale."""
 
     name = tag = "int8"
+    per_microbatch = True
 
     def _encode(self, name: str, g: torch.Tensor, info: dict, frames: dict) -> bool:
         if not _finite(g):

@@ -187,7 +187,7 @@ class ClusterConfig:
     dead_after: float = 2.0
     """A process whose heartbeat is older than this many seconds is declared dead, fenced and replaced."""
     lease_timeout: float = 30.0
-    """A microbatch not returned within this many seconds is handed to another worker."""
+    """A lease not returned within this many seconds per microbatch it holds goes back to the queue, as single microbatches."""
     spare_workers: int = 1
     """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once a worker is admitted."""
     max_restarts: int = 10

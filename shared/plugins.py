@@ -78,8 +78,11 @@ def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
     cls = _class_in(torch.optim, torch.optim.Optimizer, cfg.optimizer.name, "optimizer.name")
     if isinstance(params, dict):
         params = param_groups(cfg, params) if cfg.optimizer.param_groups else list(params.values())
+    kwargs = dict(cfg.optimizer.kwargs)
+    if "foreach" in inspect.signature(cls).parameters and not {"foreach", "fused"} & kwargs.keys():
+        kwargs["foreach"] = True  # one kernel per group, not a Python loop per tensor (torch picks it on GPUs only)
     try:
-        return cls(params, **cfg.optimizer.kwargs)
+        return cls(params, **kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config field 'optimizer.kwargs' = {cfg.optimizer.kwargs!r} rejected by "
                           f"{cls.__name__}: {exc}") from None

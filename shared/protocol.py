@@ -45,12 +45,12 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> aggregator
     "hello": {**_WORKER, "fp": _MAP, "host": _STR},
     "want": {**_WORKER, "term": _INT, "version": _INT},
-    "grad": {**_WORKER, "term": _INT, "step": _INT, "m": _INT, "version": _INT, "loss": _NUM, "n": _INT,
+    "grad": {**_WORKER, "term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "losses": _LIST, "n": _INT,
              "finite": _BOOL, "codec": _MAP, "encode_s": _NUM, "tensors": _LIST},
     "leave": {**_WORKER},
     # aggregator -> worker
     "welcome": {"term": _INT, "step": _INT, "version": _INT, "total_steps": _INT},
-    "work": {"term": _INT, "step": _INT, "m": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
+    "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
     "stop": {"reason": _STR},
     "reject": {"reason": _STR, "fatal": _BOOL},
     # coordinator -> aggregator

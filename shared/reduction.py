@@ -14,9 +14,18 @@ one gradient that is bitwise the sum the aggregator would have formed from its l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def add_into(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """a += b, tensor by tensor, in a's storage (an empty dict stands for an overflowed microbatch)."""
+    if not a or not b:
+        return a or b
+    for k, v in a.items():
+        v.add_(b[k])
+    return a
 
 
 def split(lo: int, hi: int) -> int:
@@ -70,6 +79,12 @@ def tree_reduce(items: Sequence[T], add: Callable[[T, T], T], lo: int = 0) -> T:
         return items[0]
     h = split(0, n)
     return add(tree_reduce(items[:h], add, lo), tree_reduce(items[h:], add, lo + h))
+
+
+def block_size(M: int, workers: int) -> int:
+    """The lease size for `workers` workers (docs/design.md, "Leases"): the largest power of two <= ceil(M / W)."""
+    share = max(1, -(-M // max(1, workers)))
+    return 1 << (share.bit_length() - 1)
 
 
 def blocks(M: int, size: int) -> Iterator[tuple[int, int]]:

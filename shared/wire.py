@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: leases and gradients name a node [lo, hi) of the reduction tree
 
 
 def header(mtype: str, run: str, fields: dict[str, Any]) -> dict[str, Any]:

@@ -491,8 +491,8 @@ def test_round_trip_through_the_wire_protocol(name: str) -> None:
     c = codec(name, min_compress_numel=64)
     grads = {"w": rand(96, 64), "b": rand(8, seed=1), "e": torch.zeros(0, 3)}
     info, frames = c.encode(grads, 0)
-    parts = protocol.encode("grad", "r", {"wid": "w0", "inc": 1, "term": 1, "step": 0, "m": 0, "version": 0,
-                                          "loss": 0.0, "n": 8, "codec": info, "finite": True, "encode_s": 0.0}, frames)
+    parts = protocol.encode("grad", "r", {"wid": "w0", "inc": 1, "term": 1, "step": 0, "lo": 0, "hi": 1, "version": 0,
+                                          "losses": [0.0], "n": 8, "codec": info, "finite": True, "encode_s": 0.0}, frames)
     msg = protocol.decode([bytes(p) for p in parts], "r")
     out = c.decode(msg.header["codec"], msg.tensors, {n: g.shape for n, g in grads.items()})
     direct = c.decode(info, frames)

@@ -664,7 +664,8 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
             h = reply("work").header
             info, frames = codec.encode({n: torch.full(s, float("nan")) for n, s in shapes.items()}, h["step"])
             protocol.send(sock, protocol.encode("grad", run, {
-                **me, "term": term, "step": h["step"], "m": h["m"], "version": h["version"], "loss": 0.0, "n": 16,
+                **me, "term": term, "step": h["step"], "lo": h["lo"], "hi": h["hi"], "version": h["version"],
+                "losses": [0.0] * (h["hi"] - h["lo"]), "n": 16,
                 "finite": True, "codec": info, "encode_s": 0.0}, frames))
         protocol.send(sock, protocol.encode("leave", run, me))  # its leases go back at once
     finally:

@@ -13,7 +13,7 @@ RUN = "r1"
 
 
 def grad_msg(tensors: dict[str, torch.Tensor], **over) -> list:
-    fields = {"wid": "w0", "inc": 1, "term": 1, "step": 3, "m": 0, "version": 3, "loss": 0.5, "n": 16,
+    fields = {"wid": "w0", "inc": 1, "term": 1, "step": 3, "lo": 0, "hi": 1, "version": 3, "losses": [0.5], "n": 16,
               "finite": True, "codec": {}, "encode_s": 0.0, **over}
     return encode("grad", RUN, fields, tensors)
 

@@ -14,7 +14,7 @@ RUN = "r1"
 
 def send_params(sock: zmq.Socket, publisher: Publisher, params: dict[str, torch.Tensor], version: int) -> None:
     encoded, trackers = publisher.encoded(params, version)
-    fields = {"term": 1, "step": version, "m": 0, "version": version, "scale": 1.0}
+    fields = {"term": 1, "step": version, "lo": 0, "hi": 1, "version": version, "scale": 1.0}
     protocol.send(sock, protocol.encode("work", RUN, fields, encoded=encoded), trackers=trackers)
 
 

@@ -181,12 +181,12 @@ class Hoarder(threading.Thread):
                 self.leases += 1
                 h = msg.header
                 mine = self.held.setdefault(h["step"], set())
-                mine.add(h["m"])
+                mine.update(range(h["lo"], h["hi"]))
                 others = [m for m in range(4) if m not in mine]  # microbatches someone else holds: injection
                 if others:
                     protocol.send(sock, protocol.encode("grad", run, {
-                        **self.me, "term": term, "step": h["step"], "m": others[0], "version": h["version"],
-                        "loss": 0.0, "n": 16, "finite": True, "codec": {"name": "none"}, "encode_s": 0.0},
+                        **self.me, "term": term, "step": h["step"], "lo": others[0], "hi": others[0] + 1,
+                        "version": h["version"], "losses": [0.0], "n": 16, "finite": True, "codec": {"name": "none"}, "encode_s": 0.0},
                         {n: torch.full(s, 5.0) for n, s in self.shapes.items()}))
                     self.injected += 1
             elif msg.type == "stop":

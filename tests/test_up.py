@@ -64,12 +64,27 @@ def test_run_completes_with_everything_in_the_run_dir(tmp_path: Path) -> None:
     assert shown_rate == pytest.approx(s["samples_per_s"], rel=0.1), (final, s)
 
 
-def test_same_params_with_1_2_3_workers(tmp_path: Path) -> None:
-    shas = {}
+def test_same_params_with_1_2_3_workers_and_one_gradient_per_worker_per_step(tmp_path: Path) -> None:
+    """M = 8: leases are blocks of the reduction tree (8, 4 and 2 microbatches for W = 1, 2, 3), each summed by its
+    worker. The result is bitwise `cmemi reference`'s, which sums microbatch by microbatch; and at W = 2 a worker
+    sends one gradient per step (at most two, when an idle worker recomputes a slow one's block)."""
+    sets = (*FAST, "train.microbatches=8")
+    out = tmp_path / "reference.json"
+    ref = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    shas = {"reference": json.loads(out.read_text())["params_sha256"]}
     for n in (1, 2, 3):
-        r = run_up(tmp_path / f"w{n}", *FAST, f"cluster.workers={n}")
+        r = run_up(tmp_path / f"w{n}", *sets, f"cluster.workers={n}")
         assert r.rc == 0, r.stderr[-3000:]
         shas[n] = r.summary["params_sha256"]
+        if n == 2:
+            model = build_model(load_config(DIGITS, list(sets)))
+            gradient = sum(p.numel() * p.element_size() for p in model.parameters())
+            headers = 4096  # msgpack header and tensor table of one gradient message, generously
+            per_step = sorted(m["bytes_in"] for m in r.metrics())
+            assert per_step[-1] <= n * 2 * (gradient + headers), (per_step[-1], gradient)
+            assert n * gradient <= per_step[len(per_step) // 2] <= n * (gradient + headers), (per_step, gradient)
     assert len(set(shas.values())) == 1, shas
 
 

@@ -36,7 +36,7 @@ def recv(router: zmq.Socket, timeout: float = 60) -> tuple[bytes, protocol.Messa
 
 
 def work(params: dict[str, torch.Tensor], corrupt: bool = False) -> list:
-    parts = protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": 0, "scale": 1.0}, params)
+    parts = protocol.encode("work", RUN, {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0}, params)
     if corrupt:  # one flipped byte in the middle of the largest tensor: its checksum no longer matches
         i = max(range(1, len(parts)), key=lambda j: parts[j].nbytes)
         data = bytearray(parts[i])
@@ -108,8 +108,8 @@ def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_
         assert msg.type == "want" and msg.header["version"] == -1, msg.header
         protocol.send(router, work(params), ident)
         ident, msg = recv(router)
-        assert msg.type == "grad" and (msg.header["step"], msg.header["m"], msg.header["version"]) == (0, 0, 0)
-        assert msg.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
+        assert msg.type == "grad" and (msg.header["step"], msg.header["lo"], msg.header["hi"], msg.header["version"]) == (0, 0, 1, 0)
+        assert msg.header["losses"][0] == pytest.approx(expected_loss, rel=1e-6)
         stop(router, ident)
         assert proc.wait(timeout=60) == 0
     assert "bad_checksum" in (tmp_path / "worker.log").read_text()
@@ -128,7 +128,7 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         assert msg.type == "want"  # its reply is "lost": nothing is sent back
         ident, msg = recv(router, timeout=30)
         assert msg.type == "want", msg.header  # asked again by itself
-        sent = transfer.messages("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": 0, "scale": 1.0}, cap,
+        sent = transfer.messages("work", RUN, {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0}, cap,
                                  params)
         assert len(sent) >= 2
         transfer.send(router, sent, ident)
@@ -141,7 +141,7 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
                 grad = asm.decode(frames[0].bytes, frames[1:])
         assert grad is not None and grad.type == "grad", "no gradient"
         assert len(sizes) >= 2 and max(sizes) <= cap, sizes
-        assert grad.header["loss"] == pytest.approx(expected_loss, rel=1e-6)
+        assert grad.header["losses"][0] == pytest.approx(expected_loss, rel=1e-6)
         assert sum(t.numel() for t in grad.tensors.values()) == sum(p.numel() for p in params.values())
         stop(router, ident)
         _out, err = proc.communicate(timeout=60)
@@ -156,7 +156,7 @@ def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_se
         welcome(router)
         ident, msg = recv(router)
         assert msg.type == "want"
-        protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "m": 0, "version": -1,
+        protocol.send(router, protocol.encode("work", RUN, {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": -1,
                                                             "scale": 1.0}, {}), ident)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2, err[-2000:]

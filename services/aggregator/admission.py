@@ -5,8 +5,8 @@
   hello (a huge incarnation that would fence the real worker) or a stale process is turned away,
   with Curve on or off.
 - `ReissuePolicy`: how long a lease may be outstanding, while the queue is empty and workers idle,
-  before the next idle worker gets it too: twice the recent lease-to-gradient time (an exponential
-  average), so a withheld lease costs about one recomputation, not `lease_timeout`, and an honest
+  before the next idle worker gets it too: twice the recent lease-to-gradient time per microbatch
+  (an exponential average; a lease of n microbatches waits n times as long), so a withheld lease costs about one recomputation, not `lease_timeout`, and an honest
   step's tail is not duplicated.
 """
 
@@ -42,17 +42,17 @@ class ReissuePolicy:
     def leased(self, info: Any, now: float) -> None:
         self._since[(info.wid, info.inc)] = now
 
-    def accepted(self, info: Any, now: float) -> None:
+    def accepted(self, info: Any, now: float, microbatches: int = 1) -> None:
         since = self._since.get((info.wid, info.inc))
         if since is None:
             return
-        dt = now - since
+        dt = (now - since) / microbatches
         self.avg = dt if self.avg is None else 0.8 * self.avg + 0.2 * dt
         self.samples += 1
 
     @property
     def after(self) -> float | None:
-        """Seconds a lease is outstanding before an idle worker gets it too (None: not measured yet)."""
+        """Seconds per microbatch a lease is outstanding before an idle worker gets it too (None: not measured yet)."""
         if self.avg is None or self.samples < self.MIN_SAMPLES:
             return None
         return max(self.MIN_S, self.FACTOR * self.avg)

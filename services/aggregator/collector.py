@@ -1,32 +1,29 @@
 """Leases and ordered summation of one global step's M microbatch gradients (no sockets: unit-testable).
 
-Microbatch m of step s is leased to one worker at a time. A lease that expires, or whose worker
-is declared dead, goes back to the pending queue and is handed to the next worker that asks.
-The first gradient to arrive for m is accepted (any worker computes it bitwise identically);
-every later one is a duplicate and is dropped. A gradient counts only from a worker incarnation
-that was leased that m in this step (`granted`): nobody injects a gradient for a microbatch it
-was not given. When the queue is empty, an outstanding lease held longer than `reissue_after` is
-handed to the next idle worker as well (oldest first, fewest holders first), so a withheld lease
-costs one recomputation, never a whole `lease_timeout` (docs/design.md, "Idle workers"). Accepted gradients are summed by the fixed reduction
-tree of `shared.reduction`, so the sum is bitwise the same whatever order they arrive in.
+A lease is a node [lo, hi) of the step's reduction tree (docs/design.md, "Leases"): a block of
+microbatches that one worker computes and sums itself, in tree order, sending one gradient. A block
+that expires, or whose worker is declared dead, goes back to the pending queue split into leaves,
+handed out one by one, so a step never waits for one replacement to redo a whole block. The first
+complete contribution for a set of microbatches is accepted (any worker computes it bitwise
+identically); one overlapping microbatches already received is a duplicate and is dropped. A
+contribution counts only from a worker incarnation that was leased exactly that node in this step
+(`granted`): nobody injects a gradient for work it was not given. When the queue is empty, an
+outstanding lease held longer than `reissue_after` per microbatch is handed to the next idle worker
+as well (fewest holders first, then oldest), so a withheld lease costs one recomputation, never a
+whole `lease_timeout` (docs/design.md, "Idle workers"). Accepted contributions are summed by the
+fixed reduction tree of `shared.reduction`, so the sum is bitwise the same whatever arrives when.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cmemi.shared.reduction import TreeAccumulator
+from cmemi.shared.reduction import TreeAccumulator, add_into, blocks, is_subtree
 
-
-def add_into(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """a += b, tensor by tensor, in a's storage (an empty dict stands for an overflowed microbatch)."""
-    if not a or not b:
-        return a or b
-    for k, v in a.items():
-        v.add_(b[k])
-    return a
+Node = tuple[int, int]  # [lo, hi): microbatches lo..hi-1 of the step
 
 
 @dataclass
@@ -36,16 +33,22 @@ class Lease:
     deadline: float
 
 
+def node_of(x: int | Node) -> Node:
+    """A leaf m, or a node (lo, hi), as a node."""
+    return (x, x + 1) if isinstance(x, int) else (int(x[0]), int(x[1]))
+
+
 class StepCollector:
-    def __init__(self, step: int, microbatches: int, strict: bool = False) -> None:
+    def __init__(self, step: int, microbatches: int, block: int = 1, strict: bool = False) -> None:
+        """`block`: the most microbatches one lease holds (a power of two; 1 leases microbatch by microbatch)."""
         self.step = step
         self.M = microbatches
         self.strict = strict  # a second collection of a step whose sum was not finite: check each gradient
-        self.pending: deque[int] = deque(range(microbatches))
-        self.leases: dict[int, Lease] = {}  # m -> its newest holder (whose deadline counts)
-        self.granted: dict[int, set[tuple[str, int]]] = {}  # m -> every (wid, inc) leased it in this step
-        self.leased_at: dict[int, float] = {}  # m -> when it was first leased (re-issue oldest first)
-        self.received: set[int] = set()
+        self.pending: deque[Node] = deque(blocks(microbatches, max(1, block)))
+        self.leases: dict[Node, Lease] = {}  # node -> its newest holder (whose deadline counts)
+        self.granted: dict[Node, set[tuple[str, int]]] = {}  # node -> every (wid, inc) leased it in this step
+        self.leased_at: dict[Node, float] = {}  # node -> when it was first leased (re-issue oldest first)
+        self.received: set[int] = set()  # microbatches covered by accepted contributions
         self._tree: TreeAccumulator = TreeAccumulator(microbatches, add_into)
         self._buffers: TreeAccumulator = TreeAccumulator(microbatches, add_into)  # model.buffers: mean
         self._losses: dict[int, float] = {}
@@ -55,74 +58,92 @@ class StepCollector:
     def complete(self) -> bool:
         return len(self.received) == self.M
 
-    def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None) -> int | None:
-        """The next microbatch for worker (wid, inc): from the queue, else (with `reissue_after`) an outstanding
-        lease held at least that long by another worker; None if there is nothing to hand out."""
-        if self.pending:
-            m = self.pending.popleft()
-        elif reissue_after is None or (m := self._reissuable(wid, inc, now - reissue_after)) is None:
-            return None
-        self.leases[m] = Lease(wid, inc, now + timeout)
-        self.granted.setdefault(m, set()).add((wid, inc))
-        self.leased_at.setdefault(m, now)
-        return m
+    def _covered(self, node: Node) -> bool:
+        return any(m in self.received for m in range(*node))
 
-    def _reissuable(self, wid: str, inc: int, before: float) -> int | None:
-        outstanding = [m for m, t in self.leased_at.items()
-                       if m not in self.received and t <= before and (wid, inc) not in self.granted.get(m, ())]
-        return min(outstanding, key=lambda m: (len(self.granted.get(m, ())), self.leased_at[m], m), default=None)
+    def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None) -> Node | None:
+        """The next node for worker (wid, inc): from the queue, else (with `reissue_after`, seconds per microbatch)
+        an outstanding lease held at least that long by another worker; None if there is nothing to hand out.
+        A lease of n microbatches expires after n × `timeout`."""
+        if self.pending:
+            node = self.pending.popleft()
+        elif reissue_after is None or (node := self._reissuable(wid, inc, now, reissue_after)) is None:
+            return None
+        self.leases[node] = Lease(wid, inc, now + timeout * (node[1] - node[0]))
+        self.granted.setdefault(node, set()).add((wid, inc))
+        self.leased_at.setdefault(node, now)
+        return node
+
+    def _outstanding(self, now: float, reissue_after: float) -> list[Node]:
+        return [n for n, t in self.leased_at.items()
+                if not self._covered(n) and t <= now - reissue_after * (n[1] - n[0])]
+
+    def _reissuable(self, wid: str, inc: int, now: float, reissue_after: float) -> Node | None:
+        mine = [n for n in self._outstanding(now, reissue_after) if (wid, inc) not in self.granted.get(n, ())]
+        return min(mine, key=lambda n: (len(self.granted.get(n, ())), self.leased_at[n], n), default=None)
 
     def reissuable(self, now: float, reissue_after: float) -> bool:
-        return not self.pending and any(m not in self.received and t <= now - reissue_after
-                                        for m, t in self.leased_at.items())
+        return not self.pending and bool(self._outstanding(now, reissue_after))
+
+    def _requeue(self, nodes: list[Node]) -> list[int]:
+        """Put nodes back at the front of the queue, split into the leaves not yet received; returns those."""
+        leaves = sorted({m for node in nodes for m in range(*node) if m not in self.received})
+        for node in nodes:
+            self.leases.pop(node, None)
+            self.leased_at.pop(node, None)
+        queued = {m for lo, hi in self.pending for m in range(lo, hi)}
+        self.pending.extendleft((m, m + 1) for m in reversed(leaves) if m not in queued)
+        return leaves
 
     def release(self, wid: str, max_inc: int | None = None) -> list[int]:
-        """Return the leases of worker `wid` (of incarnations <= max_inc) to the front of the queue."""
-        freed = sorted(m for m, lease in self.leases.items()
-                       if lease.wid == wid and (max_inc is None or lease.inc <= max_inc))
-        for m in reversed(freed):
-            del self.leases[m]
-            self.pending.appendleft(m)
-            self.leased_at.pop(m, None)
+        """Return the leases of worker `wid` (of incarnations <= max_inc) to the front of the queue, as leaves;
+        returns the microbatches freed."""
+        freed = self._requeue(sorted(n for n, lease in self.leases.items()
+                                     if lease.wid == wid and (max_inc is None or lease.inc <= max_inc)))
         for holders in self.granted.values():  # a fenced or departed incarnation's gradients no longer count
             holders -= {h for h in holders if h[0] == wid and (max_inc is None or h[1] <= max_inc)}
         return freed
 
     def expire(self, now: float) -> list[int]:
-        expired = sorted(m for m, lease in self.leases.items() if lease.deadline < now)
-        for m in reversed(expired):
-            del self.leases[m]
-            self.pending.appendleft(m)
-            self.leased_at.pop(m, None)
-        return expired
+        return self._requeue(sorted(n for n, lease in self.leases.items() if lease.deadline < now))
 
-    def check(self, m: int, holder: tuple[str, int]) -> str | None:
-        """Why a gradient for m from `holder` would be dropped (None: it would be accepted)."""
-        if not 0 <= m < self.M:
+    def check(self, node: int | Node, holder: tuple[str, int]) -> str | None:
+        """Why a contribution for `node` from `holder` would be dropped (None: it would be accepted)."""
+        node = node_of(node)
+        if not is_subtree(*node, self.M):
             return "bad_microbatch"
-        if m in self.received:
+        if self._covered(node):
             return "duplicate"
-        if holder not in self.granted.get(m, ()):
+        if holder not in self.granted.get(node, ()):
             return "not_leased"
         return None
 
-    def offer(self, m: int, grads: dict[str, torch.Tensor] | None, loss: float, holder: tuple[str, int],
-              buffers: dict[str, torch.Tensor] | None = None) -> str | None:
-        """Accept microbatch m's gradient from `holder` = (wid, inc) (grads None: it overflowed under fp16 loss
-        scaling) and its buffer contribution (shared.buffers.contribution; None for a model whose buffers do not
-        travel); returns a drop reason instead if it is not wanted. The collector owns accepted tensors."""
-        if (reason := self.check(m, holder)) is not None:
+    def offer(self, node: int | Node, grads: dict[str, torch.Tensor] | None, losses: float | Sequence[float],
+              holder: tuple[str, int], buffers: dict[str, torch.Tensor] | None = None) -> str | None:
+        """Accept the tree sum over `node` (a leaf m or (lo, hi)) from `holder` = (wid, inc) (grads None: it
+        overflowed under fp16 loss scaling), one loss per microbatch, and its buffer contribution (the tree sum of
+        shared.buffers.contribution; None for a model whose buffers do not travel); returns a drop reason instead if
+        it is not wanted. The collector owns accepted tensors."""
+        node = node_of(node)
+        if (reason := self.check(node, holder)) is not None:
             return reason
-        self.received.add(m)
-        self.leases.pop(m, None)
-        self.leased_at.pop(m, None)
-        if m in self.pending:
-            self.pending.remove(m)
-        self._losses[m] = loss
+        losses = [float(losses)] if isinstance(losses, (int, float)) else [float(x) for x in losses]
+        if len(losses) != node[1] - node[0]:
+            return "bad_losses"
+        self.received.update(range(*node))
+        # whatever else holds these microbatches is no longer needed; its leaves not received are queued again
+        overlapping = [n for n in [*self.leases, *self.leased_at] if n[0] < node[1] and node[0] < n[1]]
+        self._requeue(list(dict.fromkeys(overlapping)))
+        stale = [n for n in self.pending if n[0] < node[1] and node[0] < n[1]]
+        for n in stale:
+            self.pending.remove(n)
+        self.pending.extendleft((m, m + 1) for n in reversed(stale) for m in reversed(range(*n))
+                                if m not in self.received)
+        self._losses.update(zip(range(*node), losses, strict=True))
         self.overflow |= grads is None
-        self._tree.add(m, m + 1, grads or {})  # received buffers become accumulators: no copy, no allocation
+        self._tree.add(*node, grads or {})  # received buffers become accumulators: no copy, no allocation
         if buffers is not None:
-            self._buffers.add(m, m + 1, buffers)
+            self._buffers.add(*node, buffers)
         return None
 
     def buffer_sum(self) -> dict[str, torch.Tensor] | None:

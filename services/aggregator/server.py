@@ -24,7 +24,7 @@ from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import atomic, limits, metrics, protocol, startup, state, transfer
+from cmemi.shared import atomic, limits, metrics, protocol, reduction, startup, state, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
@@ -108,7 +108,7 @@ class Aggregator:
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
-        self.collector = StepCollector(self.trainer.step, self.M)
+        self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
         self._step_bytes_in = self._step_bytes_out = 0
         self.t_start: float | None = None
@@ -127,6 +127,14 @@ class Aggregator:
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
                                                                "incarnation": self.member.incarnation})
+
+    def _collector(self, step: int, strict: bool = False) -> StepCollector:
+        """Leases of a step: blocks of the reduction tree, one per worker where M allows (docs/design.md, "Leases").
+        A stateless lossy codec (fp16/bf16/int8) rounds each microbatch's gradient, as the reference does, so it
+        leases microbatch by microbatch; the lossless and the error-feedback codecs encode a block's sum."""
+        block = 1 if self.codec.per_microbatch else reduction.block_size(self.M, max(self.cfg.cluster.workers,
+                                                                                        len(self.workers)))
+        return StepCollector(step, self.M, block=block, strict=strict)
 
     def _reissuable(self) -> bool:
         after = self.reissue.after
@@ -322,9 +330,9 @@ class Aggregator:
             self._drop("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {self.collector.step}")
             self._serve(identity, info, h["version"])
             return
-        holder = (info.wid, info.inc)
-        if (reason := self.collector.check(h["m"], holder)) is not None:  # before decoding: injection costs little
-            self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
+        holder, node = (info.wid, info.inc), (h["lo"], h["hi"])
+        if (reason := self.collector.check(node, holder)) is not None:  # before decoding: injection costs little
+            self._drop(reason, f"{info.wid}: step {h['step']} microbatches [{h['lo']}, {h['hi']})")
             self._serve(identity, info, h["version"])
             return
         if h["finite"] or not self.trainer.scaler.enabled:
@@ -336,23 +344,26 @@ class Aggregator:
                 self._drop(f"codec_{exc.reason}", f"{info.wid}: {exc}")
                 self._serve(identity, info, h["version"])
                 return
-        contribution = None
-        if self.report_buffers:  # model.buffers: mean, and the model has some
-            contribution = self.trainer.contribution({k: v.clone() for k, v in produced.items()})
+        where = f"{info.wid}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
+        losses = h["losses"]
         if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
-        elif self.report_buffers and contribution is None:
+        elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self._drop("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif grads is not None and self.collector.strict and not all_finite(grads.values()):
-            self._drop("codec_nonfinite", f"{info.wid}: step {h['step']} m {h['m']}: NaN or inf in the gradient")
-        elif (reason := self.collector.offer(h["m"], grads, float(h["loss"]), holder, contribution)) is not None:
-            self._drop(reason, f"{info.wid}: step {h['step']} m {h['m']}")
+            self._drop("codec_nonfinite", f"{where}: NaN or inf in the gradient")
+        elif not all(isinstance(x, (int, float)) for x in losses):
+            self._drop("bad_losses", where)
+        elif (reason := self.collector.offer(node, grads, losses, holder,
+                                             produced if self.report_buffers else None)) is not None:
+            self._drop(reason, where)
         else:
-            self.reissue.accepted(info, time.monotonic())
-            self._unpublished_mb[f"{info.wid}:{info.inc}"] += 1
+            self.reissue.accepted(info, time.monotonic(), node[1] - node[0])
+            self._unpublished_mb[f"{info.wid}:{info.inc}"] += node[1] - node[0]
             if (info.wid, info.inc) not in self._contributed:
                 self._contributed.add((info.wid, info.inc))
-                self.ctx.emit("first_grad_accepted", worker=info.wid, incarnation=info.inc, step=h["step"], m=h["m"])
+                self.ctx.emit("first_grad_accepted", worker=info.wid, incarnation=info.inc, step=h["step"],
+                              lo=h["lo"], hi=h["hi"])
             if self.collector.complete:
                 self._apply_step()
         self._serve(identity, info, h["version"])
@@ -404,13 +415,14 @@ class Aggregator:
             self.t_start = self._t_step = time.monotonic()
         now = time.monotonic()
         self.reissue.leased(info, now)
-        m = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
-        if m is None:
+        node = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
+        if node is None:
             self.parked[identity] = (info, held_version)
             return
         self.parked.pop(identity, None)
         self._send(identity, "work", params=held_version != self.trainer.step, term=self.term,
-                   step=self.collector.step, m=m, version=self.trainer.step, scale=self.trainer.scaler.scale)
+                   step=self.collector.step, lo=node[0], hi=node[1], version=self.trainer.step,
+                   scale=self.trainer.scaler.scale)
 
     def _serve_parked(self) -> None:
         for identity, (info, held_version) in list(self.parked.items()):
@@ -430,7 +442,7 @@ class Aggregator:
                 self.ctx.fatal(f"the summed gradient of step {self.trainer.step + 1} is not finite (it overflows); "
                                "the run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
             self._drop("nonfinite_step", f"step {self.collector.step}: collecting it again, checking each gradient")
-            self.collector = StepCollector(self.collector.step, self.M, strict=True)
+            self.collector = self._collector(self.collector.step, strict=True)
             self._serve_parked()
             return
         try:
@@ -472,7 +484,7 @@ class Aggregator:
         if step >= self.total or self.stopped_early:
             self.done = True
         else:
-            self.collector = StepCollector(step, self.M)
+            self.collector = self._collector(step)
         if now >= self._next_progress or self.done:
             self._next_progress = now + 0.1  # enough for status and the progress bar; spares Redis
             self._publish_progress(step, loss, dt)

@@ -67,14 +67,15 @@ class Trainer:
                 return "grad_shape"
         return None
 
+    def valid_buffers(self, reported: dict[str, torch.Tensor]) -> bool:
+        """Do reported buffers (or a buffer contribution) match the model and are they finite? (Honest workers
+        stop the run before sending anything else.)"""
+        return buffer_rule.check(reported, self.buffers) and all(
+            bool(torch.isfinite(b).all()) for b in reported.values() if b.is_floating_point())
+
     def contribution(self, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """A microbatch's reported buffers as a term of the step's buffer sum; None if they do not match the model
-        or are not finite (honest workers stop the run before sending those)."""
-        if not buffer_rule.check(produced, self.buffers):
-            return None
-        if not all(bool(torch.isfinite(b).all()) for b in produced.values() if b.is_floating_point()):
-            return None
-        return buffer_rule.contribution(self.buffers, produced)
+        """A microbatch's produced buffers as a term of the step's buffer sum; None if they are not valid."""
+        return buffer_rule.contribution(self.buffers, produced) if self.valid_buffers(produced) else None
 
     def apply(self, mean_grads: dict[str, torch.Tensor] | None,
               buffer_sum: dict[str, torch.Tensor] | None = None) -> None:

@@ -17,6 +17,7 @@ import torch
 import zmq
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
+from cmemi.shared import buffers as buffer_rule
 from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import all_finite, make_codec
@@ -25,6 +26,7 @@ from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
 from cmemi.shared.membership import Member
 from cmemi.shared.plugins import build_model, resolve
+from cmemi.shared.reduction import TreeAccumulator, add_into
 from cmemi.shared.service import ServiceContext
 from cmemi.shared.usercode import describe
 
@@ -274,17 +276,37 @@ class Worker:
             self.version = -1
             self._send("want", term=self.term, version=self.version)
             return
-        loss, grads, produced = self.compute(h["step"], h["m"], float(h["scale"]))
-        finite = all_finite(grads.values())
-        if not finite and self.cfg.precision != "fp16":
-            self.ctx.fatal(f"the gradient of microbatch {h['m']} of step {h['step']} is not finite (loss {loss}); "
-                           "the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
+        lo, hi = h["lo"], h["hi"]
+        losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]))
         t0 = time.perf_counter()
         info, frames = self.codec.encode(grads, h["step"]) if finite else ({}, {})
-        if produced is not None:
-            frames = {**frames, **{PREFIX + n: b for n, b in produced.items()}}
-        self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term, step=h["step"], m=h["m"],
-                   version=self.version, loss=loss, n=self.cfg.train.global_batch // self.cfg.train.microbatches)
+        if buffers is not None:
+            frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
+        self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term,
+                   step=h["step"], lo=lo, hi=hi, version=self.version, losses=losses,
+                   n=(hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches))
+
+    def compute_block(self, step: int, lo: int, hi: int, scale: float) -> tuple[
+            list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]:
+        """The lease [lo, hi) of step `step`: each microbatch's gradient, summed here in the reduction tree's
+        order (docs/design.md), so one gradient travels and it is bitwise the node the aggregator would have built
+        from the leaves. Returns (loss per microbatch, gradient sum, buffer contribution sum or None, finite)."""
+        grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)  # a node's tree has its length's shape
+        buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
+        losses, finite, fp16 = [], True, self.cfg.precision == "fp16"
+        for m in range(lo, hi):
+            loss, g, produced = self.compute(step, m, scale)
+            losses.append(loss)
+            if fp16 and finite and not all_finite(g.values()):
+                finite = False  # an fp16 overflow, exactly per microbatch as GradScaler sees it: the step is skipped
+            grads.add(m - lo, m - lo + 1, g if finite else {})
+            if produced is not None:
+                buffers.add(m - lo, m - lo + 1, buffer_rule.contribution(self.runner.step_buffers, produced))
+        total = grads.result()
+        if not fp16 and not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
+            self.ctx.fatal(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite (losses "
+                           f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
+        return losses, total, buffers.result() if buffers.complete else None, finite
 
     def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
                                                                       dict[str, torch.Tensor] | None]:
