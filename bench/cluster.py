@@ -169,6 +169,7 @@ class Cluster:
                  sampler: CpuSampler, redis_url: str, keys: Path) -> None:
         self.lab, self.server, self.hosts, self.work = lab, server, hosts, work
         self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
+        self.runs = 0
 
     def _wait(self, procs: dict[str, subprocess.Popen], names: list[str], deadline: float, logs: Path) -> None:
         for k in names:
@@ -186,16 +187,22 @@ class Cluster:
         workload = {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01}
         out, events = logs / "result.json", logs / "events.jsonl"
         procs = {}
+        self.runs += 1
+        port = MASTER_PORT + self.runs  # a fresh port per run: nothing of an earlier run can hold it
         for r in range(n):
             env = C.env(1, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                        MASTER_ADDR=self.hosts[0].ip, MASTER_PORT=str(MASTER_PORT), GLOO_SOCKET_IFNAME="eth0")
+                        MASTER_ADDR=self.hosts[0].ip, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
             argv = [C.PY, str(SCRIPT), "--workload", json.dumps(workload), "--steps", str(steps),
                     "--warmup", str(warmup), "--out", str(out), "--events", str(events)]
             if powersgd:
                 argv += ["--powersgd-rank", str(POWERSGD_RANK)]
             procs[f"rank{r}"] = self.lab.start(self.hosts[r], argv, logs / f"rank{r}.log", env=env, cwd=C.ROOT)
         self.sampler.watch([p.pid for p in procs.values()])
-        self._wait(procs, list(procs), time.monotonic() + 180 + steps * 5, logs)
+        try:
+            self._wait(procs, list(procs), time.monotonic() + 180 + steps * 5, logs)
+        finally:  # a hung or failed rank must not keep the rendezvous port or the links busy
+            for p in procs.values():
+                self.lab.stop(p)
         res = json.loads(out.read_text())
         t = {e["step"]: e["t"] for e in C.JsonlTail(events).read() if e["kind"] == "step"}
         median = res["step_time_median_s"]
@@ -312,7 +319,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N = 2, 4 and fewer steps (to debug)")
     p.add_argument("--hosts", default=None, help="comma-separated N values (default 2,4,8; --quick 2,4)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 40; --quick 14)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --quick 14)")
     p.add_argument("--warmup", type=int, default=None, help="steps skipped before measuring (default 5; --quick 3)")
     p.add_argument("--rate", default="200mbit", help="every link's rate each way, in tc's units")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
@@ -331,7 +338,7 @@ def main() -> None:
         print(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}", file=sys.stderr)
         sys.exit(2)
     ns_ = [int(x) for x in (args.hosts or ("2,4" if args.quick else "2,4,8")).split(",")]
-    steps = args.steps or (14 if args.quick else 40)
+    steps = args.steps or (14 if args.quick else 30)
     warmup = args.warmup or (3 if args.quick else 5)
     C.setup(threads=1)
     pbytes = param_bytes()
@@ -346,7 +353,8 @@ def main() -> None:
                      "emulated_compute_ms_per_forward": SLEEP_MS, "steps": steps, "warmup_steps": warmup},
         "systems": {
             "ddp": "N gloo ranks (bench/torch_train.py), env:// rendezvous on host 0, dense all-reduce",
-            "ddp_powersgd": f"the same with torch's PowerSGD comm hook, rank {POWERSGD_RANK}, from step 3",
+            "ddp_powersgd": f"the same with torch's PowerSGD comm hook, rank {POWERSGD_RANK}, from step 3, "
+                            "bucket_cap_mb=25 (one bucket: two buckets make the hook abort on gloo)",
             "cmemi_k1": "CMEMI, ONE aggregator (K = 1) on a server host + N workers, started by hand, CurveZMQ on, "
                         "codec none",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",

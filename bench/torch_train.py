@@ -86,7 +86,10 @@ def main() -> None:
     if distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model)
+        # PowerSGD on gloo needs one bucket: with DDP's default small first bucket (from the second step on), the
+        # hook's chained all-reduces of two buckets reach gloo in different orders on different ranks and abort
+        # ("Received data size doesn't match expected size"); an explicit bucket_cap_mb drops the small first bucket
+        net = DDP(model, bucket_cap_mb=25) if args.powersgd_rank else DDP(model)
         if args.powersgd_rank:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
