@@ -1,9 +1,11 @@
-"""bench/physics.py: the communication bounds bench/cluster.py prints next to its measurements."""
+"""bench/cluster.py's pure parts: the communication bounds (bench/physics.py) it prints next to its
+measurements, and its --rate parsing (tc's units)."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.cluster import rate_bit_s
 from bench.physics import comm_bounds_s
 
 
@@ -28,3 +30,11 @@ def test_one_host_needs_no_ring_traffic() -> None:
 def test_bad_arguments_are_refused(args) -> None:
     with pytest.raises(ValueError, match="need n >= 1"):
         comm_bounds_s(*args)
+
+
+def test_rates_in_tc_units() -> None:
+    assert rate_bit_s("200mbit") == 200e6
+    assert rate_bit_s("1.5Gbit") == 1.5e9
+    assert rate_bit_s("800kbit") == 800e3
+    with pytest.raises(ValueError, match="e.g. 200mbit"):
+        rate_bit_s("200MB/s")
