@@ -331,7 +331,11 @@ def main() -> None:
     if why is not None:
         print(f"bench/cluster.py needs root and Linux network namespaces with tc: {why}", file=sys.stderr)
         sys.exit(2)
-    rate = rate_bit_s(args.rate)
+    try:
+        rate = rate_bit_s(args.rate)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
