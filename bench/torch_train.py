@@ -50,6 +50,8 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--events", default=None, help="JSONL file for start/resumed/step records (rank 0; pids: all ranks)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (slows a tiny model down)")
+    p.add_argument("--powersgd-rank", type=int, default=0,
+                   help="DDP only: register torch's PowerSGD communication hook at this rank (0: dense all-reduce)")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -84,7 +86,17 @@ def main() -> None:
     if distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model)
+        # PowerSGD on gloo needs one bucket: with DDP's default small first bucket (from the second step on), the
+        # hook's chained all-reduces of two buckets reach gloo in different orders on different ranks and abort
+        # ("Received data size doesn't match expected size"); an explicit bucket_cap_mb drops the small first bucket
+        net = DDP(model, bucket_cap_mb=25) if args.powersgd_rank else DDP(model)
+        if args.powersgd_rank:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # dense for the first 2 steps (the hook's minimum with error feedback and warm start), then rank-r factors
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                       start_powerSGD_iter=2)
+            net.register_comm_hook(state, psgd.powerSGD_hook)
     B = w["global_batch"]
     n = len(dataset)
     times, cpus = [], []

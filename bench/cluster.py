@@ -1,0 +1,423 @@
+"""An emulated cluster: N hosts as network namespaces on one bridge, every link shaped to a fixed rate.
+
+    sudo .venv/bin/python bench/cluster.py [--quick] [--out bench/results/cluster.json]
+
+Needs root (network namespaces, veths, `tc`); without them it says why in one line and exits 2. Not part of
+`make bench`. Every host's veth is shaped with `tc ... tbf` at both ends (the host's eth0 and its bridge port,
+i.e. each direction; this kernel has no netem, so there is rate but no added delay). One extra namespace is
+the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, one after the other:
+
+- `ddp`, `ddp_powersgd`: bench/torch_train.py as N gloo ranks, one per host, rendezvous env:// with
+  MASTER_ADDR on host 0 (how torchrun starts them, minus the agent); dense, and with torch's PowerSGD
+  communication hook (rank 2, dense for the first 2 steps);
+- `cmemi_k1`, `cmemi_k1_powersgd`, `cmemi_k1_topk`: CMEMI with ONE aggregator (K = 1), started by hand as
+  README's "Separate hosts" says: Redis, coordinator (--supervise none), checkpointer and aggregator on the
+  server host, one worker per host; CurveZMQ on (the default); `compression.codec` none / powersgd / topk.
+
+Workload: the MLP 784-512-512-10 (2.68 MB of fp32 parameters), batch 64 per worker, SGD (momentum 0.9),
+one microbatch per worker (train.microbatches = N, global batch 64·N), 20 ms of emulated compute per
+forward pass (`bench.cluster_models:sleepy_mlp`, the same for both systems). Step time = median after
+warm-up (CMEMI: over the steps where all N workers are admitted); samples/s = 64·N / that median. During
+each run's measured steps the machine's CPU idle (from /proc/stat) and the CPU used by the run's own
+processes are recorded, to show whether the shared 2 cores were the limit. The physics bounds
+(bench/physics.py) stand next to the figures. Sharded parameter servers (`cluster.shards`) are not built:
+there are no K = N or dedicated-server rows.
+
+Prints one JSON object (also on failure, with `error`); `--out PATH` saves it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as C  # noqa: E402
+from bench.physics import comm_bounds_s  # noqa: E402
+from tests import netns  # noqa: E402
+
+SCRIPT = C.ROOT / "bench" / "torch_train.py"
+SLEEP_MS = 20.0
+BATCH = 64
+MODEL = {"factory": "bench.cluster_models:sleepy_mlp",
+         "kwargs": {"in_dim": 784, "hidden": 512, "depth": 3, "classes": 10, "sleep_ms": SLEEP_MS}}
+DATA = {"factory": "bench.models:synthetic", "kwargs": {"n": 4096, "shape": [784]}}
+POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets the same
+# Fixed ports are safe here: each namespace is private to this run and holds nothing else.
+REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
+SYSTEMS = ("ddp", "cmemi_k1", "ddp_powersgd", "cmemi_k1_powersgd", "cmemi_k1_topk")
+
+
+# ---------------------------------------------------------------------------------------- links
+def tc(ns: str, *args: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise RuntimeError(f"`tc {' '.join(args)}` in {ns} failed: {r.stderr.strip()}")
+
+
+def shape(lab: netns.NetLab, host: netns.Host, rate: str, burst: str) -> None:
+    """Token-bucket both ends of the host's veth: eth0 (host -> bridge) and its bridge port (bridge -> host)."""
+    spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"]
+    tc(host.ns, "qdisc", "replace", "dev", "eth0", *spec)
+    tc(lab.bridge_ns, "qdisc", "replace", "dev", host.port_if, *spec)
+
+
+PROBE_RECV = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))
+s.listen(4)
+while True:
+    c, _ = s.accept(); n = 0
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        n += len(b)
+    if n:
+        c.sendall(b"k"); print(n); break
+    c.close()
+"""
+PROBE_SEND = """
+import socket, sys, time
+deadline = time.monotonic() + 20
+while True:
+    try:
+        c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5); break
+    except OSError:
+        if time.monotonic() > deadline: raise
+        time.sleep(0.05)
+data = bytes(int(sys.argv[3])); t0 = time.perf_counter()
+c.sendall(data); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(time.perf_counter() - t0)
+"""
+
+
+def probe_rate(src: netns.Host, dst: netns.Host, nbytes: int) -> float:
+    """Achieved TCP goodput src -> dst in Mbit/s (checks that the shaping is in place)."""
+    recv = subprocess.Popen(["ip", "netns", "exec", dst.ns, C.PY, "-c", PROBE_RECV, dst.ip, str(PROBE_PORT)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", src.ns, C.PY, "-c", PROBE_SEND, dst.ip, str(PROBE_PORT),
+                              str(nbytes)], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise RuntimeError(f"link probe {src.name} -> {dst.name} failed: {out.stderr.strip()[-500:]}")
+        recv.wait(timeout=20)
+        return nbytes * 8 / float(out.stdout.strip()) / 1e6
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------- CPU
+class CpuSampler:
+    """Samples /proc/stat (the whole machine) and the CPU time of the processes being watched, every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float, float, float]] = []  # (t, idle, total jiffies, ours s, load)
+        self.watched: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def watch(self, pids: list[int]) -> None:
+        for pid in pids:
+            self.watched.setdefault(pid, 0.0)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            for pid in list(self.watched):
+                cpu = C.cpu_seconds(pid)
+                if cpu is not None:  # a process that exited keeps its last reading
+                    self.watched[pid] = cpu
+            self.samples.append((time.time(), fields[3] + fields[4], sum(fields[:8]), sum(self.watched.values()),
+                                 os.getloadavg()[0]))
+            self._stop.wait(0.2)
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        """CPU idle of the machine and cores used by the watched processes between wall-clock t0 and t1."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return {"samples": len(inside)}
+        a, b = inside[0], inside[-1]
+        cpus = os.cpu_count() or 1
+        idle = (b[1] - a[1]) / (b[2] - a[2]) if b[2] > a[2] else None
+        return {"seconds": round(b[0] - a[0], 2), "machine_idle_fraction": C.rnd(idle, 3),
+                "machine_idle_cores": C.rnd(idle * cpus if idle is not None else None, 2),
+                "this_run_cores_busy": round((b[3] - a[3]) / (b[0] - a[0]), 2), "cpus": cpus,
+                "loadavg_1min": [round(min(s[4] for s in inside), 2), round(max(s[4] for s in inside), 2)]}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------- the runs
+class Cluster:
+    def __init__(self, lab: netns.NetLab, server: netns.Host, hosts: list[netns.Host], work: Path,
+                 sampler: CpuSampler, redis_url: str, keys: Path) -> None:
+        self.lab, self.server, self.hosts, self.work = lab, server, hosts, work
+        self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
+        self.runs = 0
+
+    def _wait(self, procs: dict[str, subprocess.Popen], names: list[str], deadline: float, logs: Path) -> None:
+        for k in names:
+            try:
+                rc = procs[k].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{k} did not finish in time{tails(logs)}") from None
+            if rc != 0:
+                raise RuntimeError(f"{k} exited with {rc}{tails(logs)}")
+
+    def ddp(self, n: int, steps: int, warmup: int, powersgd: bool) -> dict[str, Any]:
+        tag = f"ddp{'_powersgd' if powersgd else ''}-n{n}"
+        logs = self.work / tag
+        logs.mkdir()
+        workload = {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01}
+        out, events = logs / "result.json", logs / "events.jsonl"
+        procs = {}
+        self.runs += 1
+        port = MASTER_PORT + self.runs  # a fresh port per run: nothing of an earlier run can hold it
+        for r in range(n):
+            env = C.env(1, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                        MASTER_ADDR=self.hosts[0].ip, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0")
+            argv = [C.PY, str(SCRIPT), "--workload", json.dumps(workload), "--steps", str(steps),
+                    "--warmup", str(warmup), "--out", str(out), "--events", str(events)]
+            if powersgd:
+                argv += ["--powersgd-rank", str(POWERSGD_RANK)]
+            procs[f"rank{r}"] = self.lab.start(self.hosts[r], argv, logs / f"rank{r}.log", env=env, cwd=C.ROOT)
+        self.sampler.watch([p.pid for p in procs.values()])
+        try:
+            self._wait(procs, list(procs), time.monotonic() + 180 + steps * 5, logs)
+        finally:  # a hung or failed rank must not keep the rendezvous port or the links busy
+            for p in procs.values():
+                self.lab.stop(p)
+        res = json.loads(out.read_text())
+        t = {e["step"]: e["t"] for e in C.JsonlTail(events).read() if e["kind"] == "step"}
+        median = res["step_time_median_s"]
+        return {"steps": steps, "steps_measured": steps - warmup, "step_time_median_s": C.rnd(median, 5),
+                "samples_per_s": round(BATCH * n / median, 1), "wall_per_step_s": C.rnd(res["wall_per_step_s"], 5),
+                "cpu": self.sampler.window(t[warmup], t[steps])}
+
+    def cmemi(self, n: int, steps: int, warmup: int, codec: str) -> dict[str, Any]:
+        from cmemi.shared.config import dump_config, load_config
+
+        name = f"cluster-n{n}-{codec}-{secrets.token_hex(3)}"
+        logs = self.work / name
+        logs.mkdir()
+        run_dir = logs / "run"
+        cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
+                             steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
+        cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
+        cfg["security"] = {"keys_dir": str(self.keys)}
+        cfg_path = C.write_yaml(logs / "config.yaml", cfg)
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(dump_config(load_config(cfg_path, [])))
+        env = C.env(1, CMEMI_REDIS_URL=self.redis_url)  # the password stays out of argv
+
+        def start(role: str, host: netns.Host, *extra: str, log: str) -> subprocess.Popen:
+            argv = [C.PY, "-m", "cmemi", role, "--config", str(cfg_path), "--set", f"cluster.host={host.ip}", *extra]
+            return self.lab.start(host, argv, logs / f"{log}.log", env=env, cwd=C.ROOT)
+
+        procs = {"coordinator": start("coordinator", self.server, "--supervise", "none", log="coordinator"),
+                 "checkpointer": start("checkpointer", self.server, log="checkpointer")}
+        # workers before the aggregator: they import torch meanwhile, so they join the first steps together
+        for i in range(n):
+            procs[f"w{i}"] = start("worker", self.hosts[i], "--worker-id", f"w{i}", log=f"w{i}")
+        procs["aggregator"] = start("aggregator", self.server, log="aggregator")
+        self.sampler.watch([p.pid for p in procs.values()])
+        try:
+            self._wait(procs, ["aggregator", *(f"w{i}" for i in range(n))],
+                       time.monotonic() + 240 + steps * (1 + 0.5 * n), logs)
+        finally:
+            for p in procs.values():
+                self.lab.stop(p)
+        rows = [m for m in C.JsonlTail(run_dir / "metrics.jsonl").read() if "step_time_s" in m]
+        full = [m["step"] for m in rows if m.get("live_workers", 0) >= n]
+        first = (full[0] if full else steps) + warmup  # steps after all N workers are admitted, then warm-up
+        measured = [m for m in rows if m["step"] > first]
+        if len(measured) < 3:
+            raise RuntimeError(f"only {len(measured)} steps with all {n} workers after warm-up: make the run longer")
+        median = C.median(m["step_time_s"] for m in measured)
+        at = {m["step"]: m["t"] for m in rows}
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return {"steps": steps, "steps_measured": len(measured), "first_measured_step": first + 1,
+                "step_time_median_s": C.rnd(median, 5), "samples_per_s": round(BATCH * n / median, 1),
+                "wall_per_step_s": C.rnd((measured[-1]["t"] - at[first]) / len(measured), 5),
+                "bytes_from_workers_per_step": round(summary["bytes_sent"] / summary["steps"]),
+                "bytes_to_workers_per_step": round(summary["bytes_received"] / summary["steps"]),
+                "cpu": self.sampler.window(at[first], measured[-1]["t"])}
+
+
+def tails(logs: Path, n: int = 1200) -> str:
+    out = []
+    for f in sorted(logs.glob("*.log")):
+        out.append(f"\n---- {f.name}\n{f.read_text(errors='replace')[-n:]}")
+    return "".join(out)
+
+
+def start_redis(lab: netns.NetLab, server: netns.Host, work: Path) -> str:
+    from cmemi.redis_server import redis_server_binary
+
+    password = secrets.token_hex(16)
+    d = work / "redis"
+    d.mkdir()
+    lab.start(server, [redis_server_binary(), "--port", str(REDIS_PORT), "--bind", server.ip, "--requirepass",
+                       password, "--save", "", "--appendonly", "no", "--dir", str(d), "--logfile",
+                       str(d / "redis.log")], d / "stdout.log")
+    C.poll(lambda: (d / "redis.log").is_file() and "Ready to accept" in (d / "redis.log").read_text(), 30,
+           "redis-server ready")
+    return f"redis://:{password}@{server.ip}:{REDIS_PORT}/0"
+
+
+def param_bytes() -> int:
+    from bench.cluster_models import sleepy_mlp
+
+    return sum(p.numel() * p.element_size() for p in sleepy_mlp(**MODEL["kwargs"]).parameters())
+
+
+def rate_bit_s(rate: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for u, f in units.items():
+        if rate.lower().endswith(u):
+            return float(rate[: -len(u)]) * f
+    raise ValueError(f"--rate {rate!r}: write it as <number>kbit, mbit or gbit (tc's units), e.g. 200mbit")
+
+
+def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[str, Any]:
+    b = comm_bounds_s(n, pbytes, rate)
+    sleep = SLEEP_MS / 1000
+    med = {k: r.get("step_time_median_s") for k, r in runs.items()}
+    return {
+        "bounds_comm_only_s": C.rnd(b, 4),
+        "bounds_with_compute_s": C.rnd({k: v + sleep for k, v in b.items()}, 4),
+        "ratios": {
+            "cmemi_k1_vs_ddp": C.ratio(med.get("cmemi_k1"), med.get("ddp")),
+            "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
+            "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
+            "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
+            "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
+            "cmemi_k1_vs_single_server_sequential_bound": C.ratio(med.get("cmemi_k1"),
+                                                                   b["single_server_sequential_s"] + sleep),
+        },
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="N = 2, 4 and fewer steps (to debug)")
+    p.add_argument("--hosts", default=None, help="comma-separated N values (default 2,4,8; --quick 2,4)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --quick 14)")
+    p.add_argument("--warmup", type=int, default=None, help="steps skipped before measuring (default 5; --quick 3)")
+    p.add_argument("--rate", default="200mbit", help="every link's rate each way, in tc's units")
+    p.add_argument("--burst", default="64kb", help="tbf bucket size")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    p.add_argument("--out", default=None, help="also write the JSON object here (e.g. bench/results/cluster.json)")
+    p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
+    args = p.parse_args()
+    why = netns.unavailable() or (None if shutil.which("tc") else "the `tc` command (iproute2) is not installed")
+    if why is not None:
+        print(f"bench/cluster.py needs root and Linux network namespaces with tc: {why}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        rate = rate_bit_s(args.rate)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    systems = args.systems.split(",")
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        print(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}", file=sys.stderr)
+        sys.exit(2)
+    ns_ = [int(x) for x in (args.hosts or ("2,4" if args.quick else "2,4,8")).split(",")]
+    steps = args.steps or (14 if args.quick else 30)
+    warmup = args.warmup or (3 if args.quick else 5)
+    C.setup(threads=1)
+    pbytes = param_bytes()
+    work = C.workdir("cluster")
+    result: dict[str, Any] = {
+        "bench": "cluster", "command": " ".join(["python bench/cluster.py", *sys.argv[1:]]),
+        "machine": C.machine(), "quick": args.quick,
+        "link": {"rate": args.rate, "rate_bit_s": rate, "burst": args.burst,
+                 "shaping": "tc tbf on both ends of every host's veth (each direction); no netem: no added delay"},
+        "workload": {"model": "MLP 784-512-512-10 (bench.cluster_models:sleepy_mlp)", "param_bytes": pbytes,
+                     "batch_per_worker": BATCH, "microbatches": "N (one per worker)", "optimizer": "SGD momentum 0.9",
+                     "emulated_compute_ms_per_forward": SLEEP_MS, "steps": steps, "warmup_steps": warmup},
+        "systems": {
+            "ddp": "N gloo ranks (bench/torch_train.py), env:// rendezvous on host 0, dense all-reduce",
+            "ddp_powersgd": f"the same with torch's PowerSGD comm hook, rank {POWERSGD_RANK}, from step 3, "
+                            "bucket_cap_mb=25 (one bucket: two buckets make the hook abort on gloo)",
+            "cmemi_k1": "CMEMI, ONE aggregator (K = 1) on a server host + N workers, started by hand, CurveZMQ on, "
+                        "codec none",
+            "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
+            "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
+        },
+        "not_measured": "CMEMI with K = N co-located shards and with K dedicated server hosts: sharded parameter "
+                        "servers (cluster.shards) are not built yet",
+        "by_n": {},
+    }
+    t_start = time.monotonic()
+    lab = None
+    sampler = CpuSampler()
+    try:
+        lab = netns.NetLab(subnet="10.214.0")
+        server = lab.host("srv", 2)
+        hosts = [lab.host(f"h{i}", 10 + i) for i in range(max(ns_))]
+        for h in (server, *hosts):
+            shape(lab, h, args.rate, args.burst)
+        probe = 8 * max(1, int(rate / 8 / 4))  # about a quarter of a second's worth
+        result["link"]["probe_mbit_s"] = {f"{a.name}->{b.name}": round(probe_rate(a, b, probe), 1)
+                                          for a, b in ((hosts[1], hosts[0]), (hosts[0], server))}
+        C.log(f"{len(hosts) + 1} hosts shaped to {args.rate}; probe {result['link']['probe_mbit_s']} Mbit/s")
+        from cmemi.shared.security import generate
+
+        keys = work / "keys"
+        generate(keys)
+        cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys)
+        for n in ns_:
+            runs: dict[str, Any] = {}
+            for system in systems:
+                C.log(f"N = {n}: {system} ({steps} steps)")
+                try:
+                    if system.startswith("ddp"):
+                        runs[system] = cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+                    else:
+                        codec = system.removeprefix("cmemi_k1").lstrip("_") or "none"
+                        runs[system] = cluster.cmemi(n, steps, warmup, codec)
+                except Exception as exc:  # one failed system does not lose the others' figures
+                    runs[system] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+                C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
+                result["by_n"][str(n)] = summarise(n, runs, pbytes, rate)
+        failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]
+        if failed:
+            result["error"] = f"runs failed: {', '.join(failed)}"
+    except BaseException as exc:
+        C.record_error(result, exc)
+        raise
+    finally:
+        sampler.close()
+        if lab is not None:
+            left = lab.close()
+            if left:
+                result["namespaces_left"] = left
+        C.finish(result, work, args.keep, t_start)  # prints it, with the load average at the end
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if "error" in result:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

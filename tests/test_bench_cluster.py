@@ -1,0 +1,40 @@
+"""bench/cluster.py's pure parts: the communication bounds (bench/physics.py) it prints next to its
+measurements, and its --rate parsing (tc's units)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cluster import rate_bit_s
+from bench.physics import comm_bounds_s
+
+
+def test_bounds_at_200_mbit() -> None:
+    p = 669_706 * 4  # the MLP 784-512-512-10 in fp32
+    one = p * 8 / 200e6  # 107 ms: one model through one 200 Mbit/s link
+    b2, b8 = comm_bounds_s(2, p, 200e6), comm_bounds_s(8, p, 200e6)
+    assert b2["ring_allreduce_s"] == pytest.approx(one)
+    assert b8["ring_allreduce_s"] == pytest.approx(1.75 * one)
+    assert b8["single_server_sequential_s"] == pytest.approx(16 * one)
+    assert b8["single_server_full_duplex_s"] == pytest.approx(8 * one)
+    # the single server's disadvantage grows as N^2/(N-1): 4.6x at N = 8 (the issue's figure)
+    assert b8["single_server_full_duplex_s"] / b8["ring_allreduce_s"] == pytest.approx(64 / 7 / 2)
+    assert b8["single_server_sequential_s"] / b8["ring_allreduce_s"] == pytest.approx(64 / 7)
+
+
+def test_one_host_needs_no_ring_traffic() -> None:
+    assert comm_bounds_s(1, 1000, 1e6)["ring_allreduce_s"] == 0
+
+
+@pytest.mark.parametrize("args", [(0, 10, 1.0), (2, 0, 1.0), (2, 10, 0.0)])
+def test_bad_arguments_are_refused(args) -> None:
+    with pytest.raises(ValueError, match="need n >= 1"):
+        comm_bounds_s(*args)
+
+
+def test_rates_in_tc_units() -> None:
+    assert rate_bit_s("200mbit") == 200e6
+    assert rate_bit_s("1.5Gbit") == 1.5e9
+    assert rate_bit_s("800kbit") == 800e3
+    with pytest.raises(ValueError, match="e.g. 200mbit"):
+        rate_bit_s("200MB/s")
