@@ -18,6 +18,7 @@ import redis
 
 from cmemi.redis_server import EmbeddedRedis
 from cmemi.run_security import child_env, secure_run
+from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared import startup
 from cmemi.shared.config import Config, ConfigError, dump_config
@@ -201,10 +202,6 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             return 130
         print(f"cmemi: error: {error or f'the run did not complete (coordinator exit code {rc})'} "
               f"(service logs: cmemi logs {run_dir})", file=sys.stderr)
-        from cmemi.services.checkpointer.server import (
-            DISK_FULL,  # imports torch: only here, not on the way up
-        )
-
         # 2: user-fixable (config, data, user code, a full disk: resumable once there is room); restarting won't help
         return 2 if user_error or (error and error.startswith(DISK_FULL)) else 1
     finally:
