@@ -5,8 +5,9 @@ with `cmemi up`'s own start. Then:
 1. it imports what every service needs (PRELOAD) and never runs a torch op: a fork after an OpenMP or
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
-3. it checks the config's functions (cmemi/shared/plugins.py check_plugins) in a forked child, so a bad
-   config fails in one line before any service trains; the verdict goes to RUN_DIR/zygote/ready.json;
+3. it checks the config's functions (shared/plugins.py check_plugins) in a forked child, so a bad
+   config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
+   (after a failed check it never listens, and waits for `cmemi up` to stop it);
 4. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
    forks `python -m cmemi ROLE ...` for whoever asks (the coordinator, shared/zygote.py): the child takes
    the request's environment and working directory, shows the request's command line in
@@ -69,7 +70,8 @@ def main(argv: list[str]) -> int:
     phases["plugins_checked"] = time.time()
     if rc != 0:
         _write_json(zdir / "ready.json", {"rc": rc, "error": error, "phases": phases})
-        return rc
+        while True:  # never listen: the coordinator waits instead of starting services; `cmemi up` stops us
+            signal.pause()
     server = Server(sock_path, exits)
     phases["listening"] = time.time()
     _write_json(zdir / "ready.json", {"rc": 0, "pid": os.getpid(), "phases": phases})
