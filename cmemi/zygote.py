@@ -177,13 +177,17 @@ class Server:
         with conn:
             try:
                 request = self.read(conn)
-            except (OSError, ValueError) as exc:
-                self.drop(str(exc))
+            except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+                self.drop(str(exc) or type(exc).__name__)
                 return None
             if len(proctitle.encoded(request["argv"])) > proctitle.room():
                 _reply(conn, {"error": "command line longer than the zygote's (cmemi/proctitle.py ROOM)"})
                 return None
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as exc:  # out of processes or memory: the asker starts it without us
+                _reply(conn, {"error": f"fork failed: {exc}"})
+                return None
             if pid == 0:
                 self.close()
                 return request
@@ -192,13 +196,10 @@ class Server:
                 pidfd = os.pidfd_open(pid)
             except (AttributeError, OSError):
                 pass
-            try:
-                _reply(conn, {"pid": pid, "exits": str(self.exits)}, [pidfd] if pidfd is not None else [])
-            except OSError:
-                pass  # the asker is gone; the child runs anyway and is reaped like any other
-            finally:
-                if pidfd is not None:
-                    os.close(pidfd)
+            if not _reply(conn, {"pid": pid, "exits": str(self.exits)}, [pidfd] if pidfd is not None else []):
+                os.kill(pid, signal.SIGKILL)  # nobody knows of it: the asker starts its own (no duplicate service)
+            if pidfd is not None:
+                os.close(pidfd)
         return None
 
     def read(self, conn: socket.socket) -> dict[str, Any]:
@@ -230,7 +231,10 @@ class Server:
                 return
             if pid == 0:
                 return
-            _write_json(self.exits / str(pid), os.waitstatus_to_exitcode(status))
+            try:
+                _write_json(self.exits / str(pid), os.waitstatus_to_exitcode(status))
+            except OSError:
+                pass  # the run directory is gone: nobody is left to read it
 
     def close(self) -> None:
         """In a forked child: drop everything that is the zygote's."""
@@ -257,8 +261,12 @@ def validate(req: Any) -> dict[str, Any]:
     return {"argv": argv, "env": env, "cwd": cwd}
 
 
-def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
-    socket.send_fds(conn, [json.dumps(obj).encode() + b"\n"], fds or [])
+def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> bool:
+    try:
+        socket.send_fds(conn, [json.dumps(obj).encode() + b"\n"], fds or [])
+        return True
+    except OSError:
+        return False  # the asker is gone (it gave up waiting)
 
 
 def _become(request: dict[str, Any]) -> None:

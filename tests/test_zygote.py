@@ -64,7 +64,7 @@ def test_the_zygote_checks_the_config_then_listens_for_its_owner_only(served) ->
     for junk in (b"not json\n", json.dumps({"argv": [sys.executable, "-m", "cmemi", "up", "x"], "env": {},
                                             "cwd": "/"}).encode() + b"\n",
                  json.dumps({"argv": ["sh", "-c", "true"], "env": {}, "cwd": "/"}).encode() + b"\n",
-                 b"[" * (2 << 20)):
+                 b"[" * 100_000 + b"\n", b"[" * (2 << 20)):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             short, fd = connect_path(str(sock))
             try:
