@@ -43,13 +43,12 @@ PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports to
            "cmemi.services.aggregator.__main__", "cmemi.services.worker.__main__",
            "cmemi.services.checkpointer.__main__")
 SERVICES = ("aggregator", "worker", "checkpointer")
-TITLE = ["python", "-m", "cmemi", "zygote"]
 REQUEST_S = 2.0  # a connected client sends its whole request within this, or is dropped
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: `cmemi up` stops us
-    proctitle.set_cmdline([sys.executable, *TITLE[1:]])
+    proctitle.set_cmdline([sys.executable, "-m", "cmemi", "zygote"])  # without the padding `cmemi up` gave it
     phases = {"spawned": _spawned_at()}
     for name in PRELOAD:
         importlib.import_module(name)
@@ -191,6 +190,7 @@ class Server:
             if pid == 0:
                 self.close()
                 return request
+            (self.exits / str(pid)).unlink(missing_ok=True)  # an earlier run's record for a reused pid
             pidfd = None
             try:
                 pidfd = os.pidfd_open(pid)
