@@ -21,7 +21,7 @@ from cmemi.shared.keys import Keys
 from cmemi.shared.log import LOG_DIR_ENV
 from cmemi.shared.membership import connect
 from cmemi.shared.service import REDIS_URL_ENV
-from cmemi.shared.zygote import connect_path, exit_code, spawn
+from cmemi.shared.zygote import connect_path, exit_code, running, spawn
 
 from cmemi.zygote_up import Zygote
 from tests.chaos import Cluster, poll
@@ -170,4 +170,22 @@ def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: P
         c.close()
     assert rc == 0, c.output()
     assert c.summary["steps"] == 400
+    assert subprocess.run(["pgrep", "-f", str(c.run_dir)], capture_output=True).stdout == b""
+
+
+def test_a_sigkilled_cmemi_up_takes_the_zygote_and_every_forked_service_with_it(tmp_path: Path) -> None:
+    c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
+                "cluster.spare_workers=0")
+    try:
+        c.wait_step(5)
+        zpid = json.loads((c.run_dir / "zygote" / "ready.json").read_text())["pid"]
+        pids = [int(rec["pid"]) for role in ("coordinator", "aggregator", "checkpointer", "worker")
+                for rec in c.members(role).values()]
+        assert len(pids) == 5 and sum(parent(p) == zpid for p in pids) == 4, pids
+        pids.append(zpid)
+        c.proc.kill()  # SIGKILL: nothing of `cmemi up` runs after this
+        c.proc.wait()
+        poll(lambda: not any(running(p) for p in pids), 60, "every process of the run gone")
+    finally:
+        c.close()
     assert subprocess.run(["pgrep", "-f", str(c.run_dir)], capture_output=True).stdout == b""
