@@ -4,6 +4,8 @@ Each child's command line shows its role (`python -m cmemi worker --worker-id w1
 operator or a chaos script can find it. Under `cmemi up` (CMEMI_UP_PID set) the services outlive a
 coordinator restart and die with `cmemi up` instead (shared/lifeline.py); the new coordinator adopts
 them from `RUN_DIR/children.json`. Without `cmemi up`, children die with the coordinator (PR_SET_PDEATHSIG).
+Under `cmemi up`, a child is forked by its zygote when it can (shared/zygote.py): watched like an adopted
+process, its exit code read from the zygote's record; otherwise it starts as a new interpreter.
 """
 
 from __future__ import annotations
