@@ -165,6 +165,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
                     startup.mark("plugins_checked")
                 else:
                     report.processes["zygote"] = verdict["phases"]
+                    report.cpu_s["zygote"] = verdict.get("cpu_s")
             if report.poll():
                 show_startup()
             try:
