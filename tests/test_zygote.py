@@ -27,13 +27,31 @@ from cmemi.zygote_up import Zygote
 from tests.chaos import Cluster, poll
 from tests.conftest import DIGITS, FAST, ROOT, up_args
 
-pytestmark = pytest.mark.integration
 RUN = "zygote-test"
 
 
 def parent(pid: int) -> int:
     return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                     if line.startswith("PPid:")))
+
+
+@pytest.mark.parametrize("request_, why", [
+    ([], "not an object"),
+    ({"argv": "python -m cmemi worker", "env": {}, "cwd": "/"}, "list of strings"),
+    ({"argv": ["python", "-m", "cmemi", "zygote"], "env": {}, "cwd": "/"}, "python -m cmemi"),
+    ({"argv": ["python", "-c", "import os", "worker"], "env": {}, "cwd": "/"}, "python -m cmemi"),
+    ({"argv": ["python", "-m", "cmemi", "worker\0x"], "env": {}, "cwd": "/"}, "list of strings"),
+    ({"argv": ["python", "-m", "cmemi", "worker"], "env": {"A=B": "c"}, "cwd": "/"}, "map of strings"),
+    ({"argv": ["python", "-m", "cmemi", "worker"], "env": {"A": 1}, "cwd": "/"}, "map of strings"),
+    ({"argv": ["python", "-m", "cmemi", "worker"], "env": {}, "cwd": None}, "cwd"),
+])
+def test_only_a_service_command_line_is_a_request(request_: object, why: str) -> None:
+    from cmemi.zygote import validate
+
+    with pytest.raises(ValueError, match=why):
+        validate(request_)
+    ok = {"argv": [sys.executable, "-m", "cmemi", "worker", "--config", "c.yaml"], "env": {"A": "b"}, "cwd": "/"}
+    assert validate(ok) == ok
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +71,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
         zygote.stop()
 
 
+@pytest.mark.integration
 def test_the_zygote_checks_the_config_then_listens_for_its_owner_only(served) -> None:
     zygote, run_dir, verdict = served
     assert verdict["rc"] == 0 and list(verdict["phases"]) == ["spawned", "imported", "plugins_checked", "listening"]
@@ -86,6 +105,7 @@ def test_the_zygote_checks_the_config_then_listens_for_its_owner_only(served) ->
     assert exit_code(forked.exit_record) == 2 and not Path(forked.exit_record).exists()
 
 
+@pytest.mark.integration
 def test_forked_services_show_their_role_register_and_exit_with_their_codes(
         served, redis_server, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the coordinator's own Child: exit codes 0 (run over), 2 (a user error), 3 (fenced) and a
@@ -128,6 +148,7 @@ def test_forked_services_show_their_role_register_and_exit_with_their_codes(
             c.kill()
 
 
+@pytest.mark.integration
 def test_a_config_that_fails_the_check_is_one_line_and_starts_no_service(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc = subprocess.run(up_args(tmp_path / "run", *FAST, "model.factory=cmemi.examples.digits:make_modle"),
@@ -140,6 +161,7 @@ def test_a_config_that_fails_the_check_is_one_line_and_starts_no_service(tmp_pat
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True).stdout == b""
 
 
+@pytest.mark.integration
 def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: Path) -> None:
     """One run: services forked by the zygote; the zygote SIGKILLed mid-run; a worker killed after that is
     restarted as a new interpreter; the run completes; `cmemi up` leaves no process behind."""
@@ -173,6 +195,7 @@ def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: P
     assert subprocess.run(["pgrep", "-f", str(c.run_dir)], capture_output=True).stdout == b""
 
 
+@pytest.mark.integration
 def test_a_sigkilled_cmemi_up_takes_the_zygote_and_every_forked_service_with_it(tmp_path: Path) -> None:
     c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
                 "cluster.spare_workers=0")
