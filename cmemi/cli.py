@@ -7,6 +7,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cmemi.zygote_up import Zygote
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
@@ -45,6 +49,17 @@ def config_path(arg: str) -> str:
 
 
 def _up(argv: list[str]) -> int:
+    from cmemi.zygote_up import Zygote
+
+    zygote = Zygote.start() if argv and argv[0] not in ("-h", "--help") else None  # first: its imports overlap ours
+    try:
+        return _up_with(argv, zygote)
+    finally:
+        if zygote is not None:
+            zygote.stop()
+
+
+def _up_with(argv: list[str], zygote: Zygote | None) -> int:
     from cmemi.shared import startup
     from cmemi.shared.config import ConfigError, load_config
     from cmemi.shared.extras import MissingExtra
@@ -68,14 +83,16 @@ def _up(argv: list[str]) -> int:
         cfg = load_config(config_path(args.config), args.set)
         # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
         lock = RunLock(cfg.run.path.resolve())
-        from cmemi.shared.plugins import check_plugins
         from cmemi.up import up
 
         startup.mark("imported")
-        check_plugins(cfg)
-        startup.mark("plugins_checked")
+        if zygote is None:  # with a zygote, it checks them while `cmemi up` starts Redis and the coordinator
+            from cmemi.shared.plugins import check_plugins
+
+            check_plugins(cfg)
+            startup.mark("plugins_checked")
         return up(cfg, resume=args.resume, overwrite=args.overwrite, force_config=args.force_config,
-                  verbose=args.verbose, lock=lock)
+                  verbose=args.verbose, lock=lock, zygote=zygote)
     except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
@@ -229,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         startup.mark("imported")
         service.main(rest)
         return
+    if cmd == "zygote":  # started by `cmemi up` only (cmemi/zygote.py)
+        if from_command_line:
+            _with_huge_pages(argv)
+        from cmemi.zygote import main as zygote_main
+
+        sys.exit(zygote_main(rest))
     if cmd not in COMMANDS:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)
         sys.exit(2)

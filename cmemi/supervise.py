@@ -136,6 +136,7 @@ class Supervisor:
         self.restarts = {"coordinator": 0, "redis": 0}
         self.started = {"coordinator": 0.0, "redis": time.monotonic()}
         self.next_start = 0.0
+        self.others: list[subprocess.Popen] = []  # more children of ours, not to be reaped here (the zygote)
 
     def start_coordinator(self) -> None:
         # PR_SET_PDEATHSIG: the coordinator dies with `cmemi up`; the services it starts do too (shared/lifeline.py)
@@ -194,7 +195,8 @@ class Supervisor:
     def reap(self) -> None:
         """Collect orphaned services that exited (re-parented to us as subreaper), leaving our own children
         to their Popen objects."""
-        ours = {p.pid for p in (self.coordinator, self.embedded.proc if self.embedded else None) if p is not None}
+        ours = {p.pid for p in (self.coordinator, self.embedded.proc if self.embedded else None, *self.others)
+                if p is not None}
         while True:
             try:
                 info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)

@@ -18,7 +18,7 @@ import redis
 
 from cmemi.redis_server import EmbeddedRedis
 from cmemi.run_security import child_env, secure_run
-from cmemi.services.checkpointer.server import DISK_FULL
+from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared import startup
 from cmemi.shared.config import Config, ConfigError, dump_config
@@ -36,6 +36,7 @@ from cmemi.supervise import (
     run_supervised,
     stop_orphans,
 )
+from cmemi.zygote_up import Zygote
 
 
 def prepare_run_dir(cfg: Config, resume: bool, overwrite: bool, force_config: bool = False,
@@ -98,9 +99,11 @@ class Progress:
 
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False,
-       verbose: bool = False, lock: RunLock | None = None) -> int:
+       verbose: bool = False, lock: RunLock | None = None, zygote: Zygote | None = None) -> int:
     run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config, lock)
     secure_run(cfg, run_dir)
+    if zygote is not None:
+        zygote.serve(run_dir)  # it checks the config's functions, then forks the services (cmemi/zygote.py)
     become_subreaper()
     os.environ["CMEMI_UP_PID"] = str(os.getpid())  # services die with `cmemi up` (shared/lifeline.py)
     os.environ["CMEMI_UP"] = "1"  # services leave the run's error line to `cmemi up`
@@ -133,6 +136,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
         os.environ.setdefault(LOG_DIR_ENV, str(run_dir / "logs"))  # every service inherits where its log goes
         sup = Supervisor(service_argv("coordinator", str(run_dir / "config.yaml"), "--supervise", "local"),
                          embedded, client, keys, cfg.cluster.max_restarts, env=child_env(url))
+        if zygote is not None:
+            sup.others.append(zygote.proc)
         print(f"cmemi: run {cfg.run.name!r} in {run_dir} with {cfg.cluster.workers} workers "
               f"(redis {'embedded' if embedded else url.split('@')[-1]}, "
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
@@ -145,10 +150,22 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
                 progress.end()
                 print(report.format() if report is not None else "cmemi: start-up: no timeline", flush=True)
 
+        checked = zygote is None
+
         def show() -> None:
-            nonlocal report
+            nonlocal report, checked
             if report is None:  # the coordinator has just been spawned: every phase of `cmemi up` is known
                 report = StartupReport(run_dir, client, keys, cfg.cluster.workers, startup.phases())
+            if not checked and zygote is not None and (verdict := zygote.poll()) is not None:  # ConfigError: exit 2
+                checked = True
+                if verdict.get("rc") is None:  # the zygote died before it could check: check here
+                    from cmemi.shared.plugins import check_plugins
+
+                    check_plugins(cfg)
+                    startup.mark("plugins_checked")
+                else:
+                    report.processes["zygote"] = verdict["phases"]
+                    report.cpu_s["zygote"] = verdict.get("cpu_s")
             if report.poll():
                 show_startup()
             try:

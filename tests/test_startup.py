@@ -16,7 +16,10 @@ from cmemi.startup_report import StartupReport
 from tests.conftest import FAST, ROOT, up_args
 
 PROCESS_PHASES = {
-    "cmemi up": ["spawned", "imported", "plugins_checked", "redis_started", "redis_ready", "coordinator_spawned"],
+    "cmemi up": ["spawned", "imported", "redis_started", "redis_ready", "coordinator_spawned"],
+    # imports torch and the services while `cmemi up` starts Redis and the coordinator; checks the config's
+    # functions; then forks every service (cmemi/zygote.py)
+    "zygote": ["spawned", "imported", "plugins_checked", "listening"],
     "coordinator": ["spawned", "imported", "connected", "services_spawned"],
     "checkpointer": ["spawned", "imported", "connected", "listening"],
     "aggregator": ["spawned", "imported", "connected", "model_built", "dataset_built", "fingerprinted",
@@ -71,3 +74,7 @@ def test_up_verbose_prints_each_phase_to_the_first_step(tmp_path: Path) -> None:
     for name, phases in PROCESS_PHASES.items():
         assert list(saved["processes"][name]) == phases, (name, saved["processes"][name])
     assert saved["first_step_s"] is not None
+    # forked by the zygote once it listened: `spawned` is the fork (the kernel's start time, 10 ms ticks)
+    listening = saved["processes"]["zygote"]["listening"]
+    for name in ("checkpointer", "aggregator", "worker w0", "worker w1"):
+        assert saved["processes"][name]["spawned"] >= listening - 0.02, (name, saved["processes"][name], listening)

@@ -11,12 +11,11 @@ from pathlib import Path
 import redis
 import zmq
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
+from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import atomic, limits, metrics, protocol, startup, transfer
 from cmemi.shared.membership import Member
 from cmemi.shared.service import ServiceContext
-
-DISK_FULL = "disk full"  # how a full-disk error starts: `cmemi up` exits 2 on it (resumable, not a failure)
 
 
 class Checkpointer:

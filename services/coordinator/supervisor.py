@@ -4,6 +4,8 @@ Each child's command line shows its role (`python -m cmemi worker --worker-id w1
 operator or a chaos script can find it. Under `cmemi up` (CMEMI_UP_PID set) the services outlive a
 coordinator restart and die with `cmemi up` instead (shared/lifeline.py); the new coordinator adopts
 them from `RUN_DIR/children.json`. Without `cmemi up`, children die with the coordinator (PR_SET_PDEATHSIG).
+Under `cmemi up`, a child is forked by its zygote when it can (shared/zygote.py): watched like an adopted
+process, its exit code read from the zygote's record; otherwise it starts as a new interpreter.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cmemi.shared import zygote
 
 UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
 
@@ -46,6 +50,7 @@ class Child:
     spare: bool = False
     registered: bool = False  # seen in Redis under this pid (the start deadline no longer applies)
     launched: list[str] = field(default_factory=list)  # the running process's command line (a spare's differs from argv)
+    exit_record: str | None = None  # forked by `cmemi up`'s zygote: where it writes the exit code (shared/zygote.py)
     _adopted_rc: int | None = None
 
     @property
@@ -74,21 +79,34 @@ class Child:
         if self.adopted is None:
             return None
         if self._adopted_rc is None and not _process_running(self.adopted, self.pidfd):
-            self._adopted_rc = UNKNOWN_EXIT
+            rc = zygote.exit_code(self.exit_record) if self.exit_record else None
+            self._adopted_rc = UNKNOWN_EXIT if rc is None else rc
         return self._adopted_rc
 
     def start(self, env: dict[str, str] | None = None) -> None:
+        """Forked by `cmemi up`'s zygote when it can (fast: torch is imported there), else a new interpreter."""
         preexec = None if os.environ.get("CMEMI_UP_PID") else _die_with_parent  # see the module docstring
         self.adopted, self._adopted_rc, self.registered = None, None, False
+        forked = zygote.spawn(self.argv, dict(os.environ) if env is None else env) if preexec is None else None
+        if forked is not None:
+            self.adopt(forked.pid, self.argv, pidfd=forked.pidfd, exit_record=forked.exit_record)
+            return
+        self.exit_record = None
         self.popen = subprocess.Popen(self.argv, preexec_fn=preexec, env=env)
         self.launched = list(self.argv)
         self.started_at = time.monotonic()
         self._open_pidfd(self.popen.pid)
 
-    def adopt(self, pid: int, launched: list[str]) -> None:
+    def adopt(self, pid: int, launched: list[str], pidfd: int | None = None, exit_record: str | None = None) -> None:
+        """A process that is not our child: started by an earlier coordinator, or forked by the zygote."""
         self.popen, self.adopted, self._adopted_rc, self.launched = None, pid, None, list(launched)
+        self.exit_record = exit_record
         self.started_at = time.monotonic()
-        self._open_pidfd(pid)
+        if pidfd is not None:
+            self.close_pidfd()
+            self.pidfd = pidfd
+        else:
+            self._open_pidfd(pid)
 
     def forget(self) -> None:
         """The process is gone: the slot has no process until the next start."""
@@ -174,15 +192,17 @@ def stop_all(children: list[Child], grace: float) -> None:
 def cmdline(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+            # NUL padding after the last argument: a command line rewritten in place (a zygote child, cmemi/proctitle.py)
+            data = f.read().rstrip(b"\0")
     except OSError:
         return None
+    return [a.decode(errors="replace") for a in data.split(b"\0")] if data else []
 
 
 def save_children(path: Path, children: list[Child]) -> None:
     """Record every running child (pid and command line) for a restarted coordinator to adopt."""
     rows = [{"role": c.role, "ident": c.ident, "argv": c.argv, "launched": c.launched, "pid": c.pid,
-             "spare": c.spare, "restarts": c.restarts} for c in children if c.alive]
+             "spare": c.spare, "restarts": c.restarts, "exit_record": c.exit_record} for c in children if c.alive]
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(rows))
     os.replace(tmp, path)
@@ -202,7 +222,8 @@ def load_children(path: Path) -> list[Child]:
             continue
         c = Child(row["role"], row["ident"], list(row["argv"]), restarts=int(row.get("restarts", 0)),
                   spare=bool(row.get("spare")))
-        c.adopt(pid, launched)
+        record = row.get("exit_record")
+        c.adopt(pid, launched, exit_record=record if isinstance(record, str) else None)
         if c.alive:
             out.append(c)
     return out
