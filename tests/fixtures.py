@@ -45,6 +45,24 @@ def slow_mlp(delay: float = 0.2, **kwargs):
     return model
 
 
+def paced_mlp(pace: float = 0.02, **kwargs):
+    """The digits MLP (the same parameters, the same bits) whose every forward pass also takes `pace` seconds:
+    a long fault run keeps the pace of a bigger model, so its faults land while it trains."""
+    import time
+
+    from cmemi.examples.digits import make_model
+
+    model = make_model(**kwargs)
+    inner = model.forward
+
+    def forward(x):
+        time.sleep(pace)
+        return inner(x)
+
+    model.forward = forward
+    return model
+
+
 def poisoned_digits(index: int = 0, value: float = 1e6) -> TensorDataset:
     """The digits training set with one sample blown up: under fp16 autocast its microbatch overflows."""
     x, y = make_dataset().tensors
