@@ -156,16 +156,21 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             nonlocal report, checked
             if report is None:  # the coordinator has just been spawned: every phase of `cmemi up` is known
                 report = StartupReport(run_dir, client, keys, cfg.cluster.workers, startup.phases())
-            if not checked and zygote is not None and (verdict := zygote.poll()) is not None:  # ConfigError: exit 2
-                checked = True
-                if verdict.get("rc") is None:  # the zygote died before it could check: check here
-                    from cmemi.shared.plugins import check_plugins
+            try:
+                verdict = zygote.poll() if not checked and zygote is not None else None
+                if verdict is not None:
+                    checked = True
+                    if verdict.get("rc") is None:  # the zygote died before it could check: check here
+                        from cmemi.shared.plugins import check_plugins
 
-                    check_plugins(cfg)
-                    startup.mark("plugins_checked")
-                else:
-                    report.processes["zygote"] = verdict["phases"]
-                    report.cpu_s["zygote"] = verdict.get("cpu_s")
+                        check_plugins(cfg)
+                        startup.mark("plugins_checked")
+                    else:
+                        report.processes["zygote"] = verdict["phases"]
+                        report.cpu_s["zygote"] = verdict.get("cpu_s")
+            except ConfigError:  # exit 2, one line; no service ran, so nothing may point at this Redis
+                (run_dir / "cluster.json").unlink(missing_ok=True)
+                raise
             if report.poll():
                 show_startup()
             try:

@@ -95,7 +95,10 @@ def first_admission(run_dir: Path) -> float:
 
 def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
     r = run_up(tmp_path / "run", *FAST, "eval.fn=tests.fixtures:eval_two_args", timeout=300)
-    assert r.rc == 2 and not (r.run_dir / "cluster.json").exists(), "the cluster was started"
+    assert r.rc == 2 and not (r.run_dir / "cluster.json").exists(), "the cluster was left behind"
+    events = r.run_dir / "events.jsonl"
+    started = [e for e in (events.read_text().splitlines() if events.exists() else []) if '"process_started"' in e]
+    assert not started, f"services were started: {started}"
     line = error_line(r.stderr)
     assert "eval.fn" in line and "eval_two_args" in line and "fixtures.py" in line
 
