@@ -57,24 +57,36 @@ def running_worker(c: Cluster, rng: random.Random) -> tuple[str, int] | None:
     return (ident, int(live[ident]["pid"])) if ident else None
 
 
+def stopped_worker(c: Cluster, rng: random.Random) -> tuple[str, int] | None:
+    """SIGSTOP a running worker; None (try again) if the one picked exited between the lookup and the signal."""
+    found = running_worker(c, rng)
+    if found is None:
+        return None
+    try:
+        os.kill(found[1], signal.SIGSTOP)
+    except ProcessLookupError:
+        return None
+    return found
+
+
 def inject(c: Cluster, rng: random.Random, kind: str) -> None:
     if kind == "redis":
         pid = poll(lambda: redis_pid(c), 60, "the redis-server")
         os.kill(pid, signal.SIGKILL)
         return
     role = {"worker_kill": "worker", "worker_stop": "worker"}.get(kind, kind)
-    if role == "worker":  # any running worker: waiting for one slot that is restarting would let the run end first
-        ident, pid = poll(lambda: running_worker(c, rng), 120, "a running worker", interval=0.05)
-    else:
-        ident, pid = running_pid(c, role, "0")
     if kind == "worker_stop":  # shorter or longer than dead_after (1 s): resumed, or taken for hung and killed
-        os.kill(pid, signal.SIGSTOP)
+        ident, pid = poll(lambda: stopped_worker(c, rng), 120, "a running worker to stop", interval=0.05)
         time.sleep(rng.uniform(0.2, 1.8))
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
         return
+    if role == "worker":  # any running worker: waiting for one slot that is restarting would let the run end first
+        ident, pid = poll(lambda: running_worker(c, rng), 120, "a running worker", interval=0.05)
+    else:
+        ident, pid = running_pid(c, role, "0")
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
