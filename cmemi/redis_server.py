@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from cmemi.services.coordinator.supervisor import _die_with_parent
+from cmemi.services.coordinator.supervisor import _die_with_parent, terminate
 from cmemi.shared.extras import require
 
 
@@ -79,10 +79,5 @@ class EmbeddedRedis:
         raise RuntimeError(f"embedded redis-server ({binary}) did not start; see {self.workdir / 'redis.log'}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc)

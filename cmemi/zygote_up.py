@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cmemi.proctitle import ROOM
+from cmemi.services.coordinator.supervisor import terminate
 from cmemi.shared.config import ConfigError
 from cmemi.shared.zygote import PID_ENV, SOCKET_ENV, zygote_dir
 
@@ -85,10 +86,4 @@ class Zygote:
         os.environ.pop(PID_ENV, None)
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)

@@ -144,6 +144,17 @@ class Child:
             _wait_gone(self, 10.0)
 
 
+def terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM a child we started, SIGKILL it after `grace` seconds; returns once it is reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def service_argv(role: str, config: str, *extra: str) -> list[str]:
     """No secret here: argv is readable by every local user (`ps`); the Redis URL travels in the environment."""
     return [sys.executable, "-m", "cmemi", role, "--config", config, *extra]
