@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from cmemi.services.coordinator.supervisor import _die_with_parent, terminate
+from cmemi.services.coordinator.supervisor import die_with_parent, terminate
 from cmemi.shared.extras import require
 
 
@@ -66,7 +66,7 @@ class EmbeddedRedis:
         for _attempt in range(5):  # a free port can be taken between probing and binding: retry
             self.port = port or _free_port(self.host)
             self.proc = subprocess.Popen([binary, str(self._write_conf())], stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
             client = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=1)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:

@@ -140,9 +140,9 @@ class Supervisor:
 
     def start_coordinator(self) -> None:
         # PR_SET_PDEATHSIG: the coordinator dies with `cmemi up`; the services it starts do too (shared/lifeline.py)
-        from cmemi.services.coordinator.supervisor import _die_with_parent
+        from cmemi.services.coordinator.supervisor import die_with_parent
 
-        self.coordinator = subprocess.Popen(self.argv, preexec_fn=_die_with_parent, env=self.env)
+        self.coordinator = subprocess.Popen(self.argv, preexec_fn=die_with_parent, env=self.env)
         self.started["coordinator"] = time.monotonic()
         startup.mark("coordinator_spawned")
 

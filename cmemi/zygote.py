@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from cmemi import proctitle
+from cmemi.shared import atomic
 from cmemi.shared.zygote import MAX_MESSAGE, connect_path
 
 PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own
@@ -68,13 +69,13 @@ def main(argv: list[str]) -> int:
     rc, error = _check(config)
     phases["plugins_checked"] = time.time()
     if rc != 0:
-        _write_json(zdir / "ready.json", {"rc": rc, "error": error, "phases": phases})
+        atomic.write_text(zdir / "ready.json", json.dumps({"rc": rc, "error": error, "phases": phases}))
         while True:  # never listen: the coordinator waits instead of starting services; `cmemi up` stops us
             signal.pause()
     server = Server(sock_path, exits)
     phases["listening"] = time.time()
-    _write_json(zdir / "ready.json", {"rc": 0, "pid": os.getpid(), "phases": phases,
-                                      "cpu_s": round(time.process_time(), 3)})  # the load does not stretch it
+    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases,
+                                                       "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
     from cmemi.cli import main as cli_main
@@ -93,12 +94,6 @@ def _stdin_to_devnull() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 def _check(config: str) -> tuple[int, str | None]:
@@ -233,7 +228,7 @@ class Server:
             if pid == 0:
                 return
             try:
-                _write_json(self.exits / str(pid), os.waitstatus_to_exitcode(status))
+                atomic.write_text(self.exits / str(pid), json.dumps(os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass  # the run directory is gone: nobody is left to read it
 

@@ -8,27 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from cmemi.proctitle import ROOM
-from cmemi.services.coordinator.supervisor import terminate
+from cmemi.services.coordinator.supervisor import die_with_parent, terminate
 from cmemi.shared.config import ConfigError
 from cmemi.shared.zygote import PID_ENV, SOCKET_ENV, zygote_dir
 
 OFF_ENV = "CMEMI_ZYGOTE"  # "0": no zygote
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Zygote:
@@ -36,7 +26,7 @@ class Zygote:
         # The padding reserves argv room for the longest command line a child will show (cmemi/proctitle.py);
         # the zygote retitles itself `python -m cmemi zygote` at once.
         self.proc = subprocess.Popen([sys.executable, "-m", "cmemi", "zygote", " " * ROOM], stdin=subprocess.PIPE,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         self.dir: Path | None = None
         self.verdict: dict[str, Any] | None = None
 

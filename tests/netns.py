@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cmemi.services.coordinator.supervisor import _die_with_parent
+from cmemi.services.coordinator.supervisor import die_with_parent
 
 PREFIX = "cmemi-nt"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-")
@@ -156,7 +156,7 @@ class NetLab:
         out = open(log, "ab")
         try:
             proc = subprocess.Popen(["ip", "netns", "exec", host.ns, *argv], stdout=out, stderr=subprocess.STDOUT,
-                                    env=env, cwd=cwd, preexec_fn=_die_with_parent)
+                                    env=env, cwd=cwd, preexec_fn=die_with_parent)
         finally:
             out.close()
         self.procs.append(proc)

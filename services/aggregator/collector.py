@@ -131,14 +131,11 @@ class StepCollector:
         if len(losses) != node[1] - node[0]:
             return "bad_losses"
         self.received.update(range(*node))
-        # whatever else holds these microbatches is no longer needed; its leaves not received are queued again
-        overlapping = [n for n in [*self.leases, *self.leased_at] if n[0] < node[1] and node[0] < n[1]]
-        self._requeue(list(dict.fromkeys(overlapping)))
-        stale = [n for n in self.pending if n[0] < node[1] and node[0] < n[1]]
-        for n in stale:
+        # whatever else holds or queues these microbatches is no longer needed; its leaves not received go back
+        overlapping = {n for n in [*self.leases, *self.leased_at, *self.pending] if n[0] < node[1] and node[0] < n[1]}
+        for n in overlapping.intersection(self.pending):
             self.pending.remove(n)
-        self.pending.extendleft((m, m + 1) for n in reversed(stale) for m in reversed(range(*n))
-                                if m not in self.received)
+        self._requeue(sorted(overlapping))
         self._losses.update(zip(range(*node), losses, strict=True))
         self.overflow |= grads is None
         self._tree.add(*node, grads or {})  # received buffers become accumulators: no copy, no allocation

@@ -26,7 +26,7 @@ from cmemi.shared import zygote
 UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -85,7 +85,7 @@ class Child:
 
     def start(self, env: dict[str, str] | None = None) -> None:
         """Forked by `cmemi up`'s zygote when it can (fast: torch is imported there), else a new interpreter."""
-        preexec = None if os.environ.get("CMEMI_UP_PID") else _die_with_parent  # see the module docstring
+        preexec = None if os.environ.get("CMEMI_UP_PID") else die_with_parent  # see the module docstring
         self.adopted, self._adopted_rc, self.registered = None, None, False
         forked = zygote.spawn(self.argv, dict(os.environ) if env is None else env) if preexec is None else None
         if forked is not None:
@@ -164,11 +164,7 @@ def _process_running(pid: int, pidfd: int | None) -> bool:
     """For a process that is not our child: running (not exited, not a zombie)."""
     if pidfd is not None:
         return not select.select([pidfd], [], [], 0)[0]
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return zygote.running(pid)
 
 
 def _wait_gone(c: Child, timeout: float) -> bool:
