@@ -93,6 +93,20 @@ def test_any_torch_optimizer_and_scheduler_by_name() -> None:
     assert type(build_optimizer(cfg, params)).__name__ == "Adam"
 
 
+def test_optimizers_take_the_fused_kernel_where_torch_has_one_else_foreach_and_explicit_choices_stand() -> None:
+    import torch
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt = build_optimizer(cfg_with(optimizer={"name": "Adam", "kwargs": {"lr": 1e-3}}), params)
+    assert opt.defaults["fused"] is True
+    opt = build_optimizer(cfg_with(optimizer={"name": "NAdam", "kwargs": {"lr": 1e-3}}), params)  # no fused kernel
+    assert opt.defaults["foreach"] is True
+    opt = build_optimizer(cfg_with(optimizer={"name": "Adam", "kwargs": {"lr": 1e-3, "foreach": False}}), params)
+    assert not opt.defaults["fused"] and opt.defaults["foreach"] is False
+    with pytest.raises(ConfigError, match="rejected by Adam"):  # a bad value still names the field
+        build_optimizer(cfg_with(optimizer={"name": "Adam", "kwargs": {"lr": -1}}), params)
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--set", "cluster.workers=0"], "cluster.workers' = 0: must be >= 1"),
     (["--set", "model.factory=cmemi.examples.digits:nothing"], "has no attribute 'nothing'"),
