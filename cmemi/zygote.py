@@ -11,7 +11,7 @@ with `cmemi up`'s own start. Then:
 4. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
    forks `python -m cmemi ROLE ...` for whoever asks (the coordinator, shared/zygote.py): the child takes
    the request's environment and working directory, shows the request's command line in
-   /proc/PID/cmdline (cmemi/proctitle.py), resets signals and runs `cmemi.cli.main` as a fresh process
+   /proc/PID/cmdline (shared/proctitle.py), resets signals and runs `cmemi.cli.main` as a fresh process
    would. The reply carries its pid and a pidfd. The zygote reaps its children and writes each exit
    code to RUN_DIR/zygote/exits/PID.
 A malformed request is dropped, counted and logged on stderr; it never stops the zygote. The zygote
@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cmemi import proctitle
+from cmemi.shared import proctitle
 from cmemi.shared import atomic
 from cmemi.shared.zygote import MAX_MESSAGE, connect_path
 
@@ -176,7 +176,7 @@ class Server:
                 self.drop(str(exc) or type(exc).__name__)
                 return None
             if len(proctitle.encoded(request["argv"])) > proctitle.room():
-                _reply(conn, {"error": "command line longer than the zygote's (cmemi/proctitle.py ROOM)"})
+                _reply(conn, {"error": "command line longer than the zygote's (shared/proctitle.py ROOM)"})
                 return None
             try:
                 pid = os.fork()

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cmemi.proctitle import ROOM
+from cmemi.shared.proctitle import ROOM
 from cmemi.services.coordinator.supervisor import die_with_parent, terminate
 from cmemi.shared.config import ConfigError
 from cmemi.shared.zygote import PID_ENV, SOCKET_ENV, zygote_dir
@@ -23,7 +23,7 @@ OFF_ENV = "CMEMI_ZYGOTE"  # "0": no zygote
 
 class Zygote:
     def __init__(self) -> None:
-        # The padding reserves argv room for the longest command line a child will show (cmemi/proctitle.py);
+        # The padding reserves argv room for the longest command line a child will show (shared/proctitle.py);
         # the zygote retitles itself `python -m cmemi zygote` at once.
         self.proc = subprocess.Popen([sys.executable, "-m", "cmemi", "zygote", " " * ROOM], stdin=subprocess.PIPE,
                                      preexec_fn=die_with_parent)

@@ -80,9 +80,14 @@ class DataConfig:
     """Import path of a function returning the training dataset (map-style: __len__ and __getitem__ -> (x, y))."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the dataset factory."""
+    workers: int = 0
+    """Loader processes per worker reading and collating the next microbatches ahead (0: read in the worker)."""
 
     def __post_init__(self) -> None:
         _import_path("data.factory", self.factory)
+        if not 0 <= self.workers <= 32:
+            _fail("data.workers", self.workers, "must be between 0 and 32",
+                  "use 0 to read data in the worker, or 1-2 loader processes for a dataset that augments")
 
 
 @dataclass

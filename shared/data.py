@@ -38,27 +38,39 @@ def microbatch_indices(seed: int, n: int, global_batch: int, microbatches: int, 
     return epoch_permutation(seed, epoch, n)[start:start + b]
 
 
-def microbatch_seed(seed: int, step: int, m: int) -> int:
-    """Seed of the RNG during microbatch (s, m) (dropout etc.): identical on whichever worker runs it."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{m}".encode(), digest_size=8).digest()
+def microbatch_seed(seed: int, step: int, m: int, stream: str = "model") -> int:
+    """Seed of an RNG stream of microbatch (s, m), identical on whichever worker runs it: `data` while its
+    samples are read (augmentation), `model` while it computes (dropout)."""
+    key = f"{seed}/{step}/{m}" if stream == "model" else f"{seed}/{step}/{m}/{stream}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def seed_microbatch(seed: int, step: int, m: int, device: torch.device | None = None) -> None:
+def seed_microbatch(seed: int, step: int, m: int, device: torch.device | None = None, stream: str = "model") -> None:
     """Seed every process-global RNG a dataset or model may draw from — torch (CPU, and the GPU in use),
-    numpy and Python's `random` — from (seed, step, m). Call it *before* the data is read, so random
-    augmentation in `__getitem__` and dropout give the same bits on whichever worker runs (step, m).
+    numpy and Python's `random` — from one stream of (seed, step, m): `data` before its samples are read,
+    so random augmentation in `__getitem__` gives the same bits in whichever process reads them, then
+    `model` before the forward pass, so dropout does too. Two streams, so that the data can be read in
+    another process (a loader, services/worker/loader.py) without changing a bit of the computation.
 
     These generators are process-global: nothing else may draw from them concurrently (no background
-    thread reading data while the compute thread runs dropout). About 30 µs per microbatch on a CPU.
+    thread reading data while the compute thread runs dropout). About 30 µs per call on a CPU.
     """
-    s = microbatch_seed(seed, step, m)
+    s = microbatch_seed(seed, step, m, stream)
     # (torch.manual_seed would also queue CUDA seeding, capturing a Python stack each call: 8% of a small step)
     torch.default_generator.manual_seed(s)
     if device is not None and device.type == "cuda":
         torch.cuda.default_generators[device.index or 0].manual_seed(s)
     np.random.seed(s & 0xFFFF_FFFF)  # numpy's legacy global RNG takes 32 bits
     random.seed(s)
+
+
+def read_microbatch(cfg: Any, dataset: Dataset, n: int, step: int, m: int) -> Any:
+    """The collated samples of microbatch (step, m), read with the data stream seeded: the same bits in a
+    worker, a loader process or the reference. Raises whatever the user's dataset or collate raises."""
+    seed_microbatch(cfg.run.seed, step, m, stream="data")
+    idx = microbatch_indices(cfg.run.seed, n, cfg.train.global_batch, cfg.train.microbatches, step, m)
+    return fetch(dataset, idx)
 
 
 def fetch(dataset: Dataset, indices: torch.Tensor) -> Any:
@@ -93,13 +105,13 @@ def fingerprint(dataset: Dataset, samples: int = 256) -> dict[str, Any]:
         raise DataError("dataset has no len(); return a map-style dataset (with __len__ and __getitem__)") from None
     h = hashlib.sha256(str(n).encode())
     picks = range(n) if n <= samples else sorted({(i * (n - 1)) // (samples - 1) for i in range(samples)})
-    seed_microbatch(0, -1, 0)  # a dataset that augments at random reads the same bits on every host
+    seed_microbatch(0, -1, 0, stream="data")  # a dataset that augments at random reads the same bits on every host
     for i in picks:
         _feed(h, dataset[i])
     if n:  # the same seeds must give the same sample, or no worker can reproduce another's microbatch
         first, again = hashlib.sha256(), hashlib.sha256()
         for digest in (first, again):
-            seed_microbatch(0, -1, 0)
+            seed_microbatch(0, -1, 0, stream="data")
             _feed(digest, dataset[picks[0]])
         if first.digest() != again.digest():
             raise DataError("dataset item 0 differs between two reads with the same seeds: its __getitem__ draws "

@@ -48,7 +48,17 @@ def where(tb: TracebackType | None) -> tuple[str, str]:
     return chosen.name, f"{name}:{chosen.lineno}"
 
 
+class RemoteFailure(Exception):
+    """A failure of user code in another process of ours (a data loader), carried back as its description."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.text)
+        self.failure = failure
+
+
 def describe(exc: BaseException) -> Failure:
+    if isinstance(exc, RemoteFailure):
+        return exc.failure
     function, location = where(exc.__traceback__)
     text = " ".join(str(exc).split())[:300]
     return Failure(type(exc).__name__, text, function, location)

@@ -1,11 +1,14 @@
 """A model with BatchNorm and dropout, and torch + numpy + random augmentation in __getitem__ (examples/resnet):
-one params_sha256 for 1, 2 and 3 workers, with a worker and the aggregator SIGKILLed, equal to `cmemi reference`;
+one params_sha256 for 1, 2 and 3 workers, data read in the worker or ahead in loader processes, with a worker, a
+loader and the aggregator SIGKILLed, equal to `cmemi reference`;
 trained running statistics in the export; early stopping that survives an aggregator kill; accuracy like a plain
 PyTorch loop. And user code that breaks: exit 2, one line, fast."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import subprocess
 import time
@@ -17,7 +20,7 @@ from cmemi.shared.config import load_config
 from safetensors.torch import load_file
 
 from cmemi.reference import train
-from tests.chaos import Cluster
+from tests.chaos import Cluster, poll
 from tests.conftest import FAST, ROOT, cmemi_cmd, run_up
 from tests.plain import plain_loop
 
@@ -46,20 +49,25 @@ def resnet_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.timeout(1800)
 def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_reference: dict) -> None:
     want = resnet_reference["params_sha256"]
-    for n in (1, 3):
-        r = run_up(tmp_path / f"w{n}", *R, f"cluster.workers={n}", config=RESNET, timeout=600)
+    for n, loaders in ((1, 0), (3, 2)):
+        r = run_up(tmp_path / f"w{n}", *R, f"cluster.workers={n}", f"data.workers={loaders}", config=RESNET,
+                   timeout=600)
         assert r.rc == 0, r.stderr[-3000:]
         assert r.summary["params_sha256"] == want and r.summary["steps"] == 50, (n, r.summary)
-    c = Cluster(tmp_path / "faults", *R, "cluster.workers=2", config=RESNET)
+    c = Cluster(tmp_path / "faults", *R, "cluster.workers=2", "data.workers=1", config=RESNET)
     try:
         c.wait_step(3, timeout=600)  # start-up on a loaded machine takes minutes
         c.signal("worker", "w0")
+        c.wait_step(12, timeout=600)
+        os.kill(poll(lambda: loader_pids({r["pid"] for r in c.members("worker").values()}), 60,
+                     "a loader process")[0], signal.SIGKILL)
         c.wait_step(22, timeout=600)
         c.signal("aggregator", "0")
         rc = c.wait(timeout=600)
     finally:
         c.close()
     assert rc == 0, c.output()
+    assert "data loader died" in "".join(p.read_text() for p in (c.run_dir / "logs").glob("worker-*.log"))
     s = c.summary
     assert s["params_sha256"] == want and s["steps"] == 50 and s["stopped_early"], s
     events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
@@ -70,6 +78,19 @@ def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_refer
     weights = load_file(str(c.run_dir / "model.safetensors"))
     assert int(weights["1.num_batches_tracked"]) == 50 * 4  # one count per microbatch, as one process
     assert weights["1.running_mean"].abs().sum() > 0 and not torch.equal(weights["1.running_var"], torch.ones(16))
+
+
+def loader_pids(workers: set[str]) -> list[int]:
+    """Data loader processes (`python -m cmemi loader --worker-pid PID`) of these worker pids."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().rstrip(b"\0").split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if argv[2:5] == [b"cmemi", b"loader", b"--worker-pid"] and argv[5].decode() in workers:
+            pids.append(int(d.name))
+    return pids
 
 
 def test_accuracy_is_that_of_a_plain_pytorch_loop() -> None:
@@ -108,7 +129,9 @@ def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
 @pytest.mark.parametrize("sets, names", [
     (("model.factory=tests.fixtures:raising_model", "model.kwargs={}"), ("ValueError", "boom", "forward", "fixtures.py")),
     (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}"), ("RuntimeError", "collate", "stack")),
-], ids=["forward_raises", "collate_fails"])
+    (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}", "data.workers=1"),
+     ("RuntimeError", "collate", "stack")),
+], ids=["forward_raises", "collate_fails", "collate_fails_in_a_loader"])
 def test_a_bug_in_user_code_stops_the_run_once(tmp_path: Path, sets: tuple[str, ...], names: tuple[str, ...]) -> None:
     r = run_up(tmp_path / "run", *FAST, *sets, "eval.fn=null", timeout=600)
     ended = time.time()

@@ -199,7 +199,7 @@ def stop_all(children: list[Child], grace: float) -> None:
 def cmdline(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            # NUL padding after the last argument: a command line rewritten in place (a zygote child, cmemi/proctitle.py)
+            # NUL padding after the last argument: a command line rewritten in place (a zygote child, shared/proctitle.py)
             data = f.read().rstrip(b"\0")
     except OSError:
         return None

@@ -1,8 +1,9 @@
 """One microbatch's gradient (and the buffers its forward produced): the worker's computation, shared
 with the single-process reference (`cmemi reference`) so both compute the same bits.
 
-Every microbatch starts from the step's buffers and with every global RNG seeded from (seed, step, m),
-*then* reads its data: augmentation in `__getitem__` and dropout are the same bits on any worker.
+Every microbatch starts from the step's buffers; its data is read with every global RNG seeded from the
+data stream of (seed, step, m) (here, or ahead in a loader process), and the model stream is seeded before
+the forward pass: augmentation in `__getitem__` and dropout are the same bits on any worker.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from cmemi.services.worker.device import to_device
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
-from cmemi.shared.data import fetch, microbatch_indices, seed_microbatch
+from cmemi.shared.data import read_microbatch, seed_microbatch
+from cmemi.shared.usercode import RemoteFailure
 
 
 class UserCodeError(RuntimeError):
@@ -22,6 +24,10 @@ class UserCodeError(RuntimeError):
     def __init__(self, phase: str, cause: BaseException) -> None:
         super().__init__(f"{phase}: {cause}")
         self.phase, self.cause = phase, cause
+
+
+def _nothing() -> None:
+    pass
 
 
 class MicrobatchRunner:
@@ -35,6 +41,7 @@ class MicrobatchRunner:
         # The step's starting buffers (CPU): every microbatch starts from these; new versions land here.
         self.step_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
         self.report_buffers = bool(self.buffers) and cfg.model.buffers == "mean"
+        self.loader: Any = None  # a services.worker.loader.Loader when data.workers > 0: batches read ahead
 
     def to(self, device: torch.device) -> None:
         self.device = device
@@ -47,16 +54,38 @@ class MicrobatchRunner:
                                                                   dict[str, torch.Tensor] | None]:
         """(loss, gradient unscaled, buffers produced or None) of microbatch (step, m); fp16: the loss is
         multiplied by `scale` first. Raises UserCodeError when user code raises."""
-        cfg = self.cfg
         if self.buffers:
             with torch.no_grad():
                 for n, b in self.buffers.items():
                     b.copy_(self.step_buffers[n])
-        seed_microbatch(cfg.run.seed, step, m, self.device)  # before the data is read: augmentation is seeded
-        idx = microbatch_indices(cfg.run.seed, self.n, cfg.train.global_batch, cfg.train.microbatches, step, m)
+        batch, release = self._read(step, m)
         try:
-            x, y = to_device(fetch(self.dataset, idx), self.device)
+            return self._compute(step, m, scale, batch)
+        finally:
+            release()
+
+    def _read(self, step: int, m: int) -> tuple[Any, Any]:
+        """The batch of (step, m), from a loader when one has it, else read here (the same bits either way)."""
+        where = f"reading microbatch {m} of step {step} ({self.cfg.data.factory}, collate)"
+        if self.loader is not None:
+            try:
+                got = self.loader.get(step, m)
+            except RemoteFailure as exc:
+                raise UserCodeError(where, exc) from None
+            if got is not None:
+                return got
+        try:
+            return read_microbatch(self.cfg, self.dataset, self.n, step, m), _nothing
         except Exception as exc:  # __getitem__ or collate
+            raise UserCodeError(where, exc) from exc
+
+    def _compute(self, step: int, m: int, scale: float, batch: Any) -> tuple[float, dict[str, torch.Tensor],
+                                                                           dict[str, torch.Tensor] | None]:
+        cfg = self.cfg
+        seed_microbatch(cfg.run.seed, step, m, self.device)  # the model's stream (dropout), after the data's
+        try:
+            x, y = to_device(batch, self.device)
+        except Exception as exc:  # not an (x, y) pair
             raise UserCodeError(f"reading microbatch {m} of step {step} ({cfg.data.factory}, collate)", exc) from exc
         for p in self.params.values():
             p.grad = None

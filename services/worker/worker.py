@@ -17,6 +17,7 @@ import torch
 import zmq
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
+from cmemi.services.worker.loader import Loader
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
@@ -58,6 +59,8 @@ class Worker:
         # error-feedback state lives here; a worker that dies takes its residual with it (see README)
         self.codec = make_codec(cfg.compression)
         self.runner = MicrobatchRunner(cfg, self.model, self.dataset, self.loss_fn)
+        if cfg.data.workers:  # forked now, before ZeroMQ's and Redis's threads exist
+            self.runner.loader = Loader(cfg, self.dataset, cfg.data.workers, log=ctx.log)
         self.params = self.runner.params
         self.device = torch.device("cpu")
         self._set_inbox()
@@ -285,6 +288,8 @@ class Worker:
         self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term,
                    step=h["step"], lo=lo, hi=hi, version=self.version, losses=losses,
                    n=(hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches))
+        if self.runner.loader is not None:  # while the aggregator steps: most often the next lease is this node
+            self.runner.loader.guess(h["step"] + 1, range(lo, hi))
 
     def compute_block(self, step: int, lo: int, hi: int, scale: float) -> tuple[
             list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]:
@@ -294,6 +299,8 @@ class Worker:
         grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)  # a node's tree has its length's shape
         buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
         losses, finite, fp16 = [], True, self.cfg.precision == "fp16"
+        if self.runner.loader is not None:
+            self.runner.loader.want(step, range(lo, hi))
         for m in range(lo, hi):
             loss, g, produced = self.compute(step, m, scale)
             losses.append(loss)
@@ -330,6 +337,8 @@ class Worker:
                 raise
 
     def close(self) -> None:
+        if self.runner.loader is not None:
+            self.runner.loader.close()
         if self.member is not None:
             self.member.stop()
         if self.sock is not None:
