@@ -35,8 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from cmemi.shared import proctitle
-from cmemi.shared import atomic
+from cmemi.shared import atomic, proctitle
 from cmemi.shared.zygote import MAX_MESSAGE, connect_path
 
 PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cmemi.shared.proctitle import ROOM
 from cmemi.services.coordinator.supervisor import die_with_parent, terminate
 from cmemi.shared.config import ConfigError
+from cmemi.shared.proctitle import ROOM
 from cmemi.shared.zygote import PID_ENV, SOCKET_ENV, zygote_dir
 
 OFF_ENV = "CMEMI_ZYGOTE"  # "0": no zygote

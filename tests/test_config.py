@@ -37,6 +37,7 @@ def test_example_config_loads_and_round_trips(tmp_path: Path) -> None:
     ({"precision": "fp8"}, None, "precision"),
     ({"device": "gpu"}, None, "config field 'device' = 'gpu': must be auto, cpu, cuda or cuda:N"),
     ({"checkpoint": {"keep_last": 0}}, None, "checkpoint.keep_last"),
+    ({"data": {"factory": "m:f", "workers": -1}}, None, "data.workers' = -1: must be between 0 and 32"),
 ])
 def test_bad_values_name_field_and_fix(section: dict, value: None, expected: str) -> None:
     with pytest.raises(ConfigError) as err:

@@ -62,9 +62,9 @@ def _layout(batch: Any, tensors: list[tuple[torch.Tensor, int]], offset: list[in
         tensors.append((t, at))
         offset[0] = at + (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
         return {"t": [str(t.dtype), list(t.shape), at]}
-    if isinstance(batch, (tuple, list)):
+    if type(batch) in (tuple, list):  # (a namedtuple would come back as a plain tuple: read it in the worker)
         return {"tuple" if isinstance(batch, tuple) else "list": [_layout(b, tensors, offset) for b in batch]}
-    if isinstance(batch, dict) and all(isinstance(k, str) for k in batch):
+    if type(batch) is dict and all(isinstance(k, str) for k in batch):
         return {"dict": {k: _layout(v, tensors, offset) for k, v in batch.items()}}
     if batch is None or isinstance(batch, (bool, int, float, str)):
         return {"v": batch}
