@@ -108,6 +108,7 @@ class Aggregator:
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
+        self._after: tuple[int, float, float, int, dict[str, Any] | None] | None = None  # see _after_step
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
         self._step_bytes_in = self._step_bytes_out = 0
@@ -173,6 +174,7 @@ class Aggregator:
                     except zmq.Again:
                         break
                     self._receive(frames)
+                    self._after_step()
                     if self.done:
                         break
             now = time.monotonic()
@@ -458,6 +460,7 @@ class Aggregator:
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(dt)
         metrics.LIVE_WORKERS.set(len(self.workers))
+        line = None
         if step % self.cfg.train.log_every == 0 or step == self.total:
             line = {"step": step, "loss": loss, "lr": self.trainer.lr, "step_time_s": dt,
                     **({"loss_scale": self.trainer.scaler.scale, "skipped": grads is None}
@@ -465,7 +468,6 @@ class Aggregator:
                     "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
                     "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
-            self.metrics.write(json.dumps(line) + "\n")
         if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
             try:
                 for entry in self.bg_eval.start(step, self._weights()):
@@ -475,35 +477,48 @@ class Aggregator:
             if self.bg_eval.should_stop:  # decided from the previous evaluation: deterministic
                 self.stopped_early = True
                 self.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
+        if step >= self.total or self.stopped_early:
+            self.done = True
+        else:
+            self.collector = self._collector(step)
+        self._after = (step, loss, dt, self._step_bytes_in + self._step_bytes_out, line)
+        self._step_bytes_in = self._step_bytes_out = 0
+        self._step_codec_s = 0.0
+        self._serve_parked()
+
+    def _after_step(self) -> None:
+        """What a step leaves for after its parameters went out (to the parked workers, and to the one whose
+        gradient completed it, answered by the handler): the metrics line, the checkpoint snapshot, progress.
+        It runs before the next message is read, so the snapshot is still of this step."""
+        if self._after is None:
+            return
+        step, loss, dt, nbytes, line = self._after
+        self._after = None
+        if line is not None:
+            self.metrics.write(json.dumps(line) + "\n")
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0 and step < self.total:
             t0 = time.monotonic()
             self.ckpt.offer(snapshots.collect(self))  # in-memory copy only: the disk is the checkpointer's
             self.ckpt_stall_s.append(time.monotonic() - t0)
             metrics.CHECKPOINT_STALL.observe(self.ckpt_stall_s[-1])
-        if step >= self.total or self.stopped_early:
-            self.done = True
-        else:
-            self.collector = self._collector(step)
+        now = time.monotonic()
         if now >= self._next_progress or self.done:
             self._next_progress = now + 0.1  # enough for status and the progress bar; spares Redis
-            self._publish_progress(step, loss, dt)
-        self._step_bytes_in = self._step_bytes_out = 0
-        self._step_codec_s = 0.0
-        self._serve_parked()
+            self._publish_progress(step, loss, nbytes / dt if dt > 0 else 0.0)
 
     def wall_s(self) -> float:
         """Training wall time of the whole run, earlier terms included."""
         return self.wall_before + (time.monotonic() - self.t_start if self.t_start is not None else 0.0)
 
-    def _publish_progress(self, step: int, loss: float, dt: float) -> None:
+    def _publish_progress(self, step: int, loss: float, bytes_s: float) -> None:
         """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip (at most every 0.1 s)."""
         try:
             pipe = self.ctx.redis.pipeline(transaction=False)
             pipe.hset(self.ctx.keys.progress, mapping={
                 "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
                 "samples_s": f"{self.throughput.rate(step, self.wall_s(), whole_run=self.done):.1f}",
-                "bytes_s": f"{(self._step_bytes_in + self._step_bytes_out) / dt:.0f}" if dt > 0 else "0",
+                "bytes_s": f"{bytes_s:.0f}",
                 "live_workers": len(self.workers), "term": self.term, "t": time.time()})
             for worker, n in self._unpublished_mb.items():
                 pipe.hincrby(self.ctx.keys.microbatches, worker, n)
