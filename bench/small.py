@@ -5,6 +5,9 @@ Workloads (bench/small_models.py): an MLP and a small 1-D CNN on 4,000 synthetic
   (a) plain: one process, torch's default threads (all cores), one forward/backward of the whole batch per step
   (b) `cmemi up` with 1 worker, 4 microbatches (the config's defaults: one torch thread per process)
   (c) `cmemi up` with 2 workers, 4 microbatches
+and the CNN on the same samples augmented per item in `__getitem__` (torch, numpy, `random`; about 0.5 ms of
+Python per microbatch), with the data read in the worker and ahead in one loader process per worker
+(`data.workers: 1`): what taking the data off the critical path buys.
 Variants alternate within each repeat, so drift of the machine's load hits them alike; medians over repeats.
 Then `cmemi up` of the digits example as a new user runs it (defaults, a warm spare): the time from `cmemi up`
 to its first step, with every process's phases (RUN_DIR/startup.json, as `cmemi up --verbose` prints them).
@@ -29,30 +32,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
 
-WORKLOADS = {"mlp": "bench.small_models:mlp", "cnn1d": "bench.small_models:cnn1d"}
-DATA = "bench.small_models:dataset"
+WORKLOADS = {"mlp": "bench.small_models:mlp", "cnn1d": "bench.small_models:cnn1d", "cnn1d_augmented": "bench.small_models:cnn1d"}
+DATA = {"mlp": "bench.small_models:dataset", "cnn1d": "bench.small_models:dataset",
+        "cnn1d_augmented": "bench.small_models:augmented"}
+# variant -> (workers, data.workers): the augmented workload also runs with one loader process per worker
+VARIANTS = {"mlp": {"cmemi_1w": (1, 0), "cmemi_2w": (2, 0)}, "cnn1d": {"cmemi_1w": (1, 0), "cmemi_2w": (2, 0)},
+            "cnn1d_augmented": {"cmemi_1w": (1, 0), "cmemi_1w_loader": (1, 1), "cmemi_2w": (2, 0),
+                                "cmemi_2w_loader": (2, 1)}}
 BATCH, MICROBATCHES, LR = 100, 4, 1e-3
 
 
-def plain_loop(model_path: str, steps: int, warmup: int) -> dict[str, Any]:
+def plain_loop(wl: str, steps: int, warmup: int) -> dict[str, Any]:
     """The loop a user writes first (in a fresh process with torch's default threads): batches in a fixed
-    shuffled order, Adam, cross-entropy."""
+    shuffled order, Adam, cross-entropy; samples read item by item (and collated) when the dataset augments."""
     import torch
     from cmemi.shared.plugins import resolve
+    from torch.utils.data import default_collate
 
-    x, y = resolve(DATA, "data")().tensors
+    ds = resolve(DATA[wl], "data")()
     torch.manual_seed(0)
-    model = resolve(model_path, "model")()
+    model = resolve(WORKLOADS[wl], "model")()
+    if hasattr(ds, "tensors"):
+        x, y = ds.tensors
+        def batch(idx):
+            return x[idx], y[idx]
+    else:
+        def batch(idx):
+            return default_collate([ds[int(i)] for i in idx])
+    n = len(ds)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    per_epoch = len(y) // BATCH
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    per_epoch = n // BATCH
     t0 = c0 = 0.0
     for step in range(steps):
         if step == warmup:
             t0, c0 = time.perf_counter(), time.process_time()
         idx = order[(step % per_epoch) * BATCH:(step % per_epoch + 1) * BATCH]
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        xb, yb = batch(idx)
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
         loss.backward()
         opt.step()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -71,10 +89,10 @@ def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, A
     return {**json.loads(out.read_text()), "load_avg": C.load_avg()}
 
 
-def cmemi(work: Path, wl: str, workers: int, steps: int, warmup: int, tag: str) -> dict[str, Any]:
-    name = C.safe_name(f"small_{wl}_{workers}w_{tag}")
+def cmemi(work: Path, wl: str, workers: int, loaders: int, steps: int, warmup: int, tag: str) -> dict[str, Any]:
+    name = C.safe_name(f"small_{wl}_{workers}w_{loaders}l_{tag}")
     cfg = {"run": {"name": name, "dir": str(work / name), "seed": 0},
-           "model": {"factory": WORKLOADS[wl]}, "data": {"factory": DATA},
+           "model": {"factory": WORKLOADS[wl]}, "data": {"factory": DATA[wl], "workers": loaders},
            "optimizer": {"name": "Adam", "kwargs": {"lr": LR}},
            "train": {"steps": steps, "global_batch": BATCH, "microbatches": MICROBATCHES},
            "cluster": {"workers": workers, "spare_workers": 0},
@@ -120,7 +138,7 @@ def main() -> None:
     steps = args.steps or (300 if args.quick else 1000)  # 3 repeats fit `make bench`'s 900 s per bench
     repeats = args.repeats or (1 if args.quick else 3)
     if args.plain:
-        Path(args.out).write_text(json.dumps(plain_loop(WORKLOADS[args.plain], steps, args.warmup)))
+        Path(args.out).write_text(json.dumps(plain_loop(args.plain, steps, args.warmup)))
         return
     C.setup()
     t0 = time.monotonic()
@@ -131,20 +149,20 @@ def main() -> None:
         "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
         "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
                                                                      not a.endswith(".json"))]),
-        "runs": {wl: {"plain": [], "cmemi_1w": [], "cmemi_2w": []} for wl in WORKLOADS}, "digits_startup": []}
+        "runs": {wl: {"plain": [], **{v: [] for v in VARIANTS[wl]}} for wl in WORKLOADS}, "digits_startup": []}
     try:
         for r in range(repeats):
             for wl in WORKLOADS:
                 runs = result["runs"][wl]
                 runs["plain"].append(plain(work, wl, steps, args.warmup, f"r{r}"))
-                for w in (1, 2):
-                    runs[f"cmemi_{w}w"].append(cmemi(work, wl, w, steps, args.warmup, f"r{r}"))
+                for v, (w, loaders) in VARIANTS[wl].items():
+                    runs[v].append(cmemi(work, wl, w, loaders, steps, args.warmup, f"r{r}"))
                 C.log(f"{wl} repeat {r}: " + ", ".join(f"{k} {v[-1]['ms_per_step']:.2f} ms/step" for k, v in runs.items()))
             result["digits_startup"].append(digits_startup(work, f"r{r}"))
             C.log(f"digits: first step after {result['digits_startup'][-1]['first_step_s']} s")
         result["ms_per_step"] = {wl: {k: C.rnd(C.median(x["ms_per_step"] for x in v), 3) for k, v in runs.items()}
                                  for wl, runs in result["runs"].items()}
-        result["ratios"] = {wl: {f"{k}_vs_plain": C.ratio(v[k], v["plain"]) for k in ("cmemi_1w", "cmemi_2w")}
+        result["ratios"] = {wl: {f"{k}_vs_plain": C.ratio(v[k], v["plain"]) for k in VARIANTS[wl]}
                             for wl, v in result["ms_per_step"].items()}
         best = sorted(result["digits_startup"], key=lambda s: s["first_step_s"] or float("inf"))
         result["startup"] = best[len(best) // 2]  # the median run, whole, so its phases add up

@@ -171,11 +171,13 @@ def small() -> str:
              f"batch {d['global_batch']} in {d['microbatches']} microbatches, {d['steps']} steps "
              f"(median of {d['repeats']}); ms per step = training wall-clock time per step after "
              f"{d['warmup_skipped']} warm-up steps.", "",
-             "| model | plain PyTorch loop (all cores) | CMEMI 1 worker | CMEMI 2 workers |", "|---|---|---|---|"]
+             "| workload | plain PyTorch loop (all cores) | CMEMI 1 worker | CMEMI 1 worker, 1 loader | CMEMI 2 workers "
+             "| CMEMI 2 workers, 1 loader each |", "|---|---|---|---|---|---|"]
     for wl, x in d["ms_per_step"].items():
         r = d["ratios"][wl]
-        lines.append(f"| {wl} | {x['plain']:.2f} ms | {x['cmemi_1w']:.2f} ms ({r['cmemi_1w_vs_plain']:.2f}×) | "
-                     f"{x['cmemi_2w']:.2f} ms ({r['cmemi_2w_vs_plain']:.2f}×) |")
+        cells = [f"{x[v]:.2f} ms ({r[f'{v}_vs_plain']:.2f}×)" if v in x else "–"
+                 for v in ("cmemi_1w", "cmemi_1w_loader", "cmemi_2w", "cmemi_2w_loader")]
+        lines.append(f"| {wl} | {x['plain']:.2f} ms | " + " | ".join(cells) + " |")
     st = d["startup"]
     lines += ["", f"`cmemi up digits` → its first step: **{st['first_step_s']:.1f} s** (target ≤ 5 s on an idle machine; "
               f"load average {' '.join(str(x) for x in st['load_avg'])} when it was measured). When each process "
