@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import torch
 from cmemi.shared.config import CODECS, CompressionConfig, _fail
+from cmemi.shared.layout import Layout, LayoutError
 
 # Largest tensor decode will build when the caller does not pass the expected shapes (int32 indices).
 MAX_NUMEL = (1 << 31) - 1
@@ -349,15 +350,55 @@ class _Codec:
         pass
 
 
+FLAT = "*flat"  # the info key of a gradient sent as one flat fp32 frame (shared/layout.py)
+
+
 class NoneCodec(_Codec):
-    """Dense fp32; the frames are the gradient tensors themselves (CPU fp32 contiguous: zero copies)."""
+    """Dense fp32. A small model's gradient is one flat frame in the layout of its parameters
+    (shared/layout.py: one copy, no per-tensor frames or header entries); a big one's frames are the
+    gradient tensors themselves (CPU fp32 contiguous: zero copies)."""
+
+    def __init__(self, cfg: CompressionConfig | None = None, *, flat: bool = True, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        self.flat = flat  # encode small models flat (decode takes both forms)
+        self._layouts: dict[tuple[tuple[str, tuple[int, ...]], ...], Layout] = {}
+
+    def _layout(self, shapes: Iterable[tuple[str, Sequence[int]]]) -> Layout:
+        key = tuple((n, tuple(s)) for n, s in shapes)
+        if key not in self._layouts:
+            self._layouts = {key: Layout({n: torch.empty(s, dtype=torch.float32, device="meta") for n, s in key})}
+        return self._layouts[key]
 
     def encode(self, grads: dict[str, torch.Tensor], step: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
         info: dict[str, dict] = {}
         frames: dict[str, torch.Tensor] = {}
+        layout = self._layout((n, g.shape) for n, g in grads.items()) if self.flat else None
+        if layout is not None and layout.flat and grads and all(g.dtype == torch.float32 and g.device.type == "cpu" for g in grads.values()):
+            frames = layout.pack(grads)  # a fresh buffer: the last one may still be on its way (zero-copy)
+            return {FLAT: {"codec": "flat", "layout": layout.digest}}, frames
         for name, g in grads.items():
             self._raw(name, g.detach() if g.requires_grad else g, info, frames)
         return info, frames
+
+    def decode(self, info: dict[str, dict], frames: dict[str, torch.Tensor],
+               shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+        if not isinstance(info, Mapping) or FLAT not in info:
+            return super().decode(info, frames, shapes)
+        meta = info[FLAT]
+        if len(info) != 1 or not isinstance(meta, Mapping) or meta.get("codec") != "flat" or shapes is None:
+            raise CodecError("bad_info", "a flat gradient is one entry, decoded against the model's shapes")
+        layout = self._layout(shapes.items())
+        if meta.get("layout") != layout.digest or not layout.flat:
+            raise CodecError("bad_layout", f"flat layout {_short(meta.get('layout'))}, this model's is {layout.digest}")
+        if not isinstance(frames, Mapping) or not all(isinstance(t, torch.Tensor) for t in frames.values()):
+            raise CodecError("bad_frames", "frames is not a mapping of tensors")
+        try:
+            out = layout.views(frames)
+        except LayoutError as exc:
+            raise CodecError("bad_layout", str(exc)) from None
+        if self.check_finite and not all_finite(out.values()):
+            raise CodecError("nonfinite", "NaN or inf in the gradient")
+        return out
 
 
 class CastCodec(_Codec):
@@ -523,7 +564,8 @@ class PowerSGDCodec(_EFCodec):
 
 
 def make_codec(cfg: CompressionConfig, **kw: Any) -> GradientCodec:
-    """The codec `cfg.codec` names. Keyword arguments: check_finite (default True), max_numel."""
+    """The codec `cfg.codec` names. Keyword arguments: check_finite (default True), max_numel; for `none`, flat
+    (default True: a small model's gradient as one flat frame)."""
     if cfg.codec == "none":
         return NoneCodec(cfg, **kw)
     if cfg.codec in ("fp16", "bf16"):

@@ -113,17 +113,18 @@ def raising_eval(model) -> dict[str, float]:
 
 
 class _ManyTensors(torch.nn.Module):
-    def __init__(self, n: int, **kwargs) -> None:
+    def __init__(self, n: int, size: int, **kwargs) -> None:
         from cmemi.examples.digits import make_model
 
         super().__init__()
         self.mlp = make_model(**kwargs)
-        self.extra = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(1)) for _ in range(n))
+        self.extra = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(size)) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(x) + torch.stack(list(self.extra)).sum()
 
 
-def many_tensors_mlp(n: int = 1500, **kwargs) -> torch.nn.Module:
-    """The digits MLP plus `n` one-element parameters: a gradient whose header alone is over 64 KiB."""
-    return _ManyTensors(n, **kwargs)
+def many_tensors_mlp(n: int = 1500, size: int = 1, **kwargs) -> torch.nn.Module:
+    """The digits MLP plus `n` parameters of `size` elements. With size 3,000 (18 MB, more than a flat buffer
+    takes: shared/layout.py) the gradient travels tensor by tensor, and its header alone is over 64 KiB."""
+    return _ManyTensors(n, size, **kwargs)

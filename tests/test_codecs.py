@@ -25,7 +25,8 @@ STATELESS = ("none", "fp16", "bf16", "int8")
 
 
 def codec(name: str, **kw) -> GradientCodec:
-    return make_codec(CompressionConfig(codec=name, **kw))
+    """The codec, with `none` in its tensor-by-tensor form (its flat form: the test_flat_* tests)."""
+    return make_codec(CompressionConfig(codec=name, **kw), **({"flat": False} if name == "none" else {}))
 
 
 def rand(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -342,7 +343,8 @@ def test_non_finite_gradients_are_rejected_and_do_not_poison_state(name: str) ->
         with pytest.raises(CodecError, match="nonfinite"):
             c.decode(info, frames)
         assert not any(k.endswith("/w") and k.startswith("err/") for k in c.state_dict())
-        passed = make_codec(CompressionConfig(codec=name), check_finite=False).decode(info, frames)["w"]
+        passed = make_codec(CompressionConfig(codec=name), check_finite=False,
+                            **({"flat": False} if name == "none" else {})).decode(info, frames)["w"]
         assert not bool(torch.isfinite(passed).all())
     out = roundtrip(c, {"w": good}, 2)["w"]
     assert bool(torch.isfinite(out).all())
@@ -565,3 +567,47 @@ def test_all_finite_is_exact() -> None:
         t = torch.randn(1000)
         t[517] = bad
         assert not all_finite([torch.randn(10), t])
+
+
+def test_flat_none_is_exact_one_frame_and_checks_the_layout() -> None:
+    """A small model's gradient travels as one flat fp32 frame in its parameters' layout (shared/layout.py)."""
+    grads = {"w": rand(64, 64), "b": rand(64, seed=1), "s": torch.tensor(2.5)}
+    shapes = {n: g.shape for n, g in grads.items()}
+    c = make_codec(CompressionConfig(codec="none"))
+    info, frames = c.encode(grads, 0)
+    assert list(frames) == ["flat.float32"] and list(info) == ["*flat"]
+    out = c.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=shapes)
+    assert list(out) == list(grads) and all(torch.equal(out[n], grads[n]) for n in grads)
+    assert make_codec(CompressionConfig(codec="none")).decode(*c.encode(grads, 1), shapes=shapes).keys() == grads.keys()
+
+    def fails(reason: str, info=info, frames=frames, shapes=shapes) -> None:
+        with pytest.raises(CodecError) as err:
+            make_codec(CompressionConfig(codec="none")).decode(info, frames, shapes=shapes)
+        assert err.value.reason == reason, err.value
+
+    fails("bad_layout", shapes={**shapes, "b": (65,)})  # another model
+    fails("bad_layout", info={"*flat": {**info["*flat"], "layout": "0" * 16}})
+    fails("bad_info", info={**info, "w": {"codec": "raw"}})
+    fails("bad_info", shapes=None)
+    fails("bad_layout", frames={})
+    fails("bad_layout", frames={"flat.float32": frames["flat.float32"][:-16]})
+    fails("bad_layout", frames={"flat.float32": frames["flat.float32"].double()})
+    fails("bad_layout", frames={**frames, "flat.int64": torch.zeros(3, dtype=torch.int64)})
+    fails("bad_frames", frames={"flat.float32": "not a tensor"})
+    nan = frames["flat.float32"].clone()
+    nan[3] = float("nan")
+    fails("nonfinite", frames={"flat.float32": nan})
+
+
+def test_flat_layout_views_pack_and_alignment() -> None:
+    from cmemi.shared.layout import FLAT_MAX_BYTES, Layout
+
+    tensors = {"a": rand(3, 5), "n": torch.arange(7), "b": rand(17), "m": torch.tensor([True, False])}
+    layout = Layout(tensors)
+    flats = layout.pack(tensors)
+    assert sorted(flats) == ["flat.bool", "flat.float32", "flat.int64"]
+    views = layout.views(flats)
+    assert all(torch.equal(views[n], t) and views[n].dtype == t.dtype for n, t in tensors.items())
+    assert all(v.data_ptr() % 64 == 0 for v in views.values())  # every tensor starts on a 64-byte boundary
+    assert Layout({"x": torch.empty(FLAT_MAX_BYTES // 4 + 1, device="meta")}).flat is False
+    assert Layout(tensors).digest == layout.digest != Layout({**tensors, "b": rand(18)}).digest

@@ -7,14 +7,17 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import zmq
 from cmemi.shared import protocol, transfer
+from cmemi.shared.codecs import NoneCodec
 from cmemi.shared.config import load_config
 from cmemi.shared.data import fetch, microbatch_indices, microbatch_seed
 from cmemi.shared.keys import Keys
+from cmemi.shared.layout import Layout
 from cmemi.shared.membership import connect
 from cmemi.shared.plugins import build_model, resolve
 
@@ -35,8 +38,16 @@ def recv(router: zmq.Socket, timeout: float = 60) -> tuple[bytes, protocol.Messa
     raise TimeoutError("the worker sent nothing")
 
 
+def flat(params: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The fields and frames of parameters as an aggregator sends a small model's: flat (shared/layout.py)."""
+    layout = Layout(params)
+    assert layout.flat
+    return {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0, "layout": layout.digest}, \
+        layout.pack(params)
+
+
 def work(params: dict[str, torch.Tensor], corrupt: bool = False) -> list:
-    parts = protocol.encode("work", RUN, {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0}, params)
+    parts = protocol.encode("work", RUN, *flat(params))
     if corrupt:  # one flipped byte in the middle of the largest tensor: its checksum no longer matches
         i = max(range(1, len(parts)), key=lambda j: parts[j].nbytes)
         data = bytearray(parts[i])
@@ -128,8 +139,8 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         assert msg.type == "want"  # its reply is "lost": nothing is sent back
         ident, msg = recv(router, timeout=30)
         assert msg.type == "want", msg.header  # asked again by itself
-        sent = transfer.messages("work", RUN, {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0}, cap,
-                                 params)
+        fields, frames = flat(params)
+        sent = transfer.messages("work", RUN, fields, cap, frames)
         assert len(sent) >= 2
         transfer.send(router, sent, ident)
         asm, grad, sizes = transfer.Assembler(RUN, bound=1 << 30), None, []
@@ -142,17 +153,19 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         assert grad is not None and grad.type == "grad", "no gradient"
         assert len(sizes) >= 2 and max(sizes) <= cap, sizes
         assert grad.header["losses"][0] == pytest.approx(expected_loss, rel=1e-6)
-        assert sum(t.numel() for t in grad.tensors.values()) == sum(p.numel() for p in params.values())
+        grads = NoneCodec().decode(grad.header["codec"], grad.tensors, shapes={n: p.shape for n, p in params.items()})
+        assert all(grads[n].shape == p.shape for n, p in params.items())
         stop(router, ident)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-2000:]
 
 
 def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_server, tmp_path: Path) -> None:
-    """1,500 more parameter tensors: the gradient's header (its tensor table) leaves no room for a chunk under
-    cluster.max_message_bytes=65536. Nothing is sent; the worker stops with one line naming size and cap (exit 2)."""
+    """1,500 more parameter tensors of 3,000 elements (too big for a flat buffer): the gradient's header (its tensor
+    table) leaves no room for a chunk under cluster.max_message_bytes=65536. Nothing is sent; the worker stops with
+    one line naming size and cap (exit 2)."""
     with scripted_worker(redis_server, tmp_path, "model.factory=tests.fixtures:many_tensors_mlp",
-                         "cluster.max_message_bytes=65536") as (router, proc):
+                         "model.kwargs={size: 3000}", "cluster.max_message_bytes=65536") as (router, proc):
         welcome(router)
         ident, msg = recv(router)
         assert msg.type == "want"

@@ -1,5 +1,8 @@
 """The parameters the aggregator sends out: one copy and one wire encoding per parameter version.
 
+A small model's copy is its flat buffers (shared/layout.py): one frame per dtype, which the workers
+receive straight into the flat buffers their model's parameters live in.
+
 Frames go out zero-copy, so their bytes must not change until ZeroMQ has sent them: the optimizer
 steps the live parameters, never these copies. A copy's buffers are reused for a later version
 (instead of a fresh allocation, whose pages the kernel must fault in on every step) only once
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 import zmq
 from cmemi.shared import protocol
+from cmemi.shared.layout import Layout
 
 
 @dataclass
@@ -32,8 +36,9 @@ class _Copy:
 
 
 class Publisher:
-    def __init__(self, checksum: bool, pool: int = 3) -> None:
+    def __init__(self, checksum: bool, layout: Layout | None = None, pool: int = 3) -> None:
         self.checksum = checksum
+        self.layout = layout if layout is not None and layout.flat else None
         self.pool = pool  # copies kept for reuse; more may exist while slow sends hold them
         self._copies: list[_Copy] = []
         self._current: _Copy | None = None
@@ -45,9 +50,12 @@ class Publisher:
         cur = self._current
         if cur is None or cur.version != version:
             cur = self._take(params)
-            with torch.no_grad():
-                for n, p in params.items():
-                    cur.tensors[n].copy_(p)
+            if self.layout is not None:
+                self.layout.pack(params, out=cur.tensors)
+            else:
+                with torch.no_grad():
+                    for n, p in params.items():
+                        cur.tensors[n].copy_(p)
             cur.version = version
             cur.encoded = protocol.encode_tensors(cur.tensors, self.checksum)
             self._current = cur
@@ -58,7 +66,8 @@ class Publisher:
         for c in self._copies:
             if c.idle():
                 return c
-        c = _Copy({n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in params.items()})
+        c = _Copy(self.layout.empty() if self.layout is not None else
+                  {n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in params.items()})
         if len(self._copies) < self.pool:
             self._copies.append(c)
         return c

@@ -30,6 +30,7 @@ from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import OWN, SHARED, differences, environment
+from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
 from cmemi.shared.service import ServiceContext
@@ -85,7 +86,8 @@ class Aggregator:
         self.bytes_in = self.bytes_out = 0
         self.wall_before = 0.0  # training seconds of earlier terms (restored from the checkpoint)
         self.ckpt = CheckpointerLink(self)
-        self.publisher = Publisher(cfg.cluster.checksum)
+        self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
+        self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
         restored = self.ckpt.fetch_latest(timeout=120)
         startup.mark("checkpoint_asked")
@@ -232,6 +234,8 @@ class Aggregator:
         encoded, trackers = None, None
         if params:
             encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
+            if self.publisher.layout is not None:
+                fields["layout"] = self.layout.digest
         elif mtype == "work":  # a work message always lists its tensors, here none
             encoded = ([], [])
         try:  # parameters over the cap go in parts

@@ -25,6 +25,7 @@ from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
+from cmemi.shared.layout import Layout, LayoutError
 from cmemi.shared.membership import Member
 from cmemi.shared.plugins import build_model, resolve
 from cmemi.shared.reduction import TreeAccumulator, add_into
@@ -111,10 +112,37 @@ class Worker:
 
     def _set_inbox(self) -> None:
         """Where received parameters land (the model itself on a CPU) and the step's buffers (always a copy:
-        each microbatch starts from them, while the forward pass changes the model's own)."""
-        params = (self.params if self.device.type == "cpu" else
+        each microbatch starts from them, while the forward pass changes the model's own). A small model's
+        arrive as flat buffers (shared/layout.py); on a CPU its parameters and step buffers are views into
+        them, so one frame per dtype lands in place and nothing is copied."""
+        wire = {**self.params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
+        self.layout = Layout(wire)
+        cpu = self.device.type == "cpu"
+        if self.layout.flat:
+            self.inbox = self.layout.empty(pin_memory=not cpu)
+            if cpu:
+                with torch.no_grad():
+                    for name, view in self.layout.views(self.inbox).items():
+                        view.copy_(wire[name])
+                        if name.startswith(PREFIX):
+                            self.runner.step_buffers[name[len(PREFIX):]] = view
+                        else:
+                            self.params[name].data = view
+            return
+        params = (self.params if cpu else
                   {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in self.params.items()})
         self.inbox = {**params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
+
+    def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
+        """The parameters and step buffers of a `work` message by name; None if they are not in our layout."""
+        if not self.layout.flat:
+            return msg.tensors
+        if msg.header.get("layout") != self.layout.digest or msg.tensors.keys() != self.inbox.keys():
+            return None
+        try:
+            return self.layout.views(msg.tensors)
+        except LayoutError:
+            return None
 
     # ------------------------------------------------------------------ connection
     def _aggregator(self) -> tuple[str, int] | None:
@@ -267,13 +295,21 @@ class Worker:
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         if msg.tensors:
-            with torch.no_grad():
-                for name, p in self.params.items():
-                    if msg.tensors[name] is not p:  # on a CPU they were received in place already
-                        p.copy_(msg.tensors[name])
-                for name, b in self.runner.step_buffers.items():
-                    if msg.tensors[PREFIX + name] is not b:
-                        b.copy_(msg.tensors[PREFIX + name])
+            received = self._received(msg)
+            if received is None:  # not our model's layout: never compute on it
+                self.log.warning("message dropped", reason="bad_layout", detail=str(h.get("layout"))[:40])
+                self.version = -1
+                self._send("want", term=self.term, version=self.version)
+                return
+            in_place = all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)
+            if not (in_place and self.layout.flat and self.device.type == "cpu"):  # else: nothing to copy
+                with torch.no_grad():
+                    for name, p in self.params.items():
+                        if received[name] is not p:  # on a CPU they were received in place already
+                            p.copy_(received[name])
+                    for name, b in self.runner.step_buffers.items():
+                        if received[PREFIX + name] is not b:
+                            b.copy_(received[PREFIX + name])
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
             self.version = -1
