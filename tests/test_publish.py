@@ -74,3 +74,28 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
         assert len(pub._copies) == 2
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_small_model_goes_out_flat_once_per_version() -> None:
+    """One frame per dtype in the layout the worker builds from its own model (shared/layout.py)."""
+    from cmemi.shared.layout import Layout
+
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        params = {"w": torch.randn(256, 256), "b": torch.randn(3), "~n": torch.tensor(7)}
+        layout = Layout(params)
+        pub = Publisher(checksum=True, layout=layout)
+        first, _ = pub.encoded(params, 0)
+        assert pub.encoded(params, 0)[0] is first and [m["name"] for m in first[0]] == ["flat.float32", "flat.int64"]
+        expected = params["w"].clone()
+        send_params(a, pub, params, 0)
+        with torch.no_grad():
+            params["w"].add_(1.0)
+        received = layout.views(protocol.decode(b.recv_multipart(copy=False), RUN).tensors)
+        assert torch.equal(received["w"], expected) and torch.equal(received["~n"], torch.tensor(7))
+        send_params(a, pub, params, 1)
+        assert torch.equal(layout.views(protocol.decode(b.recv_multipart(copy=False), RUN).tensors)["w"], params["w"])
+    finally:
+        ctx.destroy(linger=0)
