@@ -13,6 +13,7 @@ overhead is nothing beside its bytes, and packing would cost a copy of every byt
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 
 import torch
@@ -35,6 +36,8 @@ class Layout:
             step = max(1, ALIGN // t.element_size())
             self.entries.append((name, t.dtype, tuple(t.shape), at))
             self.sizes[t.dtype] = (at + t.numel() + step - 1) // step * step
+        self._slices = [(name, self.frame_name(dtype), at, at + math.prod(shape), shape)
+                        for name, dtype, shape, at in self.entries]
         self.nbytes = sum(n * torch.empty((), dtype=d).element_size() for d, n in self.sizes.items())
         self.flat = self.nbytes <= FLAT_MAX_BYTES
         h = hashlib.blake2b(digest_size=8)
@@ -58,13 +61,7 @@ class Layout:
                 raise LayoutError(f"frame {self.frame_name(d)} missing or not {n} elements of {d}")
         if len(flats) != len(self.sizes):
             raise LayoutError(f"{len(flats)} flat frames, the layout has {len(self.sizes)}")
-        out = {}
-        for name, dtype, shape, at in self.entries:
-            n = 1
-            for s in shape:
-                n *= s
-            out[name] = flats[self.frame_name(dtype)][at:at + n].view(shape)
-        return out
+        return {name: flats[frame][lo:hi].view(shape) for name, frame, lo, hi, shape in self._slices}
 
     def pack(self, tensors: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ class _Copy:
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     version: int = -1
     encoded: tuple[list[dict[str, Any]], list[Any]] | None = None
+    views: dict[str, torch.Tensor] | None = None  # flat copies: each parameter's place in them
 
     def idle(self) -> bool:
         if all(t.done for t in self.trackers):
@@ -50,12 +51,11 @@ class Publisher:
         cur = self._current
         if cur is None or cur.version != version:
             cur = self._take(params)
-            if self.layout is not None:
-                self.layout.pack(params, out=cur.tensors)
-            else:
-                with torch.no_grad():
-                    for n, p in params.items():
-                        cur.tensors[n].copy_(p)
+            if self.layout is not None and cur.views is None:
+                cur.views = self.layout.views(cur.tensors)
+            with torch.no_grad():
+                for n, p in params.items():
+                    (cur.views or cur.tensors)[n].copy_(p)
             cur.version = version
             cur.encoded = protocol.encode_tensors(cur.tensors, self.checksum)
             self._current = cur

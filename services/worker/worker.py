@@ -324,7 +324,9 @@ class Worker:
         self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term,
                    step=h["step"], lo=lo, hi=hi, version=self.version, losses=losses,
                    n=(hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches))
-        if self.runner.loader is not None:  # while the aggregator steps: most often the next lease is this node
+        if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
+            # while the aggregator steps: a block lease is most often this worker's again next step (single
+            # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
             self.runner.loader.guess(h["step"] + 1, range(lo, hi))
 
     def compute_block(self, step: int, lo: int, hi: int, scale: float) -> tuple[
