@@ -177,3 +177,18 @@ def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_se
         assert "'grad' message of" in line and "exceeds cluster.max_message_bytes=65536" in line, line
         assert "header alone" in line, line
         assert not router.poll(200), "something of the gradient was sent"
+
+
+def test_parameters_of_another_model_stop_the_worker_with_one_line(redis_server, tmp_path: Path) -> None:
+    """Checksums pass, but the flat layout is another model's (a config that differs between hosts): exit 2."""
+    params, _ = halved_params_and_loss()
+    other = {**params, "extra.weight": torch.zeros(3)}
+    with scripted_worker(redis_server, tmp_path) as (router, proc):
+        ident = welcome(router)
+        ident, msg = recv(router)
+        assert msg.type == "want"
+        protocol.send(router, protocol.encode("work", RUN, *flat(other)), ident)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2, err[-2000:]
+        lines = [x for x in err.splitlines() if x.startswith("cmemi: error:")]
+        assert len(lines) == 1 and "do not fit this worker's model" in lines[0] and "model.kwargs" in lines[0], err

@@ -296,11 +296,10 @@ class Worker:
         h = msg.header
         if msg.tensors:
             received = self._received(msg)
-            if received is None:  # not our model's layout: never compute on it
-                self.log.warning("message dropped", reason="bad_layout", detail=str(h.get("layout"))[:40])
-                self.version = -1
-                self._send("want", term=self.term, version=self.version)
-                return
+            if received is None:  # checksums passed: the aggregator's model is not ours (another config)
+                self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
+                               f"do not fit this worker's model (layout {self.layout.digest}, shared/layout.py): "
+                               "use the same model.factory and model.kwargs on every host")
             in_place = all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)
             if not (in_place and self.layout.flat and self.device.type == "cpu"):  # else: nothing to copy
                 with torch.no_grad():
