@@ -166,3 +166,24 @@ def test_loaders_show_their_role_and_die_with_their_worker() -> None:
         proc.kill()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+def test_a_batch_whose_header_is_too_big_is_read_in_the_worker() -> None:
+    class Texts(Augmenting):
+        def __getitem__(self, i: int):
+            return torch.ones(2), "x" * 10_000  # 40 kB of strings in a microbatch of 4: it travels
+
+    class Novels(Augmenting):
+        def __getitem__(self, i: int):
+            return torch.ones(2), "x" * 30_000  # 120 kB: over the loader's 64 KiB header
+
+    for ds, travels in ((Texts(), True), (Novels(), False)):
+        loader = Loader(CFG, ds, workers=1)
+        try:
+            got = loader.get(0, 0)
+            assert (got is not None) == travels
+            if got is not None:
+                assert same(got[0], read_microbatch(CFG, ds, len(ds), 0, 0))
+            assert loader.get(0, 1) is not None or not travels  # the loader goes on either way
+        finally:
+            loader.close()

@@ -42,7 +42,7 @@ from cmemi.shared.data import read_microbatch
 from cmemi.shared.usercode import Failure, RemoteFailure, describe
 
 ALIGN = 64
-MAX_HEADER = 1 << 20
+MAX_HEADER = 64 << 10  # under a Unix socket's default send buffer (a SOCK_SEQPACKET message must fit in it)
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                                torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
 
@@ -143,8 +143,12 @@ def _serve(sock: socket.socket, cfg: Config, dataset: Any, slots: int) -> None:
             except Unsupported as exc:
                 reply.pop("tree", None)
                 reply["unsupported"] = str(exc)
+        packed = msgpack.packb(reply)
+        if len(packed) > MAX_HEADER:  # (long strings in the batch): the worker reads this one itself
+            packed = msgpack.packb({"step": step, "m": m, "slot": slot, "unsupported": "a batch header over 64 KiB",
+                                    **({"size": reply["size"]} if fds else {})})
         try:
-            socket.send_fds(sock, [msgpack.packb(reply)], fds) if fds else sock.send(msgpack.packb(reply))
+            socket.send_fds(sock, [packed], fds) if fds else sock.send(packed)
         except OSError:
             return
         for fd in fds:
