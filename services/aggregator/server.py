@@ -23,6 +23,7 @@ from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Prob
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
+from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import atomic, limits, metrics, protocol, reduction, startup, state, transfer
 from cmemi.shared.buffers import PREFIX
@@ -82,10 +83,8 @@ class Aggregator:
                                         peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1,
                                         on_abandon=self._drop)
         self.term = allocate(ctx.redis, ctx.keys.term)
-        self.final_loss = float("nan")
-        self.bytes_in = self.bytes_out = 0
-        self.wall_before = 0.0  # training seconds of earlier terms (restored from the checkpoint)
-        self.ckpt = CheckpointerLink(self)
+        self.totals = RunTotals()  # restored from the checkpoint
+        self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self._drop)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         self.bg_eval = BackgroundEval(cfg, self.eval_fn) if self.eval_fn and cfg.eval.every_steps else None
@@ -93,7 +92,8 @@ class Aggregator:
         startup.mark("checkpoint_asked")
         if restored is not None:
             try:
-                snapshots.restore(self, restored.header["meta"], restored.tensors)
+                snapshots.restore(self.trainer, self.totals, self.fp, self.bg_eval, restored.header["meta"],
+                                  restored.tensors)
             except (state.StateError, KeyError, RuntimeError, ValueError) as exc:
                 ctx.fatal(f"cannot restore checkpoint of step {restored.header['step']}: {exc}")
             self.log.info("restored from checkpoint", step=self.trainer.step)
@@ -114,7 +114,6 @@ class Aggregator:
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
         self._step_bytes_in = self._step_bytes_out = 0
-        self.t_start: float | None = None
         self.throughput = Throughput(cfg.train.global_batch)  # the progress line's samples/s
         self._t_step = time.monotonic()
         self.done = self.trainer.step >= self.total
@@ -220,7 +219,7 @@ class Aggregator:
 
     def _count_grad_bytes(self, size: int) -> None:
         metrics.BYTES_IN.inc(size)
-        self.bytes_in += size
+        self.totals.bytes_in += size
         self._step_bytes_in += size
 
     def _drop(self, reason: str, detail: str = "") -> None:
@@ -249,7 +248,7 @@ class Aggregator:
             return
         if mtype == "work":
             metrics.BYTES_OUT.inc(n)
-            self.bytes_out += n
+            self.totals.bytes_out += n
             self._step_bytes_out += n
 
     # ------------------------------------------------------------------ handlers
@@ -417,8 +416,8 @@ class Aggregator:
         if self.done:
             self._send(identity, "stop", reason="training complete")
             return
-        if self.t_start is None:
-            self.t_start = self._t_step = time.monotonic()
+        if self.totals.started(time.monotonic()):
+            self._t_step = time.monotonic()
         now = time.monotonic()
         self.reissue.leased(info, now)
         node = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
@@ -459,7 +458,7 @@ class Aggregator:
         now = time.monotonic()
         dt = now - self._t_step
         self._t_step = now
-        self.final_loss = loss
+        self.totals.final_loss = loss
         step = self.trainer.step
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(dt)
@@ -503,7 +502,7 @@ class Aggregator:
         every = self.cfg.checkpoint.every_steps
         if every and step % every == 0 and step < self.total:
             t0 = time.monotonic()
-            self.ckpt.offer(snapshots.collect(self))  # in-memory copy only: the disk is the checkpointer's
+            self.ckpt.offer(self._snapshot())  # in-memory copy only: the disk is the checkpointer's
             self.ckpt_stall_s.append(time.monotonic() - t0)
             metrics.CHECKPOINT_STALL.observe(self.ckpt_stall_s[-1])
         now = time.monotonic()
@@ -511,9 +510,13 @@ class Aggregator:
             self._next_progress = now + 0.1  # enough for status and the progress bar; spares Redis
             self._publish_progress(step, loss, nbytes / dt if dt > 0 else 0.0)
 
-    def wall_s(self) -> float:
-        """Training wall time of the whole run, earlier terms included."""
-        return self.wall_before + (time.monotonic() - self.t_start if self.t_start is not None else 0.0)
+    def _snapshot(self) -> snapshots.Snapshot:
+        if self.bg_eval is not None and self.bg_eval.running_step() not in (None, self.trainer.step):
+            # An evaluation of an earlier step is still running: its weights are not in this snapshot, so wait for
+            # it (rare: only when checkpoints fall between evaluation boundaries and evaluation is slow).
+            for entry in self.bg_eval.collect(wait=True):
+                self._log_eval(entry)
+        return snapshots.collect(self.trainer, self.totals, self.term, self.fp, self.bg_eval)
 
     def _publish_progress(self, step: int, loss: float, bytes_s: float) -> None:
         """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip (at most every 0.1 s)."""
@@ -521,7 +524,7 @@ class Aggregator:
             pipe = self.ctx.redis.pipeline(transaction=False)
             pipe.hset(self.ctx.keys.progress, mapping={
                 "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
-                "samples_s": f"{self.throughput.rate(step, self.wall_s(), whole_run=self.done):.1f}",
+                "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=self.done):.1f}",
                 "bytes_s": f"{bytes_s:.0f}",
                 "live_workers": len(self.workers), "term": self.term, "t": time.time()})
             for worker, n in self._unpublished_mb.items():
@@ -537,7 +540,7 @@ class Aggregator:
 
     # ------------------------------------------------------------------ end of run
     def _finish(self) -> None:
-        wall = self.wall_s()
+        wall = self.totals.wall_s()
         try:
             if self.bg_eval is not None:
                 for entry in self.bg_eval.collect(wait=True):
@@ -545,16 +548,16 @@ class Aggregator:
         except EvalError as exc:
             self.ctx.fatal(str(exc))
         summary = {
-            "steps": self.trainer.step, "final_loss": self.final_loss, "eval": {}, "wall_s": wall,
+            "steps": self.trainer.step, "final_loss": self.totals.final_loss, "eval": {}, "wall_s": wall,
             "samples_per_s": self.trainer.step * self.cfg.train.global_batch / wall if wall > 0 else None,
-            "workers": self.cfg.cluster.workers, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
+            "workers": self.cfg.cluster.workers, "bytes_sent": self.totals.bytes_in, "bytes_received": self.totals.bytes_out,
             "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
             "dropped_messages": dict(self.drops), "term": self.term, "codec": self.cfg.compression.codec,
             "precision": self.cfg.precision, "skipped_steps": self.trainer.skipped,
             "stopped_early": self.stopped_early,
             "eval_history": self.bg_eval.history if self.bg_eval is not None else [],
         }
-        step, meta, tensors = snapshots.collect(self)
+        step, meta, tensors = self._snapshot()
         meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
         summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)
         if self.eval_fn:

@@ -10,47 +10,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator.evaluation import BackgroundEval
+from cmemi.services.aggregator.totals import RunTotals
+from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, state, transfer
-
-if TYPE_CHECKING:
-    from cmemi.services.aggregator.server import Aggregator
+from cmemi.shared.service import ServiceContext
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 
 
-def collect(agg: Aggregator) -> Snapshot:
-    """Everything needed to continue the run bitwise identically: copies, so training can go on at once."""
-    t = agg.trainer
-    if agg.bg_eval is not None and agg.bg_eval.running_step() not in (None, t.step):
-        # An evaluation of an earlier step is still running: its weights are not in this snapshot, so wait for
-        # it (rare: only when checkpoints fall between evaluation boundaries and evaluation is slow).
-        for entry in agg.bg_eval.collect(wait=True):
-            agg._log_eval(entry)
+def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
+            bg_eval: BackgroundEval | None) -> Snapshot:
+    """Everything needed to continue the run bitwise identically: copies, so training can go on at once. An
+    evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first."""
+    t = trainer
     named: dict[str, Any] = {
         "model": t.model.state_dict(),
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
         "rng": {"torch": torch.get_rng_state()},
         "scaler": t.scaler.state_dict(),
-        "progress": {"step": t.step, "term": agg.term, "final_loss": agg.final_loss,
-                     "bytes_sent": agg.bytes_in, "bytes_received": agg.bytes_out, "fingerprint": agg.fp,
-                     "skipped": t.skipped, "wall_s": agg.wall_s()},
+        "progress": {"step": t.step, "term": term, "fingerprint": fp, "skipped": t.skipped, **totals.state_dict()},
         # early stopping: history, best, patience counter, and the evaluation in flight (of this step's weights)
-        "early_stop": agg.bg_eval.state_dict() if agg.bg_eval is not None else None,
+        "early_stop": bg_eval.state_dict() if bg_eval is not None else None,
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
 
 
-def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any], bg_eval: BackgroundEval | None,
+            meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     named = state.unflatten(meta, tensors)
-    t = agg.trainer
-    if named["progress"]["fingerprint"] != agg.fp:
+    t = trainer
+    if named["progress"]["fingerprint"] != fp:
         raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
                                "restore with the data it was trained on, or start a new run.dir")
     t.model.load_state_dict(named["model"])
@@ -60,35 +57,33 @@ def restore(agg: Aggregator, meta: dict[str, Any], tensors: dict[str, torch.Tens
     torch.set_rng_state(named["rng"]["torch"])
     t.scaler.load_state_dict(named["scaler"])
     t.step = int(named["progress"]["step"])
-    agg.final_loss = float(named["progress"]["final_loss"])
     t.skipped = int(named["progress"]["skipped"])
-    agg.wall_before = float(named["progress"]["wall_s"])
-    agg.bytes_in = int(named["progress"]["bytes_sent"])
-    agg.bytes_out = int(named["progress"]["bytes_received"])
+    totals.load_state_dict(named["progress"])
     early = named.get("early_stop")
-    if agg.bg_eval is not None and early is not None:
-        agg.bg_eval.load_state_dict(early)
+    if bg_eval is not None and early is not None:
+        bg_eval.load_state_dict(early)
         if early["running"] is not None and int(early["running"]) == t.step:  # it was lost with the old term
-            agg.bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
+            bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
 
 
 class CheckpointerLink:
-    """DEALER to the checkpointer, found (and re-found after a restart) through Redis."""
+    """DEALER to the checkpointer, found (and re-found after a restart) through Redis; `on_drop(reason, detail)`
+    counts a part of a restore that had to be abandoned."""
 
-    def __init__(self, agg: Aggregator) -> None:
-        self.agg = agg
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, on_drop: Callable[[str, str], None]) -> None:
+        self.ctx, self.cfg, self.zctx, self.term = ctx, ctx.cfg, zctx, term
         self.sock: zmq.Socket | None = None
         self.addr: str | None = None
         self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
         self.in_flight: Snapshot | None = None
         self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
-        self.parts = transfer.Assembler(agg.ctx.run, limits.logical_bytes(agg.cfg), agg.cfg.cluster.checksum,
-                                        on_abandon=agg._drop)  # a restore bigger than one message
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
+                                        on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
 
     def _lookup(self) -> str | None:
         try:
-            addr, inc = self.agg.ctx.redis.hmget(self.agg.ctx.keys.checkpointer, ["addr", "incarnation"])
+            addr, inc = self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"])
         except redis.RedisError:
             return self.addr  # Redis is down: keep talking to the checkpointer we know
         if addr is not None and inc is not None:
@@ -103,10 +98,10 @@ class CheckpointerLink:
             if self.sock is not None:
                 self.sock.close(linger=0)
                 self.parts.keep(())  # the rest of a restore in parts will not come on a new socket
-            self.sock = self.agg.zctx.socket(zmq.DEALER)
-            self.agg.ctx.curve.connect_as_client(self.sock)
+            self.sock = self.zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.MAXMSGSIZE, self.agg.cfg.cluster.max_message_bytes)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             self.sock.connect(addr)
             self.addr = addr
         return True
@@ -114,16 +109,16 @@ class CheckpointerLink:
     def _send(self, snap: Snapshot, final: bool) -> None:
         assert self.sock is not None
         step, meta, tensors = snap
-        self._send_message("snapshot", {"step": step, "term": self.agg.term, "final": final, "meta": meta}, tensors)
+        self._send_message("snapshot", {"step": step, "term": self.term, "final": final, "meta": meta}, tensors)
 
     def _send_message(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
         """One logical message, in parts if it is over the cap."""
         assert self.sock is not None
         try:
-            msgs = transfer.messages(mtype, self.agg.ctx.run, fields, self.agg.cfg.cluster.max_message_bytes, tensors,
-                                     self.agg.cfg.cluster.checksum)
+            msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
+                                     self.cfg.cluster.checksum)
         except transfer.TooBig as exc:
-            self.agg.ctx.fatal(f"aggregator: {exc}")
+            self.ctx.fatal(f"aggregator: {exc}")
         transfer.send(self.sock, msgs)
 
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
@@ -134,13 +129,13 @@ class CheckpointerLink:
                 if msg is not None:
                     out.append(msg)
             except protocol.ProtocolError as exc:
-                self.agg.log.warning("bad reply from checkpointer", error=str(exc))
+                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
             timeout_ms = 0
         return out
 
     # ---------------------------------------------------------------- periodic, asynchronous
     def _milestone(self, snap: Snapshot) -> bool:
-        every = self.agg.cfg.checkpoint.keep_every
+        every = self.cfg.checkpoint.keep_every
         return bool(every) and snap[0] % every == 0
 
     def offer(self, snap: Snapshot) -> None:
@@ -195,11 +190,11 @@ class CheckpointerLink:
         while self.in_flight is not None and time.monotonic() < deadline:  # let a periodic one land first
             self.poll()
             time.sleep(0.01)
-        msg = self.request("snapshot", {"step": step, "term": self.agg.term, "final": True, "meta": meta}, tensors,
+        msg = self.request("snapshot", {"step": step, "term": self.term, "final": True, "meta": meta}, tensors,
                            lambda m: m.type == "saved" and m.header["step"] == step, timeout=300)
         return str(msg.header["path"])
 
     def fetch_latest(self, timeout: float) -> protocol.Message | None:
-        msg = self.request("restore_req", {"term": self.agg.term}, None,
+        msg = self.request("restore_req", {"term": self.term}, None,
                            lambda m: m.type in ("restore", "no_checkpoint"), timeout)
         return msg if msg.type == "restore" else None

@@ -1,0 +1,36 @@
+"""What a run has done so far, across aggregator terms: the loss of its last step, the bytes it moved and its
+training wall time. Carried in every snapshot, so a restarted aggregator goes on counting where the last left off."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class RunTotals:
+    final_loss: float = float("nan")
+    bytes_in: int = 0  # every gradient byte workers sent, accepted or not
+    bytes_out: int = 0  # every work message byte sent to workers
+    wall_before: float = 0.0  # training seconds of earlier terms
+    t_start: float | None = None  # when this term handed out its first lease (monotonic)
+
+    def started(self, now: float) -> bool:
+        """Mark this term's training start; True the first time."""
+        if self.t_start is None:
+            self.t_start = now
+            return True
+        return False
+
+    def wall_s(self) -> float:
+        """Training wall time of the whole run, earlier terms included."""
+        return self.wall_before + (time.monotonic() - self.t_start if self.t_start is not None else 0.0)
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"final_loss": self.final_loss, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
+                "wall_s": self.wall_s()}
+
+    def load_state_dict(self, sd: dict[str, float | int]) -> None:
+        self.final_loss = float(sd["final_loss"])
+        self.bytes_in, self.bytes_out = int(sd["bytes_sent"]), int(sd["bytes_received"])
+        self.wall_before = float(sd["wall_s"])
