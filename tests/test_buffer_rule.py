@@ -115,13 +115,14 @@ def test_the_step_0_evaluation_reports_a_broken_eval_fn_in_one_line() -> None:
 def test_a_worker_with_another_environment_is_refused_or_admitted_with_a_warning() -> None:
     from types import SimpleNamespace
 
+    from cmemi.services.aggregator.admission import EnvironmentCheck
     from cmemi.services.aggregator.server import Aggregator
 
     sent: list[dict] = []
     warned: list[str] = []
     own = {"torch": "2.13.0", "threads": "1", "cpu": "AVX2"}
     for require in (True, False):
-        fake = SimpleNamespace(env=own, first_env=None, cfg=SimpleNamespace(cluster=SimpleNamespace(
+        fake = SimpleNamespace(environment=EnvironmentCheck(own), cfg=SimpleNamespace(cluster=SimpleNamespace(
             require_same_environment=require)), _send=lambda ident, mtype, **f: sent.append({"type": mtype, **f}),
             log=SimpleNamespace(warning=lambda msg, **f: warned.append(f["detail"])))
         same = {**own, "device": "cpu", "gpu": ""}

@@ -4,6 +4,8 @@
 - `registered`: a hello's incarnation must be the one Redis holds for that worker id — a forged
   hello (a huge incarnation that would fence the real worker) or a stale process is turned away,
   with Curve on or off.
+- `EnvironmentCheck`: bitwise equality needs the same torch, threads and CPU kernels as the aggregator,
+  and the same device kind and GPU model as the first admitted worker.
 - `ReissuePolicy`: how long a lease may be outstanding, while the queue is empty and workers idle,
   before the next idle worker gets it too: twice the recent lease-to-gradient time per microbatch
   (an exponential average; a lease of n microbatches waits n times as long), so a withheld lease costs about one recomputation, not `lease_timeout`, and an honest
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from cmemi.shared.environment import OWN, SHARED, differences
 from cmemi.shared.keys import Keys
 
 ROLE_OF = {"hello": "worker", "want": "worker", "grad": "worker", "leave": "worker", "fence": "coordinator"}
@@ -27,6 +30,18 @@ def registered(client: redis.Redis, keys: Keys, wid: str, inc: int) -> str | Non
     except redis.RedisError:
         return "unverified_hello"  # Redis is away: the worker says hello again shortly
     return None if current is not None and current == str(inc) else "unregistered_incarnation"
+
+
+class EnvironmentCheck:
+    def __init__(self, own: dict[str, str]) -> None:
+        self.own = own  # the aggregator's environment (shared.environment.environment)
+        self.first: dict[str, str] | None = None  # the shared fields of the first worker that said hello
+
+    def differences(self, env: Any) -> list[str]:
+        """What in a worker's environment differs (from ours, or from the first worker's); empty: nothing."""
+        if self.first is None and isinstance(env, dict):
+            self.first = {f: str(env.get(f)) for f in SHARED}
+        return differences(env, self.own, OWN) + differences(env, self.first or {}, SHARED if self.first else ())
 
 
 class ReissuePolicy:

@@ -17,7 +17,7 @@ import redis
 import torch
 import zmq
 from cmemi.services.aggregator import snapshots
-from cmemi.services.aggregator.admission import ROLE_OF, ReissuePolicy, registered
+from cmemi.services.aggregator.admission import ROLE_OF, EnvironmentCheck, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, run_eval
 from cmemi.services.aggregator.publish import Publisher
@@ -30,7 +30,7 @@ from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
-from cmemi.shared.environment import OWN, SHARED, differences, environment
+from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
@@ -42,7 +42,6 @@ class WorkerInfo:
     wid: str
     inc: int
     host: str
-    last_seen: float
 
 
 class Aggregator:
@@ -65,9 +64,8 @@ class Aggregator:
         except Exception as exc:  # user data code may raise anything: report it in one line
             ctx.fatal(data_error("aggregator", cfg, exc))
         self.M = cfg.train.microbatches
-        self.env = environment(torch.device("cpu"), cfg)
+        self.environment = EnvironmentCheck(environment(torch.device("cpu"), cfg))
         self.report_buffers = bool(self.trainer.buffers) and cfg.model.buffers == "mean"
-        self.first_env: dict[str, str] | None = None
         # Decode side, stateless. NaN/inf is checked once per step on the sum, not per message (see _apply_step).
         self.codec = make_codec(cfg.compression, check_finite=False)
         self.total = cfg.train.steps
@@ -274,7 +272,7 @@ class Aggregator:
         if not self._same_environment(identity, wid, h):
             return
         self._fence(wid, inc - 1, announce=False)  # a worker id has one live incarnation: the newest
-        self.workers[identity] = WorkerInfo(wid, inc, h["host"], time.monotonic())
+        self.workers[identity] = WorkerInfo(wid, inc, h["host"])
         self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
                    total_steps=self.total)
         self.ctx.emit("worker_admitted", worker=wid, incarnation=inc, host=h["host"], term=self.term)
@@ -282,10 +280,7 @@ class Aggregator:
 
     def _same_environment(self, identity: bytes, wid: str, h: dict[str, Any]) -> bool:
         """Bitwise equality needs the same torch, threads, CPU kernels and device on every worker."""
-        env = h.get("env")
-        if self.first_env is None and isinstance(env, dict):
-            self.first_env = {f: str(env.get(f)) for f in SHARED}
-        diff = differences(env, self.env, OWN) + differences(env, self.first_env or {}, SHARED if self.first_env else ())
+        diff = self.environment.differences(h.get("env"))
         if not diff:
             return True
         what = (f"worker {wid} on host {h['host']} has a different environment: {', '.join(diff)}; results would "
@@ -312,7 +307,6 @@ class Aggregator:
             self._drop("wrong_term", f"{info.wid}: term {h.get('term')}, current {self.term}")
             self._send(identity, "reject", fatal=False, reason=f"term {self.term} started: say hello again")
             return None
-        info.last_seen = time.monotonic()
         return info
 
     def _on_want(self, identity: bytes, msg: protocol.Message) -> None:
