@@ -118,17 +118,33 @@ def test_runner_reports_loader_failures_as_user_code_and_reads_unsupported_batch
         bad.loader.close()
 
 
+class Slow(Augmenting):
+    """0.1 s per sample (a decoding dataset): a loader is still reading the next microbatch when it is killed."""
+
+    def __getitem__(self, i: int):
+        import time
+
+        time.sleep(0.1)
+        return super().__getitem__(i)
+
+
 def test_a_killed_loader_is_replaced_and_what_it_held_is_read_in_the_worker() -> None:
-    ds = Augmenting()
-    loader = Loader(CFG, ds, workers=1, slots=4)
+    ds = Slow()
+    loader = Loader(CFG, ds, workers=1, slots=2)  # microbatches 2 and 3 wait for a slot when it dies
     try:
         loader.want(0, range(4))
-        assert loader.get(0, 0) is not None
+        first = loader.get(0, 0)
+        assert first is not None
         victim = loader.procs[0].pid
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)  # it has just begun reading microbatch 1 (0.4 s)
         rest = [loader.get(0, m) for m in (1, 2, 3)]
-        assert any(r is None for r in rest), "nothing was lost with the loader?"
+        assert rest[0] is None, "microbatch 1 was not lost with the loader?"
         assert loader.deaths == 1 and loader.procs[0].pid != victim
+        first[1]()  # a batch of the dead loader released late frees no slot of the new one (both hold 2 and 3)
+        assert not loader.procs[0].free, loader.procs[0].free
+        for r in rest[1:]:
+            r[1]()
+        assert sorted(loader.procs[0].free) == [0, 1], loader.procs[0].free
         for r, m in zip(rest, (1, 2, 3), strict=True):
             if r is not None:
                 assert same(r[0], read_microbatch(CFG, ds, len(ds), 0, m))

@@ -59,8 +59,7 @@ def test_one_result_for_any_worker_count_and_faults(tmp_path: Path, resnet_refer
         c.wait_step(3, timeout=600)  # start-up on a loaded machine takes minutes
         c.signal("worker", "w0")
         c.wait_step(12, timeout=600)
-        os.kill(poll(lambda: loader_pids({r["pid"] for r in c.members("worker").values()}), 60,
-                     "a loader process")[0], signal.SIGKILL)
+        poll(lambda: kill_a_loader(c), 60, "a loader process killed")
         c.wait_step(22, timeout=600)
         c.signal("aggregator", "0")
         rc = c.wait(timeout=600)
@@ -91,6 +90,17 @@ def loader_pids(workers: set[str]) -> list[int]:
         if argv[2:5] == [b"cmemi", b"loader", b"--worker-pid"] and argv[5].decode() in workers:
             pids.append(int(d.name))
     return pids
+
+
+def kill_a_loader(c: Cluster) -> bool:
+    """SIGKILL a data loader of a running worker; False (try again) if none is found or it exited meanwhile."""
+    for pid in loader_pids({r["pid"] for r in c.members("worker").values()}):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            return True
+        except ProcessLookupError:  # its worker was just replaced
+            continue
+    return False
 
 
 def test_accuracy_is_that_of_a_plain_pytorch_loop() -> None:

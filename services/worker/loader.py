@@ -176,7 +176,7 @@ class Loader:
         self.procs: list[_Proc | None] = [self._fork() for _ in range(workers)]
         self.wanted: list[tuple[int, int]] = []  # in the order they are needed
         self.queue: deque[tuple[int, int]] = deque()  # wanted, not sent to a loader yet (no free slot)
-        self.ready: dict[tuple[int, int], tuple[int, int, dict[str, Any]]] = {}  # (step, m) -> (proc, slot, reply)
+        self.ready: dict[tuple[int, int], tuple[_Proc, int, dict[str, Any]]] = {}  # (step, m) -> (proc, slot, reply)
         self.deaths = 0
         self.unsupported: str | None = None
 
@@ -206,8 +206,8 @@ class Loader:
         keys = [(step, m) for m in ms]
         self.wanted = keys
         for key in [k for k in self.ready if k not in keys]:
-            i, slot, _ = self.ready.pop(key)
-            self._free(i, slot)
+            p, slot, _ = self.ready.pop(key)
+            self._free(p, slot)
         self.queue = deque(k for k in keys if not self._asked(k))
         self._dispatch()
 
@@ -240,9 +240,9 @@ class Loader:
                 continue
             p.inflight[slot] = key
 
-    def _free(self, i: int, slot: int) -> None:
-        p = self.procs[i]
-        if p is not None:
+    def _free(self, p: _Proc, slot: int) -> None:
+        """Slot `slot` of loader `p` may be written again (unless `p` died meanwhile: its slots went with it)."""
+        if any(q is p for q in self.procs):
             p.free.append(slot)
             self._dispatch()
 
@@ -266,10 +266,10 @@ class Loader:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"data loaders gave no batch for microbatch {m} of step {step} in {timeout:.0f}s")
             self._receive(deadline - time.monotonic())
-        i, slot, reply = self.ready.pop(key)
+        p, slot, reply = self.ready.pop(key)
         self.wanted = [k for k in self.wanted if k != key]
         if "tree" not in reply:
-            self._free(i, slot)
+            self._free(p, slot)
             if "error" in reply:
                 raise RemoteFailure(Failure(*reply["error"]))
             if self.unsupported is None and self.log is not None:
@@ -277,8 +277,7 @@ class Loader:
                                  "only", found=reply["unsupported"])
             self.unsupported = reply["unsupported"]
             return None
-        p = self.procs[i]
-        assert p is not None and p.maps[slot] is not None
+        assert p.maps[slot] is not None
         batch = _rebuild(reply["tree"], memoryview(p.maps[slot]))  # type: ignore[arg-type]
         released = False
 
@@ -286,7 +285,7 @@ class Loader:
             nonlocal released
             if not released:
                 released = True
-                self._free(i, slot)
+                self._free(p, slot)
         return batch, release
 
     def _receive(self, timeout: float) -> None:
@@ -312,9 +311,9 @@ class Loader:
                 os.close(fds[0])
             key = p.inflight.pop(slot)
             if key in self.wanted:
-                self.ready[key] = (i, slot, reply)
+                self.ready[key] = (p, slot, reply)
             else:
-                self._free(i, slot)
+                self._free(p, slot)
 
     def _died(self, i: int) -> None:
         """Loader i is gone: what it held is read in the worker; a fresh loader takes its place."""
@@ -327,7 +326,7 @@ class Loader:
             how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit {os.WEXITSTATUS(status)}"
         except ChildProcessError:
             how = "unknown"
-        for key in [k for k, (j, _, _) in self.ready.items() if j == i]:
+        for key in [k for k, (q, _, _) in self.ready.items() if q is p]:
             del self.ready[key]
         lost = set(p.inflight.values())
         self.wanted = [k for k in self.wanted if k not in lost]  # get() reads these in the worker
@@ -338,6 +337,7 @@ class Loader:
         self.procs[i] = None
         if self.deaths <= 10 * len(self.procs):  # a loader that keeps dying is not replaced forever
             self.procs[i] = self._fork()
+            self._dispatch()  # what waited for a slot goes to the new loader
 
     def close(self) -> None:
         for p in self.procs:
