@@ -15,7 +15,9 @@ to its first step, with every process's phases (RUN_DIR/startup.json, as `cmemi 
     .venv/bin/python bench/small.py [--quick] [--steps N] [--repeats R] [--out bench/results/small.json]
 
 Prints one JSON object: `ms_per_step` (wall-clock training time per step after the warm-up steps), `ratios`
-(CMEMI / plain, lower is better) and `startup` (seconds since `cmemi up` started).
+(CMEMI / plain, lower is better), `startup` (seconds since `cmemi up` started) and `wire_us_per_message`: one
+parameter message (encode, send, receive, decode on loopback) tensor by tensor against flat buffers, for the
+MLP, the CNN and the `charlm` example's transformer.
 """
 
 from __future__ import annotations
@@ -111,6 +113,50 @@ def cmemi(work: Path, wl: str, workers: int, loaders: int, steps: int, warmup: i
             "final_loss": metrics[-1]["loss"], "first_step_s": startup["first_step_s"], "load_avg": C.load_avg()}
 
 
+def wire(repeats: int = 1000) -> dict[str, Any]:
+    """One work message (encode, send, receive, decode over loopback TCP) with a model's parameters tensor by
+    tensor against flat (shared/layout.py), in this process: what flat buffers save per message."""
+    import torch
+    import zmq
+    from cmemi.examples.charlm import make_model as charlm
+    from cmemi.shared import protocol
+    from cmemi.shared.layout import Layout
+    from cmemi.shared.plugins import resolve
+
+    fields = {"term": 1, "step": 1, "lo": 0, "hi": 1, "version": 1, "scale": 1.0}
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
+    a.connect(f"tcp://127.0.0.1:{b.bind_to_random_port('tcp://127.0.0.1')}")
+    out: dict[str, Any] = {}
+    try:
+        for name, model in (("mlp", resolve(WORKLOADS["mlp"], "model")()),
+                            ("cnn1d", resolve(WORKLOADS["cnn1d"], "model")()), ("charlm", charlm())):
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            layout = Layout(params)
+            flat = layout.pack(params)
+
+            def once(tensors: dict[str, torch.Tensor], view: bool) -> None:
+                protocol.send(a, protocol.encode("work", "bench", fields, tensors))
+                msg = protocol.decode(b.recv_multipart(copy=False)[1:], "bench")
+                if view:
+                    layout.views(msg.tensors)
+            row: dict[str, Any] = {"tensors": len(params), "bytes": layout.nbytes}
+            for variant, tensors, view in (("per_tensor", params, False), ("flat", flat, True)):
+                times = []
+                for _ in range(3):
+                    for _ in range(50):
+                        once(tensors, view)
+                    t0 = time.perf_counter()
+                    for _ in range(repeats):
+                        once(tensors, view)
+                    times.append((time.perf_counter() - t0) / repeats * 1e6)
+                row[f"{variant}_us"] = C.rnd(C.median(times), 1)
+            out[name] = row
+    finally:
+        ctx.destroy(linger=0)
+    return out
+
+
 def digits_startup(work: Path, tag: str) -> dict[str, Any]:
     """`cmemi up digits` with its defaults; the start-up timeline it wrote."""
     import yaml
@@ -167,6 +213,7 @@ def main() -> None:
         best = sorted(result["digits_startup"], key=lambda s: s["first_step_s"] or float("inf"))
         result["startup"] = best[len(best) // 2]  # the median run, whole, so its phases add up
         result["startup_first_step_s"] = result["startup"]["first_step_s"]
+        result["wire_us_per_message"] = wire(300 if args.quick else 1000)
         result["targets"] = {"cnn1d_cmemi_1w_vs_plain_le_1.5": result["ratios"]["cnn1d"]["cmemi_1w_vs_plain"] <= 1.5,
                              "cnn1d_cmemi_2w_vs_plain_le_1.0": result["ratios"]["cnn1d"]["cmemi_2w_vs_plain"] <= 1.0,
                              "digits_first_step_le_5s": result["startup_first_step_s"] <= 5.0}

@@ -178,6 +178,12 @@ def small() -> str:
         cells = [f"{x[v]:.2f} ms ({r[f'{v}_vs_plain']:.2f}×)" if v in x else "–"
                  for v in ("cmemi_1w", "cmemi_1w_loader", "cmemi_2w", "cmemi_2w_loader")]
         lines.append(f"| {wl} | {x['plain']:.2f} ms | " + " | ".join(cells) + " |")
+    w = d.get("wire_us_per_message")
+    if w:
+        lines += ["", "One parameter message (encode, send, receive, decode on loopback), tensor by tensor against "
+                  "flat buffers (`shared/layout.py`): " + "; ".join(
+                      f"{name} ({x['tensors']} tensors, {x['bytes'] / 1e3:.0f} kB) {x['per_tensor_us']:.0f} → "
+                      f"{x['flat_us']:.0f} µs" for name, x in w.items()) + "."]
     st = d["startup"]
     lines += ["", f"`cmemi up digits` → its first step: **{st['first_step_s']:.1f} s** (target ≤ 5 s on an idle machine; "
               f"load average {' '.join(str(x) for x in st['load_avg'])} when it was measured). When each process "
