@@ -135,7 +135,7 @@ def wire(repeats: int = 1000) -> dict[str, Any]:
             layout = Layout(params)
             flat = layout.pack(params)
 
-            def once(tensors: dict[str, torch.Tensor], view: bool) -> None:
+            def once(tensors: dict[str, torch.Tensor], view: bool, layout: Layout = layout) -> None:
                 protocol.send(a, protocol.encode("work", "bench", fields, tensors))
                 msg = protocol.decode(b.recv_multipart(copy=False)[1:], "bench")
                 if view:
