@@ -12,8 +12,9 @@ from pathlib import Path
 
 import redis
 
-from cmemi.services.coordinator.supervisor import die_with_parent, terminate
+from cmemi.services.coordinator.supervisor import terminate
 from cmemi.shared.extras import require
+from cmemi.shared.lifeline import die_with_parent
 
 
 def redis_server_binary() -> str:

@@ -140,7 +140,7 @@ class Supervisor:
 
     def start_coordinator(self) -> None:
         # PR_SET_PDEATHSIG: the coordinator dies with `cmemi up`; the services it starts do too (shared/lifeline.py)
-        from cmemi.services.coordinator.supervisor import die_with_parent
+        from cmemi.shared.lifeline import die_with_parent
 
         self.coordinator = subprocess.Popen(self.argv, preexec_fn=die_with_parent, env=self.env)
         self.started["coordinator"] = time.monotonic()

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cmemi.services.coordinator.supervisor import die_with_parent, terminate
+from cmemi.services.coordinator.supervisor import terminate
 from cmemi.shared.config import ConfigError
+from cmemi.shared.lifeline import die_with_parent
 from cmemi.shared.proctitle import ROOM
 from cmemi.shared.zygote import PID_ENV, SOCKET_ENV, zygote_dir
 

@@ -1,4 +1,4 @@
-"""Die with `cmemi up`, not with the coordinator.
+"""Process lifetimes: die with `cmemi up`, not with the coordinator (`hold`); die with the parent (`die_with_parent`).
 
 `cmemi up` exports CMEMI_UP_PID to everything it starts. Services started by the coordinator must
 survive a coordinator restart (the new one adopts them), so they cannot use PR_SET_PDEATHSIG on
@@ -8,6 +8,7 @@ moment `cmemi up` is gone, whatever killed it (SIGKILL included).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -16,6 +17,18 @@ import threading
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """PR_SET_PDEATHSIG: SIGKILL this process when the thread that forked it exits. Runs in the child (between
+    fork and exec, or after a bare fork). With `parent`, a child whose parent died before the prctl took effect
+    exits at once."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(0)
 
 
 def hold() -> None:

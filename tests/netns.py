@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cmemi.services.coordinator.supervisor import die_with_parent
+from cmemi.shared.lifeline import die_with_parent
 
 PREFIX = "cmemi-nt"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]+-")

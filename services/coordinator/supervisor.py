@@ -10,7 +10,6 @@ process, its exit code read from the zygote's record; otherwise it starts as a n
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -22,15 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cmemi.shared import zygote
+from cmemi.shared.lifeline import die_with_parent
 
 UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
-
-
-def die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass

@@ -22,7 +22,6 @@ shows as `python -m cmemi loader --worker-pid PID` (not as a worker, to `ps` and
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import select
@@ -39,6 +38,7 @@ import torch
 from cmemi.shared import proctitle
 from cmemi.shared.config import Config
 from cmemi.shared.data import read_microbatch
+from cmemi.shared.lifeline import die_with_parent
 from cmemi.shared.usercode import Failure, RemoteFailure, describe
 
 ALIGN = 64
@@ -88,15 +88,6 @@ def _rebuild(tree: dict[str, Any], buf: memoryview) -> Any:
     if "dict" in tree:
         return {k: _rebuild(v, buf) for k, v in tree["dict"].items()}
     return tree["v"]
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:  # the worker died before the prctl took effect
-        os._exit(0)
 
 
 def _serve(sock: socket.socket, cfg: Config, dataset: Any, slots: int) -> None:
@@ -190,7 +181,7 @@ class Loader:
                 parent_end.close()
                 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     signal.signal(s, signal.SIG_DFL)
-                _die_with_parent(parent)
+                die_with_parent(parent)
                 proctitle.set_cmdline([sys.executable, "-m", "cmemi", "loader", "--worker-pid", str(parent)])
                 _serve(child_end, self.cfg, self.dataset, self.slots)
             except BaseException:  # noqa: BLE001 - a loader's own failure shows as its death in the worker

@@ -300,15 +300,14 @@ class Worker:
                 self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
                                f"do not fit this worker's model (layout {self.layout.digest}, shared/layout.py): "
                                "use the same model.factory and model.kwargs on every host")
-            in_place = all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)
-            if not (in_place and self.layout.flat and self.device.type == "cpu"):  # else: nothing to copy
+            # On a CPU the inbox is the model's own tensors (or the flat buffers they are views into): what landed
+            # there is in place already. Otherwise (a GPU's pinned inbox, or a tensor that did not fit) copy.
+            if not (self.device.type == "cpu" and all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)):
                 with torch.no_grad():
                     for name, p in self.params.items():
-                        if received[name] is not p:  # on a CPU they were received in place already
-                            p.copy_(received[name])
+                        p.copy_(received[name])
                     for name, b in self.runner.step_buffers.items():
-                        if received[PREFIX + name] is not b:
-                            b.copy_(received[PREFIX + name])
+                        b.copy_(received[PREFIX + name])
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
             self.version = -1
