@@ -204,6 +204,10 @@ class ClusterConfig:
     null: 4 x the model's parameter + buffer bytes + 16 MiB, at most 64 MiB."""
     checksum: bool = True
     """Verify an xxh3 checksum of every tensor frame on receipt."""
+    shards: int = 1
+    """Parameter-server shards: the parameters, cut on a fixed chunk grid, are split over this many aggregator
+    processes, balanced by bytes; each steps its own slice (see "Scaling out" in the README). Any value gives the
+    same params_sha256."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""
@@ -230,6 +234,8 @@ class ClusterConfig:
         _positive("cluster.start_timeout", self.start_timeout, "use e.g. 180")
         if self.max_message_bytes is not None and self.max_message_bytes < 1 << 16:
             _fail("cluster.max_message_bytes", self.max_message_bytes, "must be >= 65536", "use e.g. 2147483648")
+        if not 1 <= self.shards <= 64:
+            _fail("cluster.shards", self.shards, "must be 1..64", "use 1, or one shard per host")
         if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             _fail("cluster.redis", self.redis, "must be a redis:// or rediss:// URL", "e.g. redis://:password@10.0.0.5:6379/0, or null")
 
@@ -334,6 +340,21 @@ class Config:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             _fail("device", self.device, "must be auto, cpu, cuda or cuda:N", "use auto")
+        if self.cluster.shards > 1:
+            if self.optimizer.name not in ELEMENTWISE_OPTIMIZERS:
+                _fail("optimizer.name", self.optimizer.name, "is not known to update each element on its own, so "
+                      f"cluster.shards: {self.cluster.shards} could change its result",
+                      f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
+            if self.eval.every_steps:
+                _fail("eval.every_steps", self.eval.every_steps, "evaluation during training needs the whole model in "
+                      f"one process; not available with cluster.shards: {self.cluster.shards}",
+                      "use 0 (the final evaluation still runs) or cluster.shards: 1")
+
+
+# torch.optim classes whose update of an element depends only on that element's gradient and state (and the step,
+# LR): a shard can step its slice alone. Not: LBFGS (a line search over all), Adafactor (row/column statistics).
+ELEMENTWISE_OPTIMIZERS = frozenset({"SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam",
+                                    "RAdam", "RMSprop", "Rprop"})
 
 
 # ---------------------------------------------------------------- building from plain data

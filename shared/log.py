@@ -36,7 +36,7 @@ def _stderr_to_log_file(service: str, ident: Any) -> None:
 
 
 def setup_logging(service: str, **bind: Any) -> structlog.stdlib.BoundLogger:
-    _stderr_to_log_file(service, bind.get("worker_id"))
+    _stderr_to_log_file(service, bind.get("worker_id", bind.get("shard")))
     level = os.environ.get("CMEMI_LOG_LEVEL", "INFO").upper()
     renderer: Any = (structlog.dev.ConsoleRenderer(colors=True) if sys.stderr.isatty()
                      else structlog.processors.JSONRenderer())

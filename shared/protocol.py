@@ -58,9 +58,21 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # aggregator <-> checkpointer
     "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
     "saved": {"step": _INT, "path": _STR},
-    "restore_req": {"term": _INT},
+    "skipped": {"step": _INT},  # a shard's snapshot of a step that will never be complete (a newer one came)
+    "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard"
     "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
     "no_checkpoint": {"term": _INT},
+    # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard.py): hello/welcome/reject as above, then
+    # a grad is answered by an ack once the shard holds its microbatches, a pull by that version's slice
+    "ack": {"step": _INT, "lo": _INT, "hi": _INT, "ok": _BOOL},
+    "pull": {**_WORKER, "term": _INT, "version": _INT},
+    "slice": {"version": _INT, "shard": _INT, "tensors": _LIST},
+    # shard k > 0 <-> shard 0 (the leader): a shard joins a term, reports each complete step with its share of
+    # the global gradient norm and its overflow flag, and is told to apply it with every shard's share
+    "shard_join": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "addr": _STR},
+    "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
+    "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL},
+    "shard_final": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},
     # one part of a logical message too big for one ZeroMQ message (shared/transfer.py); part 0 also has "of"
     "part": {"xfer": _INT, "index": _INT, "count": _INT, "frames": _LIST},
 }

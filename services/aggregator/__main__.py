@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import sys
+
 from cmemi.services.aggregator.server import Aggregator
+from cmemi.services.aggregator.shard import ShardServer
 from cmemi.shared.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = common_parser("aggregator", __doc__).parse_args(argv)
-    ctx = start_service("aggregator", args)
+    parser = common_parser("aggregator", __doc__)
+    parser.add_argument("--shard", type=int, default=0, help="which parameter-server shard (0..cluster.shards-1; "
+                        "0, the leader, also leases the work)")
+    args = parser.parse_args(argv)
+    ctx = start_service("aggregator", args, **({"shard": args.shard} if args.shard else {}))
+    if not 0 <= args.shard < ctx.cfg.cluster.shards:
+        ctx.fatal(f"--shard {args.shard}: this run has cluster.shards: {ctx.cfg.cluster.shards} (shards 0.."
+                  f"{ctx.cfg.cluster.shards - 1})")
+    if args.shard:
+        shard = ShardServer(ctx, args.shard)
+        try:
+            sys.exit(shard.run())
+        finally:
+            shard.close()
     agg = Aggregator(ctx)
     try:
         agg.run()

@@ -39,9 +39,11 @@ def node_of(x: int | Node) -> Node:
 
 
 class StepCollector:
-    def __init__(self, step: int, microbatches: int, block: int = 1, strict: bool = False) -> None:
-        """`block`: the most microbatches one lease holds (a power of two; 1 leases microbatch by microbatch)."""
+    def __init__(self, step: int, microbatches: int, block: int = 1, strict: bool = False, leased: bool = True) -> None:
+        """`block`: the most microbatches one lease holds (a power of two; 1 leases microbatch by microbatch).
+        `leased` false: contributions need no lease (a shard k > 0: the leader leases, workers report to it)."""
         self.step = step
+        self.leased = leased
         self.M = microbatches
         self.strict = strict  # a second collection of a step whose sum was not finite: check each gradient
         self.pending: deque[Node] = deque(blocks(microbatches, max(1, block)))
@@ -107,19 +109,19 @@ class StepCollector:
     def expire(self, now: float) -> list[int]:
         return self._requeue(sorted(n for n, lease in self.leases.items() if lease.deadline < now))
 
-    def check(self, node: int | Node, holder: tuple[str, int]) -> str | None:
+    def check(self, node: int | Node, holder: tuple[str, int] | None) -> str | None:
         """Why a contribution for `node` from `holder` would be dropped (None: it would be accepted)."""
         node = node_of(node)
         if not is_subtree(*node, self.M):
             return "bad_microbatch"
         if self._covered(node):
             return "duplicate"
-        if holder not in self.granted.get(node, ()):
+        if self.leased and holder not in self.granted.get(node, ()):
             return "not_leased"
         return None
 
     def offer(self, node: int | Node, grads: dict[str, torch.Tensor] | None, losses: float | Sequence[float],
-              holder: tuple[str, int], buffers: dict[str, torch.Tensor] | None = None) -> str | None:
+              holder: tuple[str, int] | None, buffers: dict[str, torch.Tensor] | None = None) -> str | None:
         """Accept the tree sum over `node` (a leaf m or (lo, hi)) from `holder` = (wid, inc) (grads None: it
         overflowed under fp16 loss scaling), one loss per microbatch, and its buffer contribution (the tree sum of
         shared.buffers.contribution; None for a model whose buffers do not travel); returns a drop reason instead if

@@ -44,6 +44,16 @@ class WorkerInfo:
     host: str
 
 
+@dataclass
+class ShardInfo:
+    """A shard k > 0 as the leader knows it (services/aggregator/shard.py)."""
+    identity: bytes
+    inc: int
+    addr: str
+    ready: tuple[int, list[float], bool] | None = None  # (step, partials, overflow) of its last complete step
+    final: dict[str, torch.Tensor] | None = None  # its pieces after the last step
+
+
 class Aggregator:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
@@ -97,6 +107,13 @@ class Aggregator:
             self.log.info("restored from checkpoint", step=self.trainer.step)
         self.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, "term": self.term, **ctx.member_extra}).start()
+        self.restored_step = self.trainer.step if restored is not None else -1  # shards k > 0 restore exactly it
+        self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
+        self.waiting: list[tuple[bytes, protocol.Message]] = []  # hellos that came before every shard joined
+        self._mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
+        if self.trainer.sharded:
+            self.ckpt.sharding = {"shard": 0, "shards": self.trainer.partition.shards,
+                                  "pieces": self.trainer.partition.describe()}
         self._advertise()
         self.workers: dict[bytes, WorkerInfo] = {}
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
@@ -108,6 +125,7 @@ class Aggregator:
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
+        self._last_commit: tuple[int, list[float], bool] | None = None
         self._after: tuple[int, float, float, int, dict[str, Any] | None] | None = None  # see _after_step
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
@@ -126,7 +144,8 @@ class Aggregator:
 
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
-                                                               "incarnation": self.member.incarnation})
+                                                               "incarnation": self.member.incarnation,
+                                                               "restored": self.restored_step})
 
     def _collector(self, step: int, strict: bool = False) -> StepCollector:
         """Leases of a step: blocks of the reduction tree, one per worker where M allows (docs/design.md, "Leases").
@@ -134,7 +153,8 @@ class Aggregator:
         leases microbatch by microbatch; the lossless and the error-feedback codecs encode a block's sum."""
         block = 1 if self.codec.per_microbatch else reduction.block_size(self.M, max(self.cfg.cluster.workers,
                                                                                         len(self.workers)))
-        return StepCollector(step, self.M, block=block, strict=strict)
+        # sharded: every gradient is checked on arrival (a second collection would need every shard's)
+        return StepCollector(step, self.M, block=block, strict=strict or self.trainer.sharded)
 
     def _reissuable(self) -> bool:
         after = self.reissue.after
@@ -253,6 +273,9 @@ class Aggregator:
     def _on_hello(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
         wid, inc = h["wid"], h["inc"]
+        if len(self.shards) < self.trainer.partition.shards - 1:  # answered once every shard joined this term
+            self.waiting = [(i, m) for i, m in self.waiting if i != identity][-256:] + [(identity, msg)]
+            return
         if (why := registered(self.ctx.redis, self.ctx.keys, wid, inc)) is not None:
             # Not the incarnation Redis holds for this id: a forgery or a stale process. The reply says nothing
             # the sender did not know (no incarnation, no dataset hash); a real worker retries after registering.
@@ -274,7 +297,7 @@ class Aggregator:
         self._fence(wid, inc - 1, announce=False)  # a worker id has one live incarnation: the newest
         self.workers[identity] = WorkerInfo(wid, inc, h["host"])
         self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                   total_steps=self.total)
+                   total_steps=self.total, shards=[self.shards[k].addr for k in sorted(self.shards)])
         self.ctx.emit("worker_admitted", worker=wid, incarnation=inc, host=h["host"], term=self.term)
         self.log.info("worker admitted", worker=wid, incarnation=inc, host=h["host"])
 
@@ -389,7 +412,57 @@ class Aggregator:
         self._fence(wid, inc, announce=True)
         self._serve_parked()
 
-    _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence}
+    def _on_shard_join(self, identity: bytes, msg: protocol.Message) -> None:
+        h = msg.header
+        k, known = h["shard"], self.shards.get(h["shard"])
+        if h["term"] != self.term or not 0 < k < self.trainer.partition.shards:
+            self._drop("stale_shard", f"shard {k} of term {h['term']}")
+            self._send(identity, "reject", fatal=False, reason=f"term {self.term} started: join it")
+            return
+        if known is not None and known.inc == h["inc"]:
+            return  # said again (its link was slow): nothing changed
+        if known is not None or h["step"] != self.trainer.step:
+            # a shard restarted: its slice went back to the checkpoint, so the whole cluster goes back with it
+            self.ctx.emit("shard_restarted", shard=k, step=self.trainer.step, restored=h["step"])
+            self.log.warning("a shard restarted; the cluster restarts from the last complete checkpoint", shard=k,
+                             its_step=h["step"], step=self.trainer.step)
+            raise SystemExit(0)
+        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"])
+        self.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])
+        if len(self.shards) == self.trainer.partition.shards - 1:
+            waiting, self.waiting = self.waiting, []
+            for ident, hello in waiting:
+                self._on_hello(ident, hello)
+
+    def _shard(self, identity: bytes, msg: protocol.Message) -> ShardInfo | None:
+        info = self.shards.get(msg.header["shard"])
+        if info is None or info.identity != identity or info.inc != msg.header["inc"] or msg.header["term"] != self.term:
+            self._drop("unknown_shard", f"shard {msg.header['shard']}/{msg.header['inc']}")
+            return None
+        return info
+
+    def _on_shard_ready(self, identity: bytes, msg: protocol.Message) -> None:
+        if (info := self._shard(identity, msg)) is None:
+            return
+        h = msg.header
+        if not all(isinstance(x, (int, float)) for x in h["partials"]):
+            self._drop("bad_partials", f"shard {h['shard']}")
+            return
+        if h["step"] < self.collector.step:  # applied already: its commit was lost on the way
+            if self._last_commit is not None and self._last_commit[0] == h["step"]:
+                self._send(identity, "shard_commit", term=self.term, step=h["step"], partials=self._last_commit[1],
+                           skip=self._last_commit[2])
+            return
+        info.ready = (h["step"], [float(x) for x in h["partials"]], h["overflow"])
+        if self._mean is not None:
+            self._apply_step()
+
+    def _on_shard_final(self, identity: bytes, msg: protocol.Message) -> None:
+        if (info := self._shard(identity, msg)) is not None and msg.header["step"] == self.trainer.step:
+            info.final = msg.tensors
+
+    _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence,
+                 "shard_join": _on_shard_join, "shard_ready": _on_shard_ready, "shard_final": _on_shard_final}
 
     # ------------------------------------------------------------------ leases and steps
     def _is_fenced(self, wid: str, inc: int) -> bool:
@@ -430,8 +503,36 @@ class Aggregator:
             del self.parked[identity]
             self._serve(identity, info, held_version)
 
+    def _others_ready(self) -> tuple[list[float], bool] | None:
+        """Every shard k > 0's share of this step (partials in shard order, any overflow), once all reported."""
+        step, partials, overflow = self.collector.step, [], False
+        for k in range(1, self.trainer.partition.shards):
+            ready = self.shards[k].ready if k in self.shards else None
+            if ready is None or ready[0] != step:
+                return None
+            partials += ready[1]
+            overflow |= ready[2]
+        return partials, overflow
+
     def _apply_step(self) -> None:
-        grads, loss = self.collector.mean()
+        """The step's gradient is complete here. Sharded: once every shard reported its own complete too (they
+        are: a worker sends the leader its slice only after every shard acked), one rule for all — the global
+        norm from every piece's partial in grid order, any overflow skips — and each shard is told to apply it."""
+        if self._mean is None:
+            self._mean = self.collector.mean()
+        grads, loss = self._mean
+        partials = None
+        if self.trainer.sharded:
+            if (others := self._others_ready()) is None:
+                return  # _on_shard_ready comes back here
+            if others[1]:
+                grads = None
+            partials = self.trainer.partials(grads) + others[0] if grads is not None else []
+            self._last_commit = (self.collector.step, partials, grads is None)
+            for info in self.shards.values():
+                self._send(info.identity, "shard_commit", term=self.term, step=self.collector.step, partials=partials,
+                           skip=grads is None)
+        self._mean = None
         if grads is not None and not all_finite(grads.values()):
             # Honest workers never send NaN/inf (they stop the run, or flag an fp16 overflow), so one pass over
             # the sum replaces a pass over every gradient. If it fails, the step is collected again with each
@@ -445,7 +546,7 @@ class Aggregator:
             self._serve_parked()
             return
         try:
-            self.trainer.apply(grads, self.collector.buffer_sum())
+            self.trainer.apply(grads, self.collector.buffer_sum(), partials=partials)
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
             self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
                            "check optimizer.kwargs and scheduler.kwargs")
@@ -533,8 +634,27 @@ class Aggregator:
         self.ctx.emit("eval", step=entry["step"], **entry["eval"])
 
     # ------------------------------------------------------------------ end of run
+    def _gather(self, timeout: float = 120) -> None:
+        """Sharded: every shard's pieces after the last step into this model, for the result over the whole model
+        (params_sha256, the final evaluation). They come on their own once a shard applied the last commit."""
+        deadline = time.monotonic() + timeout
+        while any(info.final is None for info in self.shards.values()):
+            if time.monotonic() > deadline:
+                missing = sorted(k for k, info in self.shards.items() if info.final is None)
+                raise RuntimeError(f"shards {missing} did not send their final slice within {timeout:g} s")
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart(copy=False)
+                self._receive(frames)
+        with torch.no_grad():
+            for k, info in self.shards.items():
+                assert info.final is not None
+                for name, view in self.trainer.partition.views(self.trainer.params, k).items():
+                    view.copy_(info.final[name])
+
     def _finish(self) -> None:
         wall = self.totals.wall_s()
+        if self.trainer.sharded:
+            self._gather()
         try:
             if self.bg_eval is not None:
                 for entry in self.bg_eval.collect(wait=True):

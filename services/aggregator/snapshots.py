@@ -30,7 +30,7 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
     evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first."""
     t = trainer
     named: dict[str, Any] = {
-        "model": t.model.state_dict(),
+        "model": _model_section(t),
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
         "rng": {"torch": torch.get_rng_state()},
@@ -43,14 +43,47 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
     return t.step, meta, tensors
 
 
-def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any], bg_eval: BackgroundEval | None,
+def _model_section(t: Trainer) -> dict[str, torch.Tensor]:
+    """The model's state; of a sharded run, this shard's pieces by piece name (shard 0: with the entries that are
+    not trained: buffers, frozen tensors). The checkpointer joins every shard's into one model.safetensors."""
+    if not t.sharded:
+        return t.model.state_dict()
+    section = {n: p.detach() for n, p in t.pieces.items()}
+    if t.shard == 0:
+        section.update({n: v for n, v in t.model.state_dict().items() if n not in t.params})
+    return section
+
+
+def _sharded(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
+                                                                                                 dict[str, Any]]:
+    """(this shard's sections, the whole model's state) of a checkpoint; the checkpointer merged the K shards'
+    snapshots into one: model tensors whole, every shard's other tensors under `shard{k}.`, its meta in `per_shard`."""
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if "per_shard" not in meta:  # written by one aggregator
+        if trainer.sharded:
+            raise state.StateError(f"the checkpoint was written with cluster.shards: 1, this run has "
+                                   f"{trainer.partition.shards}; resume with cluster.shards: 1")
+        named = state.unflatten(meta, tensors)
+        return named, named["model"]
+    if int(meta["shards"]) != trainer.partition.shards:
+        raise state.StateError(f"the checkpoint was written with cluster.shards: {meta['shards']}, this run has "
+                               f"{trainer.partition.shards}; resume with the same cluster.shards")
+    prefix = f"shard{trainer.shard}."
+    own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    mine = {k: v for k, v in meta["per_shard"][trainer.shard].items() if k != "model"}
+    return state.unflatten(mine, own), model
+
+
+def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,
             meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    named = state.unflatten(meta, tensors)
+    """`fp`: the dataset's fingerprint, checked against the checkpoint's (None: not checked, a shard k > 0 has no
+    dataset; the leader checks it)."""
+    named, model = _sharded(trainer, meta, tensors)
     t = trainer
-    if named["progress"]["fingerprint"] != fp:
+    if fp is not None and named["progress"]["fingerprint"] != fp:
         raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
                                "restore with the data it was trained on, or start a new run.dir")
-    t.model.load_state_dict(named["model"])
+    t.model.load_state_dict(model)
     t.optimizer.load_state_dict(named["optimizer"])
     if t.scheduler is not None and named["scheduler"] is not None:
         t.scheduler.load_state_dict(named["scheduler"])
@@ -75,6 +108,7 @@ class CheckpointerLink:
         self.sock: zmq.Socket | None = None
         self.addr: str | None = None
         self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
+        self.sharding: dict[str, Any] = {}  # a sharded run's snapshots say whose slice they are: shard, shards, pieces
         self.in_flight: Snapshot | None = None
         self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
@@ -109,7 +143,8 @@ class CheckpointerLink:
     def _send(self, snap: Snapshot, final: bool) -> None:
         assert self.sock is not None
         step, meta, tensors = snap
-        self._send_message("snapshot", {"step": step, "term": self.term, "final": final, "meta": meta}, tensors)
+        self._send_message("snapshot", {"step": step, "term": self.term, "final": final, "meta": meta,
+                                        **self.sharding}, tensors)
 
     def _send_message(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
         """One logical message, in parts if it is over the cap."""
@@ -149,7 +184,8 @@ class CheckpointerLink:
         """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""
         saved = []
         for msg in self._replies(0):
-            if msg.type == "saved" and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
+            # "skipped": another shard sent a newer step first; this one will never be complete
+            if msg.type in ("saved", "skipped") and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
                 saved.append(msg.header["step"])
                 self.in_flight = None
         if self.in_flight is None and self.queued and self._connect():
@@ -190,11 +226,14 @@ class CheckpointerLink:
         while self.in_flight is not None and time.monotonic() < deadline:  # let a periodic one land first
             self.poll()
             time.sleep(0.01)
-        msg = self.request("snapshot", {"step": step, "term": self.term, "final": True, "meta": meta}, tensors,
+        msg = self.request("snapshot", {"step": step, "term": self.term, "final": True, "meta": meta, **self.sharding},
+                           tensors,
                            lambda m: m.type == "saved" and m.header["step"] == step, timeout=300)
         return str(msg.header["path"])
 
-    def fetch_latest(self, timeout: float) -> protocol.Message | None:
-        msg = self.request("restore_req", {"term": self.term}, None,
+    def fetch_latest(self, timeout: float, step: int | None = None, shard: int = 0) -> protocol.Message | None:
+        """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0)."""
+        fields = {"term": self.term, "shard": shard, **({"step": step} if step is not None else {})}
+        msg = self.request("restore_req", fields, None,
                            lambda m: m.type in ("restore", "no_checkpoint"), timeout)
         return msg if msg.type == "restore" else None

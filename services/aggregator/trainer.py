@@ -8,6 +8,7 @@ import torch
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
+from cmemi.shared.shards import Partition, clip_coefficient
 
 
 class LossScaler:
@@ -41,26 +42,37 @@ class LossScaler:
 
 
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, shard: int = 0, shards: int | None = None) -> None:
+        """Shard `shard` of `shards` (default cluster.shards) steps the pieces of the chunk grid it owns
+        (shared/shards.py); the whole model is built everywhere (the same initial weights), and shard 0 also
+        owns the travelling buffers. One shard, and no tensor over a chunk: the pieces are the parameters."""
+        self.cfg, self.shard = cfg, shard
         self.model = build_model(cfg)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = build_optimizer(cfg, self.params)
+        self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards)
+        owned = self.partition.views(self.params, shard)
+        # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
+        self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
+        self.optimizer = build_optimizer(cfg, self.pieces)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
         self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
-        self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        self.buffers = buffer_rule.travelling(self.model)  # empty for most MLPs: then nothing is done for them
+        self.shapes = {n: tuple(p.shape) for n, p in self.pieces.items()}  # of the gradients this shard receives
+        self.buffers = buffer_rule.travelling(self.model) if shard == 0 else {}  # empty for most MLPs
         self.model.train()  # as on the workers (evaluation switches to eval() and back)
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    @property
+    def sharded(self) -> bool:
+        return self.partition.shards > 1
+
     def check_grads(self, grads: dict[str, torch.Tensor]) -> str | None:
-        if grads.keys() != self.params.keys():
+        if grads.keys() != self.pieces.keys():
             return "grad_names"
         for n, g in grads.items():
             if tuple(g.shape) != self.shapes[n] or g.dtype != torch.float32:
@@ -77,19 +89,31 @@ class Trainer:
         """A microbatch's produced buffers as a term of the step's buffer sum; None if they are not valid."""
         return buffer_rule.contribution(self.buffers, produced) if self.valid_buffers(produced) else None
 
+    def partials(self, mean_grads: dict[str, torch.Tensor] | None) -> list[float]:
+        """This shard's share of the global gradient norm: one squared norm per owned piece, in grid order
+        (empty without train.clip_grad_norm, or for a skipped step)."""
+        if mean_grads is None or self.cfg.train.clip_grad_norm is None:
+            return []
+        return self.partition.partials(mean_grads, self.shard)
+
     def apply(self, mean_grads: dict[str, torch.Tensor] | None,
-              buffer_sum: dict[str, torch.Tensor] | None = None) -> None:
-        """One global step. `None` (a microbatch overflowed): skip optimizer.step() as GradScaler.step()
-        would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned.
-        `buffer_sum` (model.buffers: mean): the tree sum of the microbatches' buffer contributions."""
+              buffer_sum: dict[str, torch.Tensor] | None = None, partials: list[float] | None = None) -> None:
+        """One global step of this shard's pieces. `None` (a microbatch overflowed): skip optimizer.step() as
+        GradScaler.step() would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned.
+        `buffer_sum` (model.buffers: mean): the tree sum of the microbatches' buffer contributions.
+        Clipping (train.clip_grad_norm): the global norm is the sum of one squared norm per piece of the grid, in
+        grid order (`partials`: every shard's, in shard order; default: this shard's own, all of them at K = 1),
+        and every piece is scaled by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ scales."""
         if buffer_sum is not None:
             buffer_rule.fold(self.buffers, buffer_sum, self.cfg.train.microbatches)
         if mean_grads is not None:
-            for n, p in self.params.items():
+            for n, p in self.pieces.items():
                 p.grad = mean_grads[n]
-            if self.cfg.train.clip_grad_norm is not None:  # global norm of the summed (averaged) gradient
-                self.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()),
-                                                                          self.cfg.train.clip_grad_norm))
+            if (max_norm := self.cfg.train.clip_grad_norm) is not None:  # of the summed (averaged) gradient
+                self.last_grad_norm, coef = clip_coefficient(self.partials(mean_grads) if partials is None
+                                                             else partials, max_norm)
+                for g in mean_grads.values():
+                    g.mul_(coef)
             self.optimizer.step()
         else:
             self.skipped += 1
@@ -109,7 +133,7 @@ class Trainer:
         return h.hexdigest()
 
     def wire_state(self) -> dict[str, torch.Tensor]:
-        """What goes out with a new parameter version: the parameters and the step's buffers."""
+        """What goes out with a new parameter version: this shard's pieces and (shard 0) the step's buffers."""
         if not self.buffers:
-            return self.params
-        return {**self.params, **{buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}}
+            return self.pieces
+        return {**self.pieces, **{buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}}

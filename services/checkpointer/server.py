@@ -12,6 +12,7 @@ import redis
 import zmq
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.errors import DISK_FULL
+from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import atomic, limits, metrics, protocol, startup, transfer
 from cmemi.shared.membership import Member
@@ -38,7 +39,8 @@ class Checkpointer:
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
                                         on_abandon=self._drop)
         self.terms = TermWatch(ctx.redis, ctx.keys)
-        self.restored_terms: set[int] = set()  # a second restore_req of a term is not the aggregator's
+        self.restored_terms: set[tuple[int, int]] = set()  # a second restore_req of a (term, shard) is not a shard's
+        self.merger = Merger()  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
         self._advertise()
         startup.mark("listening")
@@ -135,23 +137,39 @@ class Checkpointer:
             self._drop("stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}")
             return
         if msg.type == "snapshot":
-            if (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)) is not None:
+            if (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)
+                    or sharding_problem(msg.header)) is not None:
                 self._drop("bad_meta", problem)
                 return
-            self._save(identity, msg)
-        elif msg.header["term"] in self.restored_terms:  # an aggregator asks once, at its start
-            self._drop("repeated_restore", f"term {msg.header['term']}")
+            if "shards" in msg.header:
+                self._save_slice(identity, msg)
+            else:
+                self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], msg.tensors)
+            return
+        asked = (msg.header["term"], msg.header.get("shard", 0))
+        if asked in self.restored_terms:  # a shard asks once, at its start
+            self._drop("repeated_restore", f"term {asked[0]} shard {asked[1]}")
         else:
-            self.restored_terms.add(msg.header["term"])
+            self.restored_terms.add(asked)
             self._restore(identity, msg)
 
-    def _save(self, identity: bytes, msg: protocol.Message) -> None:
-        step = msg.header["step"]
+    def _save_slice(self, identity: bytes, msg: protocol.Message) -> None:
+        """One shard's slice of a step; the checkpoint is written once every shard's is in (merge.py)."""
+        done, given_up = self.merger.add(identity, msg.header, msg.tensors)
+        for step, senders in given_up:
+            self.log.info("sharded checkpoint given up: a newer step came first", step=step)
+            for ident in senders:
+                self._reply(ident, "skipped", {"step": step})
+        if done is not None:
+            meta, tensors = merged(done)
+            self._save(list(done.senders.values()), msg.header["step"], done.final, meta, tensors)
+
+    def _save(self, senders: list[bytes], step: int, final: bool, meta: dict, tensors: dict) -> None:
         t0 = time.monotonic()
-        path = self._write(step, msg)
+        path = self._write(step, meta, tensors)
         write_s = time.monotonic() - t0
         metrics.CHECKPOINT_SECONDS.observe(write_s)
-        if msg.header["final"]:
+        if final:
             try:
                 atomic.copy_file(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
             except OSError as exc:
@@ -161,22 +179,23 @@ class Checkpointer:
         removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
         size = sum(f.stat().st_size for f in path.iterdir())
         self.ctx.emit("checkpoint_saved", step=step, path=str(path), bytes=size, write_s=round(write_s, 4),
-                      removed=removed, final=msg.header["final"])
+                      removed=removed, final=final)
         self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
         self._publish_drops()  # before the ack: the final summary reads them right after it
-        self._reply(identity, "saved", {"step": step, "path": str(path)})
+        for identity in senders:
+            self._reply(identity, "saved", {"step": step, "path": str(path)})
 
-    def _write(self, step: int, msg: protocol.Message) -> Path:
+    def _write(self, step: int, meta: dict, tensors: dict) -> Path:
         """Write a checkpoint; on a full disk apply retention as if it were written, then try once more."""
         for attempt in (1, 2):
             try:
-                return self.store.write(step, msg.header["meta"], msg.tensors)
+                return self.store.write(step, meta, tensors)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
                 self.store.clean_leftovers()
                 if attempt == 2:
-                    self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in msg.tensors.values()))
+                    self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in tensors.values()))
                 removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1),
                                             self.cfg.checkpoint.keep_every, protect=self.latest)
                 self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
@@ -199,9 +218,12 @@ class Checkpointer:
         return int(value) if value is not None else self.latest
 
     def _restore(self, identity: bytes, msg: protocol.Message) -> None:
-        """Restore what `latest` names; if it does not verify, the newest checkpoint that does."""
+        """Restore what `latest` names; if it does not verify, the newest checkpoint that does. A shard k > 0 asks
+        for exactly the step its leader restored (`step`): that one, or none."""
         latest = self._latest_step()
         infos = self.store.list()
+        if isinstance(exact := msg.header.get("step"), int):
+            infos = [i for i in infos if i.step == exact]
         infos.sort(key=lambda i: (i.step == latest, i.step))  # the pointer's target first, then newest first
         for info in reversed(infos):
             problem = self.store.verify(info.path)

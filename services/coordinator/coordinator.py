@@ -129,7 +129,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ children
     def _argv(self, role: str, ident: str) -> list[str]:
-        extra = ["--worker-id", ident] if role == "worker" else []
+        extra = (["--worker-id", ident] if role == "worker" else
+                 ["--shard", ident] if role == "aggregator" and ident != "0" else [])
         return service_argv(role, self.config_path, *extra)
 
     def _adopt_or_start(self) -> None:
@@ -150,7 +151,7 @@ class Coordinator:
                 self.children[child.name] = child
             self.ctx.emit("process_adopted", role=child.role, id=child.ident, pid=child.pid)
             self.log.info("adopted running process", process=child.name, pid=child.pid)
-        for role, ident in (("checkpointer", "0"), ("aggregator", "0"),
+        for role, ident in (("checkpointer", "0"), *(("aggregator", str(k)) for k in range(self.cfg.cluster.shards)),
                             *(("worker", f"w{i}") for i in range(self.target_workers))):
             if f"{role}:{ident}" in self.children:
                 continue

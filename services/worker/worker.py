@@ -18,6 +18,7 @@ import zmq
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
 from cmemi.services.worker.loader import Loader
+from cmemi.services.worker.shards import Lost, ShardLinks
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
@@ -30,6 +31,7 @@ from cmemi.shared.membership import Member
 from cmemi.shared.plugins import build_model, resolve
 from cmemi.shared.reduction import TreeAccumulator, add_into
 from cmemi.shared.service import ServiceContext
+from cmemi.shared.shards import Partition
 from cmemi.shared.usercode import describe
 
 EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
@@ -63,6 +65,8 @@ class Worker:
         if cfg.data.workers:  # forked now, before ZeroMQ's and Redis's threads exist
             self.runner.loader = Loader(cfg, self.dataset, cfg.data.workers, log=ctx.log)
         self.params = self.runner.params
+        self.partition = Partition(self.params, cfg.cluster.shards)  # the leader's slice, and the other shards'
+        self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc})
         self.device = torch.device("cpu")
         self._set_inbox()
         self.version = -1
@@ -115,12 +119,14 @@ class Worker:
         each microbatch starts from them, while the forward pass changes the model's own). A small model's
         arrive as flat buffers (shared/layout.py); on a CPU its parameters and step buffers are views into
         them, so one frame per dtype lands in place and nothing is copied."""
-        wire = {**self.params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
+        wire = {**self.partition.views(self.params, 0), **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
         self.layout = Layout(wire)
         cpu = self.device.type == "cpu"
+        whole = self.partition.shards == 1 and not self.partition.split  # the leader sends whole tensors, all of them
+        self.bound = cpu and whole  # the model's tensors are (views into) the inbox: what lands there is in place
         if self.layout.flat:
             self.inbox = self.layout.empty(pin_memory=not cpu)
-            if cpu:
+            if cpu and whole:
                 with torch.no_grad():
                     for name, view in self.layout.views(self.inbox).items():
                         view.copy_(wire[name])
@@ -129,8 +135,8 @@ class Worker:
                         else:
                             self.params[name].data = view
             return
-        params = (self.params if cpu else
-                  {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in self.params.items()})
+        params = (self.params if cpu and whole else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=not cpu)
+                                                     for n, p in self.partition.views(self.params, 0).items()})
         self.inbox = {**params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
 
     def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
@@ -173,7 +179,8 @@ class Worker:
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             self.sock.connect(addr)
             self.agg_addr = addr
-            self._send("hello", fp=self.fp, host=self.host, env=environment(self.device, self.cfg))
+            hello = {"fp": self.fp, "host": self.host, "env": environment(self.device, self.cfg)}
+            self._send("hello", **hello)
             deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
             while time.monotonic() < deadline and not self.ctx.stopping.is_set():
                 msg = self._recv(100)
@@ -183,7 +190,13 @@ class Worker:
                     self.term = msg.header["term"]
                     self.version = -1  # a new term may have rolled back: always take its parameters
                     self.lost_reply = False  # the caller asks for work next anyway
-                    self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"])
+                    try:
+                        self.shard_links.connect(self.zctx, list(msg.header.get("shards") or []), self.term, hello)
+                    except Lost as exc:
+                        self.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
+                        break
+                    self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"],
+                                  shards=1 + len(self.shard_links.links))
                     return
                 self._handle_reject_or_stop(msg)
             self._check_fenced()
@@ -261,7 +274,12 @@ class Worker:
             msg = self._recv(100)
             if msg is not None:
                 if msg.type == "work" and msg.header["term"] == self.term:
-                    self._work(msg)
+                    try:
+                        self._work(msg)
+                    except Lost as exc:  # a shard died or restarted: the cluster starts a new term
+                        self.log.warning("lost a parameter-server shard; saying hello again", error=str(exc))
+                        self.version = -1
+                        self._reconnect()
                     continue
                 if msg.tensors:  # parameters of a message we do not use may have landed in the model
                     self.version = -1
@@ -302,9 +320,9 @@ class Worker:
                                "use the same model.factory and model.kwargs on every host")
             # On a CPU the inbox is the model's own tensors (or the flat buffers they are views into): what landed
             # there is in place already. Otherwise (a GPU's pinned inbox, or a tensor that did not fit) copy.
-            if not (self.device.type == "cpu" and all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)):
+            if not (self.bound and all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)):
                 with torch.no_grad():
-                    for name, p in self.params.items():
+                    for name, p in self.partition.views(self.params, 0).items():
                         p.copy_(received[name])
                     for name, b in self.runner.step_buffers.items():
                         b.copy_(received[PREFIX + name])
@@ -313,15 +331,27 @@ class Worker:
             self.version = -1
             self._send("want", term=self.term, version=self.version)
             return
+        links = self.shard_links
+        if links.links and not links.fetch(self.version):  # the other shards' slices of this version
+            self._send("want", term=self.term, version=self.version)  # they are past it: this lease is stale
+            return
         lo, hi = h["lo"], h["hi"]
         losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]))
+        fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
+                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
         t0 = time.perf_counter()
-        info, frames = self.codec.encode(grads, h["step"]) if finite else ({}, {})
+        encoded = [self.codec.encode(self.partition.views(grads, k), h["step"]) if finite else ({}, {})
+                   for k in range(self.partition.shards)]
+        encode_s = time.perf_counter() - t0
+        # every other shard first, acked: what the leader accepts, every shard holds (services/aggregator/shard.py)
+        if links.links and not links.push(encoded[1:], {**fields, "encode_s": encode_s}):
+            self._send("want", term=self.term, version=self.version)  # some shard is past this step: stale
+            return
+        info, frames = encoded[0]
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
-        self._send("grad", tensors=frames, codec=info, finite=finite, encode_s=time.perf_counter() - t0, term=self.term,
-                   step=h["step"], lo=lo, hi=hi, version=self.version, losses=losses,
-                   n=(hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches))
+        self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
+        links.ask_ahead(self.version + 1)
         if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)

@@ -1,0 +1,323 @@
+"""Parameter-server shard k > 0 of `cluster.shards` (docs/design.md, "Shards").
+
+Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 owns a run of the chunk
+grid's pieces (shared/shards.py) and their optimizer state, and otherwise only follows:
+
+- workers say hello (registered incarnations only, as at the leader), send it their gradient's
+  slice for a node of the step's reduction tree and get an `ack` once it holds those microbatches
+  (accepted, or already covered: the first complete copy wins). A worker sends the leader its slice
+  only after every other shard acked, so whatever the leader accepted, every shard holds: when the
+  leader's step is complete, so is every shard's.
+- a complete step is reported to the leader (`shard_ready`: one squared norm per piece for clipping,
+  the fp16 overflow flag); the leader answers `shard_commit` with every shard's share once all are in,
+  and the shard steps its pieces by the same rule as the leader (`Trainer.apply`).
+- `pull(version)` is answered with that version's slice as soon as the shard has it.
+- a new leader term (the leader restarted, or rolled back because a shard restarted) means this
+  shard's state is not the cluster's any more: it exits, and starts again from the checkpoint the
+  new term restores. Snapshots go to the checkpointer like the leader's; it writes one checkpoint
+  once it has every shard's slice of a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import redis
+import torch
+import zmq
+from cmemi.services.aggregator import snapshots
+from cmemi.services.aggregator.admission import ROLE_OF, registered
+from cmemi.services.aggregator.collector import StepCollector
+from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.snapshots import CheckpointerLink
+from cmemi.services.aggregator.totals import RunTotals
+from cmemi.services.aggregator.trainer import Trainer
+from cmemi.shared import limits, protocol, reduction, startup, transfer
+from cmemi.shared.codecs import CodecError, all_finite, make_codec
+from cmemi.shared.config import ConfigError
+from cmemi.shared.layout import Layout
+from cmemi.shared.membership import Member
+from cmemi.shared.service import ServiceContext
+
+EXIT_REJOIN = 0  # a new term: start again from its checkpoint (the supervisor restarts a clean exit at once)
+
+
+class Rejoin(Exception):
+    pass
+
+
+class ShardServer:
+    def __init__(self, ctx: ServiceContext, shard: int) -> None:
+        self.ctx, self.cfg, self.log, self.shard = ctx, ctx.cfg, ctx.log, shard
+        cfg = self.cfg
+        torch.set_num_threads(cfg.cluster.threads_per_worker)
+        try:
+            self.trainer = Trainer(cfg, shard=shard)
+        except ConfigError as exc:
+            ctx.fatal(str(exc))
+        startup.mark("model_built")
+        self.M, self.total = cfg.train.microbatches, cfg.train.steps
+        self.codec = make_codec(cfg.compression, check_finite=False)
+        self.zctx = zmq.Context()
+        self.sock = self.zctx.socket(zmq.ROUTER)
+        ctx.curve.serve(self.zctx, self.sock)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
+        self.drops: Counter[str] = Counter()
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+                                        peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1, on_abandon=self._drop)
+        self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
+                             cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
+        self.term, self.leader_addr, restored_step = self._leader()
+        self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self._drop)
+        self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
+        self.totals = RunTotals()
+        if restored_step >= 0:
+            msg = self.ckpt.fetch_latest(timeout=120, step=restored_step, shard=shard)
+            if msg is None or msg.header["step"] != restored_step:
+                ctx.fatal(f"shard {shard}: the checkpoint of step {restored_step} the leader restored is gone")
+            try:
+                snapshots.restore(self.trainer, self.totals, None, None, msg.header["meta"], msg.tensors)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
+        self.layout = Layout(self.trainer.wire_state())
+        self.publisher = Publisher(cfg.cluster.checksum, self.layout)
+        self.workers: dict[bytes, tuple[str, int]] = {}
+        self.pulls: dict[bytes, int] = {}  # identity -> version it waits for
+        self.collector = StepCollector(self.trainer.step, self.M, leased=False, strict=True)
+        self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
+        self.leader = self.zctx.socket(zmq.DEALER)
+        ctx.curve.connect_as_client(self.leader)
+        self.leader.setsockopt(zmq.LINGER, 0)
+        self.leader.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
+        self.leader.connect(self.leader_addr)
+        self._to_leader("shard_join", step=self.trainer.step, addr=self.addr)
+        self._next_ready = 0.0
+        self._next_check = 0.0
+        self.done = self.trainer.step >= self.total
+        self.final_sent = False
+        startup.mark("listening")
+        startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
+        self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
+                      pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
+
+    def _leader(self) -> tuple[int, str, int]:
+        """(term, address, step it restored or -1) of the leader, once it has advertised them."""
+        deadline = time.monotonic() + self.cfg.cluster.start_timeout
+        while time.monotonic() < deadline and not self.ctx.stopping.is_set():
+            try:
+                info = self.ctx.redis.hgetall(self.ctx.keys.aggregator)
+            except redis.RedisError:
+                info = {}
+            if {"addr", "term", "restored"} <= info.keys():
+                return int(info["term"]), info["addr"], int(info["restored"])
+            time.sleep(0.05)
+        self.ctx.fatal(f"shard {self.shard}: no leader (shard 0) advertised itself within "
+                       f"{self.cfg.cluster.start_timeout:g} s; is `cmemi aggregator` (shard 0) running?")
+        raise AssertionError("not reached")
+
+    def _drop(self, reason: str, detail: str = "") -> None:
+        self.drops[reason] += 1
+        if self.drops[reason] <= 5 or self.drops[reason] % 1000 == 0:
+            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
+
+    def _to_leader(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+        msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.member.incarnation,
+                                                       "term": self.term, **fields},
+                                 self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
+        transfer.send(self.leader, msgs)
+
+    def _send(self, identity: bytes, mtype: str, slice_: bool = False, **fields: Any) -> None:
+        encoded, trackers = None, None
+        if slice_:
+            encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
+        msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
+        try:
+            transfer.send(self.sock, msgs, identity, trackers)
+        except zmq.ZMQError as exc:
+            self.log.warning("send failed", error=str(exc))
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.leader, zmq.POLLIN)
+        try:
+            while not self.ctx.stopping.is_set():
+                events = dict(poller.poll(50))
+                if self.leader in events:
+                    self._from_leader()
+                if self.sock in events:
+                    for _ in range(64):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._receive(frames)
+                self._housekeeping()
+        except Rejoin as exc:
+            self.log.info("leaving the term; starting again from its checkpoint", reason=str(exc))
+            return EXIT_REJOIN
+        return 0
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if self.mean is not None and now >= self._next_ready:  # the leader may have missed it (restarting)
+            self._ready()
+        if now < self._next_check:
+            return
+        self._next_check = now + 0.25
+        self.ckpt.poll()
+        try:
+            term = self.ctx.redis.hget(self.ctx.keys.aggregator, "term")
+            if term is not None and int(term) != self.term:
+                raise Rejoin(f"the leader started term {term} (this shard was in {self.term})")
+            if self.ctx.run_state() in ("completed", "failed"):
+                raise SystemExit(0)
+        except redis.RedisError:
+            pass
+
+    def _from_leader(self) -> None:
+        while True:
+            try:
+                msg = self.parts.decode(b"leader", self.leader.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                return
+            except protocol.ProtocolError as exc:
+                self._drop(exc.reason, f"from the leader: {exc}")
+                continue
+            if msg is None:
+                continue
+            h = msg.header
+            if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
+                self._commit(h["partials"], h["skip"])
+            elif msg.type == "reject":
+                raise Rejoin(h["reason"])
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self._drop("no_identity")
+            return
+        identity = frames[0].bytes
+        try:
+            msg = self.parts.decode(identity, frames[1:], allow_parts=identity in self.workers)
+        except protocol.ProtocolError as exc:
+            self._drop(exc.reason, str(exc))
+            return
+        if msg is None:
+            return
+        if msg.type not in ("hello", "grad", "pull"):
+            self._drop("unexpected_type", msg.type)
+            return
+        if (role := self.ctx.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
+            self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")
+            return
+        h = msg.header
+        if msg.type == "hello":
+            if (why := registered(self.ctx.redis, self.ctx.keys, h["wid"], h["inc"])) is not None:
+                self._drop(why, f"{h['wid']}/{h['inc']}")
+                self._send(identity, "reject", fatal=False, reason=f"worker {h['wid']}: incarnation {h['inc']} is "
+                           f"not registered for it ({why}); say hello after registering")
+                return
+            self.workers[identity] = (h["wid"], h["inc"])
+            self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
+                       total_steps=self.total)
+            return
+        if self.workers.get(identity) != (h["wid"], h["inc"]) or h["term"] != self.term:
+            self._drop("unknown_worker", f"{h['wid']}/{h['inc']}")
+            self._send(identity, "reject", fatal=False, reason="unknown worker or term: say hello first")
+            return
+        if msg.type == "pull":
+            self.pulls[identity] = h["version"]
+            self._answer_pulls()
+        else:
+            self._on_grad(identity, msg)
+
+    def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
+        h = msg.header
+        node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
+        ok = False
+        if h["step"] != self.collector.step or h["version"] != self.trainer.step or self.mean is not None:
+            self._drop("stale_step", f"{where}, current step {self.collector.step}")
+        elif not reduction.is_subtree(*node, self.M):
+            self._drop("bad_microbatch", where)
+        elif self.collector.check(node, None) == "duplicate":
+            ok = True  # held already: the first complete copy won
+        else:
+            grads = None
+            try:
+                if h["finite"] or not self.trainer.scaler.enabled:
+                    grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
+            except CodecError as exc:
+                self._drop(f"codec_{exc.reason}", f"{where}: {exc}")
+            else:
+                if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
+                    self._drop(bad, where)
+                elif grads is not None and not all_finite(grads.values()):
+                    self._drop("codec_nonfinite", f"{where}: NaN or inf in the gradient")
+                elif not all(isinstance(x, (int, float)) for x in h["losses"]):
+                    self._drop("bad_losses", where)
+                elif (reason := self.collector.offer(node, grads, h["losses"], None)) is not None:
+                    self._drop(reason, where)
+                else:
+                    ok = True
+        self._send(identity, "ack", step=h["step"], lo=h["lo"], hi=h["hi"], ok=ok)
+        if ok and self.collector.complete and self.mean is None:
+            self.mean = self.collector.mean()
+            self._ready()
+
+    def _ready(self) -> None:
+        grads, _ = self.mean if self.mean is not None else (None, 0.0)
+        self._to_leader("shard_ready", step=self.collector.step, partials=self.trainer.partials(grads),
+                        overflow=grads is None)
+        self._next_ready = time.monotonic() + 1.0
+
+    def _commit(self, partials: list[float], skip: bool) -> None:
+        if self.mean is None:  # the leader completes only after every shard acked everything: cannot happen
+            raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
+        grads, _ = self.mean
+        self.mean = None
+        try:
+            self.trainer.apply(None if skip else grads, None, partials=partials)
+        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
+            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
+                           f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
+        step = self.trainer.step
+        self.collector = StepCollector(step, self.M, leased=False, strict=True)
+        self._answer_pulls()
+        every = self.cfg.checkpoint.every_steps
+        if step >= self.total:
+            self._finish()
+        elif every and step % every == 0:
+            self.ckpt.offer(self._snapshot())
+
+    def _answer_pulls(self) -> None:
+        for identity, version in list(self.pulls.items()):
+            if version == self.trainer.step:
+                del self.pulls[identity]
+                self._send(identity, "slice", slice_=True, version=version, shard=self.shard)
+            elif version < self.trainer.step:  # that step is over: the worker's lease is stale
+                del self.pulls[identity]
+                self._send(identity, "slice", version=self.trainer.step, shard=self.shard)
+
+    def _snapshot(self) -> snapshots.Snapshot:
+        return snapshots.collect(self.trainer, self.totals, self.term, {}, None)
+
+    def _finish(self) -> None:
+        """The last step: the final snapshot (the checkpointer writes it with the others' slices), and the slice
+        to the leader, which reports the run's result over the whole model."""
+        snap = self._snapshot()
+        self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
+                        step=self.trainer.step)
+        self.ckpt.save_final(snap)
+        self.log.info("shard finished", step=self.trainer.step)
+
+    def close(self) -> None:
+        self.member.stop()
+        self.sock.close(linger=500)
+        self.leader.close(linger=500)
+        self.ctx.curve.close()
+        self.zctx.destroy(linger=200)

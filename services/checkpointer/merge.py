@@ -1,0 +1,90 @@
+"""One logical checkpoint of a sharded run (cluster.shards > 1): every shard's slice of a step, merged.
+
+Each shard sends its snapshot of a step with `shard`, `shards` and `pieces` (the chunk grid,
+shared/shards.py) in the header. Once all K of the same step and term are in, they become one
+checkpoint: `model.safetensors` holds whole tensors (pieces joined: it loads without CMEMI, and
+`cmemi checkpoints export` reads it as ever), the state file every shard's other tensors under
+`shard{k}.`, and meta.json `{"shards": K, "pieces": ..., "per_shard": [meta of shard 0, ...]}`. Only
+then is it written and `latest` moved, so a checkpoint is all K slices or nothing.
+
+At most `MAX_PENDING` steps wait for their missing slices; a step older than one that completed, or
+than the newest one a shard sent, will never be complete and is given up (its senders are told).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from cmemi.shared.shards import join
+
+MAX_PENDING = 4
+
+
+@dataclass
+class Pending:
+    term: int
+    shards: int
+    pieces: dict[str, list]
+    final: bool = False
+    slices: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = field(default_factory=dict)
+    senders: dict[int, bytes] = field(default_factory=dict)
+
+
+def sharding_problem(header: dict[str, Any]) -> str | None:
+    """None if a snapshot's shard fields are well-formed (or absent: one aggregator), else what is wrong."""
+    if "shards" not in header:
+        return None
+    shard, shards, pieces = header.get("shard"), header.get("shards"), header.get("pieces")
+    if not (isinstance(shards, int) and isinstance(shard, int) and 1 < shards <= 64 and 0 <= shard < shards):
+        return f"shard {shard!r} of {shards!r}"
+    if not isinstance(pieces, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and len(v) == 3 and isinstance(v[0], str)
+            and all(isinstance(x, int) for x in v[1:]) for k, v in pieces.items()):
+        return "pieces is not a map piece -> [tensor, first row, end row]"
+    return None
+
+
+class Merger:
+    def __init__(self) -> None:
+        self.pending: dict[int, Pending] = {}
+
+    def add(self, identity: bytes, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
+            Pending | None, list[tuple[int, list[bytes]]]]:
+        """Take one shard's snapshot; returns (the step's Pending once all K are in, else None; the steps given up,
+        each with the identities to tell)."""
+        step, k = header["step"], header["shard"]
+        p = self.pending.get(step)
+        if p is None or p.term != header["term"]:
+            p = self.pending[step] = Pending(header["term"], header["shards"], header["pieces"])
+        p.slices[k] = (header["meta"], tensors)
+        p.senders[k] = identity
+        p.final |= bool(header["final"])
+        done = p if len(p.slices) == p.shards else None
+        if done is not None:
+            del self.pending[step]
+        given_up = []
+        for old in sorted(self.pending):
+            if (done is not None and old < step) or len(self.pending) > MAX_PENDING:
+                q = self.pending.pop(old)
+                given_up.append((old, list(q.senders.values())))
+        return done, given_up
+
+
+def merged(p: Pending) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(meta, tensors) of one checkpoint from its K slices."""
+    model: dict[str, torch.Tensor] = {}
+    rest: dict[str, torch.Tensor] = {}
+    per_shard = []
+    for k in range(p.shards):
+        meta, tensors = p.slices[k]
+        per_shard.append(meta)
+        for name, t in tensors.items():
+            if name.startswith("model."):
+                model[name[len("model."):]] = t
+            else:
+                rest[f"shard{k}.{name}"] = t
+    whole = join(p.pieces, model)
+    tensors = {**{f"model.{n}": t for n, t in whole.items()}, **rest}
+    return {"shards": p.shards, "pieces": p.pieces, "per_shard": per_shard}, tensors

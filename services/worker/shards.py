@@ -1,0 +1,169 @@
+"""A worker's links to the parameter-server shards k > 0 (cluster.shards; docs/design.md, "Shards").
+
+The leader (shard 0) leases and sends its own slice with `work`, as with one aggregator. For each
+other shard the worker
+- pulls the slice of the lease's parameter version (asked ahead, right after its previous gradient,
+  so it is usually here already) and copies it into its model's pieces;
+- sends that shard its slice of the gradient and waits for every shard's `ack` before the leader gets
+  its own: whatever the leader accepted, every shard holds (services/aggregator/shard.py).
+
+A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
+checkpoint under a new term) raises `Lost`; the worker says hello again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+from cmemi.shared import limits, protocol, transfer
+from cmemi.shared.config import Config
+from cmemi.shared.layout import Layout, LayoutError
+from cmemi.shared.service import ServiceContext
+from cmemi.shared.shards import Partition
+
+
+class Lost(Exception):
+    """A shard did not answer, rejected us, or its parameters do not fit: start over with hello."""
+
+
+class Link:
+    def __init__(self, k: int, sock: zmq.Socket, layout: Layout, parts: transfer.Assembler) -> None:
+        self.k, self.sock, self.layout, self.parts = k, sock, layout, parts
+        self.inbox = layout.empty() if layout.flat else None
+        self.have = -1  # version whose slice is in the model
+        self.asked = -1  # version of the last pull sent
+        self.got: protocol.Message | None = None  # the newest slice received (its tensors in the inbox)
+        self.ack: tuple[int, int, int, bool] | None = None
+
+
+class ShardLinks:
+    def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
+                 ident: Callable[[], dict[str, Any]]) -> None:
+        self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
+        self.links: list[Link] = []
+        self.term = -1
+        self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
+
+    def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
+        """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
+        self.close()
+        self.term = term
+        me = self.ident()
+        for k, addr in enumerate(addrs, start=1):
+            sock = zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(sock)
+            sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            sock.connect(addr)
+            layout = Layout(self.partition.views(self.params, k))
+            parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
+            self.links.append(Link(k, sock, layout, parts))
+        for link in self.links:
+            self._send(link, "hello", **hello)
+        welcomed: set[int] = set()
+        self._wait(lambda: len(welcomed) == len(self.links), lambda link, msg: (
+            welcomed.add(link.k) if msg.type == "welcome" and msg.header["term"] == term else None))
+
+    def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+        msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
+                                 tensors, self.cfg.cluster.checksum)
+        transfer.send(link.sock, msgs)
+
+    def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
+        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message."""
+        poller = zmq.Poller()
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
+        quiet_since = time.monotonic()
+        by_sock = {link.sock: link for link in self.links}
+        while not done():
+            if self.ctx.stopping.is_set():
+                raise Lost("stopping")
+            if time.monotonic() - quiet_since > self.timeout:
+                raise Lost(f"no answer from the parameter-server shards within {self.timeout:g} s")
+            for sock, _ in poller.poll(100):
+                link = by_sock[sock]
+                quiet_since = time.monotonic()
+                try:
+                    msg = link.parts.recv(sock, into=link.inbox)
+                except protocol.ProtocolError as exc:
+                    raise Lost(f"shard {link.k}: {exc}") from None
+                if msg is None:
+                    continue
+                if msg.type == "reject":
+                    if msg.header["fatal"]:
+                        self.ctx.fatal(msg.header["reason"])
+                    raise Lost(f"shard {link.k}: {msg.header['reason']}")
+                if msg.type == "slice":  # it waits in the link's inbox until a lease needs its version (fetch)
+                    link.got = msg
+                    continue
+                handle(link, msg)
+
+    def fetch(self, version: int) -> bool:
+        """The slices of `version` from every shard into the model; False if a shard is past it (the step is over:
+        the lease is stale)."""
+        for link in self.links:
+            if link.have == version:
+                continue
+            if link.got is None or link.got.header["version"] < version:
+                if link.asked < version:
+                    self._send(link, "pull", term=self.term, version=version)
+                    link.asked = version
+                self._wait(lambda link=link: link.got is not None and link.got.header["version"] >= version,
+                           lambda _l, _m: None)
+            assert link.got is not None
+            if link.got.header["version"] != version or not link.got.tensors:
+                return False
+            self._copy(link, link.got)
+            link.have = version
+        return True
+
+    def _copy(self, link: Link, msg: protocol.Message) -> None:
+        try:
+            received = link.layout.views(msg.tensors) if link.layout.flat else msg.tensors
+            targets = self.partition.views(self.params, link.k)
+            if received.keys() != targets.keys():
+                raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
+            with torch.no_grad():
+                for name, view in targets.items():
+                    view.copy_(received[name])
+        except (LayoutError, RuntimeError) as exc:
+            self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
+                           "same model.factory, model.kwargs and cluster.shards on every host")
+
+    def push(self, encoded: list[tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> bool:
+        """Send shard k its encoded slice (encoded[k - 1]: codec info, frames) and wait for every ack; True if
+        every shard holds the node."""
+        for link, (info, frames) in zip(self.links, encoded, strict=True):
+            link.ack = None
+            self._send(link, "grad", tensors=frames, codec=info, **fields)
+        self._wait(lambda: all(link.ack is not None for link in self.links), self._on_ack)
+        return all(link.ack is not None and link.ack[3] for link in self.links)
+
+    @staticmethod
+    def _on_ack(link: Link, msg: protocol.Message) -> None:
+        if msg.type == "ack":
+            h = msg.header
+            link.ack = (h["step"], h["lo"], h["hi"], h["ok"])
+
+    def ask_ahead(self, version: int) -> None:
+        """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
+        for link in self.links:
+            if link.asked < version and link.have < version:
+                self._send(link, "pull", term=self.term, version=version)
+                link.asked = version
+
+    def forget(self) -> None:
+        for link in self.links:
+            link.have = link.asked = -1
+            link.got = None
+
+    def close(self) -> None:
+        for link in self.links:
+            link.sock.close(linger=0)
+        self.links = []

@@ -1,0 +1,115 @@
+"""The chunk grid and its partition over K parameter-server shards (docs/design.md §3, "Shards").
+
+The grid depends on the model alone: every trainable tensor, in `named_parameters()` order, is cut
+along its first dimension into pieces of at most `CHUNK` bytes (a tensor whose rows fit is one piece,
+named as the tensor; the pieces of a bigger one are `name#0`, `name#1`, ...). Gradients are summed,
+averaged, clipped and stepped piece by piece, at every K and in the single-process reference, so
+vectorised and tail arithmetic cover the same elements whoever owns a piece.
+
+Shard k of K owns a contiguous run of pieces, the runs balanced by bytes; shard 0 (the leader) also
+owns the travelling buffers and hands out the leases. A model with fewer pieces than shards leaves
+the last shards empty (they still take part: they are told so at start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 4 << 20  # bytes, the same as shared/transfer.py's transfer chunk
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str  # the piece's own name: the tensor's, or tensor#i
+    param: str  # the tensor it is a run of rows of
+    lo: int  # first row (dim 0)
+    hi: int  # one past the last row
+    nbytes: int
+
+
+def grid(shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> list[Piece]:
+    """The pieces of tensors given as name -> (shape, element size), in order."""
+    out = []
+    for name, (shape, itemsize) in shapes.items():
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, (int(torch.Size(shape).numel()) // rows if rows else 0) * itemsize)
+        per = max(1, CHUNK // row_bytes)
+        if rows <= per:
+            out.append(Piece(name, name, 0, rows, rows * row_bytes if shape else itemsize))
+            continue
+        for i, lo in enumerate(range(0, rows, per)):
+            hi = min(rows, lo + per)
+            out.append(Piece(f"{name}#{i}", name, lo, hi, (hi - lo) * row_bytes))
+    return out
+
+
+def assign(pieces: list[Piece], shards: int) -> list[int]:
+    """Shard of each piece: contiguous runs, cut where the running byte count crosses k/K of the total."""
+    total = sum(p.nbytes for p in pieces) or 1
+    out, seen = [], 0
+    for p in pieces:
+        middle = seen + p.nbytes / 2  # a piece goes to the shard its middle byte falls in
+        out.append(min(shards - 1, int(middle * shards // total)))
+        seen += p.nbytes
+    return out
+
+
+class Partition:
+    """The grid of a model's trainable tensors and which shard owns what."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], shards: int = 1) -> None:
+        self.shards = shards
+        self.pieces = grid({n: (tuple(p.shape), p.element_size()) for n, p in params.items()})
+        self.owner = dict(zip((p.name for p in self.pieces), assign(self.pieces, shards), strict=True))
+        self.split = any(p.name != p.param for p in self.pieces)  # some tensor is cut into several pieces
+
+    def owned(self, shard: int) -> list[Piece]:
+        return [p for p in self.pieces if self.owner[p.name] == shard]
+
+    def bytes_of(self, shard: int) -> int:
+        return sum(p.nbytes for p in self.owned(shard))
+
+    def views(self, tensors: Mapping[str, torch.Tensor], shard: int | None = None) -> dict[str, torch.Tensor]:
+        """Piece name -> a view of its rows of `tensors` (by tensor name); only shard `shard`'s if given."""
+        pieces = self.pieces if shard is None else self.owned(shard)
+        return {p.name: tensors[p.param] if p.name == p.param else tensors[p.param].narrow(0, p.lo, p.hi - p.lo)
+                for p in pieces}
+
+    def partials(self, grads: Mapping[str, torch.Tensor], shard: int | None = None) -> list[float]:
+        """One squared L2 norm per piece (float64), in grid order: combined in that order they give the global
+        gradient norm the same way at any K (docs/design.md §3, "partial reductions")."""
+        pieces = self.pieces if shard is None else self.owned(shard)
+        return [float(torch.linalg.vector_norm(grads[p.name].reshape(-1), 2, dtype=torch.float64)) ** 2
+                for p in pieces]
+
+    def describe(self) -> dict[str, list]:
+        """A checkpoint's map from piece to (tensor, rows): enough to put pieces back together without the model."""
+        return {p.name: [p.param, p.lo, p.hi] for p in self.pieces}
+
+
+def clip_coefficient(partials: list[float], max_norm: float) -> tuple[float, float]:
+    """(global norm, factor to multiply every gradient by): partials summed in grid order, as
+    torch.nn.utils.clip_grad_norm_ scales (max_norm / (norm + 1e-6), at most 1)."""
+    total = 0.0
+    for x in partials:
+        total += x
+    norm = total ** 0.5
+    return norm, min(1.0, max_norm / (norm + 1e-6))
+
+
+def join(pieces: Mapping[str, list], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors from pieces (`describe()`'s map, pieces by name); tensors not cut pass through."""
+    out = dict(tensors)
+    by_param: dict[str, list[tuple[int, str]]] = {}
+    for name, (param, lo, _hi) in pieces.items():
+        if name != param:
+            by_param.setdefault(param, []).append((int(lo), name))
+    for param, parts in by_param.items():
+        if all(name in tensors for _, name in parts):
+            out[param] = torch.cat([tensors[name] for _, name in sorted(parts)])
+            for _, name in parts:
+                out.pop(name)
+    return out
