@@ -12,7 +12,10 @@ the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, o
   communication hook (rank 2, dense for the first 2 steps);
 - `cmemi_k1`, `cmemi_k1_powersgd`, `cmemi_k1_topk`: CMEMI with ONE aggregator (K = 1), started by hand as
   README's "Separate hosts" says: Redis, coordinator (--supervise none), checkpointer and aggregator on the
-  server host, one worker per host; CurveZMQ on (the default); `compression.codec` none / powersgd / topk.
+  server host, one worker per host; CurveZMQ on (the default); `compression.codec` none / powersgd / topk;
+- `cmemi_kn`: K = N parameter-server shards (`cluster.shards`), shard k on worker host k (co-located);
+- `cmemi_kn_dedicated`: K = N shards on N more namespaces of their own (dedicated CPU server hosts, BytePS'
+  placement).
 
 Workload: the MLP 784-512-512-10 (2.68 MB of fp32 parameters), batch 64 per worker, SGD (momentum 0.9),
 one microbatch per worker (train.microbatches = N, global batch 64·N), 20 ms of emulated compute per
@@ -20,8 +23,7 @@ forward pass (`bench.cluster_models:sleepy_mlp`, the same for both systems). Ste
 warm-up (CMEMI: over the steps where all N workers are admitted); samples/s = 64·N / that median. During
 each run's measured steps the machine's CPU idle (from /proc/stat) and the CPU used by the run's own
 processes are recorded, to show whether the shared 2 cores were the limit. The physics bounds
-(bench/physics.py) stand next to the figures. Sharded parameter servers (`cluster.shards`) are not built:
-there are no K = N or dedicated-server rows.
+(bench/physics.py) stand next to the figures.
 
 Prints one JSON object (also on failure, with `error`); `--out PATH` saves it too.
 """
@@ -55,7 +57,7 @@ DATA = {"factory": "bench.models:synthetic", "kwargs": {"n": 4096, "shape": [784
 POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets the same
 # Fixed ports are safe here: each namespace is private to this run and holds nothing else.
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
-SYSTEMS = ("ddp", "cmemi_k1", "ddp_powersgd", "cmemi_k1_powersgd", "cmemi_k1_topk")
+SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "ddp_powersgd", "cmemi_k1_powersgd", "cmemi_k1_topk")
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -166,8 +168,8 @@ class CpuSampler:
 # ---------------------------------------------------------------------------------------- the runs
 class Cluster:
     def __init__(self, lab: netns.NetLab, server: netns.Host, hosts: list[netns.Host], work: Path,
-                 sampler: CpuSampler, redis_url: str, keys: Path) -> None:
-        self.lab, self.server, self.hosts, self.work = lab, server, hosts, work
+                 sampler: CpuSampler, redis_url: str, keys: Path, servers: list[netns.Host]) -> None:
+        self.lab, self.server, self.hosts, self.work, self.servers = lab, server, hosts, work, servers
         self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
         self.runs = 0
 
@@ -210,16 +212,18 @@ class Cluster:
                 "samples_per_s": round(BATCH * n / median, 1), "wall_per_step_s": C.rnd(res["wall_per_step_s"], 5),
                 "cpu": self.sampler.window(t[warmup], t[steps])}
 
-    def cmemi(self, n: int, steps: int, warmup: int, codec: str) -> dict[str, Any]:
+    def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False) -> dict[str, Any]:
+        """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own."""
         from cmemi.shared.config import dump_config, load_config
 
-        name = f"cluster-n{n}-{codec}-{secrets.token_hex(3)}"
+        name = f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}-{secrets.token_hex(3)}"
         logs = self.work / name
         logs.mkdir()
         run_dir = logs / "run"
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
                              steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
         cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
+        cfg["cluster"]["shards"] = shards
         cfg["security"] = {"keys_dir": str(self.keys)}
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
@@ -235,7 +239,10 @@ class Cluster:
         # workers before the aggregator: they import torch meanwhile, so they join the first steps together
         for i in range(n):
             procs[f"w{i}"] = start("worker", self.hosts[i], "--worker-id", f"w{i}", log=f"w{i}")
-        procs["aggregator"] = start("aggregator", self.server, log="aggregator")
+        places = (self.servers if dedicated else self.hosts)[:shards] if shards > 1 else [self.server]
+        procs["aggregator"] = start("aggregator", places[0], log="aggregator")
+        for k in range(1, shards):
+            procs[f"shard{k}"] = start("aggregator", places[k], "--shard", str(k), log=f"aggregator-{k}")
         self.sampler.watch([p.pid for p in procs.values()])
         try:
             self._wait(procs, ["aggregator", *(f"w{i}" for i in range(n))],
@@ -304,6 +311,8 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
         "bounds_with_compute_s": C.rnd({k: v + sleep for k, v in b.items()}, 4),
         "ratios": {
             "cmemi_k1_vs_ddp": C.ratio(med.get("cmemi_k1"), med.get("ddp")),
+            "cmemi_kn_vs_ddp": C.ratio(med.get("cmemi_kn"), med.get("ddp")),
+            "cmemi_kn_dedicated_vs_ddp": C.ratio(med.get("cmemi_kn_dedicated"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
@@ -361,11 +370,13 @@ def main() -> None:
                             "bucket_cap_mb=25 (one bucket: two buckets make the hook abort on gloo)",
             "cmemi_k1": "CMEMI, ONE aggregator (K = 1) on a server host + N workers, started by hand, CurveZMQ on, "
                         "codec none",
+            "cmemi_kn": "CMEMI, K = N parameter-server shards (cluster.shards), shard k on worker host k, codec none",
+            "cmemi_kn_dedicated": "CMEMI, K = N shards on N dedicated server hosts (namespaces of their own), "
+                                  "codec none",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
         },
-        "not_measured": "CMEMI with K = N co-located shards and with K dedicated server hosts: sharded parameter "
-                        "servers (cluster.shards) are not built yet",
+        "bytes_note": "bytes_*_per_step count the leader's (shard 0's) socket only",
         "by_n": {},
     }
     t_start = time.monotonic()
@@ -375,7 +386,8 @@ def main() -> None:
         lab = netns.NetLab(subnet="10.214.0")
         server = lab.host("srv", 2)
         hosts = [lab.host(f"h{i}", 10 + i) for i in range(max(ns_))]
-        for h in (server, *hosts):
+        servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))] if "cmemi_kn_dedicated" in systems else [])
+        for h in (server, *hosts, *servers):
             shape(lab, h, args.rate, args.burst)
         probe = 8 * max(1, int(rate / 8 / 4))  # about a quarter of a second's worth
         result["link"]["probe_mbit_s"] = {f"{a.name}->{b.name}": round(probe_rate(a, b, probe), 1)
@@ -385,7 +397,7 @@ def main() -> None:
 
         keys = work / "keys"
         generate(keys)
-        cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys)
+        cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys, servers)
         for n in ns_:
             runs: dict[str, Any] = {}
             for system in systems:
@@ -393,6 +405,9 @@ def main() -> None:
                 try:
                     if system.startswith("ddp"):
                         runs[system] = cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+                    elif system.startswith("cmemi_kn"):
+                        runs[system] = cluster.cmemi(n, steps, warmup, "none", shards=n,
+                                                     dedicated=system == "cmemi_kn_dedicated")
                     else:
                         codec = system.removeprefix("cmemi_k1").lstrip("_") or "none"
                         runs[system] = cluster.cmemi(n, steps, warmup, codec)

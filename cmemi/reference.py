@@ -42,7 +42,7 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
     """Train `cfg` in this process; returns the trainer (its model holds the result) and a summary."""
     t0 = time.monotonic()
     torch.set_num_threads(cfg.cluster.threads_per_worker)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, shards=1)  # the whole grid in one process: the same pieces as any cluster.shards
     eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
     bg = BackgroundEval(cfg, eval_fn) if eval_fn and cfg.eval.every_steps else None
     runner = MicrobatchRunner(cfg, build_model(cfg), resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs),
@@ -66,6 +66,7 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
             for m in range(M):
                 collector.lease(*HOLDER, now=0.0, timeout=math.inf)  # m, in order: the reference holds every lease
                 mb_loss, grads, produced = runner.run(step, m, trainer.scaler.scale)
+                grads = trainer.partition.views(grads)  # by piece of the chunk grid, as workers send them
                 finite = all_finite(grads.values())
                 if not finite and cfg.precision != "fp16":
                     raise ReferenceError(f"the gradient of microbatch {m} of step {step} is not finite (loss {mb_loss})")

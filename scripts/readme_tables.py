@@ -197,7 +197,10 @@ def small() -> str:
 
 
 CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP + PowerSGD hook (rank 2)",
-                "cmemi_k1": "CMEMI, 1 aggregator (K = 1), dense", "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
+                "cmemi_k1": "CMEMI, 1 aggregator (K = 1), dense",
+                "cmemi_kn": "CMEMI, K = N shards on the worker hosts, dense",
+                "cmemi_kn_dedicated": "CMEMI, K = N shards on dedicated hosts, dense",
+                "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
                 "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)"}
 
 
@@ -215,7 +218,8 @@ def cluster() -> str:
              f"{w['emulated_compute_ms_per_forward']:.0f} ms of emulated compute per forward, {w['steps']} steps per "
              "run; ms/step = median after warm-up. Bound = communication at the link rate plus the emulated compute "
              "(ring all-reduce for DDP; a single server receiving N gradients, then sending N parameter sets, for "
-             "CMEMI K = 1; with a codec the N dense parameter sets alone, since parameters go back uncompressed). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
+             "CMEMI K = 1; each host's N−1 slices out and in for K = N co-located shards; one gradient out and one parameter "
+             "set in, overlapped, for K = N dedicated servers; with a codec the N dense parameter sets alone, since parameters go back uncompressed). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
              "steps.", "",
              "| N | system | ms/step | samples/s | × DDP dense | bound | CPU idle / used |", "|---|---|---|---|---|---|---|"]
     for n, x in d["by_n"].items():
@@ -231,6 +235,10 @@ def cluster() -> str:
             t = r["step_time_median_s"]
             bound = {"ddp": f"{bounds['ring_allreduce_s'] * 1000:.0f} ms",
                      "cmemi_k1": f"{bounds['single_server_sequential_s'] * 1000:.0f} ms",
+                     "cmemi_kn": (f"{bounds['colocated_shards_full_duplex_s'] * 1000:.0f} ms"
+                                  if "colocated_shards_full_duplex_s" in bounds else ""),
+                     "cmemi_kn_dedicated": (f"{bounds['dedicated_servers_full_duplex_s'] * 1000:.0f} ms"
+                                            if "dedicated_servers_full_duplex_s" in bounds else ""),
                      "cmemi_k1_powersgd": f"≥ {bounds['single_server_full_duplex_s'] * 1000:.0f} ms",
                      "cmemi_k1_topk": f"≥ {bounds['single_server_full_duplex_s'] * 1000:.0f} ms"}.get(key, "")
             vs = "1" if key == "ddp" else (f"{t / ddp:.2f}" if ddp else "")

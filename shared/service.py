@@ -25,6 +25,7 @@ from cmemi.shared.membership import connect, emit, wait_for_redis
 from cmemi.shared.security import Curve, SecurityError, curve_from_config
 
 EXIT_FATAL = 2  # a user error: restarting will not help
+EXIT_REJOIN = 4  # a parameter-server shard leaves a term that went back to a checkpoint: restart it at once, no crash
 REDIS_URL_ENV = "CMEMI_REDIS_URL"  # how `cmemi up` and the coordinator hand the Redis URL (and password) down
 
 

@@ -34,7 +34,7 @@ from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
-from cmemi.shared.service import ServiceContext
+from cmemi.shared.service import EXIT_REJOIN, ServiceContext
 
 
 @dataclass
@@ -426,7 +426,7 @@ class Aggregator:
             self.ctx.emit("shard_restarted", shard=k, step=self.trainer.step, restored=h["step"])
             self.log.warning("a shard restarted; the cluster restarts from the last complete checkpoint", shard=k,
                              its_step=h["step"], step=self.trainer.step)
-            raise SystemExit(0)
+            raise SystemExit(EXIT_REJOIN)
         self.shards[k] = ShardInfo(identity, h["inc"], h["addr"])
         self.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])
         if len(self.shards) == self.trainer.partition.shards - 1:

@@ -39,9 +39,7 @@ from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member
-from cmemi.shared.service import ServiceContext
-
-EXIT_REJOIN = 0  # a new term: start again from its checkpoint (the supervisor restarts a clean exit at once)
+from cmemi.shared.service import EXIT_REJOIN, ServiceContext
 
 
 class Rejoin(Exception):

@@ -8,6 +8,7 @@ in-flight snapshot is sent again.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -233,7 +234,7 @@ class CheckpointerLink:
 
     def fetch_latest(self, timeout: float, step: int | None = None, shard: int = 0) -> protocol.Message | None:
         """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0)."""
-        fields = {"term": self.term, "shard": shard, **({"step": step} if step is not None else {})}
+        fields = {"term": self.term, "shard": shard, "pid": os.getpid(), **({"step": step} if step is not None else {})}
         msg = self.request("restore_req", fields, None,
                            lambda m: m.type in ("restore", "no_checkpoint"), timeout)
         return msg if msg.type == "restore" else None

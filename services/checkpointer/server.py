@@ -39,7 +39,9 @@ class Checkpointer:
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
                                         on_abandon=self._drop)
         self.terms = TermWatch(ctx.redis, ctx.keys)
-        self.restored_terms: set[tuple[int, int]] = set()  # a second restore_req of a (term, shard) is not a shard's
+        # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
+        # term asks again, from a new process, before the leader rolls everyone back)
+        self.restored_terms: set[tuple[int, int, object]] = set()
         self.merger = Merger()  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
         self._advertise()
@@ -146,7 +148,7 @@ class Checkpointer:
             else:
                 self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], msg.tensors)
             return
-        asked = (msg.header["term"], msg.header.get("shard", 0))
+        asked = (msg.header["term"], msg.header.get("shard", 0), msg.header.get("pid") if msg.header.get("shard") else None)
         if asked in self.restored_terms:  # a shard asks once, at its start
             self._drop("repeated_restore", f"term {asked[0]} shard {asked[1]}")
         else:

@@ -29,7 +29,7 @@ from cmemi.services.coordinator.supervisor import (
 from cmemi.shared import metrics, startup, wire
 from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
-from cmemi.shared.service import EXIT_FATAL, ServiceContext
+from cmemi.shared.service import EXIT_FATAL, EXIT_REJOIN, ServiceContext
 
 EXIT_FENCED = 3
 
@@ -251,7 +251,7 @@ class Coordinator:
         An adopted process's exit code cannot be read: its own Redis record and the run's error decide."""
         if rc == EXIT_FATAL:
             return "fatal"
-        if rc == 0:
+        if rc in (0, EXIT_REJOIN):  # EXIT_REJOIN: a shard left a term that went back to a checkpoint
             return "normal"
         if rc == UNKNOWN_EXIT:
             r, k = self.ctx.redis, self.ctx.keys

@@ -1,0 +1,135 @@
+"""Sharded parameter servers (cluster.shards): the chunk grid, one result for any K and W, clipping and fp16
+at K = 3, shards SIGKILLed mid-run, one logical checkpoint per step, traffic per step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cmemi.shared.config import ConfigError, config_from_dict
+from cmemi.shared.shards import CHUNK, Partition, clip_coefficient, join
+from safetensors.torch import load_file
+
+from tests.chaos import Cluster
+from tests.conftest import DIGITS, FAST, LONG, ROOT, cmemi_cmd, run_up
+
+
+def reference_sha(tmp_path: Path, *sets: str) -> str:
+    out = tmp_path / "reference.json"
+    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["params_sha256"]
+
+
+# ---------------------------------------------------------------------------------------------- the grid (unit)
+
+def test_grid_cuts_big_tensors_by_rows_balances_bytes_and_joins_back() -> None:
+    params = {"small": torch.zeros(10, 3), "big": torch.arange(1_200_000, dtype=torch.float32),
+              "wide": torch.zeros(3000, 600), "bias": torch.zeros(7)}
+    one, three = Partition(params, 1), Partition(params, 3)
+    assert [p.name for p in one.pieces] == [p.name for p in three.pieces], "the grid does not depend on K"
+    names = [p.name for p in one.pieces]
+    assert names[:3] == ["small", "big#0", "big#1"] and "bias" in names and one.split
+    assert all(p.nbytes <= CHUNK for p in one.pieces)
+    owners = [three.owner[n] for n in names]
+    assert owners == sorted(owners) and set(owners) == {0, 1, 2}, "contiguous runs, every shard used"
+    sizes = [three.bytes_of(k) for k in range(3)]
+    assert max(sizes) - min(sizes) <= max(p.nbytes for p in three.pieces), "balanced to within one piece"
+    pieces = {n: v.clone() for n, v in one.views(params).items()}
+    whole = join(one.describe(), pieces)
+    assert whole.keys() == params.keys() and all(torch.equal(whole[n], params[n]) for n in params)
+    grads = {n: torch.full_like(v, 0.5) for n, v in pieces.items()}
+    norm, coef = clip_coefficient(one.partials(grads), 1.0)
+    expected = float(torch.nn.utils.get_total_norm([torch.full_like(p, 0.5) for p in params.values()]))
+    assert norm == pytest.approx(expected, rel=1e-6) and coef == pytest.approx(1.0 / (expected + 1e-6))
+    partials = [x for k in range(3) for x in three.partials(grads, k)]
+    assert partials == one.partials(grads), "every shard's partials, in shard order, are the grid's"
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("optimizer", {"name": "LBFGS"}, "optimizer.name"),
+    ("eval", {"fn": "cmemi.examples.digits:evaluate", "every_steps": 10}, "eval.every_steps"),
+])
+def test_sharding_refuses_what_it_would_change(field: str, value: dict, words: str) -> None:
+    base = {"model": {"factory": "cmemi.examples.digits:make_model"},
+            "data": {"factory": "cmemi.examples.digits:make_dataset"}, "cluster": {"shards": 2}}
+    with pytest.raises(ConfigError, match=words) as err:
+        config_from_dict({**base, field: value})
+    assert "cluster.shards: 1" in str(err.value)
+    config_from_dict({**base, "cluster": {"shards": 1}, field: value})  # fine with one shard
+
+
+# ---------------------------------------------------------------------------------------------- real clusters
+
+@pytest.mark.integration
+def test_one_result_for_any_shards_and_workers(tmp_path: Path) -> None:
+    """K = 1, 2, 3 x W = 1, 2, 3: one params_sha256, the single-process reference's. Also: one logical
+    checkpoint of a sharded run is all K slices, and `cmemi checkpoints export` gives one whole file."""
+    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30")
+    want = reference_sha(tmp_path, *sets)
+    got = {}
+    for k in (1, 2, 3):
+        for w in (1, 2, 3):
+            r = run_up(tmp_path / f"k{k}w{w}", *sets, f"cluster.shards={k}", f"cluster.workers={w}")
+            assert r.rc == 0, r.stderr[-3000:]
+            got[(k, w)] = r.summary["params_sha256"]
+    assert set(got.values()) == {want}, got
+    run = tmp_path / "k3w3"
+    (ckpt,) = sorted((run / "checkpoints").glob("step-*"))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["shards"] == 3 and len(meta["per_shard"]) == 3
+    out = tmp_path / "export.safetensors"
+    proc = subprocess.run(cmemi_cmd("checkpoints", "export", str(run), "-o", str(out)), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    exported, final = load_file(str(out)), load_file(str(run / "model.safetensors"))
+    assert exported.keys() == final.keys() and all(torch.equal(exported[n], final[n]) for n in final)
+
+
+@pytest.mark.integration
+def test_big_tensors_clipping_and_fp16_at_three_shards(tmp_path: Path) -> None:
+    """A 4.8 MB tensor cut into two pieces (on two shards), clipping that clips, and fp16 loss scaling with a
+    poisoned sample that overflows: K = 3 is bitwise the reference, the same skipped steps."""
+    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "model.factory=tests.fixtures:many_tensors_mlp",
+            "model.kwargs={n: 1, size: 1200000}", "train.clip_grad_norm=0.05", "precision=fp16",
+            "data.factory=tests.fixtures:poisoned_digits", "data.kwargs={index: 5}")
+    want = reference_sha(tmp_path, *sets)
+    r = run_up(tmp_path / "k3", *sets, "cluster.shards=3", "cluster.workers=2")
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["params_sha256"] == want
+    assert r.summary["skipped_steps"] >= 1, "the poisoned sample must overflow a step"
+
+
+@pytest.mark.integration
+def test_traffic_per_step_is_about_one_gradient_per_worker(tmp_path: Path) -> None:
+    """M = 8, W = 2: each worker holds a block of 4 leaves and sends one gradient a step (docs/design.md, Leases)."""
+    r = run_up(tmp_path / "run", *FAST, "train.microbatches=8", "cluster.workers=2", "train.log_every=1")
+    assert r.rc == 0, r.stderr[-3000:]
+    grad_bytes = sum(t.numel() * 4 for t in load_file(str(r.run_dir / "model.safetensors")).values())
+    steps = [m for m in r.metrics() if "bytes_in" in m][5:]  # past start-up's re-asks
+    worst = max(m["bytes_in"] for m in steps)
+    assert worst <= 2 * 2 * grad_bytes + 2 * 2 * 4096, f"{worst} bytes in a step, a gradient is {grad_bytes}"
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, reference: str) -> None:
+    """SIGKILL shard 1, then shard 2, then the leader: each time the cluster goes back to the last checkpoint
+    every shard completed, and the result is still bitwise the fault-free one."""
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3")
+    try:
+        for target, shard in ((150, "1"), (450, "2"), (750, "0")):
+            c.wait_step(target)
+            c.replaced("aggregator", shard, c.signal("aggregator", shard))
+    finally:
+        rc = c.wait(timeout=400)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == 1200 and s["params_sha256"] == reference
+    assert len(c.events("shard_restarted")) >= 2
+    restored = [e["step"] for e in c.events("checkpoint_restored")]
+    assert len(restored) >= 3 * 3 and all(step % 50 == 0 for step in restored), restored
