@@ -1,4 +1,4 @@
-"""The chunk grid and its partition over K parameter-server shards (docs/design.md §3, "Shards").
+"""The chunk grid and its partition over K parameter-server shards (docs/design.md §3 and §4).
 
 The grid depends on the model alone: every trainable tensor, in `named_parameters()` order, is cut
 along its first dimension into pieces of at most `CHUNK` bytes (a tensor whose rows fit is one piece,

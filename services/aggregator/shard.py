@@ -73,14 +73,21 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self._drop)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
+        joined_at = self.trainer.step
         if restored_step >= 0:
             msg = self.ckpt.fetch_latest(timeout=120, step=restored_step, shard=shard)
             if msg is None or msg.header["step"] != restored_step:
-                ctx.fatal(f"shard {shard}: the checkpoint of step {restored_step} the leader restored is gone")
-            try:
-                snapshots.restore(self.trainer, self.totals, None, None, msg.header["meta"], msg.tensors)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
+                # retention removed it: the leader has run on since, so this is a restart within its term, which
+                # rolls the cluster back anyway (the leader leaves the term when this shard joins at another step)
+                self.log.warning("the checkpoint the leader restored is gone; joining to roll the cluster back",
+                                 step=restored_step)
+                joined_at = -1
+            else:
+                try:
+                    snapshots.restore(self.trainer, self.totals, None, None, msg.header["meta"], msg.tensors)
+                except (ValueError, KeyError, RuntimeError) as exc:
+                    ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
+                joined_at = self.trainer.step
         self.layout = Layout(self.trainer.wire_state())
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         self.workers: dict[bytes, tuple[str, int]] = {}
@@ -92,7 +99,7 @@ class ShardServer:
         self.leader.setsockopt(zmq.LINGER, 0)
         self.leader.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
         self.leader.connect(self.leader_addr)
-        self._to_leader("shard_join", step=self.trainer.step, addr=self.addr)
+        self._to_leader("shard_join", step=joined_at, addr=self.addr)
         self._next_ready = 0.0
         self._next_check = 0.0
         self.done = self.trainer.step >= self.total
@@ -238,12 +245,12 @@ class ShardServer:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
         ok = False
-        if h["step"] != self.collector.step or h["version"] != self.trainer.step or self.mean is not None:
+        if h["step"] != self.collector.step or h["version"] != self.trainer.step:
             self._drop("stale_step", f"{where}, current step {self.collector.step}")
         elif not reduction.is_subtree(*node, self.M):
             self._drop("bad_microbatch", where)
-        elif self.collector.check(node, None) == "duplicate":
-            ok = True  # held already: the first complete copy won
+        elif self.mean is not None or self.collector.check(node, None) == "duplicate":
+            ok = True  # held already (the first complete copy won): the leader may still need it from this worker
         else:
             grads = None
             try:
