@@ -1,8 +1,9 @@
 """The chunk grid and its partition over K parameter-server shards (docs/design.md §3 and §4).
 
 The grid depends on the model alone: every trainable tensor, in `named_parameters()` order, is cut
-along its first dimension into pieces of at most `CHUNK` bytes (a tensor whose rows fit is one piece,
-named as the tensor; the pieces of a bigger one are `name#0`, `name#1`, ...). Gradients are summed,
+along its first dimension into pieces of at most `chunk_bytes(model bytes)` — a 64th of the model,
+between 64 KiB and `CHUNK` = 4 MiB, so that even a model of a few MB spreads over 8 shards (a tensor
+whose rows fit is one piece, named as the tensor; the pieces of a bigger one are `name#0`, `name#1`, ...). Gradients are summed,
 averaged, clipped and stepped piece by piece, at every K and in the single-process reference, so
 vectorised and tail arithmetic cover the same elements whoever owns a piece.
 
@@ -18,7 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 4 << 20  # bytes, the same as shared/transfer.py's transfer chunk
+CHUNK = 4 << 20  # bytes, the largest piece (shared/transfer.py's transfer chunk)
+MIN_CHUNK = 64 << 10  # bytes, the smallest: below it, per-piece work would cost more than balance gains
+PIECES = 64  # a model is cut into about this many pieces, when CHUNK and MIN_CHUNK allow
+
+
+def chunk_bytes(model_bytes: int) -> int:
+    return max(MIN_CHUNK, min(CHUNK, model_bytes // PIECES // 64 * 64))
 
 
 @dataclass(frozen=True)
@@ -33,10 +40,11 @@ class Piece:
 def grid(shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> list[Piece]:
     """The pieces of tensors given as name -> (shape, element size), in order."""
     out = []
+    chunk = chunk_bytes(sum(int(torch.Size(shape).numel()) * itemsize for shape, itemsize in shapes.values()))
     for name, (shape, itemsize) in shapes.items():
         rows = shape[0] if shape else 1
         row_bytes = max(1, (int(torch.Size(shape).numel()) // rows if rows else 0) * itemsize)
-        per = max(1, CHUNK // row_bytes)
+        per = max(1, chunk // row_bytes)
         if rows <= per:
             out.append(Piece(name, name, 0, rows, rows * row_bytes if shape else itemsize))
             continue

@@ -2,6 +2,8 @@
 
 Workers pull: `want` (or a `grad`, which implies the next `want`) is answered with `work` —
 carrying the parameters when the worker's version is stale — or parked until work exists.
+With `cluster.shards` > 1 this is shard 0, the leader: it leases for every shard, steps its own slice,
+and commits each step on all of them (docs/design.md §4; the others run `shard.ShardServer`).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ class Trainer:
         owned = self.partition.views(self.params, shard)
         # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
         self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
-        self.optimizer = build_optimizer(cfg, self.pieces)
+        # a shard that owns no piece (more shards than pieces) still keeps the LR schedule, on an empty tensor
+        self.optimizer = build_optimizer(cfg, self.pieces or [torch.nn.Parameter(torch.zeros(0))])
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
