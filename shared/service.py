@@ -17,7 +17,8 @@ from typing import Any
 
 import redis
 import structlog
-from cmemi.shared import lifeline, metrics, startup
+import zmq
+from cmemi.shared import lifeline, metrics, protocol, startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import setup_logging
@@ -122,3 +123,13 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     metrics_url = metrics.serve(cfg)
     extra = {"metrics_url": metrics_url} if metrics_url else {}
     return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra, curve)
+
+
+def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq.Socket, str]:
+    """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port);
+    returns it and the address peers connect to."""
+    sock = zctx.socket(zmq.ROUTER)
+    ctx.curve.serve(zctx, sock)
+    sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
+    sock.setsockopt(zmq.LINGER, 1000)
+    return sock, protocol.bind(sock, ctx.cfg.cluster.host, port)

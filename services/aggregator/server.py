@@ -36,7 +36,7 @@ from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
-from cmemi.shared.service import EXIT_REJOIN, ServiceContext
+from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
 
 
 @dataclass
@@ -82,11 +82,7 @@ class Aggregator:
         self.codec = make_codec(cfg.compression, check_finite=False)
         self.total = cfg.train.steps
         self.zctx = zmq.Context()
-        self.sock = self.zctx.socket(zmq.ROUTER)
-        ctx.curve.serve(self.zctx, self.sock)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
+        self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops: Counter[str] = Counter()
         # gradients bigger than one message, from admitted workers only (one partial transfer each)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,

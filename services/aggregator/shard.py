@@ -39,7 +39,7 @@ from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member
-from cmemi.shared.service import EXIT_REJOIN, ServiceContext
+from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
 
 
 class Rejoin(Exception):
@@ -59,11 +59,7 @@ class ShardServer:
         self.M, self.total = cfg.train.microbatches, cfg.train.steps
         self.codec = make_codec(cfg.compression, check_finite=False)
         self.zctx = zmq.Context()
-        self.sock = self.zctx.socket(zmq.ROUTER)
-        ctx.curve.serve(self.zctx, self.sock)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
-        self.sock.setsockopt(zmq.LINGER, 1000)
-        self.addr = protocol.bind(self.sock, cfg.cluster.host, cfg.cluster.aggregator_port)
+        self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops: Counter[str] = Counter()
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1, on_abandon=self._drop)
