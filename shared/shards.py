@@ -3,13 +3,13 @@
 The grid depends on the model alone: every trainable tensor, in `named_parameters()` order, is cut
 along its first dimension into pieces of at most `chunk_bytes(model bytes)` — a 64th of the model,
 between 64 KiB and `CHUNK` = 4 MiB, so that even a model of a few MB spreads over 8 shards (a tensor
-whose rows fit is one piece, named as the tensor; the pieces of a bigger one are `name#0`, `name#1`, ...). Gradients are summed,
-averaged, clipped and stepped piece by piece, at every K and in the single-process reference, so
-vectorised and tail arithmetic cover the same elements whoever owns a piece.
+whose rows fit is one piece, named as the tensor; the pieces of a bigger one are `name#0`, `name#1`,
+...). Gradients are summed, averaged, clipped and stepped piece by piece, at every K and in the
+single-process reference, so vectorised and tail arithmetic cover the same elements whoever owns a piece.
 
 Shard k of K owns a contiguous run of pieces, the runs balanced by bytes; shard 0 (the leader) also
-owns the travelling buffers and hands out the leases. A model with fewer pieces than shards leaves
-the last shards empty (they still take part: they are told so at start).
+owns the travelling buffers and hands out the leases. A shard may own no piece (more shards than
+pieces): it still takes part in every step, its optimizer holding one empty tensor for the schedule.
 """
 
 from __future__ import annotations

@@ -646,7 +646,11 @@ class Aggregator:
         with torch.no_grad():
             for k, info in self.shards.items():
                 assert info.final is not None
-                for name, view in self.trainer.partition.views(self.trainer.params, k).items():
+                views = self.trainer.partition.views(self.trainer.params, k)
+                if info.final.keys() != views.keys() or any(info.final[n].shape != v.shape for n, v in views.items()):
+                    self.ctx.fatal(f"shard {k}'s final slice does not fit this model: use the same model.factory, "
+                                   "model.kwargs and cluster.shards for every shard")
+                for name, view in views.items():
                     view.copy_(info.final[name])
 
     def _finish(self) -> None:

@@ -37,7 +37,7 @@ class Link:
         self.have = -1  # version whose slice is in the model
         self.asked = -1  # version of the last pull sent
         self.got: protocol.Message | None = None  # the newest slice received (its tensors in the inbox)
-        self.ack: tuple[int, int, int, bool] | None = None
+        self.acked: bool | None = None  # the shard's answer to our last gradient: it holds the node (or not)
 
 
 class ShardLinks:
@@ -140,16 +140,15 @@ class ShardLinks:
         """Send shard k its encoded slice (encoded[k - 1]: codec info, frames) and wait for every ack; True if
         every shard holds the node."""
         for link, (info, frames) in zip(self.links, encoded, strict=True):
-            link.ack = None
+            link.acked = None
             self._send(link, "grad", tensors=frames, codec=info, **fields)
-        self._wait(lambda: all(link.ack is not None for link in self.links), self._on_ack)
-        return all(link.ack is not None and link.ack[3] for link in self.links)
+        self._wait(lambda: all(link.acked is not None for link in self.links), self._on_ack)
+        return all(link.acked for link in self.links)
 
     @staticmethod
     def _on_ack(link: Link, msg: protocol.Message) -> None:
         if msg.type == "ack":
-            h = msg.header
-            link.ack = (h["step"], h["lo"], h["hi"], h["ok"])
+            link.acked = msg.header["ok"]
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
@@ -157,11 +156,6 @@ class ShardLinks:
             if link.asked < version and link.have < version:
                 self._send(link, "pull", term=self.term, version=version)
                 link.asked = version
-
-    def forget(self) -> None:
-        for link in self.links:
-            link.have = link.asked = -1
-            link.got = None
 
     def close(self) -> None:
         for link in self.links:
