@@ -63,13 +63,14 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
     "no_checkpoint": {"term": _INT},
     # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard.py): hello/welcome/reject as above, then
-    # a grad is answered by an ack once the shard holds its microbatches, a pull by that version's slice
-    "ack": {"step": _INT, "lo": _INT, "hi": _INT, "ok": _BOOL},
+    # a grad gets no answer (the leader's reply says what comes next), a pull gets that version's slice
     "pull": {**_WORKER, "term": _INT, "version": _INT},
     "slice": {"version": _INT, "shard": _INT, "tensors": _LIST},
-    # shard k > 0 <-> shard 0 (the leader): a shard joins a term, reports each complete step with its share of
-    # the global gradient norm and its overflow flag, and is told to apply it with every shard's share
+    # shard k > 0 <-> shard 0 (the leader): a shard joins a term, says which microbatches of the step it holds
+    # while it is incomplete, reports each complete step with its share of the global gradient norm and its
+    # overflow flag, and is told to apply it with every shard's share
     "shard_join": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "addr": _STR},
+    "shard_have": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "have": _LIST},
     "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
     "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL},
     "shard_final": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},

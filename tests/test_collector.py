@@ -149,3 +149,23 @@ def test_an_idle_worker_gets_a_withheld_block_after_its_size_times_the_reissue_t
     assert c.lease("b", 1, 3.9, 100, reissue_after=1.0) is None  # 4 microbatches: 4 × 1 s
     assert c.lease("b", 1, 4.0, 100, reissue_after=1.0) == (0, 4)
     assert c.offer((0, 4), block_sum(0, 4), [0.0] * 4, ("b", 1)) is None and c.complete
+
+
+def test_microbatches_another_shard_lacks_are_leased_again_as_leaves_after_a_grace() -> None:
+    """Sharded: a worker sends every shard its slice at once. The leader holds the block [0, 4) while shard k kept
+    leaf 0 from someone else and never got 1..3 (or the block's worker died between its sends)."""
+    c = StepCollector(0, 8, block=4)
+    assert c.lease("a", 1, now=0, timeout=10) == (0, 4) and c.lease("b", 1, 0, 10) == (4, 8)
+    assert c.reopen([0], now=0, grace=2) == []  # incomplete here: nothing to say yet
+    assert c.offer((0, 4), grads(0), [0.0] * 4, holder=("a", 1)) is None
+    assert c.offer((4, 8), grads(4), [0.0] * 4, holder=("b", 1)) is None and c.complete
+    assert c.reopen([0, 4, 5, 6, 7], now=10, grace=2) == []  # first seen lacking: maybe still on its way
+    assert c.reopen([0, 4, 5, 6, 7], now=11, grace=2) == [] and not c.pending
+    assert c.reopen([0, 4, 5, 6, 7], now=12, grace=2) == [1, 2, 3]
+    assert [c.lease("c", 1, 12, 10) for _ in range(4)] == [(1, 2), (2, 3), (3, 4), None]
+    assert c.offer(1, grads(1), 0.0, holder=("c", 1)) == "duplicate"  # the leader keeps its first copy
+    assert c.reopen([0, 1, 4, 5, 6, 7], now=13, grace=2) == []  # 2, 3 were re-queued at 12: leased, not lost yet
+    assert c.reopen([0, 1, 2, 4, 5, 6, 7], now=14, grace=2) == [3]  # still lacking 2 s later: out again
+    assert c.reopen(list(range(8)), now=20, grace=2) == [] and c.complete
+    mean, _ = c.mean()  # the leader's own sum never changed
+    assert torch.equal(mean["w"], (grads(0)["w"] + grads(4)["w"]) / 8)

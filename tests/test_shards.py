@@ -118,13 +118,15 @@ def test_traffic_per_step_is_about_one_gradient_per_worker(tmp_path: Path) -> No
 @pytest.mark.integration
 @pytest.mark.fault
 def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, reference: str) -> None:
-    """SIGKILL shard 1, then shard 2, then the leader: each time the cluster goes back to the last checkpoint
-    every shard completed, and the result is still bitwise the fault-free one."""
+    """SIGKILL shard 1, then shard 2, then the leader, and workers in between (one may die between its slices:
+    what a shard lacks is leased again): each shard's death takes the cluster back to the last checkpoint every
+    shard completed, and the result is still bitwise the fault-free one."""
     c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3")
     try:
-        for target, shard in ((150, "1"), (450, "2"), (750, "0")):
+        for target, role, ident in ((150, "aggregator", "1"), (300, "worker", "w0"), (450, "aggregator", "2"),
+                                    (600, "worker", "w1"), (750, "aggregator", "0"), (900, "worker", "w0")):
             c.wait_step(target)
-            c.replaced("aggregator", shard, c.signal("aggregator", shard))
+            c.replaced(role, ident, c.signal(role, ident))
     finally:
         rc = c.wait(timeout=400)
     assert rc == 0, c.output()

@@ -12,6 +12,10 @@ outstanding lease held longer than `reissue_after` per microbatch is handed to t
 as well (fewest holders first, then oldest), so a withheld lease costs one recomputation, never a
 whole `lease_timeout` (docs/design.md, "Idle workers"). Accepted contributions are summed by the
 fixed reduction tree of `shared.reduction`, so the sum is bitwise the same whatever arrives when.
+
+Sharded (`cluster.shards`), a worker sends every shard its slice at once, so the leader can hold a
+microbatch that another shard never gets (the worker died between its sends, or that shard kept an
+overlapping copy): `reopen` hands such microbatches out again, as leaves.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class StepCollector:
         self._buffers: TreeAccumulator = TreeAccumulator(microbatches, add_into)  # model.buffers: mean
         self._losses: dict[int, float] = {}
         self.overflow = False  # some microbatch overflowed: the step is skipped, like GradScaler does
+        self._lacking: dict[int, float] = {}  # microbatch -> when another shard was first seen lacking it (or re-queued)
 
     @property
     def complete(self) -> bool:
@@ -108,6 +113,22 @@ class StepCollector:
 
     def expire(self, now: float) -> list[int]:
         return self._requeue(sorted(n for n, lease in self.leases.items() if lease.deadline < now))
+
+    def reopen(self, have: Sequence[int], now: float, grace: float) -> list[int]:
+        """Another shard holds only the microbatches `have` of this step. Once this collection is complete, the ones
+        it lacks go back to the front of the queue as leaves when they have been lacking `grace` seconds (time for
+        a slice still on its way), and again every `grace` seconds while they still are; returns those queued.
+        Their gradients reach that shard; here they are duplicates (the first copy stays)."""
+        if not self.complete:
+            return []
+        held = set(have)
+        due = [m for m in range(self.M) if m not in held and now - self._lacking.setdefault(m, now) >= grace]
+        queued = {m for lo, hi in self.pending for m in range(lo, hi)}
+        due = [m for m in due if m not in queued]
+        for m in due:
+            self._lacking[m] = now
+        self.pending.extendleft((m, m + 1) for m in reversed(due))
+        return due
 
     def check(self, node: int | Node, holder: tuple[str, int] | None) -> str | None:
         """Why a contribution for `node` from `holder` would be dropped (None: it would be accepted)."""

@@ -439,6 +439,20 @@ class Aggregator:
             return None
         return info
 
+    def _on_shard_have(self, identity: bytes, msg: protocol.Message) -> None:
+        """A shard's microbatches of its incomplete step: what it lacks of a step complete here is leased again."""
+        if self._shard(identity, msg) is None or msg.header["step"] != self.collector.step:
+            return
+        have = msg.header["have"]
+        if not all(isinstance(m, int) for m in have):
+            self._drop("bad_have", f"shard {msg.header['shard']}")
+            return
+        if lacking := self.collector.reopen(have, time.monotonic(), grace=2 * self.cfg.cluster.dead_after):
+            self.ctx.emit("leases_reopened", step=self.collector.step, shard=msg.header["shard"], microbatches=lacking)
+            self.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=msg.header["shard"],
+                             microbatches=lacking)
+            self._serve_parked()
+
     def _on_shard_ready(self, identity: bytes, msg: protocol.Message) -> None:
         if (info := self._shard(identity, msg)) is None:
             return
@@ -460,7 +474,8 @@ class Aggregator:
             info.final = msg.tensors
 
     _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence,
-                 "shard_join": _on_shard_join, "shard_ready": _on_shard_ready, "shard_final": _on_shard_final}
+                 "shard_join": _on_shard_join, "shard_have": _on_shard_have, "shard_ready": _on_shard_ready,
+                 "shard_final": _on_shard_final}
 
     # ------------------------------------------------------------------ leases and steps
     def _is_fenced(self, wid: str, inc: int) -> bool:
@@ -513,9 +528,9 @@ class Aggregator:
         return partials, overflow
 
     def _apply_step(self) -> None:
-        """The step's gradient is complete here. Sharded: once every shard reported its own complete too (they
-        are: a worker sends the leader its slice only after every shard acked), one rule for all — the global
-        norm from every piece's partial in grid order, any overflow skips — and each shard is told to apply it."""
+        """The step's gradient is complete here. Sharded: once every shard reported its own complete too (what one
+        lacks is leased again: _on_shard_have), one rule for all — the global norm from every piece's partial in
+        grid order, any overflow skips — and each shard is told to apply it."""
         if self._mean is None:
             self._mean = self.collector.mean()
         grads, loss = self._mean

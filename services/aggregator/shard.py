@@ -3,11 +3,12 @@
 Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 owns a run of the chunk
 grid's pieces (shared/shards.py) and their optimizer state, and otherwise only follows:
 
-- workers say hello (registered incarnations only, as at the leader), send it their gradient's
-  slice for a node of the step's reduction tree and get an `ack` once it holds those microbatches
-  (accepted, or already covered: the first complete copy wins). A worker sends the leader its slice
-  only after every other shard acked, so whatever the leader accepted, every shard holds: when the
-  leader's step is complete, so is every shard's.
+- workers say hello (registered incarnations only, as at the leader) and send it their gradient's
+  slice for a node of the step's reduction tree, at the same time as every other shard's. The first
+  complete copy of each microbatch wins, as at the leader. While its step is incomplete, the shard
+  tells the leader every half second which microbatches it holds (`shard_have`): once the leader's
+  own step is complete, what a shard still lacks after a grace (its worker died between its sends)
+  is leased again (`StepCollector.reopen`).
 - a complete step is reported to the leader (`shard_ready`: one squared norm per piece for clipping,
   the fp16 overflow flag); the leader answers `shard_commit` with every shard's share once all are in,
   and the shard steps its pieces by the same rule as the leader (`Trainer.apply`).
@@ -97,6 +98,7 @@ class ShardServer:
         self.leader.connect(self.leader_addr)
         self._to_leader("shard_join", step=joined_at, addr=self.addr)
         self._next_ready = 0.0
+        self._next_have = 0.0
         self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         self.final_sent = False
@@ -168,6 +170,9 @@ class ShardServer:
         now = time.monotonic()
         if self.mean is not None and now >= self._next_ready:  # the leader may have missed it (restarting)
             self._ready()
+        elif self.mean is None and not self.done and now >= self._next_have:
+            self._next_have = now + 0.5
+            self._to_leader("shard_have", step=self.collector.step, have=sorted(self.collector.received))
         if now < self._next_check:
             return
         self._next_check = now + 0.25
@@ -235,38 +240,35 @@ class ShardServer:
             self.pulls[identity] = h["version"]
             self._answer_pulls()
         else:
-            self._on_grad(identity, msg)
+            self._on_grad(msg)
 
-    def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
+    def _on_grad(self, msg: protocol.Message) -> None:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
-        ok = False
         if h["step"] != self.collector.step or h["version"] != self.trainer.step:
             self._drop("stale_step", f"{where}, current step {self.collector.step}")
-        elif not reduction.is_subtree(*node, self.M):
+            return
+        if not reduction.is_subtree(*node, self.M):
             self._drop("bad_microbatch", where)
-        elif self.mean is not None or self.collector.check(node, None) == "duplicate":
-            ok = True  # held already (the first complete copy won): the leader may still need it from this worker
-        else:
-            grads = None
-            try:
-                if h["finite"] or not self.trainer.scaler.enabled:
-                    grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
-            except CodecError as exc:
-                self._drop(f"codec_{exc.reason}", f"{where}: {exc}")
-            else:
-                if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
-                    self._drop(bad, where)
-                elif grads is not None and not all_finite(grads.values()):
-                    self._drop("codec_nonfinite", f"{where}: NaN or inf in the gradient")
-                elif not all(isinstance(x, (int, float)) for x in h["losses"]):
-                    self._drop("bad_losses", where)
-                elif (reason := self.collector.offer(node, grads, h["losses"], None)) is not None:
-                    self._drop(reason, where)
-                else:
-                    ok = True
-        self._send(identity, "ack", step=h["step"], lo=h["lo"], hi=h["hi"], ok=ok)
-        if ok and self.collector.complete and self.mean is None:
+            return
+        if self.mean is not None or self.collector.check(node, None) == "duplicate":
+            return  # held already: the first complete copy won (a lease handed out again, or reopened)
+        grads = None
+        try:
+            if h["finite"] or not self.trainer.scaler.enabled:
+                grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
+        except CodecError as exc:
+            self._drop(f"codec_{exc.reason}", f"{where}: {exc}")
+            return
+        if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
+            self._drop(bad, where)
+        elif grads is not None and not all_finite(grads.values()):
+            self._drop("codec_nonfinite", f"{where}: NaN or inf in the gradient")
+        elif not all(isinstance(x, (int, float)) for x in h["losses"]):
+            self._drop("bad_losses", where)
+        elif (reason := self.collector.offer(node, grads, h["losses"], None)) is not None:
+            self._drop(reason, where)
+        elif self.collector.complete:
             self.mean = self.collector.mean()
             self._ready()
 
@@ -277,7 +279,7 @@ class ShardServer:
         self._next_ready = time.monotonic() + 1.0
 
     def _commit(self, partials: list[float], skip: bool) -> None:
-        if self.mean is None:  # the leader completes only after every shard acked everything: cannot happen
+        if self.mean is None:  # the leader commits only once every shard reported its step complete: cannot happen
             raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
         grads, _ = self.mean
         self.mean = None

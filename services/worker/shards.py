@@ -4,8 +4,9 @@ The leader (shard 0) leases and sends its own slice with `work`, as with one agg
 other shard the worker
 - pulls the slice of the lease's parameter version (asked ahead, right after its previous gradient,
   so it is usually here already) and copies it into its model's pieces;
-- sends that shard its slice of the gradient and waits for every shard's `ack` before the leader gets
-  its own: whatever the leader accepted, every shard holds (services/aggregator/shard.py).
+- sends that shard its slice of the gradient, all shards at once (the leader's last, with the same
+  call): no answer comes back; a slice that never arrives (this worker died between its sends) is
+  leased again by the leader (services/aggregator/shard.py).
 
 A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
 checkpoint under a new term) raises `Lost`; the worker says hello again.
@@ -37,7 +38,6 @@ class Link:
         self.have = -1  # version whose slice is in the model
         self.asked = -1  # version of the last pull sent
         self.got: protocol.Message | None = None  # the newest slice received (its tensors in the inbox)
-        self.acked: bool | None = None  # the shard's answer to our last gradient: it holds the node (or not)
 
 
 class ShardLinks:
@@ -136,19 +136,11 @@ class ShardLinks:
             self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
                            "same model.factory, model.kwargs and cluster.shards on every host")
 
-    def push(self, encoded: list[tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> bool:
-        """Send shard k its encoded slice (encoded[k - 1]: codec info, frames) and wait for every ack; True if
-        every shard holds the node."""
+    def push(self, encoded: list[tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> None:
+        """Send shard k its encoded slice (encoded[k - 1]: codec info, frames); ZeroMQ's I/O thread carries them
+        all at once."""
         for link, (info, frames) in zip(self.links, encoded, strict=True):
-            link.acked = None
             self._send(link, "grad", tensors=frames, codec=info, **fields)
-        self._wait(lambda: all(link.acked is not None for link in self.links), self._on_ack)
-        return all(link.acked for link in self.links)
-
-    @staticmethod
-    def _on_ack(link: Link, msg: protocol.Message) -> None:
-        if msg.type == "ack":
-            link.acked = msg.header["ok"]
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

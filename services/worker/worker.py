@@ -343,10 +343,7 @@ class Worker:
         encoded = [self.codec.encode(self.partition.views(grads, k), h["step"]) if finite else ({}, {})
                    for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
-        # every other shard first, acked: what the leader accepts, every shard holds (services/aggregator/shard.py)
-        if links.links and not links.push(encoded[1:], {**fields, "encode_s": encode_s}):
-            self._send("want", term=self.term, version=self.version)  # some shard is past this step: stale
-            return
+        links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
         info, frames = encoded[0]
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
