@@ -15,14 +15,19 @@ the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, o
   server host, one worker per host; CurveZMQ on (the default); `compression.codec` none / powersgd / topk;
 - `cmemi_kn`: K = N parameter-server shards (`cluster.shards`), shard k on worker host k (co-located);
 - `cmemi_kn_dedicated`: K = N shards on N more namespaces of their own (dedicated CPU server hosts, BytePS'
-  placement).
+  placement);
+- `cmemi_kn_nocurve`: `cmemi_kn` with `security.curve: false` (gloo encrypts nothing: what encryption costs);
+- `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense).
 
 Workload: the MLP 784-512-512-10 (2.68 MB of fp32 parameters), batch 64 per worker, SGD (momentum 0.9),
 one microbatch per worker (train.microbatches = N, global batch 64·N), 20 ms of emulated compute per
 forward pass (`bench.cluster_models:sleepy_mlp`, the same for both systems). Step time = median after
 warm-up (CMEMI: over the steps where all N workers are admitted); samples/s = 64·N / that median. During
 each run's measured steps the machine's CPU idle (from /proc/stat) and the CPU used by the run's own
-processes are recorded, to show whether the shared 2 cores were the limit. The physics bounds
+processes are recorded, to show whether the shared 2 cores were the limit, and per step the CPU
+milliseconds of each role (DDP rank, worker, leader, shard, coordinator, checkpointer) and of the
+machine (user, system, softirq: the kernel's share, mostly the emulated network): a profile of where a
+CPU-bound run's time goes. The physics bounds
 (bench/physics.py) stand next to the figures.
 
 Prints one JSON object (also on failure, with `error`); `--out PATH` saves it too.
@@ -57,7 +62,9 @@ DATA = {"factory": "bench.models:synthetic", "kwargs": {"n": 4096, "shape": [784
 POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets the same
 # Fixed ports are safe here: each namespace is private to this run and holds nothing else.
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
-SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "ddp_powersgd", "cmemi_k1_powersgd", "cmemi_k1_topk")
+ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
+SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
+           "cmemi_kn_powersgd", "cmemi_k1_topk")
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -123,42 +130,56 @@ def probe_rate(src: netns.Host, dst: netns.Host, nbytes: int) -> float:
 
 # ---------------------------------------------------------------------------------------- CPU
 class CpuSampler:
-    """Samples /proc/stat (the whole machine) and the CPU time of the processes being watched, every 0.2 s."""
+    """Samples /proc/stat (the whole machine: user, system, softirq, idle) and the CPU time of the processes
+    being watched, by role, every 0.2 s: where a run's CPU goes, per step."""
+
+    MACHINE = ("user", "nice", "system", "idle", "iowait", "irq", "softirq")
 
     def __init__(self) -> None:
-        self.samples: list[tuple[float, float, float, float, float]] = []  # (t, idle, total jiffies, ours s, load)
-        self.watched: dict[int, float] = {}
+        self.samples: list[tuple[float, list[int], dict[str, float], float]] = []  # (t, /proc/stat, role -> s, load)
+        self.watched: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
-    def watch(self, pids: list[int]) -> None:
-        for pid in pids:
-            self.watched.setdefault(pid, 0.0)
+    def watch(self, pids: dict[int, str]) -> None:
+        for pid, role in pids.items():
+            self.watched.setdefault(pid, (role, 0.0))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-            for pid in list(self.watched):
+            by_role: dict[str, float] = {}
+            for pid, (role, _last) in list(self.watched.items()):
                 cpu = C.cpu_seconds(pid)
                 if cpu is not None:  # a process that exited keeps its last reading
-                    self.watched[pid] = cpu
-            self.samples.append((time.time(), fields[3] + fields[4], sum(fields[:8]), sum(self.watched.values()),
-                                 os.getloadavg()[0]))
+                    self.watched[pid] = (role, cpu)
+                by_role[role] = by_role.get(role, 0.0) + self.watched[pid][1]
+            self.samples.append((time.time(), fields, by_role, os.getloadavg()[0]))
             self._stop.wait(0.2)
 
-    def window(self, t0: float, t1: float) -> dict[str, Any]:
-        """CPU idle of the machine and cores used by the watched processes between wall-clock t0 and t1."""
+    def window(self, t0: float, t1: float, steps: int) -> dict[str, Any]:
+        """Between wall-clock t0 and t1 (`steps` steps): the machine's idle cores and the cores the run's own
+        processes kept busy; per step, the CPU milliseconds of each role and the machine's split (user, system,
+        softirq: the kernel's share is mostly the emulated network)."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return {"samples": len(inside)}
         a, b = inside[0], inside[-1]
-        cpus = os.cpu_count() or 1
-        idle = (b[1] - a[1]) / (b[2] - a[2]) if b[2] > a[2] else None
+        cpus, hz = os.cpu_count() or 1, os.sysconf("SC_CLK_TCK")
+        delta = [y - x for x, y in zip(a[1], b[1], strict=False)]
+        total = sum(delta[:8])
+        idle = (delta[3] + delta[4]) / total if total > 0 else None
+        ours = sum(b[2].values()) - sum(a[2].get(r, 0.0) for r in b[2])
+        scale = (t1 - t0) / (b[0] - a[0]) / max(1, steps) * 1000  # CPU seconds over the samples -> ms per step
         return {"seconds": round(b[0] - a[0], 2), "machine_idle_fraction": C.rnd(idle, 3),
                 "machine_idle_cores": C.rnd(idle * cpus if idle is not None else None, 2),
-                "this_run_cores_busy": round((b[3] - a[3]) / (b[0] - a[0]), 2), "cpus": cpus,
-                "loadavg_1min": [round(min(s[4] for s in inside), 2), round(max(s[4] for s in inside), 2)]}
+                "this_run_cores_busy": round(ours / (b[0] - a[0]), 2), "cpus": cpus,
+                "loadavg_1min": [round(min(s[3] for s in inside), 2), round(max(s[3] for s in inside), 2)],
+                "ms_per_step_by_role": {r: round((b[2][r] - a[2].get(r, 0.0)) * scale, 1) for r in sorted(b[2])
+                                        if b[2][r] > a[2].get(r, 0.0)},
+                "ms_per_step_machine": {n: round(delta[i] / hz * scale, 1) for i, n in enumerate(self.MACHINE)
+                                        if n in ("user", "system", "softirq", "idle")}}
 
     def close(self) -> None:
         self._stop.set()
@@ -199,7 +220,7 @@ class Cluster:
             if powersgd:
                 argv += ["--powersgd-rank", str(POWERSGD_RANK)]
             procs[f"rank{r}"] = self.lab.start(self.hosts[r], argv, logs / f"rank{r}.log", env=env, cwd=C.ROOT)
-        self.sampler.watch([p.pid for p in procs.values()])
+        self.sampler.watch({p.pid: "ddp rank" for p in procs.values()})
         try:
             self._wait(procs, list(procs), time.monotonic() + 180 + steps * 5, logs)
         finally:  # a hung or failed rank must not keep the rendezvous port or the links busy
@@ -210,9 +231,10 @@ class Cluster:
         median = res["step_time_median_s"]
         return {"steps": steps, "steps_measured": steps - warmup, "step_time_median_s": C.rnd(median, 5),
                 "samples_per_s": round(BATCH * n / median, 1), "wall_per_step_s": C.rnd(res["wall_per_step_s"], 5),
-                "cpu": self.sampler.window(t[warmup], t[steps])}
+                "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
-    def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False) -> dict[str, Any]:
+    def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
+              curve: bool = True) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own."""
         from cmemi.shared.config import dump_config, load_config
 
@@ -224,7 +246,7 @@ class Cluster:
                              steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
         cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
         cfg["cluster"]["shards"] = shards
-        cfg["security"] = {"keys_dir": str(self.keys)}
+        cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
         (run_dir / "config.yaml").write_text(dump_config(load_config(cfg_path, [])))
@@ -243,7 +265,7 @@ class Cluster:
         procs["aggregator"] = start("aggregator", places[0], log="aggregator")
         for k in range(1, shards):
             procs[f"shard{k}"] = start("aggregator", places[k], "--shard", str(k), log=f"aggregator-{k}")
-        self.sampler.watch([p.pid for p in procs.values()])
+        self.sampler.watch({p.pid: ROLES.get(k.rstrip("0123456789"), k) for k, p in procs.items()})
         try:
             self._wait(procs, ["aggregator", *(f"w{i}" for i in range(n))],
                        time.monotonic() + 240 + steps * (1 + 0.5 * n), logs)
@@ -264,7 +286,7 @@ class Cluster:
                 "wall_per_step_s": C.rnd((measured[-1]["t"] - at[first]) / len(measured), 5),
                 "bytes_from_workers_per_step": round(summary["bytes_sent"] / summary["steps"]),
                 "bytes_to_workers_per_step": round(summary["bytes_received"] / summary["steps"]),
-                "cpu": self.sampler.window(at[first], measured[-1]["t"])}
+                "cpu": self.sampler.window(at[first], measured[-1]["t"], len(measured))}
 
 
 def tails(logs: Path, n: int = 1200) -> str:
@@ -313,6 +335,8 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_k1_vs_ddp": C.ratio(med.get("cmemi_k1"), med.get("ddp")),
             "cmemi_kn_vs_ddp": C.ratio(med.get("cmemi_kn"), med.get("ddp")),
             "cmemi_kn_dedicated_vs_ddp": C.ratio(med.get("cmemi_kn_dedicated"), med.get("ddp")),
+            "cmemi_kn_nocurve_vs_ddp": C.ratio(med.get("cmemi_kn_nocurve"), med.get("ddp")),
+            "cmemi_kn_powersgd_vs_ddp": C.ratio(med.get("cmemi_kn_powersgd"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
@@ -322,6 +346,15 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
         },
         "runs": runs,
     }
+
+
+def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
+    if system.startswith("ddp"):
+        return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+    if system.startswith("cmemi_kn"):
+        return cluster.cmemi(n, steps, warmup, "powersgd" if "powersgd" in system else "none", shards=n,
+                             dedicated=system == "cmemi_kn_dedicated", curve=system != "cmemi_kn_nocurve")
+    return cluster.cmemi(n, steps, warmup, system.removeprefix("cmemi_k1").lstrip("_") or "none")
 
 
 def main() -> None:
@@ -373,6 +406,8 @@ def main() -> None:
             "cmemi_kn": "CMEMI, K = N parameter-server shards (cluster.shards), shard k on worker host k, codec none",
             "cmemi_kn_dedicated": "CMEMI, K = N shards on N dedicated server hosts (namespaces of their own), "
                                   "codec none",
+            "cmemi_kn_nocurve": "cmemi_kn with security.curve false (no CurveZMQ encryption, as gloo has none)",
+            "cmemi_kn_powersgd": f"cmemi_kn with compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
         },
@@ -402,17 +437,18 @@ def main() -> None:
             runs: dict[str, Any] = {}
             for system in systems:
                 C.log(f"N = {n}: {system} ({steps} steps)")
-                try:
-                    if system.startswith("ddp"):
-                        runs[system] = cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
-                    elif system.startswith("cmemi_kn"):
-                        runs[system] = cluster.cmemi(n, steps, warmup, "none", shards=n,
-                                                     dedicated=system == "cmemi_kn_dedicated")
-                    else:
-                        codec = system.removeprefix("cmemi_k1").lstrip("_") or "none"
-                        runs[system] = cluster.cmemi(n, steps, warmup, codec)
-                except Exception as exc:  # one failed system does not lose the others' figures
-                    runs[system] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+                first_error = None
+                for _attempt in range(2):  # a gloo rank sometimes aborts in its rendezvous ("terminate called"): once more
+                    try:
+                        runs[system] = run_system(cluster, system, n, steps, warmup)
+                    except Exception as exc:  # one failed system does not lose the others' figures
+                        runs[system] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+                    if "error" not in runs[system] or first_error is not None:
+                        break
+                    first_error = runs[system]["error"]
+                    C.log(f"N = {n}: {system} failed ({first_error.splitlines()[0][:200]}); once more")
+                if first_error is not None:
+                    runs[system]["first_attempt_error"] = first_error
                 C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
                 result["by_n"][str(n)] = summarise(n, runs, pbytes, rate)
         failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]

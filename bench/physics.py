@@ -22,6 +22,8 @@ def comm_bounds_s(n: int, param_bytes: int, rate_bit_s: float) -> dict[str, floa
         "ring_allreduce_s": 2 * (n - 1) / n * p,
         # K = n shards on the worker hosts: each host sends n-1 slices of P/n out and gets as many in, each way
         "colocated_shards_full_duplex_s": 2 * (n - 1) / n * p,
+        # the same with compressed gradients: only the dense parameters (n-1 slices out of each host) remain
+        "colocated_shards_params_only_s": (n - 1) / n * p,
         # n dedicated servers: each worker pushes P and pulls P (one each way, overlapped: full duplex)
         "dedicated_servers_full_duplex_s": p,
     }

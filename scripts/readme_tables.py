@@ -205,6 +205,8 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_k1": "CMEMI, 1 aggregator (K = 1), dense",
                 "cmemi_kn": "CMEMI, K = N shards on the worker hosts, dense",
                 "cmemi_kn_dedicated": "CMEMI, K = N shards on dedicated hosts, dense",
+                "cmemi_kn_nocurve": "CMEMI, K = N shards on the worker hosts, dense, CurveZMQ off",
+                "cmemi_kn_powersgd": "CMEMI, K = N shards on the worker hosts, `powersgd` (rank 2)",
                 "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
                 "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)"}
 
@@ -216,7 +218,7 @@ def cluster() -> str:
     d = load("cluster")
     m, link, w = d["machine"], d["link"], d["workload"]
     loads = [m["loadavg_at_start"][0], m["loadavg_at_end"][0]]
-    lines = [f"Measured with `{d['command']}` on {m['cpus']} CPU cores shared with other jobs (1-minute load average "
+    lines = [f"Measured with `{d['command']}` on {m['cpus']} CPU cores (1-minute load average "
              f"{span(loads, '{:.1f}')} at start and end), torch {m['torch']}: every link {link['rate']} each way "
              f"(`tc tbf`; a TCP probe got {span(list(link['probe_mbit_s'].values()), '{:.0f}')} Mbit/s), the MLP "
              f"784-512-512-10 ({w['param_bytes'] / 1e6:.2f} MB), batch {w['batch_per_worker']} per worker, "
@@ -244,6 +246,10 @@ def cluster() -> str:
                                   if "colocated_shards_full_duplex_s" in bounds else ""),
                      "cmemi_kn_dedicated": (f"{bounds['dedicated_servers_full_duplex_s'] * 1000:.0f} ms"
                                             if "dedicated_servers_full_duplex_s" in bounds else ""),
+                     "cmemi_kn_nocurve": (f"{bounds['colocated_shards_full_duplex_s'] * 1000:.0f} ms"
+                                          if "colocated_shards_full_duplex_s" in bounds else ""),
+                     "cmemi_kn_powersgd": (f"≥ {bounds['colocated_shards_params_only_s'] * 1000:.0f} ms"
+                                           if "colocated_shards_params_only_s" in bounds else ""),
                      "cmemi_k1_powersgd": f"≥ {bounds['single_server_full_duplex_s'] * 1000:.0f} ms",
                      "cmemi_k1_topk": f"≥ {bounds['single_server_full_duplex_s'] * 1000:.0f} ms"}.get(key, "")
             vs = "1" if key == "ddp" else (f"{t / ddp:.2f}" if ddp else "")
@@ -272,7 +278,29 @@ def cluster() -> str:
             f"N = {n}: {a:.2f}× DDP on the worker hosts" + (f", {b:.2f}× on dedicated hosts" if b else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
-    return "\n".join(lines)
+    return "\n".join(lines + cluster_profile(d))
+
+
+def cluster_profile(d: dict[str, Any]) -> list[str]:
+    """Where a run's CPU goes per step at the largest N (bench/cluster.py's CpuSampler), for every system."""
+    n, x = max(d["by_n"].items(), key=lambda kv: int(kv[0]))
+    rows = {k: r for k, r in x["runs"].items() if "ms_per_step_by_role" in r.get("cpu", {})}
+    if not rows:
+        return []
+    roles = sorted({role for r in rows.values() for role in r["cpu"]["ms_per_step_by_role"]})
+    head = ["system", "ms/step", *roles, "machine: user", "system", "softirq", "idle"]
+    lines = ["", f"Where the CPU goes at N = {n} (CPU milliseconds per step, summed over the run's processes of each "
+             "role; the machine's user/system/softirq/idle over the same steps, from /proc/stat: softirq and "
+             "system are mostly the kernel carrying the emulated network):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, r in rows.items():
+        cpu = r["cpu"]
+        by_role, mach = cpu["ms_per_step_by_role"], cpu["ms_per_step_machine"]
+        cells = [CLUSTER_ROWS.get(key, key), f"{r['step_time_median_s'] * 1000:.0f}",
+                 *(f"{by_role[role]:.0f}" if role in by_role else "" for role in roles),
+                 *(f"{mach.get(f, 0):.0f}" for f in ("user", "system", "softirq", "idle"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 TABLES: dict[str, Callable[[], str]] = {"bench-table": benchmark, "compression-table": compression,
