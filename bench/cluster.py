@@ -204,13 +204,13 @@ class Cluster:
                 raise RuntimeError(f"{k} exited with {rc}{tails(logs)}")
 
     def ddp(self, n: int, steps: int, warmup: int, powersgd: bool) -> dict[str, Any]:
-        tag = f"ddp{'_powersgd' if powersgd else ''}-n{n}"
+        self.runs += 1
+        tag = f"ddp{'_powersgd' if powersgd else ''}-n{n}-{self.runs}"
         logs = self.work / tag
         logs.mkdir()
         workload = {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01}
         out, events = logs / "result.json", logs / "events.jsonl"
         procs = {}
-        self.runs += 1
         port = MASTER_PORT + self.runs  # a fresh port per run: nothing of an earlier run can hold it
         for r in range(n):
             env = C.env(1, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -411,7 +411,7 @@ def main() -> None:
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
         },
-        "bytes_note": "bytes_*_per_step count the leader's (shard 0's) socket only",
+        "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
     }
     t_start = time.monotonic()

@@ -79,6 +79,10 @@ def test_one_result_for_any_shards_and_workers(tmp_path: Path) -> None:
             got[(k, w)] = r.summary["params_sha256"]
     assert set(got.values()) == {want}, got
     run = tmp_path / "k3w3"
+    s = json.loads((run / "summary.json").read_text())  # the cluster's bytes, and every shard's share of them
+    assert [x["shard"] for x in s["shards"]] == [0, 1, 2] and all(x["bytes_sent"] > 0 for x in s["shards"])
+    assert s["bytes_sent"] == sum(x["bytes_sent"] for x in s["shards"])
+    assert s["bytes_received"] == sum(x["bytes_received"] for x in s["shards"])
     (ckpt,) = sorted((run / "checkpoints").glob("step-*"))
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["shards"] == 3 and len(meta["per_shard"]) == 3

@@ -54,6 +54,7 @@ class ShardInfo:
     addr: str
     ready: tuple[int, list[float], bool] | None = None  # (step, partials, overflow) of its last complete step
     final: dict[str, torch.Tensor] | None = None  # its pieces after the last step
+    totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
 
 
 class Aggregator:
@@ -470,8 +471,11 @@ class Aggregator:
             self._apply_step()
 
     def _on_shard_final(self, identity: bytes, msg: protocol.Message) -> None:
-        if (info := self._shard(identity, msg)) is not None and msg.header["step"] == self.trainer.step:
+        h = msg.header
+        if (info := self._shard(identity, msg)) is not None and h["step"] == self.trainer.step:
             info.final = msg.tensors
+            info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
+                           "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
 
     _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence,
                  "shard_join": _on_shard_join, "shard_have": _on_shard_have, "shard_ready": _on_shard_ready,
@@ -668,6 +672,9 @@ class Aggregator:
                 for name, view in views.items():
                     view.copy_(info.final[name])
 
+    def _shards_total(self, field: str) -> int:
+        return sum(int((info.totals or {}).get(field, 0)) for info in self.shards.values())
+
     def _finish(self) -> None:
         wall = self.totals.wall_s()
         if self.trainer.sharded:
@@ -681,13 +688,17 @@ class Aggregator:
         summary = {
             "steps": self.trainer.step, "final_loss": self.totals.final_loss, "eval": {}, "wall_s": wall,
             "samples_per_s": self.trainer.step * self.cfg.train.global_batch / wall if wall > 0 else None,
-            "workers": self.cfg.cluster.workers, "bytes_sent": self.totals.bytes_in, "bytes_received": self.totals.bytes_out,
+            "workers": self.cfg.cluster.workers, "bytes_sent": self.totals.bytes_in + self._shards_total("bytes_sent"),
+            "bytes_received": self.totals.bytes_out + self._shards_total("bytes_received"),
             "params_sha256": self.trainer.params_sha256(), "final_lr": self.trainer.lr,
             "dropped_messages": dict(self.drops), "term": self.term, "codec": self.cfg.compression.codec,
             "precision": self.cfg.precision, "skipped_steps": self.trainer.skipped,
             "stopped_early": self.stopped_early,
             "eval_history": self.bg_eval.history if self.bg_eval is not None else [],
         }
+        if self.trainer.sharded:  # bytes_sent/received above are the whole cluster's; here, shard by shard
+            summary["shards"] = [{"shard": 0, "bytes_sent": self.totals.bytes_in, "bytes_received": self.totals.bytes_out},
+                                 *({"shard": k, **(self.shards[k].totals or {})} for k in sorted(self.shards))]
         step, meta, tensors = self._snapshot()
         meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
         summary["final_checkpoint"] = self.ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)

@@ -139,9 +139,12 @@ class ShardServer:
             encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
         msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
         try:
-            transfer.send(self.sock, msgs, identity, trackers)
+            n = transfer.send(self.sock, msgs, identity, trackers)
         except zmq.ZMQError as exc:
             self.log.warning("send failed", error=str(exc))
+            return
+        if mtype == "slice":
+            self.totals.bytes_out += n
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -208,11 +211,14 @@ class ShardServer:
             self._drop("no_identity")
             return
         identity = frames[0].bytes
+        size = protocol.message_bytes(frames[1:])
         try:
             msg = self.parts.decode(identity, frames[1:], allow_parts=identity in self.workers)
         except protocol.ProtocolError as exc:
             self._drop(exc.reason, str(exc))
             return
+        if msg is None or msg.type == "grad":  # all gradient bytes workers sent (a part: of a bigger one)
+            self.totals.bytes_in += size
         if msg is None:
             return
         if msg.type not in ("hello", "grad", "pull"):
@@ -314,7 +320,8 @@ class ShardServer:
         to the leader, which reports the run's result over the whole model."""
         snap = self._snapshot()
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
-                        step=self.trainer.step)
+                        step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
+                        drops=dict(self.drops))
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)
 
