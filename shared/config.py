@@ -208,6 +208,9 @@ class ClusterConfig:
     """Parameter-server shards: the parameters, cut on a fixed chunk grid, are split over this many aggregator
     processes, balanced by bytes; each steps its own slice (see "Scaling out" in the README). Any value gives the
     same params_sha256."""
+    send_during_backward: bool = True
+    """Sharded: a worker computing one microbatch sends each shard k > 0 its slice of the gradient as soon as the
+    backward pass has produced it (the last layers' first), not after the whole pass. Same bits either way."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""
@@ -345,10 +348,6 @@ class Config:
                 _fail("optimizer.name", self.optimizer.name, "is not known to update each element on its own, so "
                       f"cluster.shards: {self.cluster.shards} could change its result",
                       f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
-            if self.eval.every_steps:
-                _fail("eval.every_steps", self.eval.every_steps, "evaluation during training needs the whole model in "
-                      f"one process; not available with cluster.shards: {self.cluster.shards}",
-                      "use 0 (the final evaluation still runs) or cluster.shards: 1")
 
 
 # torch.optim classes whose update of an element depends only on that element's gradient and state (and the step,

@@ -50,9 +50,34 @@ def test_grid_cuts_big_tensors_by_rows_balances_bytes_and_joins_back() -> None:
     assert partials == one.partials(grads), "every shard's partials, in shard order, are the grid's"
 
 
+def test_backward_calls_each_group_once_its_gradients_are_in_last_layers_first() -> None:
+    """The worker's per-shard sends during backward (cluster.send_during_backward): the hooks see every gradient
+    of a group accumulated, the last layers' group first, and change no bit of the gradient."""
+    from cmemi.services.worker.compute import MicrobatchRunner
+    from cmemi.shared.plugins import build_model, resolve
+
+    cfg = config_from_dict({"model": {"factory": "cmemi.examples.digits:make_model"},
+                            "data": {"factory": "cmemi.examples.digits:make_dataset"}})
+    plain, watched = (MicrobatchRunner(cfg, build_model(cfg), resolve(cfg.data.factory, "data.factory")(),
+                                       resolve(cfg.train.loss, "train.loss")) for _ in range(2))
+    names = list(watched.params)
+    groups = [names[:2], names[2:]]  # the first layer's weight and bias; everything after it
+    watched.watch(groups)
+    seen: list[tuple[int, float, list[torch.Tensor]]] = []
+    loss, grads, _ = watched.run(3, 1, on_group=lambda i, loss: seen.append(
+        (i, loss, [watched.params[n].grad.clone() for n in groups[i]])))
+    assert [i for i, _, _ in seen] == [1, 0] and all(x == loss for _, x, _ in seen)
+    for i, _, got in seen:
+        assert all(torch.equal(g, grads[n]) for g, n in zip(got, groups[i], strict=True))
+    _, want, _ = plain.run(3, 1)
+    assert all(torch.equal(grads[n], want[n]) for n in names)
+    watched.run(3, 2)  # not armed: nothing is called
+    assert len(seen) == 2
+
+
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("optimizer", {"name": "LBFGS"}, "optimizer.name"),
-    ("eval", {"fn": "cmemi.examples.digits:evaluate", "every_steps": 10}, "eval.every_steps"),
+    ("optimizer", {"name": "Adafactor"}, "optimizer.name"),
 ])
 def test_sharding_refuses_what_it_would_change(field: str, value: dict, words: str) -> None:
     base = {"model": {"factory": "cmemi.examples.digits:make_model"},
@@ -92,6 +117,26 @@ def test_one_result_for_any_shards_and_workers(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     exported, final = load_file(str(out)), load_file(str(run / "model.safetensors"))
     assert exported.keys() == final.keys() and all(torch.equal(exported[n], final[n]) for n in final)
+
+
+@pytest.mark.integration
+def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: Path) -> None:
+    """eval.every_steps at K = 2: the leader evaluates the whole model of each boundary step (the other shard sends
+    its pieces of it), so the metrics are one shard's; early stopping stops every shard at the same step."""
+    evals = {}
+    for k in (1, 2):
+        r = run_up(tmp_path / f"eval{k}", *FAST, "eval.every_steps=20", f"cluster.shards={k}", "cluster.workers=2")
+        assert r.rc == 0, r.stderr[-3000:]
+        evals[k] = r.summary["eval_history"]
+    assert [e["step"] for e in evals[2]] == [20, 40] and evals[2] == evals[1]
+    stop = ("eval.fn=tests.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
+            "eval.patience=1")  # best at 10, no better at 20: decided at the 30 boundary
+    r = run_up(tmp_path / "stop", *FAST, *stop, "cluster.shards=2", "cluster.workers=2")
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["stopped_early"] and r.summary["steps"] == 30
+    assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST, "train.steps=30")
+    last = sorted((r.run_dir / "checkpoints").glob("step-*"))[-1]  # the final checkpoint: both slices of step 30
+    assert last.name.endswith("30") and json.loads((last / "meta.json").read_text())["shards"] == 2
 
 
 @pytest.mark.integration

@@ -22,7 +22,7 @@ from cmemi.shared.keys import Keys
 
 ROLE_OF = {"hello": "worker", "want": "worker", "grad": "worker", "leave": "worker", "pull": "worker",
            "fence": "coordinator", "shard_join": "aggregator", "shard_have": "aggregator", "shard_ready": "aggregator",
-           "shard_final": "aggregator"}
+           "shard_eval": "aggregator", "shard_final": "aggregator"}
 
 
 def registered(client: redis.Redis, keys: Keys, wid: str, inc: int) -> str | None:

@@ -55,6 +55,7 @@ class ShardInfo:
     ready: tuple[int, list[float], bool] | None = None  # (step, partials, overflow) of its last complete step
     final: dict[str, torch.Tensor] | None = None  # its pieces after the last step
     totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
+    eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
 
 
 class Aggregator:
@@ -110,6 +111,7 @@ class Aggregator:
         self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
         self.waiting: list[tuple[bytes, protocol.Message]] = []  # hellos that came before every shard joined
         self._mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
+        self._eval_wait: tuple[int, dict[str, torch.Tensor]] | None = None  # (step, weights) for every shard's slice
         if self.trainer.sharded:
             self.ckpt.sharding = {"shard": 0, "shards": self.trainer.partition.shards,
                                   "pieces": self.trainer.partition.describe()}
@@ -470,6 +472,28 @@ class Aggregator:
         if self._mean is not None:
             self._apply_step()
 
+    def _on_shard_eval(self, identity: bytes, msg: protocol.Message) -> None:
+        if (info := self._shard(identity, msg)) is not None:
+            info.eval = (msg.header["step"], msg.tensors)
+            self._start_sharded_eval()
+
+    def _start_sharded_eval(self) -> None:
+        """The evaluation of the step `_eval_wait` holds, once every shard's pieces of that step are in it."""
+        if self._eval_wait is None or self.bg_eval is None:
+            return
+        step, weights = self._eval_wait
+        if any(info.eval is None or info.eval[0] != step for info in self.shards.values()):
+            return
+        for k, info in self.shards.items():
+            assert info.eval is not None
+            self._place(k, info.eval[1], weights)
+            info.eval = None
+        self._eval_wait = None
+        try:
+            self.bg_eval.start(step, weights)  # the previous one was collected at this step's boundary
+        except EvalError as exc:
+            self.ctx.fatal(str(exc))
+
     def _on_shard_final(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
         if (info := self._shard(identity, msg)) is not None and h["step"] == self.trainer.step:
@@ -479,7 +503,7 @@ class Aggregator:
 
     _handlers = {"hello": _on_hello, "want": _on_want, "grad": _on_grad, "leave": _on_leave, "fence": _on_fence,
                  "shard_join": _on_shard_join, "shard_have": _on_shard_have, "shard_ready": _on_shard_ready,
-                 "shard_final": _on_shard_final}
+                 "shard_eval": _on_shard_eval, "shard_final": _on_shard_final}
 
     # ------------------------------------------------------------------ leases and steps
     def _is_fenced(self, wid: str, inc: int) -> bool:
@@ -585,8 +609,16 @@ class Aggregator:
                     "live_workers": len(self.workers), "t": time.time()}
         if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
             try:
-                for entry in self.bg_eval.start(step, self._weights()):
-                    self._log_eval(entry)
+                if self.trainer.sharded:  # the other shards' pieces of this step come after their commit
+                    if self._eval_wait is not None:  # they sent them before their shard_ready of this step
+                        raise RuntimeError(f"the shards' slices of step {self._eval_wait[0]} for evaluation are missing")
+                    for entry in self.bg_eval.collect(wait=True):  # what decides early stopping now, as below
+                        self._log_eval(entry)
+                    self._eval_wait = (step, self._weights())
+                    self._start_sharded_eval()
+                else:
+                    for entry in self.bg_eval.start(step, self._weights()):
+                        self._log_eval(entry)
             except EvalError as exc:
                 self.ctx.fatal(str(exc))
             if self.bg_eval.should_stop:  # decided from the previous evaluation: deterministic
@@ -628,7 +660,9 @@ class Aggregator:
             # it (rare: only when checkpoints fall between evaluation boundaries and evaluation is slow).
             for entry in self.bg_eval.collect(wait=True):
                 self._log_eval(entry)
-        return snapshots.collect(self.trainer, self.totals, self.term, self.fp, self.bg_eval)
+        pending = self._eval_wait[0] if self._eval_wait is not None else None
+        return snapshots.collect(self.trainer, self.totals, self.term, self.fp, self.bg_eval,
+                                 evaluating=pending if pending == self.trainer.step else None)
 
     def _publish_progress(self, step: int, loss: float, bytes_s: float) -> None:
         """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip (at most every 0.1 s)."""
@@ -662,15 +696,19 @@ class Aggregator:
             if self.sock.poll(50):
                 frames = self.sock.recv_multipart(copy=False)
                 self._receive(frames)
+        for k, info in self.shards.items():
+            assert info.final is not None
+            self._place(k, info.final, self.trainer.params)
+
+    def _place(self, k: int, pieces: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
+        """Shard k's pieces (its final or evaluation slice) into the whole model's tensors `into`."""
+        views = self.trainer.partition.views(into, k)
+        if pieces.keys() != views.keys() or any(pieces[n].shape != v.shape for n, v in views.items()):
+            self.ctx.fatal(f"shard {k}'s slice does not fit this model: use the same model.factory, model.kwargs and "
+                           "cluster.shards for every shard")
         with torch.no_grad():
-            for k, info in self.shards.items():
-                assert info.final is not None
-                views = self.trainer.partition.views(self.trainer.params, k)
-                if info.final.keys() != views.keys() or any(info.final[n].shape != v.shape for n, v in views.items()):
-                    self.ctx.fatal(f"shard {k}'s final slice does not fit this model: use the same model.factory, "
-                                   "model.kwargs and cluster.shards for every shard")
-                for name, view in views.items():
-                    view.copy_(info.final[name])
+            for name, view in views.items():
+                view.copy_(pieces[name])
 
     def _shards_total(self, field: str) -> int:
         return sum(int((info.totals or {}).get(field, 0)) for info in self.shards.values())
@@ -678,6 +716,9 @@ class Aggregator:
     def _finish(self) -> None:
         wall = self.totals.wall_s()
         if self.trainer.sharded:
+            if self.trainer.step < self.total:  # stopped early: the shards would go on waiting for train.steps
+                for info in self.shards.values():
+                    self._send(info.identity, "shard_finish", term=self.term, step=self.trainer.step)
             self._gather()
         try:
             if self.bg_eval is not None:

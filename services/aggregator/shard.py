@@ -101,7 +101,6 @@ class ShardServer:
         self._next_have = 0.0
         self._next_check = 0.0
         self.done = self.trainer.step >= self.total
-        self.final_sent = False
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
@@ -203,6 +202,10 @@ class ShardServer:
             h = msg.header
             if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
                 self._commit(h["partials"], h["skip"])
+            elif msg.type == "shard_finish" and h["term"] == self.term and h["step"] == self.trainer.step:
+                if not self.done:  # stopped early: the last step is this one
+                    self.done = True
+                    self._finish()
             elif msg.type == "reject":
                 raise Rejoin(h["reason"])
 
@@ -297,8 +300,13 @@ class ShardServer:
         step = self.trainer.step
         self.collector = StepCollector(step, self.M, leased=False, strict=True)
         self._answer_pulls()
+        if self.cfg.eval.fn and self.cfg.eval.every_steps and step % self.cfg.eval.every_steps == 0 and step < self.total:
+            # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
+            self._to_leader("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
+                            step=step)
         every = self.cfg.checkpoint.every_steps
         if step >= self.total:
+            self.done = True
             self._finish()
         elif every and step % every == 0:
             self.ckpt.offer(self._snapshot())

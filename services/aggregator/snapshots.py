@@ -26,9 +26,11 @@ Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 
 
 def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
-            bg_eval: BackgroundEval | None) -> Snapshot:
+            bg_eval: BackgroundEval | None, evaluating: int | None = None) -> Snapshot:
     """Everything needed to continue the run bitwise identically: copies, so training can go on at once. An
-    evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first."""
+    evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first.
+    `evaluating`: the step of an evaluation not started yet (sharded: it waits for the other shards' slices), to
+    run again after a restore like one in flight."""
     t = trainer
     named: dict[str, Any] = {
         "model": _model_section(t),
@@ -38,7 +40,8 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
         "scaler": t.scaler.state_dict(),
         "progress": {"step": t.step, "term": term, "fingerprint": fp, "skipped": t.skipped, **totals.state_dict()},
         # early stopping: history, best, patience counter, and the evaluation in flight (of this step's weights)
-        "early_stop": bg_eval.state_dict() if bg_eval is not None else None,
+        "early_stop": ({**bg_eval.state_dict(), **({"running": evaluating} if evaluating is not None else {})}
+                       if bg_eval is not None else None),
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
