@@ -17,10 +17,10 @@ the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, o
 - `cmemi_kn_dedicated`: K = N shards on N more namespaces of their own (dedicated CPU server hosts, BytePS'
   placement);
 - `cmemi_kn_nocurve`: `cmemi_kn` with `security.curve: false` (gloo encrypts nothing: what encryption costs);
-- `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense);
-- `cmemi_kn_nooverlap` (only when asked for): `cmemi_kn` with `cluster.send_during_backward: false`; with
-  `--backward-ms` (emulated compute in the backward pass too, between the layers) it measures what sending
-  each shard its slice during backward buys.
+- `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense).
+
+`--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
+`--mlp IN,HIDDEN,DEPTH` changes the MLP.
 
 Workload: the MLP 784-512-512-10 (2.68 MB of fp32 parameters), batch 64 per worker, SGD (momentum 0.9),
 one microbatch per worker (train.microbatches = N, global batch 64·N), 20 ms of emulated compute per
@@ -67,8 +67,7 @@ POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets 
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
 SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
-           "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_nooverlap")
-DEFAULT_SYSTEMS = SYSTEMS[:-1]  # cmemi_kn_nooverlap: with --backward-ms, what sending during backward buys
+           "cmemi_kn_powersgd", "cmemi_k1_topk")
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -238,7 +237,7 @@ class Cluster:
                 "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
-              curve: bool = True, overlap: bool = True) -> dict[str, Any]:
+              curve: bool = True) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own."""
         from cmemi.shared.config import dump_config, load_config
 
@@ -250,7 +249,6 @@ class Cluster:
                              steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
         cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
         cfg["cluster"]["shards"] = shards
-        cfg["cluster"]["send_during_backward"] = overlap
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
@@ -342,7 +340,6 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_kn_dedicated_vs_ddp": C.ratio(med.get("cmemi_kn_dedicated"), med.get("ddp")),
             "cmemi_kn_nocurve_vs_ddp": C.ratio(med.get("cmemi_kn_nocurve"), med.get("ddp")),
             "cmemi_kn_powersgd_vs_ddp": C.ratio(med.get("cmemi_kn_powersgd"), med.get("ddp")),
-            "cmemi_kn_vs_cmemi_kn_nooverlap": C.ratio(med.get("cmemi_kn"), med.get("cmemi_kn_nooverlap")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
@@ -359,8 +356,7 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int) -
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
     if system.startswith("cmemi_kn"):
         return cluster.cmemi(n, steps, warmup, "powersgd" if "powersgd" in system else "none", shards=n,
-                             dedicated=system == "cmemi_kn_dedicated", curve=system != "cmemi_kn_nocurve",
-                             overlap=system != "cmemi_kn_nooverlap")
+                             dedicated=system == "cmemi_kn_dedicated", curve=system != "cmemi_kn_nocurve")
     return cluster.cmemi(n, steps, warmup, system.removeprefix("cmemi_k1").lstrip("_") or "none")
 
 
@@ -372,9 +368,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="steps skipped before measuring (default 5; --quick 3)")
     p.add_argument("--rate", default="200mbit", help="every link's rate each way, in tc's units")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="emulated compute per backward pass too, between the layers (default 0: forward only)")
+    p.add_argument("--mlp", default="784,512,3", help="the MLP's input size, hidden width and depth (default 784,512,3)")
     p.add_argument("--out", default=None, help="also write the JSON object here (e.g. bench/results/cluster.json)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
     args = p.parse_args()
@@ -395,7 +392,13 @@ def main() -> None:
     ns_ = [int(x) for x in (args.hosts or ("2,4" if args.quick else "2,4,8")).split(",")]
     steps = args.steps or (14 if args.quick else 30)
     warmup = args.warmup or (3 if args.quick else 5)
-    MODEL["kwargs"]["backward_ms"] = args.backward_ms
+    try:
+        in_dim, hidden, depth = (int(x) for x in args.mlp.split(","))
+    except ValueError:
+        print(f"--mlp {args.mlp!r}: give INPUT,HIDDEN,DEPTH, e.g. 784,512,3", file=sys.stderr)
+        sys.exit(2)
+    MODEL["kwargs"].update(backward_ms=args.backward_ms, in_dim=in_dim, hidden=hidden, depth=depth)
+    DATA["kwargs"]["shape"] = [in_dim]
     C.setup(threads=1)
     pbytes = param_bytes()
     work = C.workdir("cluster")
@@ -404,7 +407,8 @@ def main() -> None:
         "machine": C.machine(), "quick": args.quick,
         "link": {"rate": args.rate, "rate_bit_s": rate, "burst": args.burst,
                  "shaping": "tc tbf on both ends of every host's veth (each direction); no netem: no added delay"},
-        "workload": {"model": "MLP 784-512-512-10 (bench.cluster_models:sleepy_mlp)", "param_bytes": pbytes,
+        "workload": {"model": f"MLP {in_dim}-" + f"{hidden}-" * (depth - 1) + "10 (bench.cluster_models:sleepy_mlp)",
+                     "param_bytes": pbytes,
                      "batch_per_worker": BATCH, "microbatches": "N (one per worker)", "optimizer": "SGD momentum 0.9",
                      "emulated_compute_ms_per_forward": SLEEP_MS, "emulated_compute_ms_per_backward": args.backward_ms,
                      "steps": steps, "warmup_steps": warmup},
@@ -419,7 +423,6 @@ def main() -> None:
                                   "codec none",
             "cmemi_kn_nocurve": "cmemi_kn with security.curve false (no CurveZMQ encryption, as gloo has none)",
             "cmemi_kn_powersgd": f"cmemi_kn with compression.codec powersgd (rank {POWERSGD_RANK})",
-            "cmemi_kn_nooverlap": "cmemi_kn with cluster.send_during_backward false (slices sent after backward)",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
         },

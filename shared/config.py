@@ -208,9 +208,6 @@ class ClusterConfig:
     """Parameter-server shards: the parameters, cut on a fixed chunk grid, are split over this many aggregator
     processes, balanced by bytes; each steps its own slice (see "Scaling out" in the README). Any value gives the
     same params_sha256."""
-    send_during_backward: bool = True
-    """Sharded: a worker computing one microbatch sends each shard k > 0 its slice of the gradient as soon as the
-    backward pass has produced it (the last layers' first), not after the whole pass. Same bits either way."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""

@@ -50,31 +50,6 @@ def test_grid_cuts_big_tensors_by_rows_balances_bytes_and_joins_back() -> None:
     assert partials == one.partials(grads), "every shard's partials, in shard order, are the grid's"
 
 
-def test_backward_calls_each_group_once_its_gradients_are_in_last_layers_first() -> None:
-    """The worker's per-shard sends during backward (cluster.send_during_backward): the hooks see every gradient
-    of a group accumulated, the last layers' group first, and change no bit of the gradient."""
-    from cmemi.services.worker.compute import MicrobatchRunner
-    from cmemi.shared.plugins import build_model, resolve
-
-    cfg = config_from_dict({"model": {"factory": "cmemi.examples.digits:make_model"},
-                            "data": {"factory": "cmemi.examples.digits:make_dataset"}})
-    plain, watched = (MicrobatchRunner(cfg, build_model(cfg), resolve(cfg.data.factory, "data.factory")(),
-                                       resolve(cfg.train.loss, "train.loss")) for _ in range(2))
-    names = list(watched.params)
-    groups = [names[:2], names[2:]]  # the first layer's weight and bias; everything after it
-    watched.watch(groups)
-    seen: list[tuple[int, float, list[torch.Tensor]]] = []
-    loss, grads, _ = watched.run(3, 1, on_group=lambda i, loss: seen.append(
-        (i, loss, [watched.params[n].grad.clone() for n in groups[i]])))
-    assert [i for i, _, _ in seen] == [1, 0] and all(x == loss for _, x, _ in seen)
-    for i, _, got in seen:
-        assert all(torch.equal(g, grads[n]) for g, n in zip(got, groups[i], strict=True))
-    _, want, _ = plain.run(3, 1)
-    assert all(torch.equal(grads[n], want[n]) for n in names)
-    watched.run(3, 2)  # not armed: nothing is called
-    assert len(seen) == 2
-
-
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("optimizer", {"name": "LBFGS"}, "optimizer.name"),
     ("optimizer", {"name": "Adafactor"}, "optimizer.name"),

@@ -42,31 +42,6 @@ class MicrobatchRunner:
         self.step_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
         self.report_buffers = bool(self.buffers) and cfg.model.buffers == "mean"
         self.loader: Any = None  # a services.worker.loader.Loader when data.workers > 0: batches read ahead
-        self._groups: list[list[str]] = []  # watch(): groups of parameter names, and per name the groups it is in
-        self._left: list[int] = []
-        self._on_group: Any = None  # armed for one microbatch: called with (group index, loss) during backward
-
-    def watch(self, groups: list[list[str]]) -> None:
-        """Hooks that, while a microbatch is armed (`run(..., on_group=fn)`), call fn(i, loss) as soon as the
-        backward pass has accumulated the gradient of every parameter of group i (DDP's buckets: the last layers'
-        come first). Nothing changes in the gradients; a group with a parameter backward never reaches is never
-        called."""
-        self._groups = [list(g) for g in groups]
-        member: dict[str, list[int]] = {}
-        for i, names in enumerate(self._groups):
-            for name in names:
-                member.setdefault(name, []).append(i)
-        for name, p in self.params.items():
-            if name in member:
-                p.register_post_accumulate_grad_hook(lambda _p, groups=tuple(member[name]): self._accumulated(groups))
-
-    def _accumulated(self, groups: tuple[int, ...]) -> None:
-        if self._on_group is None:
-            return
-        for i in groups:
-            self._left[i] -= 1
-            if self._left[i] == 0:
-                self._on_group(i, self._loss)
 
     def to(self, device: torch.device) -> None:
         self.device = device
@@ -75,12 +50,10 @@ class MicrobatchRunner:
         if device.type == "cuda":
             self.step_buffers = {n: b.pin_memory() for n, b in self.step_buffers.items()}
 
-    def run(self, step: int, m: int, scale: float = 1.0, on_group: Any = None) -> tuple[
-            float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    def run(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                  dict[str, torch.Tensor] | None]:
         """(loss, gradient unscaled, buffers produced or None) of microbatch (step, m); fp16: the loss is
-        multiplied by `scale` first. Raises UserCodeError when user code raises. `on_group`: see `watch`."""
-        self._on_group = on_group
-        self._left = [len(g) for g in self._groups]
+        multiplied by `scale` first. Raises UserCodeError when user code raises."""
         if self.buffers:
             with torch.no_grad():
                 for n, b in self.buffers.items():
@@ -89,7 +62,6 @@ class MicrobatchRunner:
         try:
             return self._compute(step, m, scale, batch)
         finally:
-            self._on_group = None
             release()
 
     def _read(self, step: int, m: int) -> tuple[Any, Any]:
@@ -128,7 +100,6 @@ class MicrobatchRunner:
             except Exception as exc:
                 raise UserCodeError(f"loss {cfg.train.loss} on microbatch {m} of step {step}", exc) from exc
         M = cfg.train.microbatches
-        self._loss = float(loss.detach()) if self._on_group is not None else 0.0
         try:
             if cfg.precision == "fp16":
                 # Scale by scale/M: fp16 intermediates then have the magnitudes of a single-process run over

@@ -136,11 +136,11 @@ class ShardLinks:
             self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
                            "same model.factory, model.kwargs and cluster.shards on every host")
 
-    def push(self, encoded: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> None:
-        """Send each shard k in `encoded` its encoded slice (codec info, frames); ZeroMQ's I/O thread carries them
+    def push(self, encoded: list[tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> None:
+        """Send shard k its encoded slice (encoded[k - 1]: codec info, frames); ZeroMQ's I/O thread carries them
         all at once."""
-        for k, (info, frames) in encoded.items():
-            self._send(self.links[k - 1], "grad", tensors=frames, codec=info, **fields)
+        for link, (info, frames) in zip(self.links, encoded, strict=True):
+            self._send(link, "grad", tensors=frames, codec=info, **fields)
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

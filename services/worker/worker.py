@@ -67,11 +67,6 @@ class Worker:
         self.params = self.runner.params
         self.partition = Partition(self.params, cfg.cluster.shards)  # the leader's slice, and the other shards'
         self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc})
-        # per-shard buckets: a one-microbatch lease sends shard k > 0 its slice as soon as backward produced it
-        self.early = cfg.cluster.shards > 1 and cfg.cluster.send_during_backward and cfg.precision != "fp16"
-        if self.early:
-            self.runner.watch([sorted({p.param for p in self.partition.owned(k)})
-                               for k in range(1, self.partition.shards)])
         self.device = torch.device("cpu")
         self._set_inbox()
         self.version = -1
@@ -341,18 +336,14 @@ class Worker:
             self._send("want", term=self.term, version=self.version)  # they are past it: this lease is stale
             return
         lo, hi = h["lo"], h["hi"]
-        fields = {"term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
-                  "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
-        early = _EarlySends(self, fields) if self.early and hi - lo == 1 and links.links else None
-        losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]),
-                                                            on_group=early.send if early is not None else None)
-        fields.update(finite=finite, losses=losses)
-        sent = early.sent if early is not None else set()
+        losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]))
+        fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
+                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
         t0 = time.perf_counter()
-        encoded = {k: self.codec.encode(self.partition.views(grads, k), h["step"]) if finite else ({}, {})
-                   for k in range(self.partition.shards) if k not in sent}
-        encode_s = time.perf_counter() - t0 + (early.encode_s if early is not None else 0.0)
-        links.push({k: e for k, e in encoded.items() if k}, {**fields, "encode_s": encode_s})  # with the leader's
+        encoded = [self.codec.encode(self.partition.views(grads, k), h["step"]) if finite else ({}, {})
+                   for k in range(self.partition.shards)]
+        encode_s = time.perf_counter() - t0
+        links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
         info, frames = encoded[0]
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
@@ -363,7 +354,7 @@ class Worker:
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
             self.runner.loader.guess(h["step"] + 1, range(lo, hi))
 
-    def compute_block(self, step: int, lo: int, hi: int, scale: float, on_group: Any = None) -> tuple[
+    def compute_block(self, step: int, lo: int, hi: int, scale: float) -> tuple[
             list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]:
         """The lease [lo, hi) of step `step`: each microbatch's gradient, summed here in the reduction tree's
         order (docs/design.md), so one gradient travels and it is bitwise the node the aggregator would have built
@@ -374,7 +365,7 @@ class Worker:
         if self.runner.loader is not None:
             self.runner.loader.want(step, range(lo, hi))
         for m in range(lo, hi):
-            loss, g, produced = self.compute(step, m, scale, on_group)
+            loss, g, produced = self.compute(step, m, scale)
             losses.append(loss)
             if fp16 and finite and not all_finite(g.values()):
                 finite = False  # an fp16 overflow, exactly per microbatch as GradScaler sees it: the step is skipped
@@ -387,21 +378,21 @@ class Worker:
                            f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
         return losses, total, buffers.result() if buffers.complete else None, finite
 
-    def compute(self, step: int, m: int, scale: float = 1.0, on_group: Any = None) -> tuple[
-            float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor] | None]:
         """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py).
 
         User code that raises is run once more, at once, from the same seeds and buffers: failing the
         same way again, the error is deterministic (restarting or moving the microbatch would repeat it)
         and the run stops with one line; succeeding, it was transient and training goes on."""
         try:
-            return self.runner.run(step, m, scale, on_group)
+            return self.runner.run(step, m, scale)
         except UserCodeError as first:
             seen = describe(first.cause)
             self.log.warning("user code failed; retrying once to tell a bug from a transient error",
                              error=seen.line(), where=first.phase)
             try:
-                return self.runner.run(step, m, scale, on_group)
+                return self.runner.run(step, m, scale)
             except UserCodeError as again:
                 if describe(again.cause) == seen:
                     self.ctx.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.wid}: "
@@ -417,27 +408,3 @@ class Worker:
             self.sock.close(linger=200)
         self.zctx.destroy(linger=200)
 
-
-
-class _EarlySends:
-    """Shard k > 0's slice of a one-microbatch lease, sent from the backward pass as soon as all of it is in
-    (`MicrobatchRunner.watch`: group k - 1 is shard k's parameters); what is not finite waits for the end of the
-    pass, where the worker stops the run."""
-
-    def __init__(self, worker: Worker, fields: dict[str, Any]) -> None:
-        self.worker, self.fields = worker, fields
-        self.sent: set[int] = set()
-        self.encode_s = 0.0
-
-    def send(self, group: int, loss: float) -> None:
-        k, w = group + 1, self.worker
-        if k in self.sent:  # the microbatch is being computed again (user code raised once)
-            return
-        views = w.partition.views({n: p.grad for n, p in w.params.items() if p.grad is not None}, k)
-        if not all_finite(views.values()):
-            return
-        t0 = time.perf_counter()
-        encoded = w.codec.encode(views, self.fields["step"])
-        self.encode_s += time.perf_counter() - t0
-        w.shard_links.push({k: encoded}, {**self.fields, "finite": True, "losses": [loss], "encode_s": 0.0})
-        self.sent.add(k)
