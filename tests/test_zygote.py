@@ -164,9 +164,11 @@ def test_a_config_that_fails_the_check_is_one_line_and_starts_no_service(tmp_pat
 @pytest.mark.integration
 def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: Path) -> None:
     """One run: services forked by the zygote; the zygote SIGKILLed mid-run; a worker killed after that is
-    restarted as a new interpreter; the run completes; `cmemi up` leaves no process behind."""
+    restarted as a new interpreter; the run completes; `cmemi up` leaves no process behind. Paced: without the
+    zygote the replacement starts a new interpreter (seconds), and the run must still be going by then."""
     c = Cluster(tmp_path / "run", "train.steps=400", "scheduler.kwargs.T_max=400", "checkpoint.every_steps=0",
-                "cluster.spare_workers=0", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
+                "cluster.spare_workers=0", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
+                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
     try:
         c.wait_step(20)
         zpid = json.loads((c.run_dir / "zygote" / "ready.json").read_text())["pid"]

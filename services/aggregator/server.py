@@ -611,7 +611,8 @@ class Aggregator:
             try:
                 if self.trainer.sharded:  # the other shards' pieces of this step come after their commit
                     if self._eval_wait is not None:  # they sent them before their shard_ready of this step
-                        raise RuntimeError(f"the shards' slices of step {self._eval_wait[0]} for evaluation are missing")
+                        self.ctx.fatal(f"evaluation of step {self._eval_wait[0]}: the other shards' pieces did not "
+                                       "come before their next step (a shard of another version?)")
                     for entry in self.bg_eval.collect(wait=True):  # what decides early stopping now, as below
                         self._log_eval(entry)
                     self._eval_wait = (step, self._weights())
