@@ -11,6 +11,8 @@
 #   5. the compose cluster with 2 workers: one worker is `docker kill`ed mid-run, the coordinator must
 #      declare it dead and fence it, the container is started again (as an orchestrator would) and
 #      must be re-admitted, and the run must complete with the reference's params_sha256;
+#   5b. the same with two parameter-server shards (docker-compose.shards.yml): shard 1 is `docker kill`ed
+#      mid-run and started again; the cluster rolls back to a checkpoint and must still end with it;
 #   6. teardown WHATEVER happens: compose project (containers, network, volume), the test image,
 #      the daemon this script started, and the iptables/nftables rules, ip_forward and bridges it
 #      changed.
@@ -494,4 +496,56 @@ log "params_sha256 matches the fault-free reference (worker killed at step $KILL
 LISTING=$(docker cp "$CKPT_CID:/runs/checkpoints" - | tar -t) || die "cannot list the checkpoints in the run volume"
 [[ $LISTING == *MANIFEST.json* ]] || die "no checkpoints in the run volume"
 [[ $(run_file model.safetensors | wc -c) -gt 0 ]] || die "no final model in the run volume"
+phase_done
+
+phase "sharded: docker-compose.shards.yml, shard 1 killed mid-run"
+# The same run with cluster.shards: 2 (the compose file users add for it): shard 1 is `docker kill`ed and
+# started again; the cluster goes back to the last checkpoint both shards completed, and the result is still
+# the reference's (params_sha256 does not depend on K).
+compose_down
+python3 - "$WORK/compose.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'PY'
+import json, sys
+path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+extra = {"coordinator": ["--supervise", "none"], "shard1": ["--shard", "1"]}
+with open(path, "w") as f:
+    f.write("services:\n")
+    for svc in ("coordinator", "aggregator", "checkpointer", "worker", "shard1"):
+        role = "aggregator" if svc == "shard1" else svc
+        f.write(f"  {svc}:\n    command: {json.dumps([role, '--config', config, *extra.get(svc, []), *overrides])}\n")
+PY
+compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker compose -p "$PROJECT" --project-directory "$REPO" \
+              -f "$REPO/docker-compose.yml" -f "$REPO/docker-compose.shards.yml" -f "$WORK/compose.test.yml" "$@"; }
+compose config --quiet || die "docker-compose.yml + docker-compose.shards.yml (with the test's overrides) is not valid"
+COMPOSE_TIMEOUT=300 compose up --detach --no-build --pull never --scale worker=2 >"$WORK/up.log" 2>&1 \
+    || { cat "$WORK/up.log" >&2; die "docker compose up (sharded) failed"; }
+REDIS_CID=$(cid redis)
+CKPT_CID=$(cid checkpointer)
+SHARD_CID=$(cid shard1)
+[[ -n $SHARD_CID ]] || die "no shard1 container"
+wait_for "both workers to train with 2 shards (live_workers=2)" 300 two_workers_live
+wait_training "$KILL_AT" 300
+docker kill "$SHARD_CID" >/dev/null || die "docker kill shard1 failed"
+KILL_STEP=$(progress step)
+log "docker kill shard1 at step $KILL_STEP of $STEPS"
+(( KILL_STEP < STEPS )) || die "the run ended before the kill (step $KILL_STEP): raise CMEMI_COMPOSE_STEPS"
+docker start "$SHARD_CID" >/dev/null || die "docker start shard1 failed"
+shard_restarted() { events | grep -q '"kind": "shard_restarted"'; }
+wait_for "the leader to see shard 1 come back and roll the cluster back" 120 shard_restarted
+wait_training "$STEPS" 600
+wait_for "the aggregator to exit" 120 exited "$(cid aggregator)"
+wait_for "shard 1 to exit" 120 exited "$SHARD_CID"
+STATE=$(rcli get "$STATE_KEY" | tr -d '\r')
+[[ $STATE == completed ]] || die "sharded run state is '$STATE' (error: $(rcli get "cmemi:$RUN_NAME:error"))"
+for c in "$(cid aggregator)" "$SHARD_CID"; do
+    code=$(docker inspect -f '{{.State.ExitCode}}' "$c")
+    [[ $code == 0 ]] || die "$(docker inspect -f '{{.Name}}' "$c") exited with code $code"
+done
+SUMMARY=$(run_file summary.json) || die "no summary.json in the sharded run's volume"
+read -r SHA RUN_STEPS SHARDS < <(python3 -c 'import json, sys; s = json.loads(sys.argv[1])
+print(s["params_sha256"], s["steps"], len(s.get("shards", [])))' "$SUMMARY")
+RESTORED=$(events | grep -c '"kind": "checkpoint_restored"' || true)
+log "sharded compose run: $RUN_STEPS steps, $SHARDS shards, $RESTORED checkpoint restores, params_sha256 $SHA"
+[[ $RUN_STEPS == "$STEPS" && $SHARDS == 2 ]] || die "the sharded run ended at step $RUN_STEPS with $SHARDS shards"
+[[ $SHA == "$REF_SHA" ]] || die "sharded params_sha256 differs from the reference: $SHA != $REF_SHA"
+log "params_sha256 matches the reference with 2 shards (shard 1 killed at step $KILL_STEP)"
 phase_done
