@@ -12,6 +12,9 @@
 #      container SIGKILLed: the coordinator declares it dead and fences it, swarm starts a new task by
 #      itself (restart_policy on-failure), the run completes with the reference's params_sha256 and every
 #      service ends in a completed (exit 0) task;
+#   4b. the same run as a second stack with two parameter-server shards (docker/stack.shards.yml): shard 1's
+#      container SIGKILLed, swarm restarts it, the cluster rolls back to a checkpoint, the reference's
+#      params_sha256 at the end;
 #   5. teardown WHATEVER happens: the stack, its volume, the secrets, the swarm, the image (unless
 #      CMEMI_SWARM_KEEP_IMAGE=1), the daemon, and the iptables/nftables rules, ip_forward and interfaces
 #      it changed.
@@ -331,4 +334,47 @@ completed=$(docker service ps --format '{{.CurrentState}}' "${STACK}_worker" | g
 MODEL_BYTES=$(run_file model.safetensors | wc -c)   # wc reads it all: `head -c 1` would SIGPIPE the reader under pipefail
 (( MODEL_BYTES > 0 )) || die "no final model in the run volume"
 log "params_sha256 matches the fault-free reference (scaled 2 -> 3 workers, one killed at step $KILL_STEP)"
+phase_done
+
+phase "sharded: docker/stack.shards.yml, shard 1 killed mid-run"
+# The same run with cluster.shards: 2 in a stack of its own: swarm restarts the killed shard's task, the
+# cluster goes back to the last checkpoint both shards completed, and the result is still the reference's.
+timeout 120 docker stack rm "$STACK" >/dev/null 2>&1 || die "docker stack rm $STACK failed"
+wait_for "the first stack's containers to go" 180 sh -c "[ -z \"\$(docker ps -aq --filter label=com.docker.stack.namespace=$STACK)\" ]"
+docker volume ls -q --filter "label=com.docker.stack.namespace=$STACK" | xargs -r docker volume rm -f >/dev/null 2>&1
+STACK=$STACK-k2   # cleanup() removes this one now
+VOLUME=${STACK}_runs
+python3 - "$WORK/stack.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'PY'
+import json, sys
+path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+extra = {"coordinator": ["--supervise", "none"], "shard1": ["--shard", "1"]}
+with open(path, "w") as f:
+    f.write('version: "3.8"\nservices:\n')
+    for svc in ("coordinator", "aggregator", "checkpointer", "worker", "shard1"):
+        role = "aggregator" if svc == "shard1" else svc
+        f.write(f"  {svc}:\n    command: {json.dumps([role, '--config', config, *extra.get(svc, []), *overrides])}\n")
+PY
+CMEMI_IMAGE=$IMAGE REDIS_IMAGE=$IMAGE CMEMI_CONFIG=$CONFIG CMEMI_WORKERS=2 timeout 300 \
+    docker stack deploy --resolve-image never -c "$REPO/docker/stack.yml" -c "$REPO/docker/stack.shards.yml" \
+    -c "$WORK/stack.test.yml" "$STACK" >"$WORK/deploy.log" 2>&1 || { cat "$WORK/deploy.log" >&2; die "docker stack deploy (sharded) failed"; }
+wait_for "the redis task" 300 sh -c "[ -n \"\$(docker ps -q --filter label=com.docker.swarm.service.name=${STACK}_redis --filter status=running)\" ]"
+wait_for "both workers to train with 2 shards (live_workers=2)" 300 live_workers 2
+wait_step $((STEPS / 4)) 300
+VICTIM=$(tasks_of shard1 | head -1)
+[[ -n $VICTIM ]] || die "no running shard1 task"
+docker kill "$VICTIM" >/dev/null || die "docker kill (shard1) failed"
+KILL_STEP=$(progress step)
+log "docker kill shard1's task at step $KILL_STEP of $STEPS"
+(( KILL_STEP < STEPS )) || die "the run ended before the kill: raise CMEMI_SWARM_STEPS"
+shard_restarted() { run_file events.jsonl | grep -q '"kind": "shard_restarted"'; }
+wait_for "swarm to restart shard 1 and the leader to roll the cluster back" 180 shard_restarted
+wait_step "$STEPS" 900
+wait_for "run state completed" 120 run_completed
+SUMMARY=$(run_file summary.json) || die "no summary.json in the sharded run's volume"
+read -r SHA RUN_STEPS SHARDS < <(python3 -c 'import json, sys; s = json.loads(sys.argv[1])
+print(s["params_sha256"], s["steps"], len(s.get("shards", [])))' "$SUMMARY")
+log "sharded stack run: $RUN_STEPS steps, $SHARDS shards, params_sha256 $SHA"
+[[ $RUN_STEPS == "$STEPS" && $SHARDS == 2 ]] || die "the sharded run ended at step $RUN_STEPS with $SHARDS shards"
+[[ $SHA == "$REF_SHA" ]] || die "sharded params_sha256 differs from the reference: $SHA != $REF_SHA"
+log "params_sha256 matches the reference with 2 shards (shard 1's task killed at step $KILL_STEP)"
 phase_done
