@@ -374,15 +374,7 @@ phase "compose up (2 workers)"
 REDIS_PASSWORD=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
 export REDIS_PASSWORD CMEMI_IMAGE=$IMAGE REDIS_IMAGE=$IMAGE CMEMI_CONFIG=$CONFIG
 # The test's overrides, appended to each service's command by a second compose file.
-python3 - "$WORK/compose.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
-import json, sys
-path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-extra = {"coordinator": ["--supervise", "none"]}
-with open(path, "w") as f:
-    f.write("services:\n")
-    for svc in ("coordinator", "aggregator", "checkpointer", "worker"):
-        f.write(f"  {svc}:\n    command: {json.dumps([svc, '--config', config, *extra.get(svc, []), *overrides])}\n")
-EOF
+python3 "$REPO/scripts/test_overrides.py" "$WORK/compose.test.yml" "$CONFIG" -- "${OVERRIDES[@]}"
 compose config --quiet || die "docker-compose.yml (with the test's overrides) is not valid"
 COMPOSE_UP=1
 COMPOSE_TIMEOUT=300 compose up --detach --no-build --pull never --scale worker=2 >"$WORK/up.log" 2>&1 \
@@ -503,16 +495,7 @@ phase "sharded: docker-compose.shards.yml, shard 1 killed mid-run"
 # started again; the cluster goes back to the last checkpoint both shards completed, and the result is still
 # the reference's (params_sha256 does not depend on K).
 compose_down
-python3 - "$WORK/compose.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'PY'
-import json, sys
-path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-extra = {"coordinator": ["--supervise", "none"], "shard1": ["--shard", "1"]}
-with open(path, "w") as f:
-    f.write("services:\n")
-    for svc in ("coordinator", "aggregator", "checkpointer", "worker", "shard1"):
-        role = "aggregator" if svc == "shard1" else svc
-        f.write(f"  {svc}:\n    command: {json.dumps([role, '--config', config, *extra.get(svc, []), *overrides])}\n")
-PY
+python3 "$REPO/scripts/test_overrides.py" "$WORK/compose.test.yml" "$CONFIG" --shards -- "${OVERRIDES[@]}"
 compose() { timeout "${COMPOSE_TIMEOUT:-120}" docker compose -p "$PROJECT" --project-directory "$REPO" \
               -f "$REPO/docker-compose.yml" -f "$REPO/docker-compose.shards.yml" -f "$WORK/compose.test.yml" "$@"; }
 compose config --quiet || die "docker-compose.yml + docker-compose.shards.yml (with the test's overrides) is not valid"

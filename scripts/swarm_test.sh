@@ -232,15 +232,7 @@ phase_done
 
 # ------------------------------------------------------------------------------------------ 4. the stack
 phase "docker stack deploy (2 workers)"
-python3 - "$WORK/stack.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'EOF'
-import json, sys
-path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-extra = {"coordinator": ["--supervise", "none"]}
-with open(path, "w") as f:
-    f.write('version: "3.8"\nservices:\n')
-    for svc in ("coordinator", "aggregator", "checkpointer", "worker"):
-        f.write(f"  {svc}:\n    command: {json.dumps([svc, '--config', config, *extra.get(svc, []), *overrides])}\n")
-EOF
+python3 "$REPO/scripts/test_overrides.py" "$WORK/stack.test.yml" "$CONFIG" --stack -- "${OVERRIDES[@]}"
 CMEMI_IMAGE=$IMAGE REDIS_IMAGE=$IMAGE CMEMI_CONFIG=$CONFIG CMEMI_WORKERS=2 timeout 300 \
     docker stack deploy --resolve-image never -c "$REPO/docker/stack.yml" -c "$WORK/stack.test.yml" "$STACK" \
     >"$WORK/deploy.log" 2>&1 || { cat "$WORK/deploy.log" >&2; die "docker stack deploy failed"; }
@@ -344,16 +336,7 @@ wait_for "the first stack's containers to go" 180 sh -c "[ -z \"\$(docker ps -aq
 docker volume ls -q --filter "label=com.docker.stack.namespace=$STACK" | xargs -r docker volume rm -f >/dev/null 2>&1
 STACK=$STACK-k2   # cleanup() removes this one now
 VOLUME=${STACK}_runs
-python3 - "$WORK/stack.test.yml" "$CONFIG" "${OVERRIDES[@]}" <<'PY'
-import json, sys
-path, config, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-extra = {"coordinator": ["--supervise", "none"], "shard1": ["--shard", "1"]}
-with open(path, "w") as f:
-    f.write('version: "3.8"\nservices:\n')
-    for svc in ("coordinator", "aggregator", "checkpointer", "worker", "shard1"):
-        role = "aggregator" if svc == "shard1" else svc
-        f.write(f"  {svc}:\n    command: {json.dumps([role, '--config', config, *extra.get(svc, []), *overrides])}\n")
-PY
+python3 "$REPO/scripts/test_overrides.py" "$WORK/stack.test.yml" "$CONFIG" --stack --shards -- "${OVERRIDES[@]}"
 CMEMI_IMAGE=$IMAGE REDIS_IMAGE=$IMAGE CMEMI_CONFIG=$CONFIG CMEMI_WORKERS=2 timeout 300 \
     docker stack deploy --resolve-image never -c "$REPO/docker/stack.yml" -c "$REPO/docker/stack.shards.yml" \
     -c "$WORK/stack.test.yml" "$STACK" >"$WORK/deploy.log" 2>&1 || { cat "$WORK/deploy.log" >&2; die "docker stack deploy (sharded) failed"; }
