@@ -126,7 +126,7 @@ class Aggregator:
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
-        self._last_commit: tuple[int, list[float], bool] | None = None
+        self._last_commit: tuple[int, list[float], bool, bool] | None = None  # step, partials, skip, last
         self._after: tuple[int, float, float, int, dict[str, Any] | None] | None = None  # see _after_step
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
@@ -465,8 +465,9 @@ class Aggregator:
             return
         if h["step"] < self.collector.step:  # applied already: its commit was lost on the way
             if self._last_commit is not None and self._last_commit[0] == h["step"]:
-                self._send(identity, "shard_commit", term=self.term, step=h["step"], partials=self._last_commit[1],
-                           skip=self._last_commit[2])
+                _, partials, skip, last = self._last_commit
+                self._send(identity, "shard_commit", term=self.term, step=h["step"], partials=partials, skip=skip,
+                           last=last)
             return
         info.ready = (h["step"], [float(x) for x in h["partials"]], h["overflow"])
         if self._mean is not None:
@@ -489,10 +490,7 @@ class Aggregator:
             self._place(k, info.eval[1], weights)
             info.eval = None
         self._eval_wait = None
-        try:
-            self.bg_eval.start(step, weights)  # the previous one was collected at this step's boundary
-        except EvalError as exc:
-            self.ctx.fatal(str(exc))
+        self._start_eval(step, weights)
 
     def _on_shard_final(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
@@ -563,16 +561,18 @@ class Aggregator:
             self._mean = self.collector.mean()
         grads, loss = self._mean
         partials = None
+        if self.trainer.sharded and (others := self._others_ready()) is None:
+            return  # _on_shard_ready comes back here
+        stop = self._stops_at(self.trainer.step + 1)
         if self.trainer.sharded:
-            if (others := self._others_ready()) is None:
-                return  # _on_shard_ready comes back here
             if others[1]:
                 grads = None
             partials = self.trainer.partials(grads) + others[0] if grads is not None else []
-            self._last_commit = (self.collector.step, partials, grads is None)
+            last = stop or self.trainer.step + 1 >= self.total
+            self._last_commit = (self.collector.step, partials, grads is None, last)
             for info in self.shards.values():
                 self._send(info.identity, "shard_commit", term=self.term, step=self.collector.step, partials=partials,
-                           skip=grads is None)
+                           skip=grads is None, last=last)
         self._mean = None
         if grads is not None and not all_finite(grads.values()):
             # Honest workers never send NaN/inf (they stop the run, or flag an fp16 overflow), so one pass over
@@ -607,24 +607,15 @@ class Aggregator:
                     "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
                     "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
-        if self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total:
-            try:
-                if self.trainer.sharded:  # the other shards' pieces of this step come after their commit
-                    if self._eval_wait is not None:  # they sent them before their shard_ready of this step
-                        self.ctx.fatal(f"evaluation of step {self._eval_wait[0]}: the other shards' pieces did not "
-                                       "come before their next step (a shard of another version?)")
-                    for entry in self.bg_eval.collect(wait=True):  # what decides early stopping now, as below
-                        self._log_eval(entry)
-                    self._eval_wait = (step, self._weights())
-                    self._start_sharded_eval()
-                else:
-                    for entry in self.bg_eval.start(step, self._weights()):
-                        self._log_eval(entry)
-            except EvalError as exc:
-                self.ctx.fatal(str(exc))
-            if self.bg_eval.should_stop:  # decided from the previous evaluation: deterministic
-                self.stopped_early = True
-                self.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
+        if self._eval_boundary(step):
+            if self.trainer.sharded:  # the other shards' pieces of this step come after their commit
+                self._eval_wait = (step, self._weights())
+                self._start_sharded_eval()
+            else:
+                self._start_eval(step, self._weights())
+        if stop:
+            self.stopped_early = True
+            self.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
         if step >= self.total or self.stopped_early:
             self.done = True
         else:
@@ -633,6 +624,34 @@ class Aggregator:
         self._step_bytes_in = self._step_bytes_out = 0
         self._step_codec_s = 0.0
         self._serve_parked()
+
+    def _eval_boundary(self, step: int) -> bool:
+        return self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total
+
+    def _stops_at(self, step: int) -> bool:
+        """At an evaluation boundary, before the step is applied (so a sharded commit can say it is the last): the
+        evaluation started at the previous boundary is collected, waiting if needed, and decides early stopping.
+        Deterministic: the same evaluations decide at the same step, whatever ran faster."""
+        if not self._eval_boundary(step):
+            return False
+        assert self.bg_eval is not None
+        if self._eval_wait is not None:  # shards send those pieces before their shard_ready of the next step
+            self.ctx.fatal(f"evaluation of step {self._eval_wait[0]}: the other shards' pieces did not come before "
+                           "their next step (a shard of another version?)")
+        try:
+            for entry in self.bg_eval.collect(wait=True):
+                self._log_eval(entry)
+        except EvalError as exc:
+            self.ctx.fatal(str(exc))
+        return self.bg_eval.should_stop
+
+    def _start_eval(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+        """Evaluate the weights of `step` in the background (the previous evaluation was collected: _stops_at)."""
+        assert self.bg_eval is not None
+        try:
+            self.bg_eval.start(step, weights)
+        except EvalError as exc:
+            self.ctx.fatal(str(exc))
 
     def _after_step(self) -> None:
         """What a step leaves for after its parameters went out (to the parked workers, and to the one whose
@@ -717,9 +736,6 @@ class Aggregator:
     def _finish(self) -> None:
         wall = self.totals.wall_s()
         if self.trainer.sharded:
-            if self.trainer.step < self.total:  # stopped early: the shards would go on waiting for train.steps
-                for info in self.shards.values():
-                    self._send(info.identity, "shard_finish", term=self.term, step=self.trainer.step)
             self._gather()
         try:
             if self.bg_eval is not None:

@@ -201,11 +201,7 @@ class ShardServer:
                 continue
             h = msg.header
             if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
-                self._commit(h["partials"], h["skip"])
-            elif msg.type == "shard_finish" and h["term"] == self.term and h["step"] == self.trainer.step:
-                if not self.done:  # stopped early: the last step is this one
-                    self.done = True
-                    self._finish()
+                self._commit(h["partials"], h["skip"], h["last"])
             elif msg.type == "reject":
                 raise Rejoin(h["reason"])
 
@@ -287,7 +283,7 @@ class ShardServer:
                         overflow=grads is None)
         self._next_ready = time.monotonic() + 1.0
 
-    def _commit(self, partials: list[float], skip: bool) -> None:
+    def _commit(self, partials: list[float], skip: bool, last: bool) -> None:
         if self.mean is None:  # the leader commits only once every shard reported its step complete: cannot happen
             raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
         grads, _ = self.mean
@@ -305,7 +301,7 @@ class ShardServer:
             self._to_leader("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
                             step=step)
         every = self.cfg.checkpoint.every_steps
-        if step >= self.total:
+        if last:  # train.steps, or the leader stopped early
             self.done = True
             self._finish()
         elif every and step % every == 0:

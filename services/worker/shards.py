@@ -4,8 +4,8 @@ The leader (shard 0) leases and sends its own slice with `work`, as with one agg
 other shard the worker
 - pulls the slice of the lease's parameter version (asked ahead, right after its previous gradient,
   so it is usually here already) and copies it into its model's pieces;
-- sends that shard its slice of the gradient, all shards at once (the leader's last, with the same
-  call): no answer comes back; a slice that never arrives (this worker died between its sends) is
+- sends that shard its slice of the gradient, every shard's at once (the leader's right after, on its
+  own socket): no answer comes back; a slice that never arrives (this worker died between its sends) is
   leased again by the leader (services/aggregator/shard.py).
 
 A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
