@@ -86,13 +86,18 @@ class Member:
 
     def beat(self) -> None:
         key = self.keys.heartbeat(self.role, self.ident)
-        self.client.set(key, f"{self.incarnation}:{time.time():.3f}", px=self.ttl_ms)
-        if not self.client.exists(self.keys.member(self.role, self.ident)):
+        pipe = self.client.pipeline(transaction=False)  # one round trip
+        _, exists = pipe.set(key, f"{self.incarnation}:{time.time():.3f}", px=self.ttl_ms).exists(
+            self.keys.member(self.role, self.ident)).execute()
+        if not exists:
             self._write_record()  # Redis lost its data: re-register
 
     def fenced(self) -> bool:
-        value = self.client.get(self.keys.fence(self.role, self.ident))
-        return value is not None and int(value) >= self.incarnation
+        return self.fenced_by(self.client.get(self.keys.fence(self.role, self.ident)))
+
+    def fenced_by(self, fence: str | None) -> bool:
+        """Does this fence value (the fence key's, None if unset) fence this incarnation?"""
+        return fence is not None and int(fence) >= self.incarnation
 
     def start(self) -> Member:
         self.beat()

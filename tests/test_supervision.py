@@ -93,10 +93,32 @@ def redis_pid(c: Cluster) -> int | None:
     return None
 
 
-def test_redis_killed_twice_and_one_run_per_directory(tmp_path: Path, reference: str) -> None:
-    run_dir = tmp_path / "run"
-    c = Cluster(run_dir, *LONG, "cluster.workers=2", "checkpoint.every_steps=100")
+def last_step_at(c: Cluster) -> float:
+    """When the newest step ended (metrics.jsonl's `t`, wall clock)."""
+    lines = (c.run_dir / "metrics.jsonl").read_text().splitlines()
     try:
+        return float(json.loads(lines[-1])["t"]) if lines else 0.0
+    except ValueError:  # the leader is writing that line
+        return 0.0
+
+
+def test_redis_frozen_then_killed_twice_and_one_run_per_directory(tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    # dead_after 3 s: a frozen Redis lets heartbeats expire once it runs again; the freeze must stay shorter
+    c = Cluster(run_dir, *LONG, "cluster.workers=2", "checkpoint.every_steps=100", "cluster.dead_after=3.0",
+                "cluster.heartbeat_interval=0.2")
+    try:
+        # redis-server frozen (SIGSTOP: its connections stay open, nothing answers): no training loop waits on it
+        # (shared/watch.py), so steps go on; a loop that waited would stall until SIGCONT
+        c.wait_step(150)
+        pid = redis_pid(c)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        try:  # a loop that waited on Redis would have stopped within 0.1 s (the leader publishes progress that often)
+            poll(lambda: last_step_at(c) > frozen_at + 0.5, 1.5, "a step 0.5 s into the freeze")
+        finally:
+            os.kill(pid, signal.SIGCONT)
         # a second `cmemi up` on the same directory is refused at once, naming the holder; so is --overwrite
         for extra in ([], ["--overwrite"], ["--resume"]):
             second = subprocess.run([*up_args(run_dir, *LONG), *extra], cwd=ROOT, capture_output=True, text=True,

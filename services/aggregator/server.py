@@ -22,6 +22,7 @@ from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.admission import ROLE_OF, EnvironmentCheck, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, run_eval
+from cmemi.services.aggregator.progress import ProgressWriter
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.throughput import Throughput
@@ -37,6 +38,7 @@ from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
 from cmemi.shared.plugins import resolve
 from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
+from cmemi.shared.watch import Watch
 
 
 @dataclass
@@ -121,7 +123,9 @@ class Aggregator:
         self._contributed: set[tuple[str, int]] = set()
         self._unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
         self._next_progress = 0.0
-        self._next_redis_check = 0.0
+        self.progress = ProgressWriter(ctx.redis, ctx.keys)
+        # Redis may restart empty: is this leader still advertised? (read off the loop: shared/watch.py)
+        self.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
         self._step_codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
@@ -175,11 +179,9 @@ class Aggregator:
         elif self.parked and self._reissuable():  # a lease is withheld (or slow) while workers idle
             self._serve_parked()
         self.parts.keep(self.workers)  # a fenced or departed worker's unfinished gradient goes
-        if now >= self._next_redis_check:  # Redis may have restarted empty: advertise again
-            self._next_redis_check = now + 1.0
-            if not self.ctx.redis.exists(self.ctx.keys.aggregator):
-                self._advertise()
-                self.log.info("re-advertised after Redis lost its data")
+        if self.advertised.take() == (0,):  # Redis restarted empty: advertise again
+            self._advertise()
+            self.log.info("re-advertised after Redis lost its data")
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -685,20 +687,13 @@ class Aggregator:
                                  evaluating=pending if pending == self.trainer.step else None)
 
     def _publish_progress(self, step: int, loss: float, bytes_s: float) -> None:
-        """Progress for `cmemi up`'s bar and `cmemi status`: one pipelined round trip (at most every 0.1 s)."""
-        try:
-            pipe = self.ctx.redis.pipeline(transaction=False)
-            pipe.hset(self.ctx.keys.progress, mapping={
-                "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
-                "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=self.done):.1f}",
-                "bytes_s": f"{bytes_s:.0f}",
-                "live_workers": len(self.workers), "term": self.term, "t": time.time()})
-            for worker, n in self._unpublished_mb.items():
-                pipe.hincrby(self.ctx.keys.microbatches, worker, n)
-            pipe.execute()
-            self._unpublished_mb.clear()
-        except redis.RedisError:  # progress is cosmetic; Redis may be restarting
-            pass
+        """Progress for `cmemi up`'s bar and `cmemi status` (at most every 0.1 s), written off the loop."""
+        self.progress.put({
+            "step": step, "total": self.total, "loss": f"{loss:.6g}", "lr": f"{self.trainer.lr:.6g}",
+            "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=self.done):.1f}",
+            "bytes_s": f"{bytes_s:.0f}", "live_workers": len(self.workers), "term": self.term, "t": time.time()},
+            self._unpublished_mb)
+        self._unpublished_mb.clear()
 
     def _log_eval(self, entry: dict[str, Any]) -> None:
         self.metrics.write(json.dumps({**entry, "t": time.time()}) + "\n")
@@ -769,6 +764,7 @@ class Aggregator:
         if self.ckpt_stall_s:
             summary["checkpoint_stall_s_median"] = statistics.median(self.ckpt_stall_s)
         atomic.write_text(self.ctx.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self.progress.flush(timeout=10)  # the last step's progress before the run is complete
         self._set_completed()
         self.ctx.emit("run_completed", steps=self.trainer.step, params_sha256=summary["params_sha256"])
         self.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
@@ -806,6 +802,9 @@ class Aggregator:
     def close(self) -> None:
         if self.bg_eval is not None:
             self.bg_eval.close()
+        self.advertised.stop()
+        self.progress.close()
+        self.ckpt.close()
         self.member.stop()
         self.metrics.close()
         self.sock.close(linger=500)

@@ -41,6 +41,7 @@ from cmemi.shared.config import ConfigError
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member
 from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
+from cmemi.shared.watch import Watch
 
 
 class Rejoin(Exception):
@@ -97,6 +98,9 @@ class ShardServer:
         self.leader.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
         self.leader.connect(self.leader_addr)
         self._to_leader("shard_join", step=joined_at, addr=self.addr)
+        # the leader's term and the run's state, read off the loop (shared/watch.py)
+        self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
+                           "shard").start()
         self._next_ready = 0.0
         self._next_have = 0.0
         self._next_check = 0.0
@@ -179,14 +183,12 @@ class ShardServer:
             return
         self._next_check = now + 0.25
         self.ckpt.poll()
-        try:
-            term = self.ctx.redis.hget(self.ctx.keys.aggregator, "term")
+        if (seen := self.watch.take()) is not None:
+            term, state = seen[0]
             if term is not None and int(term) != self.term:
                 raise Rejoin(f"the leader started term {term} (this shard was in {self.term})")
-            if self.ctx.run_state() in ("completed", "failed"):
+            if state in ("completed", "failed"):
                 raise SystemExit(0)
-        except redis.RedisError:
-            pass
 
     def _from_leader(self) -> None:
         while True:
@@ -330,6 +332,8 @@ class ShardServer:
         self.log.info("shard finished", step=self.trainer.step)
 
     def close(self) -> None:
+        self.watch.stop()
+        self.ckpt.close()
         self.member.stop()
         self.sock.close(linger=500)
         self.leader.close(linger=500)

@@ -21,6 +21,7 @@ from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, state, transfer
 from cmemi.shared.service import ServiceContext
+from cmemi.shared.watch import Watch
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 
@@ -105,7 +106,8 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
 
 class CheckpointerLink:
     """DEALER to the checkpointer, found (and re-found after a restart) through Redis; `on_drop(reason, detail)`
-    counts a part of a restore that had to be abandoned."""
+    counts a part of a restore that had to be abandoned. From the service's loop (`offer`, `poll`) the address
+    is the one a watch read last (shared/watch.py): the loop never waits on Redis."""
 
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, on_drop: Callable[[str, str], None]) -> None:
         self.ctx, self.cfg, self.zctx, self.term = ctx, ctx.cfg, zctx, term
@@ -118,18 +120,26 @@ class CheckpointerLink:
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
+        key = ctx.keys.checkpointer
+        self.where = Watch(ctx.redis, 0.5, lambda r: r.hmget(key, ["addr", "incarnation"]), "checkpointer").start()
 
-    def _lookup(self) -> str | None:
-        try:
-            addr, inc = self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"])
-        except redis.RedisError:
-            return self.addr  # Redis is down: keep talking to the checkpointer we know
+    def _lookup(self, wait: bool = True) -> str | None:
+        """The checkpointer's address: read now, or (`wait=False`) the newest the watch read, if any."""
+        if wait:
+            try:
+                addr, inc = self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"])
+            except redis.RedisError:
+                return self.addr  # Redis is down: keep talking to the checkpointer we know
+        elif (seen := self.where.take()) is not None:
+            addr, inc = seen[0]
+        else:
+            return self.addr
         if addr is not None and inc is not None:
             self.inc = inc
         return addr or self.addr
 
-    def _connect(self) -> bool:
-        addr = self._lookup()
+    def _connect(self, wait: bool = True) -> bool:
+        addr = self._lookup(wait)
         if addr is None:
             return False
         if addr != self.addr:
@@ -178,7 +188,7 @@ class CheckpointerLink:
         return bool(every) and snap[0] % every == 0
 
     def offer(self, snap: Snapshot) -> None:
-        if self.in_flight is None and not self.queued and self._connect():
+        if self.in_flight is None and not self.queued and self._connect(wait=False):
             self.in_flight = snap
             self._send(snap, final=False)
         else:  # a newer snapshot replaces an older unsent one, unless that one is a milestone retention keeps
@@ -192,13 +202,13 @@ class CheckpointerLink:
             if msg.type in ("saved", "skipped") and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
                 saved.append(msg.header["step"])
                 self.in_flight = None
-        if self.in_flight is None and self.queued and self._connect():
+        if self.in_flight is None and self.queued and self._connect(wait=False):
             self.in_flight = self.queued.pop(0)
             self._send(self.in_flight, final=False)
         elif self.in_flight is not None and time.monotonic() > self._next_check:
             self._next_check = time.monotonic() + 0.5
             old = (self.addr, self.inc)
-            if self._connect() and (self.addr, self.inc) != old:
+            if self._connect(wait=False) and (self.addr, self.inc) != old:
                 self._send(self.in_flight, final=False)  # the checkpointer restarted: send again
         return saved
 
@@ -223,6 +233,9 @@ class CheckpointerLink:
                         break  # the checkpointer restarted (elsewhere or on the same port): ask again
         raise TimeoutError(f"the checkpointer did not answer {mtype!r} within {timeout:g}s; "
                            "is `cmemi checkpointer` running and reachable?")
+
+    def close(self) -> None:
+        self.where.stop()
 
     def save_final(self, snap: Snapshot) -> str:
         step, meta, tensors = snap

@@ -33,6 +33,7 @@ from cmemi.shared.reduction import TreeAccumulator, add_into
 from cmemi.shared.service import ServiceContext
 from cmemi.shared.shards import Partition
 from cmemi.shared.usercode import describe
+from cmemi.shared.watch import Watch
 
 EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
@@ -80,6 +81,7 @@ class Worker:
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
         self.member: Member | None = None
+        self.watch: Watch | None = None  # once registered (a spare, once it has an identity)
 
     def wait_for_identity(self, spare: str) -> str | None:
         """As a warm spare: block until the coordinator hands us the id of a dead worker to replace."""
@@ -109,6 +111,10 @@ class Worker:
         self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         self.inc = self.member.incarnation
+        keys = self.ctx.keys
+        # while idle: fenced? run over? another aggregator? Read off the loop (shared/watch.py)
+        self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
+                           .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
         startup.mark("registered")
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
         self.log = self.ctx.log
@@ -269,7 +275,6 @@ class Worker:
         startup.mark("welcomed")
         startup.report(self.ctx.redis, self.ctx.keys, "worker", self.wid)
         self._send("want", term=self.term, version=self.version)
-        next_check = time.monotonic() + 1.0
         while not self.ctx.stopping.is_set():
             msg = self._recv(100)
             if msg is not None:
@@ -294,19 +299,24 @@ class Worker:
             elif time.monotonic() - self.last_heard > self.reask_s:  # a want, work or grad went missing
                 self.log.info("no reply; asking again", after_s=round(time.monotonic() - self.last_heard, 1))
                 self._send("want", term=self.term, version=self.version)
-            elif time.monotonic() > next_check:  # idle: is our aggregator still the current one?
-                next_check = time.monotonic() + 1.0
-                self._check_fenced()
-                self._exit_if_finished()
-                found = self._aggregator()
-                if found is not None and (found[0] != self.agg_addr or found[1] != self.term):
-                    self.log.info("aggregator changed; re-syncing", addr=found[0], term=found[1])
+            elif self.watch is not None and (seen := self.watch.take()) is not None:  # idle: still current?
+                fence, state, info = seen[0]
+                if self.member is not None and self.member.fenced_by(fence):
+                    self.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
+                    raise SystemExit(EXIT_FENCED)
+                if state in ("completed", "failed"):
+                    self.log.info("run is over; exiting", state=state)
+                    raise SystemExit(0)
+                if "addr" in info and (info["addr"] != self.agg_addr or int(info["term"]) != self.term):
+                    self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
                     self._reconnect()
         if self.sock is not None and self.member is not None:
             self._send("leave")  # graceful: our leases go back at once
 
     def _reconnect(self) -> None:
         self._connect()
+        if self.watch is not None:
+            self.watch.take()  # read before this reconnect: stale
         if not self.ctx.stopping.is_set():
             self._send("want", term=self.term, version=self.version)
 
@@ -402,6 +412,8 @@ class Worker:
     def close(self) -> None:
         if self.runner.loader is not None:
             self.runner.loader.close()
+        if self.watch is not None:
+            self.watch.stop()
         if self.member is not None:
             self.member.stop()
         if self.sock is not None:

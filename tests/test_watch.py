@@ -1,0 +1,68 @@
+"""Redis off the loops: shared/watch.py's Watch and the leader's ProgressWriter, against a real redis-server,
+stopped and started again under them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cmemi.services.aggregator.progress import ProgressWriter
+from cmemi.shared.keys import Keys
+from cmemi.shared.membership import connect
+from cmemi.shared.watch import Watch
+
+from cmemi.redis_server import EmbeddedRedis
+
+
+def _until(cond: Callable[[], object], timeout: float = 10.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def test_watch_gives_each_answer_once_and_keeps_reading_through_an_outage(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client = connect(server.url)
+    client.set("k", "1")
+    watch = Watch(client, 0.02, lambda r: r.get("k"), "test").start()
+    try:
+        assert _until(watch.take) == ("1",)
+        seen = watch.take()
+        assert seen is None or seen == ("1",)  # a second answer only once read again
+        port = server.port
+        server.stop()  # the thread's reads fail; the loop's take() never waits for them
+        t0 = time.monotonic()
+        for _ in range(20):
+            watch.take()
+        assert time.monotonic() - t0 < 0.5
+        server.start(port=port)
+        client.set("k", "2")
+        assert _until(lambda: watch.take() == ("2",))
+    finally:
+        watch.stop()
+        server.stop()
+
+
+def test_progress_writer_keeps_the_newest_progress_and_every_microbatch_across_an_outage(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client, keys = connect(server.url), Keys("run")
+    writer = ProgressWriter(client, keys)
+    try:
+        writer.put({"step": 1}, {"w0:1": 2})
+        writer.flush(timeout=10)
+        assert client.hget(keys.progress, "step") == "1" and client.hget(keys.microbatches, "w0:1") == "2"
+        port = server.port
+        server.stop()
+        for step in range(2, 6):  # while Redis is down: the counts add up, the newest progress replaces the others
+            writer.put({"step": step}, {"w0:1": 1, "w1:1": 1})
+        server.start(port=port)  # (it takes longer than the writer needs to fail once)
+        writer.flush(timeout=10)
+        assert client.hget(keys.progress, "step") == "5"
+        assert client.hgetall(keys.microbatches) == {"w0:1": "6", "w1:1": "4"}  # none lost, none twice
+    finally:
+        writer.close()
+        server.stop()
