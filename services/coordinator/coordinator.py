@@ -318,16 +318,27 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         r, k = self.ctx.redis, self.ctx.keys
         # A RedisError goes to run(), which says so once per outage and retries every 0.2 s.
+        member_prefix = k.member("", "")[:-1]  # ...:member:
+        members = [(key, *key[len(member_prefix):].partition(":")[::2])
+                   for key in r.scan_iter(match=k.member("*", "*"), count=500)]
+        # First only whose heartbeat is missing (one pipelined EXISTS each: a healthy cluster costs no more);
+        # a local child that has not registered yet needs every record (its pid), for its start deadline.
+        starting = self.supervise == "local" and any(not c.registered and c.alive for c in self.children.values())
+        if not starting:
+            pipe = r.pipeline(transaction=False)
+            for _key, role, ident in members:
+                pipe.exists(k.heartbeat(role, ident))
+            members = [m for m, beating in zip(members, pipe.execute(), strict=True) if not beating]
+            if not members:
+                return
         # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
         # deletes the heartbeat atomically, so it is never seen half done (running, without a heartbeat).
         pipe = r.pipeline(transaction=True)
-        member_prefix = k.member("", "")[:-1]  # ...:member:
-        for key in r.scan_iter(match=k.member("*", "*"), count=500):
-            role, _, ident = key[len(member_prefix):].partition(":")
+        for key, role, ident in members:
             pipe.hgetall(key)
             pipe.exists(k.heartbeat(role, ident))
         replies = pipe.execute()
-        if self.supervise == "local":
+        if starting:
             self._check_start_deadlines(replies[::2])
         for record, alive in zip(replies[::2], replies[1::2], strict=True):
             if alive or not record or record.get("role") == "coordinator" or record.get("state") == "stopped":
