@@ -143,7 +143,7 @@ def test_traffic_per_step_is_about_one_gradient_per_worker(tmp_path: Path) -> No
 @pytest.mark.fault
 def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, reference: str) -> None:
     """SIGKILL shard 1, then shard 2, then the leader, and workers in between (one may die between its slices:
-    what a shard lacks is leased again): each shard's death takes the cluster back to the last checkpoint every
+    what a shard lacks is leased again), then shards 1 and 2 at once: each shard's death takes the cluster back to the last checkpoint every
     shard completed, and the result is still bitwise the fault-free one. With evaluation every 100 steps: an
     evaluation lost with a term runs again from the checkpoint, so the history is the fault-free run's."""
     evals = ("eval.fn=cmemi.examples.digits:evaluate", "eval.every_steps=100")
@@ -151,10 +151,13 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     assert plain.rc == 0, plain.stderr[-3000:]
     c = Cluster(tmp_path / "run", *LONG, *evals, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3")
     try:
-        for target, role, ident in ((150, "aggregator", "1"), (300, "worker", "w0"), (450, "aggregator", "2"),
-                                    (600, "worker", "w1"), (750, "aggregator", "0"), (900, "worker", "w0")):
+        for target, victims in ((150, [("aggregator", "1")]), (300, [("worker", "w0")]), (450, [("aggregator", "2")]),
+                                (600, [("worker", "w1")]), (750, [("aggregator", "0")]), (900, [("worker", "w0")]),
+                                (1050, [("aggregator", "1"), ("aggregator", "2")])):
             c.wait_step(target)
-            c.replaced(role, ident, c.signal(role, ident))
+            killed = [(role, ident, c.signal(role, ident)) for role, ident in victims]
+            for role, ident, inc in killed:
+                c.replaced(role, ident, inc)
     finally:
         rc = c.wait(timeout=400)
     assert rc == 0, c.output()
@@ -162,6 +165,7 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     assert s["steps"] == 1200 and s["params_sha256"] == reference == plain.summary["params_sha256"]
     assert s["eval_history"] == plain.summary["eval_history"] and len(s["eval_history"]) == 11
     events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
-    assert len([e for e in events if e["kind"] == "shard_restarted"]) == 2
+    # the two at once: the first to rejoin rolls the cluster back, the other may join the new term directly
+    assert len([e for e in events if e["kind"] == "shard_restarted"]) in (3, 4)
     restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
-    assert len(restored) >= 3 * 3 and all(step % 50 == 0 for step in restored), restored
+    assert len(restored) >= 4 * 3 and all(step % 50 == 0 for step in restored), restored
