@@ -203,6 +203,8 @@ class Worker:
                         break
                     self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
+                    if self.watch is not None:
+                        self.watch.take()  # read before this join: stale
                     return
                 self._handle_reject_or_stop(msg)
             self._check_fenced()
@@ -315,8 +317,6 @@ class Worker:
 
     def _reconnect(self) -> None:
         self._connect()
-        if self.watch is not None:
-            self.watch.take()  # read before this reconnect: stale
         if not self.ctx.stopping.is_set():
             self._send("want", term=self.term, version=self.version)
 
