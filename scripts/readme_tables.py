@@ -85,6 +85,10 @@ def benchmark() -> str:
             "process on the 2 shared cores, and on loopback there is no link to split: shards pay off across hosts, "
             "see [Scaling out](#scaling-out))",
             "≤ 1.00" + ok[tgt["comm_bound_cmemi_2w_k2_vs_ddp_2p_le_1.00"]])] if "cmemi_2w_k2_vs_ddp_2p" in mb else []),
+        *([("step time, comm-bound: CMEMI 2 workers with `security.curve: false` / DDP 2 processes (gloo encrypts "
+            "nothing)", f"{mb['cmemi_2w_nocurve_vs_ddp_2p']:.2f}× ({sec(mst['cmemi_2w_nocurve'])} vs "
+            f"{sec(mst['ddp_2p'])}: what is left without encryption)", "—")]
+          if "cmemi_2w_nocurve_vs_ddp_2p" in mb else []),
         ("aggregator ingest (receive + header + xxh3 checksum + decode + ordered sum + NaN/inf check) / raw ZeroMQ "
          "PUSH/PULL of the same buffers",
          f"{span(list(ratio.values()), '{:.2f}')} ({sizes[0]}–{sizes[-1]} messages); against a raw receiver that "
