@@ -21,7 +21,7 @@ import zmq
 from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.admission import ROLE_OF, EnvironmentCheck, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
-from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, run_eval
+from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, eval_boundary, run_eval
 from cmemi.services.aggregator.progress import ProgressWriter
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
@@ -609,7 +609,7 @@ class Aggregator:
                     "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
                     "bytes_in": self._step_bytes_in, "bytes_out": self._step_bytes_out, "codec_s": self._step_codec_s,
                     "live_workers": len(self.workers), "t": time.time()}
-        if self._eval_boundary(step):
+        if eval_boundary(self.cfg, step):
             if self.trainer.sharded:  # the other shards' pieces of this step come after their commit
                 self._eval_wait = (step, self._weights())
                 self._start_sharded_eval()
@@ -627,14 +627,11 @@ class Aggregator:
         self._step_codec_s = 0.0
         self._serve_parked()
 
-    def _eval_boundary(self, step: int) -> bool:
-        return self.bg_eval is not None and step % self.cfg.eval.every_steps == 0 and step < self.total
-
     def _stops_at(self, step: int) -> bool:
         """At an evaluation boundary, before the step is applied (so a sharded commit can say it is the last): the
         evaluation started at the previous boundary is collected, waiting if needed, and decides early stopping.
         Deterministic: the same evaluations decide at the same step, whatever ran faster."""
-        if not self._eval_boundary(step):
+        if not eval_boundary(self.cfg, step):
             return False
         assert self.bg_eval is not None
         if self._eval_wait is not None:  # shards send those pieces before their shard_ready of the next step

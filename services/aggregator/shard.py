@@ -31,6 +31,7 @@ import zmq
 from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.admission import ROLE_OF, registered
 from cmemi.services.aggregator.collector import StepCollector
+from cmemi.services.aggregator.evaluation import eval_boundary
 from cmemi.services.aggregator.publish import Publisher
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.totals import RunTotals
@@ -298,7 +299,7 @@ class ShardServer:
         step = self.trainer.step
         self.collector = StepCollector(step, self.M, leased=False, strict=True)
         self._answer_pulls()
-        if self.cfg.eval.fn and self.cfg.eval.every_steps and step % self.cfg.eval.every_steps == 0 and step < self.total:
+        if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
             self._to_leader("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
                             step=step)

@@ -254,7 +254,9 @@ class Worker:
 
     def _exit_if_finished(self) -> None:
         """A worker that (re)starts after the run ended, or missed the stop message, leaves cleanly."""
-        state = self.ctx.run_state()
+        self._exit_if_over(self.ctx.run_state())
+
+    def _exit_if_over(self, state: str | None) -> None:
         if state in ("completed", "failed"):
             self.log.info("run is over; exiting", state=state)
             raise SystemExit(0)
@@ -265,6 +267,9 @@ class Worker:
             fenced = self.member.fenced()
         except redis.RedisError:
             return
+        self._exit_if_fenced(fenced)
+
+    def _exit_if_fenced(self, fenced: bool) -> None:
         if fenced:
             self.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
             raise SystemExit(EXIT_FENCED)
@@ -303,12 +308,8 @@ class Worker:
                 self._send("want", term=self.term, version=self.version)
             elif self.watch is not None and (seen := self.watch.take()) is not None:  # idle: still current?
                 fence, state, info = seen[0]
-                if self.member is not None and self.member.fenced_by(fence):
-                    self.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
-                    raise SystemExit(EXIT_FENCED)
-                if state in ("completed", "failed"):
-                    self.log.info("run is over; exiting", state=state)
-                    raise SystemExit(0)
+                self._exit_if_fenced(self.member is not None and self.member.fenced_by(fence))
+                self._exit_if_over(state)
                 if "addr" in info and (info["addr"] != self.agg_addr or int(info["term"]) != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
                     self._reconnect()
