@@ -353,6 +353,9 @@ class _Codec:
 FLAT = "*flat"  # the info key of a gradient sent as one flat fp32 frame (shared/layout.py)
 
 
+_LAYOUTS = 256  # layouts a NoneCodec keeps (a worker encodes one slice per shard)
+
+
 class NoneCodec(_Codec):
     """Dense fp32. A small model's gradient is one flat frame in the layout of its parameters
     (shared/layout.py: one copy, no per-tensor frames or header entries); a big one's frames are the
@@ -365,8 +368,10 @@ class NoneCodec(_Codec):
 
     def _layout(self, shapes: Iterable[tuple[str, Sequence[int]]]) -> Layout:
         key = tuple((n, tuple(s)) for n, s in shapes)
-        if key not in self._layouts:
-            self._layouts = {key: Layout({n: torch.empty(s, dtype=torch.float32, device="meta") for n, s in key})}
+        if key not in self._layouts:  # one per shard's slice at most, on an honest path
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            self._layouts[key] = Layout({n: torch.empty(s, dtype=torch.float32, device="meta") for n, s in key})
         return self._layouts[key]
 
     def encode(self, grads: dict[str, torch.Tensor], step: int) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
@@ -396,7 +401,7 @@ class NoneCodec(_Codec):
             out = layout.views(frames)
         except LayoutError as exc:
             raise CodecError("bad_layout", str(exc)) from None
-        if self.check_finite and not all_finite(out.values()):
+        if self.check_finite and not all_finite(frames.values()):  # one pass per flat buffer (padding is zeros)
             raise CodecError("nonfinite", "NaN or inf in the gradient")
         return out
 

@@ -38,6 +38,15 @@ class Layout:
             self.sizes[t.dtype] = (at + t.numel() + step - 1) // step * step
         self._slices = [(name, self.frame_name(dtype), at, at + math.prod(shape), shape)
                         for name, dtype, shape, at in self.entries]
+        # the padding of each buffer (element ranges no tensor covers), zeroed by `pack`
+        ends: dict[str, int] = {}
+        self._gaps: list[tuple[str, int, int]] = []
+        for _name, frame, lo, hi, _shape in self._slices:
+            if lo > ends.get(frame, 0):
+                self._gaps.append((frame, ends[frame] if frame in ends else 0, lo))
+            ends[frame] = hi
+        self._gaps += [(self.frame_name(d), ends.get(self.frame_name(d), 0), n) for d, n in self.sizes.items()
+                       if ends.get(self.frame_name(d), 0) < n]
         self.nbytes = sum(n * torch.empty((), dtype=d).element_size() for d, n in self.sizes.items())
         self.flat = self.nbytes <= FLAT_MAX_BYTES
         h = hashlib.blake2b(digest_size=8)
@@ -65,8 +74,12 @@ class Layout:
 
     def pack(self, tensors: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
              ) -> dict[str, torch.Tensor]:
-        """Copy `tensors` (the layout's names) into flat buffers (`out`, reused, or new ones)."""
-        out = out if out is not None else self.empty()
+        """Copy `tensors` (the layout's names) into flat buffers (`out`, reused, or new ones: written once, the
+        tensors' bytes copied and only the padding between them zeroed)."""
+        if out is None:
+            out = {self.frame_name(d): torch.empty(n, dtype=d) for d, n in self.sizes.items()}
+            for frame, lo, hi in self._gaps:
+                out[frame][lo:hi].zero_()
         with torch.no_grad():
             for name, view in self.views(out).items():
                 view.copy_(tensors[name])

@@ -611,3 +611,33 @@ def test_flat_layout_views_pack_and_alignment() -> None:
     assert all(v.data_ptr() % 64 == 0 for v in views.values())  # every tensor starts on a 64-byte boundary
     assert Layout({"x": torch.empty(FLAT_MAX_BYTES // 4 + 1, device="meta")}).flat is False
     assert Layout(tensors).digest == layout.digest != Layout({**tensors, "b": rand(18)}).digest
+
+
+def test_flat_pack_zeroes_only_the_padding_and_keeps_every_slice_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pack` writes a fresh buffer once (no zero-fill pass): the tensors' bytes, and zeros between them, whatever
+    the allocator handed back; a worker's codec encodes one slice per shard without rebuilding their layouts."""
+    from cmemi.shared.layout import Layout
+
+    tensors = {"a": rand(3), "b": rand(5, 7), "n": torch.arange(5), "c": rand(17)}
+    layout = Layout(tensors)
+    for _ in range(20):  # reuse freed memory full of non-zero bytes
+        garbage = [torch.full((4096,), float("nan")) for _ in range(8)]
+        del garbage
+        flats = layout.pack(tensors)
+        covered = {f: torch.zeros(t.numel(), dtype=torch.bool) for f, t in flats.items()}
+        for view in layout.views(flats).values():
+            frame = Layout.frame_name(view.dtype)
+            covered[frame][view.storage_offset():view.storage_offset() + view.numel()] = True
+        for f, t in flats.items():
+            assert not t[~covered[f]].any(), f"padding of {f} is not zero"
+        assert all(torch.equal(v, tensors[n]) for n, v in layout.views(flats).items())
+        assert codecs.all_finite([flats["flat.float32"]])
+    built = []
+    monkeypatch.setattr(codecs, "Layout", lambda t: built.append(1) or Layout(t))
+    c = make_codec(CompressionConfig(codec="none"))
+    slices = [{"w": rand(4, 3)}, {"w": rand(2, 3), "b": rand(3)}, {"v": rand(9)}]
+    encoded = [c.encode(s, 1) for _ in range(3) for s in slices][-len(slices):]
+    assert len(built) == len(slices)  # one layout per slice, kept across steps
+    for s, (info, frames) in zip(slices, encoded, strict=True):
+        out = c.decode(info, frames, shapes={n: t.shape for n, t in s.items()})
+        assert all(torch.equal(out[n], s[n]) for n in s)
