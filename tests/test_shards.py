@@ -95,6 +95,28 @@ def test_one_result_for_any_shards_and_workers(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_resume_with_another_shard_count_matches_the_reference(tmp_path: Path) -> None:
+    """Scale a run out and back in: 30 steps at K = 2, resumed to 45 at K = 3, then to 60 at K = 1 (`--resume` with
+    `cluster.shards` changed): the 60-step reference's params_sha256, and the run's bytes still add up."""
+    from tests.conftest import up_args
+
+    sets = ("scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "checkpoint.every_steps=10", "cluster.workers=2")
+    run = tmp_path / "run"
+    first = run_up(run, *sets, "train.steps=30", "cluster.shards=2")
+    assert first.rc == 0, first.stderr[-3000:]
+    sent = [first.summary["bytes_sent"]]
+    for steps, k in ((45, 3), (60, 1)):
+        proc = subprocess.run([*up_args(run, *sets, f"train.steps={steps}", f"cluster.shards={k}"), "--resume"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        s = json.loads((run / "summary.json").read_text())
+        assert s["steps"] == steps, s
+        sent.append(s["bytes_sent"])
+    assert s["params_sha256"] == reference_sha(tmp_path, *FAST, "train.steps=60")
+    assert 0 < sent[0] < sent[1] < sent[2], f"bytes sent after each part: {sent}"
+
+
+@pytest.mark.integration
 def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: Path) -> None:
     """eval.every_steps at K = 2: the leader evaluates the whole model of each boundary step (the other shard sends
     its pieces of it), so the metrics are one shard's; early stopping stops every shard at the same step."""
@@ -169,3 +191,73 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     assert len([e for e in events if e["kind"] == "shard_restarted"]) in (3, 4)
     restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
     assert len(restored) >= 4 * 3 and all(step % 50 == 0 for step in restored), restored
+
+
+# ---------------------------------------------------------------------------------------------- resharding (unit)
+
+def _grads(trainer, step: int) -> dict[str, torch.Tensor]:
+    """A made-up mean gradient of `step` for this shard's pieces: a function of (step, piece), not of K."""
+    out = {}
+    for name, piece in trainer.pieces.items():
+        g = torch.Generator().manual_seed(hash((step, name)) % (1 << 31))
+        out[name] = torch.randn(piece.shape, generator=g)
+    return out
+
+
+def _step_all(trainers, step: int) -> None:
+    for t in trainers:
+        t.apply(_grads(t, step))
+
+
+def _checkpoint(trainers) -> tuple[dict, dict]:
+    """What the checkpointer would hold for these shards' snapshots (merged when K > 1)."""
+    from cmemi.services.aggregator.snapshots import collect
+    from cmemi.services.aggregator.totals import RunTotals
+    from cmemi.services.checkpointer.merge import Pending, merged
+
+    snaps = [collect(t, RunTotals(bytes_in=100 * (k + 1), bytes_out=10 * (k + 1)), 1, {"sha256": "x"}, None)
+             for k, t in enumerate(trainers)]
+    if len(trainers) == 1:
+        return snaps[0][1], snaps[0][2]
+    p = Pending(1, len(trainers), trainers[0].partition.describe())
+    for k, (_, meta, tensors) in enumerate(snaps):
+        p.slices[k] = (meta, tensors)
+    return merged(p)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 1), (1, 2)])
+def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, after: int) -> None:
+    """Steps 1-4 at K = before, checkpoint, steps 5-8 at K = after: bitwise the same as 8 steps at K = 1, with
+    momentum, Adam-style state, a param group of its own (weight decay off for biases) and a schedule, on a model
+    whose big tensor is cut into pieces that change owner."""
+    from cmemi.services.aggregator.snapshots import restore
+    from cmemi.services.aggregator.totals import RunTotals
+    from cmemi.services.aggregator.trainer import Trainer
+
+    for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+                {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
+                 "param_groups": [{"match": r"bias", "weight_decay": 0.0}]}):
+        cfg = config_from_dict({"model": {"factory": "tests.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
+                                "data": {"factory": "cmemi.examples.digits:make_dataset"}, "optimizer": opt,
+                                "scheduler": {"name": "CosineAnnealingLR", "kwargs": {"T_max": 8}},
+                                "train": {"steps": 8}})
+        straight = Trainer(cfg, shard=0, shards=1)
+        for s in range(8):
+            _step_all([straight], s)
+        first = [Trainer(cfg, shard=k, shards=before) for k in range(before)]
+        assert len({t.partition.owner[n] for t in first for n in t.pieces}) == before
+        for s in range(4):
+            _step_all(first, s)
+        meta, tensors = _checkpoint(first)
+        second = [Trainer(cfg, shard=k, shards=after) for k in range(after)]
+        totals = [RunTotals() for _ in second]
+        for t, tot in zip(second, totals, strict=True):
+            restore(t, tot, None, None, meta, tensors)
+            assert t.step == 4 and t.lr == first[0].lr
+        assert sum(tot.bytes_in for tot in totals) == sum(100 * (k + 1) for k in range(before)), "bytes kept whole"
+        for s in range(4, 8):
+            _step_all(second, s)
+        pieces = {n: p for t in second for n, p in t.pieces.items()}
+        assert pieces.keys() == straight.pieces.keys()
+        for n, p in straight.pieces.items():
+            assert torch.equal(pieces[n], p), f"{opt['name']}: piece {n} differs after {before} -> {after} shards"

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator import reshard
 from cmemi.services.aggregator.evaluation import BackgroundEval
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
@@ -59,39 +60,39 @@ def _model_section(t: Trainer) -> dict[str, torch.Tensor]:
     return section
 
 
-def _sharded(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any],
-                                                                                                 dict[str, Any]]:
-    """(this shard's sections, the whole model's state) of a checkpoint; the checkpointer merged the K shards'
-    snapshots into one: model tensors whole, every shard's other tensors under `shard{k}.`, its meta in `per_shard`."""
+def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
+        dict[str, Any], dict[str, Any], bool]:
+    """(this shard's sections, the whole model's state, whether they were written with another cluster.shards).
+    The checkpointer merged a sharded run's K snapshots into one: model tensors whole, every shard's other tensors
+    under `shard{k}.`, its meta in `per_shard`."""
     model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     if "per_shard" not in meta:  # written by one aggregator
-        if trainer.sharded:
-            raise state.StateError(f"the checkpoint was written with cluster.shards: 1, this run has "
-                                   f"{trainer.partition.shards}; resume with cluster.shards: 1")
         named = state.unflatten(meta, tensors)
-        return named, named["model"]
+        return named, named["model"], trainer.sharded
     if int(meta["shards"]) != trainer.partition.shards:
-        raise state.StateError(f"the checkpoint was written with cluster.shards: {meta['shards']}, this run has "
-                               f"{trainer.partition.shards}; resume with the same cluster.shards")
+        return {}, model, True
     prefix = f"shard{trainer.shard}."
     own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     mine = {k: v for k, v in meta["per_shard"][trainer.shard].items() if k != "model"}
-    return state.unflatten(mine, own), model
+    return state.unflatten(mine, own), model, False
 
 
 def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,
             meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """`fp`: the dataset's fingerprint, checked against the checkpoint's (None: not checked, a shard k > 0 has no
-    dataset; the leader checks it)."""
-    named, model = _sharded(trainer, meta, tensors)
+    dataset; the leader checks it). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
+    named, model, other_k = _sections(trainer, meta, tensors)
     t = trainer
+    t.model.load_state_dict(model)
+    if other_k:
+        named = reshard.restore_into(t, meta, tensors)
+    else:
+        t.optimizer.load_state_dict(named["optimizer"])
+        if t.scheduler is not None and named["scheduler"] is not None:
+            t.scheduler.load_state_dict(named["scheduler"])
     if fp is not None and named["progress"]["fingerprint"] != fp:
         raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
                                "restore with the data it was trained on, or start a new run.dir")
-    t.model.load_state_dict(model)
-    t.optimizer.load_state_dict(named["optimizer"])
-    if t.scheduler is not None and named["scheduler"] is not None:
-        t.scheduler.load_state_dict(named["scheduler"])
     torch.set_rng_state(named["rng"]["torch"])
     t.scaler.load_state_dict(named["scaler"])
     t.step = int(named["progress"]["step"])
