@@ -84,6 +84,7 @@ class Aggregator:
         self.report_buffers = bool(self.trainer.buffers) and cfg.model.buffers == "mean"
         # Decode side, stateless. NaN/inf is checked once per step on the sum, not per message (see _apply_step).
         self.codec = make_codec(cfg.compression, check_finite=False)
+        self.checking_codec = make_codec(cfg.compression)  # a strict collection's: NaN/inf dropped as codec_nonfinite
         self.total = cfg.train.steps
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
@@ -363,7 +364,8 @@ class Aggregator:
         if h["finite"] or not self.trainer.scaler.enabled:
             try:
                 t0 = time.perf_counter()
-                grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
+                codec = self.checking_codec if self.collector.strict else self.codec
+                grads = codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
                 self._step_codec_s += time.perf_counter() - t0 + float(h["encode_s"])
             except CodecError as exc:
                 self._drop(f"codec_{exc.reason}", f"{info.wid}: {exc}")
@@ -375,8 +377,6 @@ class Aggregator:
             self._drop(bad, f"{info.wid}: gradient tensors do not match the model")
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self._drop("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
-        elif grads is not None and self.collector.strict and not all_finite(grads.values()):
-            self._drop("codec_nonfinite", f"{where}: NaN or inf in the gradient")
         elif not all(isinstance(x, (int, float)) for x in losses):
             self._drop("bad_losses", where)
         elif (reason := self.collector.offer(node, grads, losses, holder,
