@@ -43,7 +43,7 @@ class Layout:
         self._gaps: list[tuple[str, int, int]] = []
         for _name, frame, lo, hi, _shape in self._slices:
             if lo > ends.get(frame, 0):
-                self._gaps.append((frame, ends[frame] if frame in ends else 0, lo))
+                self._gaps.append((frame, ends.get(frame, 0), lo))
             ends[frame] = hi
         self._gaps += [(self.frame_name(d), ends.get(self.frame_name(d), 0), n) for d, n in self.sizes.items()
                        if ends.get(self.frame_name(d), 0) < n]
