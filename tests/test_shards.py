@@ -117,6 +117,22 @@ def test_resume_with_another_shard_count_matches_the_reference(tmp_path: Path) -
 
 
 @pytest.mark.integration
+def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
+    """cluster.max_message_bytes=65536 under each shard's ~260 kB slice: gradients to each shard, parameters back,
+    the other shard's pieces to the leader (final, snapshots) all travel in parts; the run ends like the reference
+    and no part was refused."""
+    model = ("model.factory=tests.fixtures:many_tensors_mlp", "model.kwargs={n: 1, size: 100000}")
+    r = run_up(tmp_path / "run", *FAST, *model, "cluster.shards=2", "cluster.workers=2",
+               "cluster.max_message_bytes=65536", "checkpoint.every_steps=20")
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST, *model)
+    assert not r.summary["dropped_messages"], r.summary["dropped_messages"]
+    assert all(not x.get("dropped_messages") for x in r.summary["shards"]), r.summary["shards"]
+    last = sorted((r.run_dir / "checkpoints").glob("step-*"))[-1]  # both slices of step 60, snapshotted in parts
+    assert last.name.endswith("60") and json.loads((last / "meta.json").read_text())["shards"] == 2
+
+
+@pytest.mark.integration
 def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: Path) -> None:
     """eval.every_steps at K = 2: the leader evaluates the whole model of each boundary step (the other shard sends
     its pieces of it), so the metrics are one shard's; early stopping stops every shard at the same step."""

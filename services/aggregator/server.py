@@ -220,13 +220,15 @@ class Aggregator:
         if size > self.cfg.cluster.max_message_bytes:  # ZeroMQ's MAXMSGSIZE bounds one frame; this, the whole
             self._drop("too_big", f"{size} bytes")
             return
-        try:  # a part allocates only for an admitted worker (an unauthenticated flood cannot make us allocate)
-            msg = self.parts.decode(identity, frames[1:], allow_parts=identity in self.workers)
+        admitted = identity in self.workers or any(info.identity == identity for info in self.shards.values())
+        try:  # a part allocates only for an admitted worker or shard (an unauthenticated flood cannot make us allocate)
+            msg = self.parts.decode(identity, frames[1:], allow_parts=admitted)
         except protocol.ProtocolError as exc:
             self._drop(exc.reason, str(exc))
             return
-        if msg is None:  # a part of a bigger gradient (only workers send parts here); the rest is still coming
-            self._count_grad_bytes(size)
+        if msg is None:  # a part of a bigger message (a worker's gradient, a shard's pieces); the rest is coming
+            if identity in self.workers:
+                self._count_grad_bytes(size)
             return
         handler = self._handlers.get(msg.type)
         if handler is None:
