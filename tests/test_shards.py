@@ -133,6 +133,24 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_a_slice_lost_between_sends_is_recomputed_from_the_version_before(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject), and it forgets the slices it
+    held. Shard 2 has stepped early already (no clipping, no fp16); shard 1 lacks the step, so the leader leases it
+    again, and the worker must pull version 20 — shard 2's version before — to compute it. Bitwise the reference."""
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'inject'}")
+    monkeypatch.setenv("CMEMI_TEST_SKIP_SHARD", "20:1")
+    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "cluster.dead_after=1.0",
+            "cluster.heartbeat_interval=0.1")
+    r = run_up(tmp_path / "run", *sets, "cluster.shards=3", "cluster.workers=1")
+    assert r.rc == 0, r.stderr[-3000:]
+    events = [json.loads(x) for x in (r.run_dir / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["shard"]) for e in events if e["kind"] == "leases_reopened"][:1] == [(20, 1)], events
+    monkeypatch.delenv("CMEMI_TEST_SKIP_SHARD")
+    assert r.summary["params_sha256"] == reference_sha(tmp_path, *sets)
+
+
+@pytest.mark.integration
 def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: Path) -> None:
     """eval.every_steps at K = 2: the leader evaluates the whole model of each boundary step (the other shard sends
     its pieces of it), so the metrics are one shard's; early stopping stops every shard at the same step."""

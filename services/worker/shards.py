@@ -110,18 +110,26 @@ class ShardLinks:
         for link in self.links:
             if link.have == version:
                 continue
-            if link.got is None or link.got.header["version"] < version:
-                if link.asked < version:
+            if not self._answers(link, version):
+                # not asked yet, or what is here is a newer version asked ahead: a shard that stepped early keeps
+                # the version before until the leader's commit, for a lease of it given out again
+                if link.asked != version:
                     self._send(link, "pull", term=self.term, version=version)
                     link.asked = version
-                self._wait(lambda link=link: link.got is not None and link.got.header["version"] >= version,
-                           lambda _l, _m: None)
+                self._wait(lambda link=link: self._answers(link, version), lambda _l, _m: None)
             assert link.got is not None
             if link.got.header["version"] != version or not link.got.tensors:
                 return False
             self._copy(link, link.got)
             link.have = version
         return True
+
+    @staticmethod
+    def _answers(link: Link, version: int) -> bool:
+        """Does the slice received answer a pull of `version` (its tensors, or: that version is over)?"""
+        got = link.got
+        return got is not None and (got.header["asked"] == version
+                                    or (got.header["version"] == version and bool(got.tensors)))
 
     def _copy(self, link: Link, msg: protocol.Message) -> None:
         try:
