@@ -50,6 +50,24 @@ def test_grid_cuts_big_tensors_by_rows_balances_bytes_and_joins_back() -> None:
     assert partials == one.partials(grads), "every shard's partials, in shard order, are the grid's"
 
 
+def test_a_worker_tells_the_answer_to_its_pull_from_a_late_answer_to_an_earlier_one() -> None:
+    """A pull of version 4 answered late, when the shard was at 5 (no tensors, version 5), is not an answer to a
+    pull of 5: taking it as one made every lease of step 5 look stale, again and again."""
+    from types import SimpleNamespace
+
+    from cmemi.services.worker.shards import ShardLinks
+
+    def link(version: int, asked: int, tensors: bool) -> SimpleNamespace:
+        header = {"version": version, "asked": asked, "shard": 1}
+        return SimpleNamespace(got=SimpleNamespace(header=header, tensors={"w": torch.zeros(1)} if tensors else {}))
+
+    assert not ShardLinks._answers(link(5, 4, False), 5)  # a late "step 4 is over"
+    assert ShardLinks._answers(link(5, 5, True), 5)
+    assert ShardLinks._answers(link(6, 5, False), 5)  # "step 5 is over": the lease is stale
+    assert not ShardLinks._answers(link(6, 6, True), 5)  # asked ahead: pull 5 itself
+    assert not ShardLinks._answers(SimpleNamespace(got=None), 5)
+
+
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("optimizer", {"name": "LBFGS"}, "optimizer.name"),
     ("optimizer", {"name": "Adafactor"}, "optimizer.name"),
@@ -135,9 +153,10 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_a_slice_lost_between_sends_is_recomputed_from_the_version_before(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject), and it forgets the slices it
-    held. Shard 2 has stepped early already (no clipping, no fp16); shard 1 lacks the step, so the leader leases it
-    again, and the worker must pull version 20 — shard 2's version before — to compute it. Bitwise the reference."""
+    """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject, as when a worker dies between
+    its sends), and it forgets the slices it held, as its replacement would. Shard 1 lacks the step, so the leader
+    leases it again once the grace is over, and the worker pulls version 20 anew from both shards, past the next
+    version it had asked ahead for. Bitwise the reference."""
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'inject'}")
     monkeypatch.setenv("CMEMI_TEST_SKIP_SHARD", "20:1")
     sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "cluster.dead_after=1.0",

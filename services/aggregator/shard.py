@@ -92,14 +92,7 @@ class ShardServer:
         self.workers: dict[bytes, tuple[str, int]] = {}
         self.pulls: dict[bytes, int] = {}  # identity -> version it waits for
         self.collector = StepCollector(self.trainer.step, self.M, leased=False, strict=True)
-        self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until applied
-        # Without clipping or fp16 loss scaling no global quantity decides how a piece is stepped: the shard steps
-        # its slice as soon as its step is complete and serves it, without waiting for the leader's commit
-        # (docs/design.md §4, "Early apply"); version s stays servable until that commit, for re-leased work.
-        self.early = cfg.train.clip_grad_norm is None and not self.trainer.scaler.enabled
-        self.awaiting: tuple[int, list[float], bool] | None = None  # the shard_ready waiting for its commit
-        self.previous: tuple[int, dict[str, torch.Tensor]] | None = None  # version s, applied early, until committed
-        self.old_publisher = Publisher(cfg.cluster.checksum, self.layout, pool=1)
+        self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
         self.leader = self.zctx.socket(zmq.DEALER)
         ctx.curve.connect_as_client(self.leader)
         self.leader.setsockopt(zmq.LINGER, 0)
@@ -146,11 +139,8 @@ class ShardServer:
 
     def _send(self, identity: bytes, mtype: str, slice_: bool = False, **fields: Any) -> None:
         encoded, trackers = None, None
-        if slice_ and fields["version"] == self.trainer.step:
+        if slice_:
             encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
-        elif slice_:  # the version before an early apply (self.previous), for a lease of it given out again
-            assert self.previous is not None and self.previous[0] == fields["version"]
-            encoded, trackers = self.old_publisher.encoded(self.previous[1], self.previous[0])
         msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
         try:
             n = transfer.send(self.sock, msgs, identity, trackers)
@@ -185,8 +175,8 @@ class ShardServer:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if self.awaiting is not None and now >= self._next_ready:  # the leader may have missed it (restarting)
-            self._send_ready()
+        if self.mean is not None and now >= self._next_ready:  # the leader may have missed it (restarting)
+            self._ready()
         elif self.mean is None and not self.done and now >= self._next_have:
             self._next_have = now + 0.5
             self._to_leader("shard_have", step=self.collector.step, have=sorted(self.collector.received))
@@ -213,8 +203,7 @@ class ShardServer:
             if msg is None:
                 continue
             h = msg.header
-            if (msg.type == "shard_commit" and h["term"] == self.term and self.awaiting is not None
-                    and h["step"] == self.awaiting[0]):
+            if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
                 self._commit(h["partials"], h["skip"], h["last"])
             elif msg.type == "reject":
                 raise Rejoin(h["reason"])
@@ -287,22 +276,17 @@ class ShardServer:
             self._drop(reason, where)
         elif self.collector.complete:
             self.mean = self.collector.mean()
-            if not self.early:
-                grads = self.mean[0]
-                self.awaiting = (self.collector.step, self.trainer.partials(grads), grads is None)
-                self._send_ready()
-            elif self.awaiting is None:  # else it waits for the commit of the step before
-                self._apply_early()
+            self._ready()
 
-    def _send_ready(self) -> None:
-        assert self.awaiting is not None
-        step, partials, overflow = self.awaiting
-        self._to_leader("shard_ready", step=step, partials=partials, overflow=overflow)
+    def _ready(self) -> None:
+        grads, _ = self.mean if self.mean is not None else (None, 0.0)
+        self._to_leader("shard_ready", step=self.collector.step, partials=self.trainer.partials(grads),
+                        overflow=grads is None)
         self._next_ready = time.monotonic() + 1.0
 
-    def _apply(self, skip: bool, partials: list[float] | None) -> None:
-        """Step this shard's pieces with the complete step's mean gradient; the next step's collection starts."""
-        assert self.mean is not None
+    def _commit(self, partials: list[float], skip: bool, last: bool) -> None:
+        if self.mean is None:  # the leader commits only once every shard reported its step complete: cannot happen
+            raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
         grads, _ = self.mean
         self.mean = None
         try:
@@ -310,28 +294,8 @@ class ShardServer:
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
             self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
                            f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
-        self.collector = StepCollector(self.trainer.step, self.M, leased=False, strict=True)
-
-    def _apply_early(self) -> None:
-        """Commit-free: step now, serve the new version at once, and tell the leader the step is complete."""
-        step = self.collector.step
-        self.previous = (self.trainer.step, {n: t.detach().clone() for n, t in self.trainer.wire_state().items()})
-        self._apply(False, None)
-        self.awaiting = (step, [], False)
-        self._send_ready()
-        self._answer_pulls()
-
-    def _commit(self, partials: list[float], skip: bool, last: bool) -> None:
-        if self.early:  # applied already; nothing of the step before can be leased again now
-            if skip:
-                raise Rejoin(f"told to skip step {self.awaiting and self.awaiting[0]}, applied here already")
-            self.previous = None
-        elif self.mean is None:  # the leader commits only once every shard reported its step complete: cannot be
-            raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
-        else:
-            self._apply(skip, partials)
-        self.awaiting = None
         step = self.trainer.step
+        self.collector = StepCollector(step, self.M, leased=False, strict=True)
         self._answer_pulls()
         if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
@@ -343,14 +307,12 @@ class ShardServer:
             self._finish()
         elif every and step % every == 0:
             self.ckpt.offer(self._snapshot())
-        if self.early and self.mean is not None and not self.done:  # the next step completed before this commit
-            self._apply_early()
 
     def _answer_pulls(self) -> None:
-        """Each answer names the version asked for (`asked`): a worker holding a newer slice asked ahead can tell
-        the answer to its pull of an older one (a lease given out again) from it."""
+        """Each answer names the version asked for (`asked`): a worker can tell the answer to its pull from a late
+        answer to an earlier one (that step is over: its version is the current one, without tensors)."""
         for identity, version in list(self.pulls.items()):
-            if version == self.trainer.step or (self.previous is not None and version == self.previous[0]):
+            if version == self.trainer.step:
                 del self.pulls[identity]
                 self._send(identity, "slice", slice_=True, version=version, asked=version, shard=self.shard)
             elif version < self.trainer.step:  # that step is over: the worker's lease is stale

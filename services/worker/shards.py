@@ -111,8 +111,8 @@ class ShardLinks:
             if link.have == version:
                 continue
             if not self._answers(link, version):
-                # not asked yet, or what is here is a newer version asked ahead: a shard that stepped early keeps
-                # the version before until the leader's commit, for a lease of it given out again
+                # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
+                # one (current version, no tensors), or a newer version asked ahead
                 if link.asked != version:
                     self._send(link, "pull", term=self.term, version=version)
                     link.asked = version

@@ -1,7 +1,7 @@
 """A fault for tests/test_shards.py, loaded into every Python process of a run by PYTHONPATH=tests/inject:
 with CMEMI_TEST_SKIP_SHARD="step:k", a worker's gradient of that step never reaches shard k (as when a worker
 dies between its sends), and the worker forgets every shard's slice it holds (as a replacement would), so the
-microbatches leased again must be computed from the version before, pulled from shards that stepped early."""
+microbatches leased again are computed from slices pulled anew."""
 
 import os
 
