@@ -55,17 +55,17 @@ def test_a_worker_tells_the_answer_to_its_pull_from_a_late_answer_to_an_earlier_
     pull of 5: taking it as one made every lease of step 5 look stale, again and again."""
     from types import SimpleNamespace
 
-    from cmemi.services.worker.shards import ShardLinks
+    from cmemi.services.worker.shards import answers
 
-    def link(version: int, asked: int, tensors: bool) -> SimpleNamespace:
+    def got(version: int, asked: int, tensors: bool) -> SimpleNamespace:
         header = {"version": version, "asked": asked, "shard": 1}
-        return SimpleNamespace(got=SimpleNamespace(header=header, tensors={"w": torch.zeros(1)} if tensors else {}))
+        return SimpleNamespace(header=header, tensors={"w": torch.zeros(1)} if tensors else {})
 
-    assert not ShardLinks._answers(link(5, 4, False), 5)  # a late "step 4 is over"
-    assert ShardLinks._answers(link(5, 5, True), 5)
-    assert ShardLinks._answers(link(6, 5, False), 5)  # "step 5 is over": the lease is stale
-    assert not ShardLinks._answers(link(6, 6, True), 5)  # asked ahead: pull 5 itself
-    assert not ShardLinks._answers(SimpleNamespace(got=None), 5)
+    assert not answers(got(5, 4, False), 5)  # a late "step 4 is over"
+    assert answers(got(5, 5, True), 5)
+    assert answers(got(6, 5, False), 5)  # "step 5 is over": the lease is stale
+    assert not answers(got(6, 6, True), 5)  # asked ahead: pull 5 itself
+    assert not answers(None, 5)
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
@@ -151,8 +151,8 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_a_slice_lost_between_sends_is_recomputed_from_the_version_before(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slice_lost_between_sends_is_leased_again_and_recomputed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject, as when a worker dies between
     its sends), and it forgets the slices it held, as its replacement would. Shard 1 lacks the step, so the leader
     leases it again once the grace is over, and the worker pulls version 20 anew from both shards, past the next

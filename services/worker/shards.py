@@ -31,6 +31,13 @@ class Lost(Exception):
     """A shard did not answer, rejected us, or its parameters do not fit: start over with hello."""
 
 
+def answers(got: protocol.Message | None, version: int) -> bool:
+    """Does the slice received answer a pull of `version` (its tensors, or: that version is over)? Not a late answer
+    to an earlier pull (that step is over: the current version, no tensors)."""
+    return got is not None and (got.header["asked"] == version
+                                or (got.header["version"] == version and bool(got.tensors)))
+
+
 class Link:
     def __init__(self, k: int, sock: zmq.Socket, layout: Layout, parts: transfer.Assembler) -> None:
         self.k, self.sock, self.layout, self.parts = k, sock, layout, parts
@@ -110,26 +117,19 @@ class ShardLinks:
         for link in self.links:
             if link.have == version:
                 continue
-            if not self._answers(link, version):
+            if not answers(link.got, version):
                 # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
                 # one (current version, no tensors), or a newer version asked ahead
                 if link.asked != version:
                     self._send(link, "pull", term=self.term, version=version)
                     link.asked = version
-                self._wait(lambda link=link: self._answers(link, version), lambda _l, _m: None)
+                self._wait(lambda link=link: answers(link.got, version), lambda _l, _m: None)
             assert link.got is not None
             if link.got.header["version"] != version or not link.got.tensors:
                 return False
             self._copy(link, link.got)
             link.have = version
         return True
-
-    @staticmethod
-    def _answers(link: Link, version: int) -> bool:
-        """Does the slice received answer a pull of `version` (its tensors, or: that version is over)?"""
-        got = link.got
-        return got is not None and (got.header["asked"] == version
-                                    or (got.header["version"] == version and bool(got.tensors)))
 
     def _copy(self, link: Link, msg: protocol.Message) -> None:
         try:
