@@ -72,8 +72,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "shard_join": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "addr": _STR},
     "shard_have": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "have": _LIST},
     "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
-    "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL, "last": _BOOL},  # last: the
-    # run ends with this step (train.steps, or an early stop), every shard writes its final slice
+    "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL, "last": _BOOL, "snapshot": _BOOL},
+    # last: the run ends with this step (train.steps, or an early stop), every shard writes its final slice;
+    # snapshot: every shard checkpoints this step (the leader picks the same steps for all)
     "shard_eval": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},  # its slice at eval.every_steps
     "shard_final": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "bytes_in": _INT, "bytes_out": _INT,
                     "drops": _MAP, "tensors": _LIST},

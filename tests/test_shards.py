@@ -137,17 +137,45 @@ def test_resume_with_another_shard_count_matches_the_reference(tmp_path: Path) -
 @pytest.mark.integration
 def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
     """cluster.max_message_bytes=65536 under each shard's ~260 kB slice: gradients to each shard, parameters back,
-    the other shard's pieces to the leader (final, snapshots) all travel in parts; the run ends like the reference
-    and no part was refused."""
+    the other shard's pieces to the leader (final, evaluation) and both shards' snapshots to the checkpointer, at
+    once, all travel in parts. A checkpoint every step, faster than they can be written: the leader names the
+    steps both shards snapshot, so periodic checkpoints keep completing (with the shards picking their own, and
+    the checkpointer taking one transfer in parts at a time, none did after the first and the final one hung).
+    The run ends like the reference and no part was refused."""
     model = ("model.factory=tests.fixtures:many_tensors_mlp", "model.kwargs={n: 1, size: 100000}")
     r = run_up(tmp_path / "run", *FAST, *model, "cluster.shards=2", "cluster.workers=2",
-               "cluster.max_message_bytes=65536", "checkpoint.every_steps=20")
+               "cluster.max_message_bytes=65536", "checkpoint.every_steps=1", "checkpoint.keep_last=100", timeout=120)
     assert r.rc == 0, r.stderr[-3000:]
     assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST, *model)
     assert not r.summary["dropped_messages"], r.summary["dropped_messages"]
+    assert not r.summary["checkpointer_dropped_messages"], r.summary["checkpointer_dropped_messages"]
     assert all(not x.get("dropped_messages") for x in r.summary["shards"]), r.summary["shards"]
-    last = sorted((r.run_dir / "checkpoints").glob("step-*"))[-1]  # both slices of step 60, snapshotted in parts
-    assert last.name.endswith("60") and json.loads((last / "meta.json").read_text())["shards"] == 2
+    saved = sorted((r.run_dir / "checkpoints").glob("step-*"))
+    assert len(saved) >= 3, saved  # periodic ones besides the first, then the final one
+    assert all(json.loads((c / "meta.json").read_text())["shards"] == 2 for c in saved)
+    assert saved[-1].name.endswith("60")
+    assert "given up" not in (r.run_dir / "logs" / "checkpointer.log").read_text()
+
+
+def test_a_sharded_step_a_shard_already_passed_is_given_up() -> None:
+    """The checkpointer's merge: shard 0 sent step 6, shard 1 step 10. Shard 1 sends its steps in order, so step 6
+    will never be complete: it is given up (shard 0 is told) as soon as step 10 comes, not left to wait for a
+    slice that never comes while shard 0 waits for its answer."""
+    from cmemi.services.checkpointer.merge import Merger
+
+    def header(step: int, shard: int, term: int = 1) -> dict:
+        return {"step": step, "shard": shard, "shards": 2, "term": term, "pieces": {}, "meta": {}, "final": False}
+
+    m = Merger()
+    assert m.add(b"s0", header(6, 0), {}) == (None, [])
+    done, given_up = m.add(b"s1", header(10, 1), {})
+    assert done is None and given_up == [(6, [b"s0"])]
+    done, given_up = m.add(b"s0", header(10, 0), {})
+    assert done is not None and sorted(done.slices) == [0, 1] and given_up == []
+    # a new term (a rollback) starts over: its older steps are not "passed"
+    assert m.add(b"s1", header(4, 1, term=2), {}) == (None, [])
+    done, _ = m.add(b"s0", header(4, 0, term=2), {})
+    assert done is not None
 
 
 @pytest.mark.integration

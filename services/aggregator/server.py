@@ -89,9 +89,10 @@ class Aggregator:
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops: Counter[str] = Counter()
-        # gradients bigger than one message, from admitted workers only (one partial transfer each)
+        # messages bigger than one, from admitted workers (gradients) and joined shards (their final and evaluation
+        # slices) only: one partial transfer each, and one for a replacement
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
-                                        peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1,
+                                        peers=cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards,
                                         on_abandon=self._drop)
         self.term = allocate(ctx.redis, ctx.keys.term)
         self.totals = RunTotals()  # restored from the checkpoint
@@ -131,7 +132,7 @@ class Aggregator:
         self.ckpt_stall_s: list[float] = []
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
-        self._last_commit: tuple[int, list[float], bool, bool] | None = None  # step, partials, skip, last
+        self._last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
         self._after: tuple[int, float, float, int, dict[str, Any] | None] | None = None  # see _after_step
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
@@ -468,10 +469,8 @@ class Aggregator:
             self._drop("bad_partials", f"shard {h['shard']}")
             return
         if h["step"] < self.collector.step:  # applied already: its commit was lost on the way
-            if self._last_commit is not None and self._last_commit[0] == h["step"]:
-                _, partials, skip, last = self._last_commit
-                self._send(identity, "shard_commit", term=self.term, step=h["step"], partials=partials, skip=skip,
-                           last=last)
+            if self._last_commit is not None and self._last_commit["step"] == h["step"]:
+                self._send(identity, "shard_commit", **self._last_commit)
             return
         info.ready = (h["step"], [float(x) for x in h["partials"]], h["overflow"])
         if self._mean is not None:
@@ -568,15 +567,16 @@ class Aggregator:
         if self.trainer.sharded and (others := self._others_ready()) is None:
             return  # _on_shard_ready comes back here
         stop = self._stops_at(self.trainer.step + 1)
+        snapshot = not stop and self._snapshot_due(self.trainer.step + 1)
         if self.trainer.sharded:
             if others[1]:
                 grads = None
             partials = self.trainer.partials(grads) + others[0] if grads is not None else []
             last = stop or self.trainer.step + 1 >= self.total
-            self._last_commit = (self.collector.step, partials, grads is None, last)
+            self._last_commit = {"term": self.term, "step": self.collector.step, "partials": partials,
+                                 "skip": grads is None, "last": last, "snapshot": snapshot}
             for info in self.shards.values():
-                self._send(info.identity, "shard_commit", term=self.term, step=self.collector.step, partials=partials,
-                           skip=grads is None, last=last)
+                self._send(info.identity, "shard_commit", **self._last_commit)
         self._mean = None
         if grads is not None and not all_finite(grads.values()):
             # Honest workers never send NaN/inf (they stop the run, or flag an fp16 overflow), so one pass over
@@ -624,10 +624,20 @@ class Aggregator:
             self.done = True
         else:
             self.collector = self._collector(step)
-        self._after = (step, loss, dt, self._step_bytes_in + self._step_bytes_out, line)
+        self._after = (step, loss, dt, self._step_bytes_in + self._step_bytes_out, line, snapshot)
         self._step_bytes_in = self._step_bytes_out = 0
         self._step_codec_s = 0.0
         self._serve_parked()
+
+    def _snapshot_due(self, step: int) -> bool:
+        """Is the state after `step` checkpointed (checkpoint.every_steps)? Sharded, the leader decides for every
+        shard (its commit says so), so the checkpointer gets each shard's slice of the same steps: a boundary that
+        comes while the last checkpoint is still being written is left out, unless retention keeps it
+        (checkpoint.keep_every). One aggregator sends the newest boundary once the last one is written."""
+        every = self.cfg.checkpoint.every_steps
+        if not every or step % every or step >= self.total:
+            return False
+        return not self.trainer.sharded or self.ckpt.idle or self.ckpt.milestone(step)
 
     def _stops_at(self, step: int) -> bool:
         """At an evaluation boundary, before the step is applied (so a sharded commit can say it is the last): the
@@ -660,12 +670,11 @@ class Aggregator:
         It runs before the next message is read, so the snapshot is still of this step."""
         if self._after is None:
             return
-        step, loss, dt, nbytes, line = self._after
+        step, loss, dt, nbytes, line, snapshot = self._after
         self._after = None
         if line is not None:
             self.metrics.write(json.dumps(line) + "\n")
-        every = self.cfg.checkpoint.every_steps
-        if every and step % every == 0 and step < self.total:
+        if snapshot:
             t0 = time.monotonic()
             self.ckpt.offer(self._snapshot())  # in-memory copy only: the disk is the checkpointer's
             self.ckpt_stall_s.append(time.monotonic() - t0)

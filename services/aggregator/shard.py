@@ -204,7 +204,7 @@ class ShardServer:
                 continue
             h = msg.header
             if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
-                self._commit(h["partials"], h["skip"], h["last"])
+                self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "reject":
                 raise Rejoin(h["reason"])
 
@@ -284,7 +284,7 @@ class ShardServer:
                         overflow=grads is None)
         self._next_ready = time.monotonic() + 1.0
 
-    def _commit(self, partials: list[float], skip: bool, last: bool) -> None:
+    def _commit(self, partials: list[float], skip: bool, last: bool, snapshot: bool) -> None:
         if self.mean is None:  # the leader commits only once every shard reported its step complete: cannot happen
             raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
         grads, _ = self.mean
@@ -301,11 +301,10 @@ class ShardServer:
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
             self._to_leader("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
                             step=step)
-        every = self.cfg.checkpoint.every_steps
         if last:  # train.steps, or the leader stopped early
             self.done = True
             self._finish()
-        elif every and step % every == 0:
+        elif snapshot:  # the leader names the steps every shard checkpoints
             self.ckpt.offer(self._snapshot())
 
     def _answer_pulls(self) -> None:

@@ -184,16 +184,22 @@ class CheckpointerLink:
         return out
 
     # ---------------------------------------------------------------- periodic, asynchronous
-    def _milestone(self, snap: Snapshot) -> bool:
+    def milestone(self, step: int) -> bool:
+        """Does retention keep this step (checkpoint.keep_every)? Then its snapshot is never replaced unsent."""
         every = self.cfg.checkpoint.keep_every
-        return bool(every) and snap[0] % every == 0
+        return bool(every) and step % every == 0
+
+    @property
+    def idle(self) -> bool:
+        """No snapshot is waiting to be written."""
+        return self.in_flight is None and not self.queued
 
     def offer(self, snap: Snapshot) -> None:
         if self.in_flight is None and not self.queued and self._connect(wait=False):
             self.in_flight = snap
             self._send(snap, final=False)
         else:  # a newer snapshot replaces an older unsent one, unless that one is a milestone retention keeps
-            self.queued = [q for q in self.queued if self._milestone(q)] + [snap]
+            self.queued = [q for q in self.queued if self.milestone(q[0])] + [snap]
 
     def poll(self) -> list[int]:
         """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""

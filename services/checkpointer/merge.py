@@ -7,8 +7,10 @@ checkpoint: `model.safetensors` holds whole tensors (pieces joined: it loads wit
 `shard{k}.`, and meta.json `{"shards": K, "pieces": ..., "per_shard": [meta of shard 0, ...]}`. Only
 then is it written and `latest` moved, so a checkpoint is all K slices or nothing.
 
-At most `MAX_PENDING` steps wait for their missing slices; a step older than one that completed, or
-than the newest one a shard sent, will never be complete and is given up (its senders are told).
+The leader names the steps every shard checkpoints (its commit), so the K slices of a step come
+together. A step older than one that completed, or one that lacks shard k's slice while shard k
+already sent a newer step (each shard sends its steps in order), will never be complete: it is given
+up and its senders are told, so they send their next. At most `MAX_PENDING` steps wait.
 """
 
 from __future__ import annotations
@@ -49,12 +51,17 @@ def sharding_problem(header: dict[str, Any]) -> str | None:
 class Merger:
     def __init__(self) -> None:
         self.pending: dict[int, Pending] = {}
+        self.term = -1
+        self.newest: dict[int, int] = {}  # shard -> the newest step it sent in this term
 
     def add(self, identity: bytes, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
             Pending | None, list[tuple[int, list[bytes]]]]:
         """Take one shard's snapshot; returns (the step's Pending once all K are in, else None; the steps given up,
         each with the identities to tell)."""
         step, k = header["step"], header["shard"]
+        if header["term"] != self.term:  # a new term (the run rolled back): its shards start over
+            self.term, self.newest = header["term"], {}
+        self.newest[k] = max(step, self.newest.get(k, -1))
         p = self.pending.get(step)
         if p is None or p.term != header["term"]:
             p = self.pending[step] = Pending(header["term"], header["shards"], header["pieces"])
@@ -66,8 +73,10 @@ class Merger:
             del self.pending[step]
         given_up = []
         for old in sorted(self.pending):
-            if (done is not None and old < step) or len(self.pending) > MAX_PENDING:
-                q = self.pending.pop(old)
+            q = self.pending[old]
+            passed = any(j not in q.slices and self.newest.get(j, -1) > old for j in range(q.shards))
+            if (done is not None and old < step) or passed or len(self.pending) > MAX_PENDING:
+                del self.pending[old]
                 given_up.append((old, list(q.senders.values())))
         return done, given_up
 

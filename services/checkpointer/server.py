@@ -35,9 +35,10 @@ class Checkpointer:
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.drops: Counter[str] = Counter()  # by reason; mirrored to Redis (ckpt:dropped) for summary.json
         self._unpublished_drops: Counter[str] = Counter()
-        # snapshots bigger than one message: one partial transfer at a time (there is one aggregator)
+        # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
+        # their slices of a step at once) plus one for a restarted aggregator's new connection
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
-                                        on_abandon=self._drop)
+                                        peers=self.cfg.cluster.shards + 1, on_abandon=self._drop)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
         # term asks again, from a new process, before the leader rolls everyone back)
