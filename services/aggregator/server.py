@@ -637,7 +637,10 @@ class Aggregator:
         every = self.cfg.checkpoint.every_steps
         if not every or step % every or step >= self.total:
             return False
-        return not self.trainer.sharded or self.ckpt.idle or self.ckpt.milestone(step)
+        if not self.trainer.sharded:
+            return True
+        self.ckpt.poll()  # an acknowledgement that came since the last housekeeping
+        return self.ckpt.idle or self.ckpt.milestone(step)
 
     def _stops_at(self, step: int) -> bool:
         """At an evaluation boundary, before the step is applied (so a sharded commit can say it is the last): the
