@@ -133,7 +133,7 @@ class Aggregator:
         self.stopped_early = False
         self.fenced: dict[str, int] = {}
         self._last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
-        self._after: tuple[int, float, float, int, dict[str, Any] | None] | None = None  # see _after_step
+        self._after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see _after_step
         self.collector = self._collector(self.trainer.step)
         self.reissue = ReissuePolicy()
         self._step_bytes_in = self._step_bytes_out = 0
