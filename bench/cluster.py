@@ -4,8 +4,10 @@
 
 Needs root (network namespaces, veths, `tc`); without them it says why in one line and exits 2. Not part of
 `make bench`. Every host's veth is shaped with `tc ... tbf` at both ends (the host's eth0 and its bridge port,
-i.e. each direction; this kernel has no netem, so there is rate but no added delay). One extra namespace is
-the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, one after the other:
+i.e. each direction; this kernel has no netem, so there is rate but no added delay), at a rate per N (default
+200 / 100 / 50 Mbit/s at N = 2 / 4 / 8: the bytes per step grow with N while the 2 cores do not, so a lower rate
+keeps the CPU partly idle and the links the limit; each run records both, and the packets each tbf dropped). One
+extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, one after the other:
 
 - `ddp`, `ddp_powersgd`: bench/torch_train.py as N gloo ranks, one per host, rendezvous env:// with
   MASTER_ADDR on host 0 (how torchrun starts them, minus the agent); dense, and with torch's PowerSGD
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -58,6 +61,7 @@ from tests import netns  # noqa: E402
 
 SCRIPT = C.ROOT / "bench" / "torch_train.py"
 SLEEP_MS = 20.0
+RATES = "2:200mbit,4:100mbit,8:50mbit"
 BATCH = 64
 MODEL = {"factory": "bench.cluster_models:sleepy_mlp",
          "kwargs": {"in_dim": 784, "hidden": 512, "depth": 3, "classes": 10, "sleep_ms": SLEEP_MS}}
@@ -82,6 +86,19 @@ def shape(lab: netns.NetLab, host: netns.Host, rate: str, burst: str) -> None:
     spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"]
     tc(host.ns, "qdisc", "replace", "dev", "eth0", *spec)
     tc(lab.bridge_ns, "qdisc", "replace", "dev", host.port_if, *spec)
+
+
+def tbf_drops(lab: netns.NetLab, hosts: list[netns.Host]) -> dict[str, int]:
+    """Packets every tbf has dropped so far (its queue full: `latency` 100 ms of data), uplinks (host -> bridge) and
+    downlinks (bridge -> host) summed: TCP losses, each one a retransmission and, in an incast, a timeout."""
+    out = {"up": 0, "down": 0}
+    for h in hosts:
+        for way, ns, dev in (("up", h.ns, "eth0"), ("down", lab.bridge_ns, h.port_if)):
+            r = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev],
+                               capture_output=True, text=True, timeout=20)
+            m = re.search(r"dropped (\d+)", r.stdout)
+            out[way] += int(m.group(1)) if m else 0
+    return out
 
 
 PROBE_RECV = """
@@ -327,6 +344,21 @@ def rate_bit_s(rate: str) -> float:
     raise ValueError(f"--rate {rate!r}: write it as <number>kbit, mbit or gbit (tc's units), e.g. 200mbit")
 
 
+def rates_by_n(spec: str, ns_: list[int]) -> dict[int, str]:
+    """`--rate`: one rate for every N ("200mbit"), or one per N ("2:200mbit,4:100mbit,8:50mbit")."""
+    if ":" not in spec:
+        rate_bit_s(spec)
+        return dict.fromkeys(ns_, spec)
+    out = {}
+    for item in spec.split(","):
+        n, _, rate = item.partition(":")
+        rate_bit_s(rate)
+        out[int(n)] = rate
+    if missing := [n for n in ns_ if n not in out]:
+        raise ValueError(f"--rate {spec!r} names no rate for N = {missing}")
+    return out
+
+
 def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[str, Any]:
     b = comm_bounds_s(n, pbytes, rate)
     sleep = (SLEEP_MS + MODEL["kwargs"].get("backward_ms", 0.0)) / 1000  # emulated compute per step
@@ -366,7 +398,8 @@ def main() -> None:
     p.add_argument("--hosts", default=None, help="comma-separated N values (default 2,4,8; --quick 2,4)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 30; --quick 14)")
     p.add_argument("--warmup", type=int, default=None, help="steps skipped before measuring (default 5; --quick 3)")
-    p.add_argument("--rate", default="200mbit", help="every link's rate each way, in tc's units")
+    p.add_argument("--rate", default=RATES, help="every link's rate each way, in tc's units: one for all N, or one "
+                   f"per N (default {RATES}: the CPU stays partly idle at every N, so the links are the limit)")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     p.add_argument("--backward-ms", type=float, default=0.0,
@@ -379,17 +412,17 @@ def main() -> None:
     if why is not None:
         print(f"bench/cluster.py needs root and Linux network namespaces with tc: {why}", file=sys.stderr)
         sys.exit(2)
-    try:
-        rate = rate_bit_s(args.rate)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
     systems = args.systems.split(",")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         print(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}", file=sys.stderr)
         sys.exit(2)
     ns_ = [int(x) for x in (args.hosts or ("2,4" if args.quick else "2,4,8")).split(",")]
+    try:
+        rates = rates_by_n(args.rate, ns_)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
     steps = args.steps or (14 if args.quick else 30)
     warmup = args.warmup or (3 if args.quick else 5)
     try:
@@ -405,7 +438,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "cluster", "command": " ".join(["python bench/cluster.py", *sys.argv[1:]]),
         "machine": C.machine(), "quick": args.quick,
-        "link": {"rate": args.rate, "rate_bit_s": rate, "burst": args.burst,
+        "link": {"rate": args.rate, "burst": args.burst,
                  "shaping": "tc tbf on both ends of every host's veth (each direction); no netem: no added delay"},
         "workload": {"model": f"MLP {in_dim}-" + f"{hidden}-" * (depth - 1) + "10 (bench.cluster_models:sleepy_mlp)",
                      "param_bytes": pbytes,
@@ -437,25 +470,31 @@ def main() -> None:
         server = lab.host("srv", 2)
         hosts = [lab.host(f"h{i}", 10 + i) for i in range(max(ns_))]
         servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))] if "cmemi_kn_dedicated" in systems else [])
-        for h in (server, *hosts, *servers):
-            shape(lab, h, args.rate, args.burst)
-        probe = 8 * max(1, int(rate / 8 / 4))  # about a quarter of a second's worth
-        result["link"]["probe_mbit_s"] = {f"{a.name}->{b.name}": round(probe_rate(a, b, probe), 1)
-                                          for a, b in ((hosts[1], hosts[0]), (hosts[0], server))}
-        C.log(f"{len(hosts) + 1} hosts shaped to {args.rate}; probe {result['link']['probe_mbit_s']} Mbit/s")
+        shaped = [server, *hosts, *servers]
         from cmemi.shared.security import generate
 
         keys = work / "keys"
         generate(keys)
         cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys, servers)
         for n in ns_:
+            rate = rate_bit_s(rates[n])
+            for h in shaped:
+                shape(lab, h, rates[n], args.burst)
+            probe = 8 * max(1, int(rate / 8 / 4))  # about a quarter of a second's worth
+            link = {"rate": rates[n], "rate_bit_s": rate,
+                    "probe_mbit_s": {f"{a.name}->{b.name}": round(probe_rate(a, b, probe), 1)
+                                     for a, b in ((hosts[1], hosts[0]), (hosts[0], server))}}
+            C.log(f"N = {n}: {len(shaped)} hosts shaped to {rates[n]}; probe {link['probe_mbit_s']} Mbit/s")
             runs: dict[str, Any] = {}
             for system in systems:
                 C.log(f"N = {n}: {system} ({steps} steps)")
                 first_error = None
                 for _attempt in range(2):  # a gloo rank sometimes aborts in its rendezvous ("terminate called"): once more
                     try:
+                        before = tbf_drops(lab, shaped)
                         runs[system] = run_system(cluster, system, n, steps, warmup)
+                        after = tbf_drops(lab, shaped)
+                        runs[system]["link_drops"] = {w: after[w] - before[w] for w in after}
                     except Exception as exc:  # one failed system does not lose the others' figures
                         runs[system] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
                     if "error" not in runs[system] or first_error is not None:
@@ -465,7 +504,7 @@ def main() -> None:
                 if first_error is not None:
                     runs[system]["first_attempt_error"] = first_error
                 C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
-                result["by_n"][str(n)] = summarise(n, runs, pbytes, rate)
+                result["by_n"][str(n)] = {"link": link, **summarise(n, runs, pbytes, rate)}
         failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]
         if failed:
             result["error"] = f"runs failed: {', '.join(failed)}"

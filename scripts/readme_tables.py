@@ -220,11 +220,14 @@ def cluster() -> str:
     if not (RESULTS / "cluster.json").is_file():
         return "No results yet: `sudo .venv/bin/python bench/cluster.py --out bench/results/cluster.json` writes them."
     d = load("cluster")
-    m, link, w = d["machine"], d["link"], d["workload"]
+    m, w = d["machine"], d["workload"]
     loads = [m["loadavg_at_start"][0], m["loadavg_at_end"][0]]
+    links = {n: x.get("link", d["link"]) for n, x in d["by_n"].items()}
+    probes = [v / (link["rate_bit_s"] / 1e6) * 100 for link in links.values() for v in link["probe_mbit_s"].values()]
+    rates = ", ".join(f"{link['rate']} at N = {n}" for n, link in links.items())
     lines = [f"Measured with `{d['command']}` on {m['cpus']} CPU cores (1-minute load average "
-             f"{span(loads, '{:.1f}')} at start and end), torch {m['torch']}: every link {link['rate']} each way "
-             f"(`tc tbf`; a TCP probe got {span(list(link['probe_mbit_s'].values()), '{:.0f}')} Mbit/s), the MLP "
+             f"{span(loads, '{:.1f}')} at start and end), torch {m['torch']}: every link shaped each way to {rates} "
+             f"(`tc tbf`; TCP probes got {span(probes, '{:.0f}')} % of the rate), the MLP "
              f"784-512-512-10 ({w['param_bytes'] / 1e6:.2f} MB), batch {w['batch_per_worker']} per worker, "
              f"{w['emulated_compute_ms_per_forward']:.0f} ms of emulated compute per forward, {w['steps']} steps per "
              "run; ms/step = median after warm-up. Bound = communication at the link rate plus the emulated compute "
@@ -266,7 +269,14 @@ def cluster() -> str:
     cm_b = [r["cmemi_k1_vs_single_server_sequential_bound"] for r in ratios
             if r.get("cmemi_k1_vs_single_server_sequential_bound")]
     ddp_cpu = [x["runs"]["ddp"]["cpu"] for x in d["by_n"].values() if "cpu" in x["runs"].get("ddp", {})]
-    if ddp_b and cm_b and ddp_cpu:
+    every_cpu = [r["cpu"] for x in d["by_n"].values() for r in x["runs"].values() if "machine_idle_cores" in
+                 r.get("cpu", {})]
+    least_idle = min((c["machine_idle_cores"] for c in every_cpu), default=0.0)
+    if ddp_b and cm_b and least_idle >= 0.5:
+        lines += ["", f"DDP dense took {span(ddp_b, '{:.2f}')}× its bound and CMEMI K = 1 dense "
+                  f"{span(cm_b, '{:.2f}')}× its own. Every run left at least {least_idle:.2f} of the 2 cores idle "
+                  "(CPU column): the links, not the shared CPU, were the limit."]
+    elif ddp_b and cm_b and ddp_cpu:
         idle = max(c.get("machine_idle_cores") or 0 for c in ddp_cpu)
         peak = max(c["loadavg_1min"][1] for c in ddp_cpu if "loadavg_1min" in c)
         lines += ["", f"DDP dense took {span(ddp_b, '{:.2f}')}× its bound and CMEMI K = 1 dense "
@@ -292,17 +302,20 @@ def cluster_profile(d: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     roles = sorted({role for r in rows.values() for role in r["cpu"]["ms_per_step_by_role"]})
-    head = ["system", "ms/step", *roles, "machine: user", "system", "softirq", "idle"]
+    head = ["system", "ms/step", *roles, "machine: user", "system", "softirq", "idle", "tbf drops up / down"]
     lines = ["", f"Where the CPU goes at N = {n} (CPU milliseconds per step, summed over the run's processes of each "
              "role; the machine's user/system/softirq/idle over the same steps, from /proc/stat: softirq and "
-             "system are mostly the kernel carrying the emulated network):", "",
+             "system are mostly the kernel carrying the emulated network; tbf drops: packets per step the shaped "
+             "queues dropped, uplinks and downlinks summed):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, r in rows.items():
         cpu = r["cpu"]
         by_role, mach = cpu["ms_per_step_by_role"], cpu["ms_per_step_machine"]
         cells = [CLUSTER_ROWS.get(key, key), f"{r['step_time_median_s'] * 1000:.0f}",
                  *(f"{by_role[role]:.0f}" if role in by_role else "" for role in roles),
-                 *(f"{mach.get(f, 0):.0f}" for f in ("user", "system", "softirq", "idle"))]
+                 *(f"{mach.get(f, 0):.0f}" for f in ("user", "system", "softirq", "idle")),
+                 (f"{r['link_drops']['up'] / r['steps']:.0f} / {r['link_drops']['down'] / r['steps']:.0f}"
+                  if "link_drops" in r else "")]
         lines.append("| " + " | ".join(cells) + " |")
     ddp, kn = rows.get("ddp"), rows.get("cmemi_kn")
     if ddp is not None and kn is not None:
@@ -313,9 +326,12 @@ def cluster_profile(d: dict[str, Any]) -> list[str]:
             return r["cpu"]["ms_per_step_machine"].get("system", 0) + r["cpu"]["ms_per_step_machine"].get("softirq", 0)
         roles = kn["cpu"]["ms_per_step_by_role"]
         servers = sum(v for k, v in roles.items() if "shard" in k)
-        lines += ["", f"At N = {n} both systems were CPU-bound on the 2 cores (idle column). DDP's ranks used "
+        idle = min(ddp["cpu"]["machine_idle_cores"], kn["cpu"]["machine_idle_cores"])
+        bound = ("both systems were CPU-bound on the 2 cores (idle column)" if idle < 0.3 else
+                 f"the CPU was not the limit ({idle:.2f} or more idle cores in both runs)")
+        lines += ["", f"At N = {n} {bound}. DDP's ranks used "
                   f"{used(ddp):.0f} CPU-ms per step, CMEMI's co-located run {used(kn):.0f} "
-                  f"({used(kn) / used(ddp):.2f}×, close to its step-time ratio): its workers alone "
+                  f"({used(kn) / used(ddp):.2f}×): its workers alone "
                   f"{roles.get('worker', 0):.0f}, about what DDP's ranks use, and on top its {n} shard processes "
                   f"{servers:.0f}, which receive, check, sum, step and send every byte a second time in user space, "
                   f"where a ring all-reduce passes each chunk from rank to rank once. The kernel's share (system + "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster import rate_bit_s
+from bench.cluster import rate_bit_s, rates_by_n
 from bench.physics import comm_bounds_s
 
 
@@ -38,3 +38,14 @@ def test_rates_in_tc_units() -> None:
     assert rate_bit_s("800kbit") == 800e3
     with pytest.raises(ValueError, match="e.g. 200mbit"):
         rate_bit_s("200MB/s")
+
+
+def test_one_rate_or_one_per_n() -> None:
+    assert rates_by_n("200mbit", [2, 4]) == {2: "200mbit", 4: "200mbit"}
+    assert rates_by_n("2:200mbit,4:100mbit,8:50mbit", [2, 8]) == {2: "200mbit", 4: "100mbit", 8: "50mbit"}
+    with pytest.raises(ValueError, match=r"no rate for N = \[8\]"):
+        rates_by_n("2:200mbit,4:100mbit", [2, 4, 8])
+    with pytest.raises(ValueError, match="e.g. 200mbit"):
+        rates_by_n("2:200MB/s", [2])
+    with pytest.raises(ValueError):
+        rates_by_n("two:200mbit", [2])
