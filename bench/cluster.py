@@ -18,6 +18,10 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 - `cmemi_kn`: K = N parameter-server shards (`cluster.shards`), shard k on worker host k (co-located);
 - `cmemi_kn_dedicated`: K = N shards on N more namespaces of their own (dedicated CPU server hosts, BytePS'
   placement);
+- `cmemi_kn_pipelined`: pipelined steps (`cluster.pipeline_stages`, --stages, default 4) on dedicated server
+  hosts: the leader, which then holds no parameters, on the server host, and N shards on the N server hosts
+  (K = N + 1): each server steps each stage of its slice as soon as it is in and sends it back while later
+  stages still arrive;
 - `cmemi_kn_nocurve`: `cmemi_kn` with `security.curve: false` (gloo encrypts nothing: what encryption costs);
 - `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense).
 
@@ -70,7 +74,7 @@ POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets 
 # Fixed ports are safe here: each namespace is private to this run and holds nothing else.
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
-SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
+SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipelined", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
            "cmemi_kn_powersgd", "cmemi_k1_topk")
 
 
@@ -254,8 +258,9 @@ class Cluster:
                 "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
-              curve: bool = True) -> dict[str, Any]:
-        """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own."""
+              curve: bool = True, stages: int = 0) -> dict[str, Any]:
+        """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
+        (pipelined, dedicated): the leader on the server host, shard k on server host k - 1."""
         from cmemi.shared.config import dump_config, load_config
 
         name = f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}-{secrets.token_hex(3)}"
@@ -266,6 +271,7 @@ class Cluster:
                              steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
         cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
         cfg["cluster"]["shards"] = shards
+        cfg["cluster"]["pipeline_stages"] = stages
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
@@ -282,6 +288,8 @@ class Cluster:
         for i in range(n):
             procs[f"w{i}"] = start("worker", self.hosts[i], "--worker-id", f"w{i}", log=f"w{i}")
         places = (self.servers if dedicated else self.hosts)[:shards] if shards > 1 else [self.server]
+        if stages:
+            places = [self.server, *self.servers[:shards - 1]]
         procs["aggregator"] = start("aggregator", places[0], log="aggregator")
         for k in range(1, shards):
             procs[f"shard{k}"] = start("aggregator", places[k], "--shard", str(k), log=f"aggregator-{k}")
@@ -370,6 +378,7 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_k1_vs_ddp": C.ratio(med.get("cmemi_k1"), med.get("ddp")),
             "cmemi_kn_vs_ddp": C.ratio(med.get("cmemi_kn"), med.get("ddp")),
             "cmemi_kn_dedicated_vs_ddp": C.ratio(med.get("cmemi_kn_dedicated"), med.get("ddp")),
+            "cmemi_kn_pipelined_vs_ddp": C.ratio(med.get("cmemi_kn_pipelined"), med.get("ddp")),
             "cmemi_kn_nocurve_vs_ddp": C.ratio(med.get("cmemi_kn_nocurve"), med.get("ddp")),
             "cmemi_kn_powersgd_vs_ddp": C.ratio(med.get("cmemi_kn_powersgd"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
@@ -383,9 +392,11 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     }
 
 
-def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int) -> dict[str, Any]:
+def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int) -> dict[str, Any]:
     if system.startswith("ddp"):
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+    if system == "cmemi_kn_pipelined":
+        return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     if system.startswith("cmemi_kn"):
         return cluster.cmemi(n, steps, warmup, "powersgd" if "powersgd" in system else "none", shards=n,
                              dedicated=system == "cmemi_kn_dedicated", curve=system != "cmemi_kn_nocurve")
@@ -401,6 +412,7 @@ def main() -> None:
     p.add_argument("--rate", default=RATES, help="every link's rate each way, in tc's units: one for all N, or one "
                    f"per N (default {RATES}: the CPU stays partly idle at every N, so the links are the limit)")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
+    p.add_argument("--stages", type=int, default=4, help="cluster.pipeline_stages of cmemi_kn_pipelined")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="emulated compute per backward pass too, between the layers (default 0: forward only)")
@@ -454,6 +466,8 @@ def main() -> None:
             "cmemi_kn": "CMEMI, K = N parameter-server shards (cluster.shards), shard k on worker host k, codec none",
             "cmemi_kn_dedicated": "CMEMI, K = N shards on N dedicated server hosts (namespaces of their own), "
                                   "codec none",
+            "cmemi_kn_pipelined": "CMEMI, cluster.pipeline_stages (--stages) with the leader on the server host and N "
+                                  "shards on N dedicated server hosts (K = N + 1), codec none",
             "cmemi_kn_nocurve": "cmemi_kn with security.curve false (no CurveZMQ encryption, as gloo has none)",
             "cmemi_kn_powersgd": f"cmemi_kn with compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
@@ -469,7 +483,8 @@ def main() -> None:
         lab = netns.NetLab(subnet="10.214.0")
         server = lab.host("srv", 2)
         hosts = [lab.host(f"h{i}", 10 + i) for i in range(max(ns_))]
-        servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))] if "cmemi_kn_dedicated" in systems else [])
+        servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))]
+                   if {"cmemi_kn_dedicated", "cmemi_kn_pipelined"} & set(systems) else [])
         shaped = [server, *hosts, *servers]
         from cmemi.shared.security import generate
 
@@ -492,7 +507,7 @@ def main() -> None:
                 for _attempt in range(2):  # a gloo rank sometimes aborts in its rendezvous ("terminate called"): once more
                     try:
                         before = tbf_drops(lab, shaped)
-                        runs[system] = run_system(cluster, system, n, steps, warmup)
+                        runs[system] = run_system(cluster, system, n, steps, warmup, args.stages)
                         after = tbf_drops(lab, shaped)
                         runs[system]["link_drops"] = {w: after[w] - before[w] for w in after}
                     except Exception as exc:  # one failed system does not lose the others' figures

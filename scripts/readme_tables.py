@@ -209,6 +209,7 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_k1": "CMEMI, 1 aggregator (K = 1), dense",
                 "cmemi_kn": "CMEMI, K = N shards on the worker hosts, dense",
                 "cmemi_kn_dedicated": "CMEMI, K = N shards on dedicated hosts, dense",
+                "cmemi_kn_pipelined": "CMEMI, N shards on dedicated hosts + leader, pipelined stages, dense",
                 "cmemi_kn_nocurve": "CMEMI, K = N shards on the worker hosts, dense, CurveZMQ off",
                 "cmemi_kn_powersgd": "CMEMI, K = N shards on the worker hosts, `powersgd` (rank 2)",
                 "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
@@ -252,6 +253,8 @@ def cluster() -> str:
                      "cmemi_kn": (f"{bounds['colocated_shards_full_duplex_s'] * 1000:.0f} ms"
                                   if "colocated_shards_full_duplex_s" in bounds else ""),
                      "cmemi_kn_dedicated": (f"{bounds['dedicated_servers_full_duplex_s'] * 1000:.0f} ms"
+                                            if "dedicated_servers_full_duplex_s" in bounds else ""),
+                     "cmemi_kn_pipelined": (f"{bounds['dedicated_servers_full_duplex_s'] * 1000:.0f} ms"
                                             if "dedicated_servers_full_duplex_s" in bounds else ""),
                      "cmemi_kn_nocurve": (f"{bounds['colocated_shards_full_duplex_s'] * 1000:.0f} ms"
                                           if "colocated_shards_full_duplex_s" in bounds else ""),

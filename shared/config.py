@@ -208,6 +208,12 @@ class ClusterConfig:
     """Parameter-server shards: the parameters, cut on a fixed chunk grid, are split over this many aggregator
     processes, balanced by bytes; each steps its own slice (see "Scaling out" in the README). Any value gives the
     same params_sha256."""
+    pipeline_stages: int = 0
+    """With cluster.shards > 1: 0 steps every slice at once, after the whole step is in (two-phase, any
+    train.clip_grad_norm or precision). S > 0 pipelines: the leader (shard 0) only leases and commits and holds no
+    parameters, shards 1..K-1 cut their slice into S stages, step each stage as soon as every microbatch's copy of it
+    is in and send it back at once, while later stages still arrive (for dedicated server hosts; needs no
+    train.clip_grad_norm and no fp16). The same params_sha256 either way."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""
@@ -236,6 +242,11 @@ class ClusterConfig:
             _fail("cluster.max_message_bytes", self.max_message_bytes, "must be >= 65536", "use e.g. 2147483648")
         if not 1 <= self.shards <= 64:
             _fail("cluster.shards", self.shards, "must be 1..64", "use 1, or one shard per host")
+        if not 0 <= self.pipeline_stages <= 64:
+            _fail("cluster.pipeline_stages", self.pipeline_stages, "must be 0..64", "use 0, or e.g. 4")
+        if self.pipeline_stages and self.shards < 2:
+            _fail("cluster.pipeline_stages", self.pipeline_stages, "pipelines the steps of 2 or more shards",
+                  "set cluster.shards >= 2 (the leader and at least one shard), or cluster.pipeline_stages: 0")
         if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             _fail("cluster.redis", self.redis, "must be a redis:// or rediss:// URL", "e.g. redis://:password@10.0.0.5:6379/0, or null")
 
@@ -345,6 +356,13 @@ class Config:
                 _fail("optimizer.name", self.optimizer.name, "is not known to update each element on its own, so "
                       f"cluster.shards: {self.cluster.shards} could change its result",
                       f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
+        if self.cluster.pipeline_stages:  # a pipelined stage is stepped before the step's global quantities exist
+            if self.train.clip_grad_norm is not None:
+                _fail("train.clip_grad_norm", self.train.clip_grad_norm, "needs the whole step's gradient norm, "
+                      "so it cannot be used with cluster.pipeline_stages", "set cluster.pipeline_stages: 0")
+            if self.precision == "fp16":
+                _fail("precision", self.precision, "skips a step when any gradient overflows, so it cannot be used "
+                      "with cluster.pipeline_stages", "use bf16 or fp32, or cluster.pipeline_stages: 0")
 
 
 # torch.optim classes whose update of an element depends only on that element's gradient and state (and the step,

@@ -65,6 +65,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard.py): hello/welcome/reject as above, then
     # a grad gets no answer (the leader's reply says what comes next), a pull gets that version's slice
     "pull": {**_WORKER, "term": _INT, "version": _INT},
+    # optional "stage" (cluster.pipeline_stages): a grad carries that stage of the shard's slice, a slice answers
+    # with it (one per stage; -1: that step is over, no tensors)
     "slice": {"version": _INT, "asked": _INT, "shard": _INT, "tensors": _LIST},  # asked: the pull's version
     # shard k > 0 <-> shard 0 (the leader): a shard joins a term, says which microbatches of the step it holds
     # while it is incomplete, reports each complete step with its share of the global gradient norm and its

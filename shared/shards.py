@@ -54,28 +54,49 @@ def grid(shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> list[Piece]:
     return out
 
 
-def assign(pieces: list[Piece], shards: int) -> list[int]:
-    """Shard of each piece: contiguous runs, cut where the running byte count crosses k/K of the total."""
-    total = sum(p.nbytes for p in pieces) or 1
+def assign(pieces: list[Piece], shards: int, first: int = 0) -> list[int]:
+    """Shard of each piece: contiguous runs over shards first..K-1, cut where the running byte count crosses
+    each one's share of the total."""
+    total, n = sum(p.nbytes for p in pieces) or 1, shards - first
     out, seen = [], 0
     for p in pieces:
         middle = seen + p.nbytes / 2  # a piece goes to the shard its middle byte falls in
-        out.append(min(shards - 1, int(middle * shards // total)))
+        out.append(first + min(n - 1, int(middle * n // total)))
         seen += p.nbytes
     return out
 
 
-class Partition:
-    """The grid of a model's trainable tensors and which shard owns what."""
+def cut(pieces: list[Piece], stages: int) -> list[list[Piece]]:
+    """A shard's run of pieces in `stages` runs of about equal bytes, in grid order (a piece goes to the stage its
+    middle byte falls in; a stage may be empty when the shard has fewer pieces than stages)."""
+    out: list[list[Piece]] = [[] for _ in range(stages)]
+    for p, g in zip(pieces, assign(pieces, stages), strict=True):
+        out[g].append(p)
+    return out
 
-    def __init__(self, params: Mapping[str, torch.Tensor], shards: int = 1) -> None:
+
+class Partition:
+    """The grid of a model's trainable tensors and which shard owns what. `stages` (cluster.pipeline_stages, K > 1):
+    the leader owns no piece, shards 1..K-1 share them all, and each one's run is cut into that many stages
+    (docs/design.md §4, "Pipelined steps")."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], shards: int = 1, stages: int = 0) -> None:
         self.shards = shards
+        self.stages = stages if shards > 1 else 0
         self.pieces = grid({n: (tuple(p.shape), p.element_size()) for n, p in params.items()})
-        self.owner = dict(zip((p.name for p in self.pieces), assign(self.pieces, shards), strict=True))
+        owners = assign(self.pieces, shards, first=1 if self.stages else 0)
+        self.owner = dict(zip((p.name for p in self.pieces), owners, strict=True))
         self.split = any(p.name != p.param for p in self.pieces)  # some tensor is cut into several pieces
+        self._staged: dict[int, list[list[str]]] = {}
 
     def owned(self, shard: int) -> list[Piece]:
         return [p for p in self.pieces if self.owner[p.name] == shard]
+
+    def staged(self, shard: int) -> list[list[str]]:
+        """Shard k's piece names stage by stage (one stage, all of them, when steps are not pipelined)."""
+        if shard not in self._staged:
+            self._staged[shard] = [[p.name for p in run] for run in cut(self.owned(shard), max(1, self.stages))]
+        return self._staged[shard]
 
     def bytes_of(self, shard: int) -> int:
         return sum(p.nbytes for p in self.owned(shard))

@@ -342,3 +342,113 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
         assert pieces.keys() == straight.pieces.keys()
         for n, p in straight.pieces.items():
             assert torch.equal(pieces[n], p), f"{opt['name']}: piece {n} differs after {before} -> {after} shards"
+
+
+# ---------------------------------------------------------------------------------------------- pipelined steps
+
+def test_pipelined_partition_leaves_the_leader_nothing_and_cuts_each_slice_into_stages() -> None:
+    params = {"small": torch.zeros(10, 3), "big": torch.arange(1_200_000, dtype=torch.float32),
+              "wide": torch.zeros(3000, 600), "bias": torch.zeros(7)}
+    plain, piped = Partition(params, 3), Partition(params, 3, stages=4)
+    assert [p.name for p in piped.pieces] == [p.name for p in plain.pieces], "the grid does not depend on stages"
+    assert piped.owned(0) == [] and piped.staged(0) == [[], [], [], []], "the leader holds no parameters"
+    owners = [piped.owner[p.name] for p in piped.pieces]
+    assert owners == sorted(owners) and set(owners) == {1, 2}
+    for k in (1, 2):
+        stages = piped.staged(k)
+        assert len(stages) == 4 and [n for s in stages for n in s] == [p.name for p in piped.owned(k)], "grid order"
+    assert plain.staged(1) == [[p.name for p in plain.owned(1)]], "not pipelined: one stage, the whole slice"
+    assert Partition(params, 1, stages=4).stages == 0, "one shard: nothing to pipeline"
+
+
+@pytest.mark.parametrize(("sets", "words"), [
+    ({"cluster": {"shards": 1, "pipeline_stages": 2}}, "cluster.shards >= 2"),
+    ({"cluster": {"shards": 2, "pipeline_stages": 2}, "train": {"clip_grad_norm": 1.0}}, "train.clip_grad_norm"),
+    ({"cluster": {"shards": 2, "pipeline_stages": 2}, "precision": "fp16"}, "precision"),
+    ({"cluster": {"shards": 2, "pipeline_stages": 65}}, "0..64"),
+])
+def test_pipelining_refuses_what_needs_the_whole_step(sets: dict, words: str) -> None:
+    base = {"model": {"factory": "cmemi.examples.digits:make_model"},
+            "data": {"factory": "cmemi.examples.digits:make_dataset"}}
+    with pytest.raises(ConfigError, match=words) as err:
+        config_from_dict({**base, **sets})
+    assert "cluster.pipeline_stages" in str(err.value)
+
+
+def _step_staged(trainers, step: int) -> None:
+    """A pipelined step: every stage of every shard on its own, in an order no run guarantees, then the schedule."""
+    for t in trainers:
+        grads = _grads(t, step)
+        for names in reversed(t.partition.staged(t.shard)):
+            t.apply_stage({n: grads[n] for n in names})
+        t.end_step()
+
+
+def test_pipelined_stages_step_bitwise_as_one_step_and_resume_either_way() -> None:
+    """4 steps pipelined at K = 3 (stages stepped one by one, the leader holding nothing), checkpoint, 4 steps
+    two-phase at K = 3 (the same K, other owners), checkpoint, 4 steps pipelined at K = 2: bitwise 12 steps at K = 1,
+    with momentum, Adam-style state and a param group of its own."""
+    from cmemi.services.aggregator.snapshots import restore
+    from cmemi.services.aggregator.totals import RunTotals
+    from cmemi.services.aggregator.trainer import Trainer
+
+    for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+                {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
+                 "param_groups": [{"match": r"bias", "weight_decay": 0.0}]}):
+        def cfg(shards: int, stages: int, opt: dict = opt):
+            return config_from_dict({
+                "model": {"factory": "tests.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
+                "data": {"factory": "cmemi.examples.digits:make_dataset"}, "optimizer": opt,
+                "scheduler": {"name": "CosineAnnealingLR", "kwargs": {"T_max": 12}}, "train": {"steps": 12},
+                "cluster": {"shards": shards, "pipeline_stages": stages}})
+
+        straight = Trainer(cfg(1, 0))
+        for s in range(12):
+            _step_all([straight], s)
+        parts = [(3, 3, _step_staged), (3, 0, _step_all), (2, 5, _step_staged)]
+        trainers: list = []
+        for i, (k, stages, step) in enumerate(parts):
+            new = [Trainer(cfg(k, stages), shard=j) for j in range(k)]
+            if stages:
+                assert not new[0].pieces and all(new[j].pieces for j in range(1, k))
+            if trainers:
+                meta, tensors = _checkpoint(trainers)
+                for t in new:
+                    restore(t, RunTotals(), None, None, meta, tensors)
+                    assert t.step == 4 * i and t.lr == trainers[0].lr
+            trainers = new
+            for s in range(4 * i, 4 * i + 4):
+                step(trainers, s)
+        pieces = {n: p for t in trainers for n, p in t.pieces.items()}
+        assert pieces.keys() == straight.pieces.keys()
+        for n, p in straight.pieces.items():
+            assert torch.equal(pieces[n], p), f"{opt['name']}: piece {n} differs"
+
+
+@pytest.mark.integration
+def test_pipelined_steps_give_the_reference_for_any_shards_workers_and_a_batchnorm_model(tmp_path: Path) -> None:
+    """cluster.pipeline_stages: K = 2, 3 x W = 1, 3 on the digits MLP (dropout; 3 stages over 2 pieces per shard, so
+    some stages are empty), and the ResNet example (BatchNorm statistics travelling with the leader's work,
+    dropout, torch/numpy/random augmentation) at K = 3, W = 2: the single-process reference's params_sha256."""
+    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "cluster.pipeline_stages=3")
+    want = reference_sha(tmp_path, *sets[:-1])
+    got = {}
+    for k, w in ((2, 1), (2, 3), (3, 1), (3, 3)):
+        r = run_up(tmp_path / f"k{k}w{w}", *sets, f"cluster.shards={k}", f"cluster.workers={w}")
+        assert r.rc == 0, r.stderr[-3000:]
+        got[(k, w)] = r.summary["params_sha256"]
+        assert not {k: v for k, v in r.summary["dropped_messages"].items() if k != "stale_step"}, r.summary
+    assert set(got.values()) == {want}, got
+    s = r.summary  # K = 3: the leader holds nothing, so the shards carry every gradient byte
+    assert s["shards"][0]["bytes_received"] < 0.05 * s["bytes_received"], s["shards"]
+    resnet = str(ROOT / "examples" / "resnet.yaml")
+    rsets = ("train.steps=12", "scheduler.kwargs.T_max=12", "cluster.spare_workers=0", "checkpoint.every_steps=0",
+             "eval.fn=null")
+    out = tmp_path / "resnet-reference.json"
+    proc = subprocess.run(cmemi_cmd("reference", resnet, *[a for s in rsets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = run_up(tmp_path / "resnet", *rsets, "cluster.shards=3", "cluster.pipeline_stages=2", "cluster.workers=2",
+               config=resnet)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["params_sha256"] == json.loads(out.read_text())["params_sha256"]

@@ -175,7 +175,7 @@ class StepCollector:
         if not self.complete:
             raise RuntimeError(f"step {self.step}: {len(self.received)}/{self.M} microbatches received")
         total = self._tree.result()
-        if self.overflow or not total:
+        if self.overflow:  # (no overflow and no tensors: a shard that owns no piece, its mean is empty)
             return None, float("inf")
         for v in total.values():
             v.div_(self.M)

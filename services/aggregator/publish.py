@@ -8,6 +8,9 @@ steps the live parameters, never these copies. A copy's buffers are reused for a
 (instead of a fresh allocation, whose pages the kernel must fault in on every step) only once
 every send that reads them has completed, as ZeroMQ's message trackers report; a slow or
 disconnected worker keeps its buffers alive, and a new set is allocated meanwhile.
+
+The version before the current one stays encoded (and its buffers untouched) too: a pipelined shard steps
+its stages before the step is committed, and a microbatch leased again must still be computed from it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Publisher:
         self.pool = pool  # copies kept for reuse; more may exist while slow sends hold them
         self._copies: list[_Copy] = []
         self._current: _Copy | None = None
+        self._previous: _Copy | None = None
 
     def encoded(self, params: dict[str, torch.Tensor], version: int) -> tuple[tuple[list[dict[str, Any]], list[Any]],
                                                                               list[zmq.MessageTracker]]:
@@ -50,6 +54,7 @@ class Publisher:
         version) and the tracker list that sends of it must append to."""
         cur = self._current
         if cur is None or cur.version != version:
+            self._previous = cur
             cur = self._take(params)
             if self.layout is not None and cur.views is None:
                 cur.views = self.layout.views(cur.tensors)
@@ -62,9 +67,16 @@ class Publisher:
         assert cur.encoded is not None
         return cur.encoded, cur.trackers
 
+    def kept(self, version: int) -> tuple[tuple[list[dict[str, Any]], list[Any]], list[zmq.MessageTracker]] | None:
+        """The encoding of `version` if it is the current or the previous one (encoded earlier), else None."""
+        for c in (self._current, self._previous):
+            if c is not None and c.version == version and c.encoded is not None:
+                return c.encoded, c.trackers
+        return None
+
     def _take(self, params: dict[str, torch.Tensor]) -> _Copy:
         for c in self._copies:
-            if c.idle():
+            if c is not self._previous and c.idle():
                 return c
         c = _Copy(self.layout.empty() if self.layout is not None else
                   {n: torch.empty_like(p, memory_format=torch.contiguous_format) for n, p in params.items()})

@@ -52,8 +52,8 @@ def _piece_states(trainer: Trainer, olds: list[dict[str, Any]], pieces: dict[str
         raise state.StateError("the checkpoint's chunk grid is not this model's (another model.factory or "
                                "model.kwargs); resume with the model it was trained with")
     found: dict[str, Any] = {}
-    for k, named in enumerate(olds):
-        numbered = _numbering(trainer, [p.name for p in before.owned(k)])
+    for k, named in enumerate(olds):  # what each old shard owned (recorded since cluster.pipeline_stages)
+        numbered = _numbering(trainer, named["owned"] if "owned" in named else [p.name for p in before.owned(k)])
         saved = named["optimizer"]["state"]
         for i, name in enumerate(numbered):
             piece_state = saved.get(i, saved.get(str(i)))

@@ -13,6 +13,11 @@ grid's pieces (shared/shards.py) and their optimizer state, and otherwise only f
   the fp16 overflow flag); the leader answers `shard_commit` with every shard's share once all are in,
   and the shard steps its pieces by the same rule as the leader (`Trainer.apply`).
 - `pull(version)` is answered with that version's slice as soon as the shard has it.
+- pipelined (`cluster.pipeline_stages`: S, no clipping, no fp16): the slice is cut into S stages, each
+  collected on its own and stepped as soon as every microbatch's copy of it is in, then sent to the
+  pulls waiting for it, while later stages still arrive; `shard_ready` follows the last stage and the
+  commit applies nothing. Version s stays servable until the commit (a microbatch leased again is
+  computed from it).
 - a new leader term (the leader restarted, or rolled back because a shard restarted) means this
   shard's state is not the cluster's any more: it exits, and starts again from the checkpoint the
   new term restores. Snapshots go to the checkpointer like the leader's; it writes one checkpoint
@@ -87,11 +92,14 @@ class ShardServer:
                 except (ValueError, KeyError, RuntimeError) as exc:
                     ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
                 joined_at = self.trainer.step
-        self.layout = Layout(self.trainer.wire_state())
-        self.publisher = Publisher(cfg.cluster.checksum, self.layout)
+        # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
+        self.pipelined = bool(cfg.cluster.pipeline_stages)
+        self.stages = self.trainer.partition.staged(shard)
+        self.publishers = [Publisher(cfg.cluster.checksum, Layout(self._stage(g))) for g in range(len(self.stages))]
         self.workers: dict[bytes, tuple[str, int]] = {}
-        self.pulls: dict[bytes, int] = {}  # identity -> version it waits for
-        self.collector = StepCollector(self.trainer.step, self.M, leased=False, strict=True)
+        self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
+        self.collectors = self._collectors(self.trainer.step)
+        self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
         self.leader = self.zctx.socket(zmq.DEALER)
         ctx.curve.connect_as_client(self.leader)
@@ -110,6 +118,22 @@ class ShardServer:
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
+
+    def _stage(self, g: int) -> dict[str, torch.Tensor]:
+        return {n: self.trainer.pieces[n] for n in self.stages[g]}
+
+    def _collectors(self, step: int) -> list[StepCollector]:
+        return [StepCollector(step, self.M, leased=False, strict=True) for _ in self.stages]
+
+    @property
+    def version(self) -> int:
+        """The parameter version the current step's gradients are computed from (the trainer's own step runs ahead
+        of it once a pipelined stage is stepped, until the commit)."""
+        return self.collectors[0].step
+
+    @property
+    def complete(self) -> bool:
+        return len(self.applied) == len(self.stages) if self.pipelined else self.mean is not None
 
     def _leader(self) -> tuple[int, str, int]:
         """(term, address, step it restored or -1) of the leader, once it has advertised them."""
@@ -137,10 +161,9 @@ class ShardServer:
                                  self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
         transfer.send(self.leader, msgs)
 
-    def _send(self, identity: bytes, mtype: str, slice_: bool = False, **fields: Any) -> None:
-        encoded, trackers = None, None
-        if slice_:
-            encoded, trackers = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
+    def _send(self, identity: bytes, mtype: str, encoded: tuple[Any, list[zmq.MessageTracker]] | None = None,
+              **fields: Any) -> None:
+        encoded, trackers = encoded if encoded is not None else (None, None)
         msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
         try:
             n = transfer.send(self.sock, msgs, identity, trackers)
@@ -175,11 +198,12 @@ class ShardServer:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if self.mean is not None and now >= self._next_ready:  # the leader may have missed it (restarting)
+        if self.complete and now >= self._next_ready:  # the leader may have missed it (restarting)
             self._ready()
-        elif self.mean is None and not self.done and now >= self._next_have:
+        elif not self.complete and not self.done and now >= self._next_have:
             self._next_have = now + 0.5
-            self._to_leader("shard_have", step=self.collector.step, have=sorted(self.collector.received))
+            have = set.intersection(*(c.received for c in self.collectors))  # in every stage
+            self._to_leader("shard_have", step=self.version, have=sorted(have))
         if now < self._next_check:
             return
         self._next_check = now + 0.25
@@ -203,7 +227,7 @@ class ShardServer:
             if msg is None:
                 continue
             h = msg.header
-            if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.collector.step:
+            if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.version:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "reject":
                 raise Rejoin(h["reason"])
@@ -245,7 +269,7 @@ class ShardServer:
             self._send(identity, "reject", fatal=False, reason="unknown worker or term: say hello first")
             return
         if msg.type == "pull":
-            self.pulls[identity] = h["version"]
+            self.pulls[identity] = (h["version"], set())
             self._answer_pulls()
         else:
             self._on_grad(msg)
@@ -253,49 +277,80 @@ class ShardServer:
     def _on_grad(self, msg: protocol.Message) -> None:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
-        if h["step"] != self.collector.step or h["version"] != self.trainer.step:
-            self._drop("stale_step", f"{where}, current step {self.collector.step}")
+        if h["step"] != self.version or h["version"] != self.version:
+            self._drop("stale_step", f"{where}, current step {self.version}")
             return
         if not reduction.is_subtree(*node, self.M):
             self._drop("bad_microbatch", where)
             return
-        if self.mean is not None or self.collector.check(node, None) == "duplicate":
+        g = h.get("stage", 0)  # optional: pipelined steps only
+        if type(g) is not int or not 0 <= g < len(self.stages):
+            self._drop("bad_stage", f"{where}: stage {g} of {len(self.stages)}")
+            return
+        collector = self.collectors[g]
+        if self.mean is not None or g in self.applied or collector.check(node, None) == "duplicate":
             return  # held already: the first complete copy won (a lease handed out again, or reopened)
         grads = None
         try:
             if h["finite"] or not self.trainer.scaler.enabled:
-                grads = self.codec.decode(h["codec"], msg.tensors, shapes=self.trainer.shapes)
+                grads = self.codec.decode(h["codec"], msg.tensors,
+                                          shapes={n: self.trainer.shapes[n] for n in self.stages[g]})
         except CodecError as exc:
             self._drop(f"codec_{exc.reason}", f"{where}: {exc}")
             return
-        if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
+        if grads is not None and (bad := self.trainer.check_grads(grads, self.stages[g])) is not None:
             self._drop(bad, where)
         elif not all(isinstance(x, (int, float)) for x in h["losses"]):
             self._drop("bad_losses", where)
-        elif (reason := self.collector.offer(node, grads, h["losses"], None)) is not None:
+        elif (reason := collector.offer(node, grads, h["losses"], None)) is not None:
             self._drop(reason, where)
-        elif self.collector.complete:
-            self.mean = self.collector.mean()
+        elif collector.complete and self.pipelined:
+            self._step_stage(g)
+        elif collector.complete:
+            self.mean = collector.mean()
+            self._ready()
+
+    def _step_stage(self, g: int) -> None:
+        """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
+        stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
+        grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
+        self.publishers[g].encoded(self._stage(g), self.version)
+        try:
+            self.trainer.apply_stage(grads or {})
+            if len(self.applied) == len(self.stages) - 1:
+                self.trainer.end_step()
+        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
+            self.ctx.fatal(f"optimizer/scheduler failed at step {self.version + 1} on shard {self.shard}: "
+                           f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
+        self.applied.add(g)
+        self._answer_pulls()
+        if self.complete:
             self._ready()
 
     def _ready(self) -> None:
         grads, _ = self.mean if self.mean is not None else (None, 0.0)
-        self._to_leader("shard_ready", step=self.collector.step, partials=self.trainer.partials(grads),
-                        overflow=grads is None)
+        self._to_leader("shard_ready", step=self.version, partials=self.trainer.partials(grads),
+                        overflow=grads is None and not self.pipelined)
         self._next_ready = time.monotonic() + 1.0
 
     def _commit(self, partials: list[float], skip: bool, last: bool, snapshot: bool) -> None:
-        if self.mean is None:  # the leader commits only once every shard reported its step complete: cannot happen
-            raise Rejoin(f"told to commit step {self.collector.step}, which is not complete here")
-        grads, _ = self.mean
-        self.mean = None
-        try:
-            self.trainer.apply(None if skip else grads, None, partials=partials)
-        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
-            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
-                           f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
+        if not self.complete:  # the leader commits only once every shard reported its step complete: cannot happen
+            raise Rejoin(f"told to commit step {self.version}, which is not complete here")
+        if self.pipelined and skip:  # nothing overflows without fp16: a leader of another configuration
+            self.ctx.fatal(f"shard {self.shard}: told to skip step {self.version + 1} of a pipelined run; use the "
+                           "same cluster.pipeline_stages and precision everywhere")
+        if not self.pipelined:
+            assert self.mean is not None
+            grads, _ = self.mean
+            self.mean = None
+            try:
+                self.trainer.apply(None if skip else grads, None, partials=partials)
+            except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
+                self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
+                               f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
-        self.collector = StepCollector(step, self.M, leased=False, strict=True)
+        self.collectors = self._collectors(step)
+        self.applied.clear()
         self._answer_pulls()
         if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
@@ -307,16 +362,30 @@ class ShardServer:
         elif snapshot:  # the leader names the steps every shard checkpoints
             self.ckpt.offer(self._snapshot())
 
+    def _servable(self, g: int, version: int) -> tuple[Any, list[zmq.MessageTracker]] | None:
+        """Stage g at `version`, encoded, if this shard has it: the current step's version (kept when the stage
+        was stepped already), or the next one once the stage is stepped."""
+        if g not in self.applied:
+            return self.publishers[g].encoded(self._stage(g), version) if version == self.version else None
+        if version == self.version:
+            return self.publishers[g].kept(version)
+        return self.publishers[g].encoded(self._stage(g), version) if version == self.version + 1 else None
+
     def _answer_pulls(self) -> None:
-        """Each answer names the version asked for (`asked`): a worker can tell the answer to its pull from a late
-        answer to an earlier one (that step is over: its version is the current one, without tensors)."""
-        for identity, version in list(self.pulls.items()):
-            if version == self.trainer.step:
+        """Each stage of the version asked for as soon as it is here; each answer names the version asked for
+        (`asked`): a worker can tell the answer to its pull from a late answer to an earlier one (that step is over:
+        its version is the current one, without tensors)."""
+        for identity, (version, sent) in list(self.pulls.items()):
+            if version < self.version:  # that step is over: the worker's lease is stale
                 del self.pulls[identity]
-                self._send(identity, "slice", slice_=True, version=version, asked=version, shard=self.shard)
-            elif version < self.trainer.step:  # that step is over: the worker's lease is stale
+                self._send(identity, "slice", version=self.version, asked=version, shard=self.shard, stage=-1)
+                continue
+            for g in range(len(self.stages)):
+                if g not in sent and (encoded := self._servable(g, version)) is not None:
+                    sent.add(g)
+                    self._send(identity, "slice", encoded, version=version, asked=version, shard=self.shard, stage=g)
+            if len(sent) == len(self.stages):
                 del self.pulls[identity]
-                self._send(identity, "slice", version=self.trainer.step, asked=version, shard=self.shard)
 
     def _snapshot(self) -> snapshots.Snapshot:
         return snapshots.collect(self.trainer, self.totals, self.term, {}, None)

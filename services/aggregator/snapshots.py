@@ -44,6 +44,8 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
         # early stopping: history, best, patience counter, and the evaluation in flight (of this step's weights)
         "early_stop": ({**bg_eval.state_dict(), **({"running": evaluating} if evaluating is not None else {})}
                        if bg_eval is not None else None),
+        # sharded: the pieces this shard owns (who owns what depends on cluster.pipeline_stages too: reshard.py)
+        **({"owned": list(t.pieces)} if t.sharded else {}),
     }
     meta, tensors = state.flatten(named)
     return t.step, meta, tensors
@@ -73,8 +75,10 @@ def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.T
         return {}, model, True
     prefix = f"shard{trainer.shard}."
     own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    mine = {k: v for k, v in meta["per_shard"][trainer.shard].items() if k != "model"}
-    return state.unflatten(mine, own), model, False
+    mine = state.unflatten({k: v for k, v in meta["per_shard"][trainer.shard].items() if k != "model"}, own)
+    if mine.get("owned", list(trainer.pieces)) != list(trainer.pieces):  # the same K, pipelined or not
+        return {}, model, True
+    return mine, model, False
 
 
 def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,

@@ -49,7 +49,8 @@ class Trainer:
         self.cfg, self.shard = cfg, shard
         self.model = build_model(cfg)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards)
+        self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards,
+                                   cfg.cluster.pipeline_stages)
         owned = self.partition.views(self.params, shard)
         # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
         self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
@@ -72,8 +73,9 @@ class Trainer:
     def sharded(self) -> bool:
         return self.partition.shards > 1
 
-    def check_grads(self, grads: dict[str, torch.Tensor]) -> str | None:
-        if grads.keys() != self.pieces.keys():
+    def check_grads(self, grads: dict[str, torch.Tensor], names: list[str] | None = None) -> str | None:
+        """Why gradients for this shard's pieces (or those `names`: a pipelined stage's) would be dropped, or None."""
+        if grads.keys() != (self.pieces.keys() if names is None else set(names)):
             return "grad_names"
         for n, g in grads.items():
             if tuple(g.shape) != self.shapes[n] or g.dtype != torch.float32:
@@ -122,6 +124,23 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+
+    def apply_stage(self, mean_grads: dict[str, torch.Tensor]) -> None:
+        """A pipelined step's stage (cluster.pipeline_stages: no clipping, no loss scaling): optimizer.step() over
+        these pieces alone, at the step's LR. The optimizers allowed at K > 1 step each piece on its own, so the
+        stages of a step give bitwise what one call over all pieces gives; `end_step` then steps the schedule."""
+        for n, g in mean_grads.items():  # (none: a stage or shard without pieces; the schedule wants a step)
+            self.pieces[n].grad = g
+        self.optimizer.step()
+        for n in mean_grads:
+            self.pieces[n].grad = None
+
+    def end_step(self) -> None:
+        """After a pipelined step's last stage: what `apply` does after optimizer.step()."""
+        self.scaler.update(overflow=False)
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.step += 1
 
     def params_sha256(self) -> str:

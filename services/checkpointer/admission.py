@@ -19,7 +19,8 @@ import redis
 from cmemi.shared.keys import Keys
 
 SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress"}
-OPTIONAL = {"summary", "early_stop"}  # the final snapshot carries the run's summary; early stopping its state
+# the final snapshot carries the run's summary; early stopping its state; a sharded run's the pieces each shard owns
+OPTIONAL = {"summary", "early_stop", "owned"}
 PROGRESS = {"step": int, "term": int, "final_loss": (int, float), "bytes_sent": int, "bytes_received": int,
             "fingerprint": dict, "skipped": int, "wall_s": (int, float)}
 MAX_DEPTH = 32

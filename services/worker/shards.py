@@ -8,6 +8,10 @@ other shard the worker
   own socket): no answer comes back; a slice that never arrives (this worker died between its sends) is
   leased again by the leader (services/aggregator/shard.py).
 
+Pipelined (`cluster.pipeline_stages`: S), each shard's slice travels in S stages: the worker sends stage
+0 of every shard, then stage 1, ..., and a pull is answered stage by stage as each one is stepped, so
+parameters come back while later gradients still go out. The leader then holds no parameters.
+
 A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
 checkpoint under a new term) raises `Lost`; the worker says hello again.
 """
@@ -39,12 +43,21 @@ def answers(got: protocol.Message | None, version: int) -> bool:
 
 
 class Link:
-    def __init__(self, k: int, sock: zmq.Socket, layout: Layout, parts: transfer.Assembler) -> None:
-        self.k, self.sock, self.layout, self.parts = k, sock, layout, parts
-        self.inbox = layout.empty() if layout.flat else None
+    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler) -> None:
+        self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
+        # one stage: its slice lands in place; stages: each message is its own (their flat frames share names)
+        self.inbox = layouts[0].empty() if len(layouts) == 1 and layouts[0].flat else None
         self.have = -1  # version whose slice is in the model
         self.asked = -1  # version of the last pull sent
-        self.got: protocol.Message | None = None  # the newest slice received (its tensors in the inbox)
+        self.got: list[protocol.Message | None] = [None] * len(layouts)  # each stage's newest slice received
+        self.over: protocol.Message | None = None  # the newest answer without tensors (that step is over)
+
+    def answered(self, version: int) -> bool:
+        """Is the pull of `version` answered: every stage of it here, or word that it is over?"""
+        return answers(self.over, version) or all(answers(m, version) for m in self.got)
+
+    def reset(self) -> None:
+        self.got, self.over = [None] * len(self.got), None
 
 
 class ShardLinks:
@@ -67,9 +80,10 @@ class ShardLinks:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             sock.connect(addr)
-            layout = Layout(self.partition.views(self.params, k))
+            views = self.partition.views(self.params, k)
+            layouts = [Layout({n: views[n] for n in names}) for names in self.partition.staged(k)]
             parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
-            self.links.append(Link(k, sock, layout, parts))
+            self.links.append(Link(k, sock, layouts, parts))
         for link in self.links:
             self._send(link, "hello", **hello)
         welcomed: set[int] = set()
@@ -106,8 +120,14 @@ class ShardLinks:
                     if msg.header["fatal"]:
                         self.ctx.fatal(msg.header["reason"])
                     raise Lost(f"shard {link.k}: {msg.header['reason']}")
-                if msg.type == "slice":  # it waits in the link's inbox until a lease needs its version (fetch)
-                    link.got = msg
+                if msg.type == "slice":  # it waits until a lease needs its version (fetch)
+                    stage = msg.header.get("stage", 0)
+                    if msg.header["version"] != msg.header["asked"]:  # the step asked for is over
+                        link.over = msg
+                    elif type(stage) is int and 0 <= stage < len(link.got):
+                        link.got[stage] = msg
+                    else:
+                        raise Lost(f"shard {link.k}: a slice of stage {stage!r}, expected 0..{len(link.got) - 1}")
                     continue
                 handle(link, msg)
 
@@ -117,23 +137,36 @@ class ShardLinks:
         for link in self.links:
             if link.have == version:
                 continue
-            if not answers(link.got, version):
+            if not link.answered(version):
                 # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
                 # one (current version, no tensors), or a newer version asked ahead
                 if link.asked != version:
                     self._send(link, "pull", term=self.term, version=version)
                     link.asked = version
-                self._wait(lambda link=link: answers(link.got, version), lambda _l, _m: None)
-            assert link.got is not None
-            if link.got.header["version"] != version or not link.got.tensors:
+                self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
+            if answers(link.over, version):
                 return False
-            self._copy(link, link.got)
+            received: dict[str, torch.Tensor] = {}
+            for layout, msg in zip(link.layouts, link.got, strict=True):
+                assert msg is not None
+                received.update(self._received(link, layout, msg))
+            self._copy(link, received)
             link.have = version
         return True
 
-    def _copy(self, link: Link, msg: protocol.Message) -> None:
+    def _received(self, link: Link, layout: Layout, msg: protocol.Message) -> dict[str, torch.Tensor]:
         try:
-            received = link.layout.views(msg.tensors) if link.layout.flat else msg.tensors
+            return layout.views(msg.tensors) if layout.flat else msg.tensors
+        except LayoutError as exc:
+            self._misfit(link, exc)
+            raise AssertionError("not reached") from None
+
+    def _misfit(self, link: Link, exc: Exception) -> None:
+        self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
+                       "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
+
+    def _copy(self, link: Link, received: dict[str, torch.Tensor]) -> None:
+        try:
             targets = self.partition.views(self.params, link.k)
             if received.keys() != targets.keys():
                 raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
@@ -141,14 +174,15 @@ class ShardLinks:
                 for name, view in targets.items():
                     view.copy_(received[name])
         except (LayoutError, RuntimeError) as exc:
-            self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
-                           "same model.factory, model.kwargs and cluster.shards on every host")
+            self._misfit(link, exc)
 
-    def push(self, encoded: list[tuple[dict[str, Any], dict[str, torch.Tensor]]], fields: dict[str, Any]) -> None:
-        """Send shard k its encoded slice (encoded[k - 1]: codec info, frames); ZeroMQ's I/O thread carries them
-        all at once."""
-        for link, (info, frames) in zip(self.links, encoded, strict=True):
-            self._send(link, "grad", tensors=frames, codec=info, **fields)
+    def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any]) -> None:
+        """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
+        shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order."""
+        for g in range(max((len(e) for e in encoded), default=0)):
+            for link, stages in zip(self.links, encoded, strict=True):
+                info, frames = stages[g]
+                self._send(link, "grad", tensors=frames, codec=info, stage=g, **fields)
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

@@ -66,7 +66,7 @@ class Worker:
         if cfg.data.workers:  # forked now, before ZeroMQ's and Redis's threads exist
             self.runner.loader = Loader(cfg, self.dataset, cfg.data.workers, log=ctx.log)
         self.params = self.runner.params
-        self.partition = Partition(self.params, cfg.cluster.shards)  # the leader's slice, and the other shards'
+        self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages)  # the leader's slice, and the other shards'
         self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc})
         self.device = torch.device("cpu")
         self._set_inbox()
@@ -323,6 +323,8 @@ class Worker:
 
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
+        if not msg.tensors and not self.inbox:  # nothing to receive: a pipelined leader holds no parameters
+            self.version = h["version"]
         if msg.tensors:
             received = self._received(msg)
             if received is None:  # checksums passed: the aggregator's model is not ours (another config)
@@ -351,11 +353,12 @@ class Worker:
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
         t0 = time.perf_counter()
-        encoded = [self.codec.encode(self.partition.views(grads, k), h["step"]) if finite else ({}, {})
-                   for k in range(self.partition.shards)]
+        encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
+                    for names in self.partition.staged(k)]
+                   for k, views in ((k, self.partition.views(grads, k)) for k in range(self.partition.shards))]
         encode_s = time.perf_counter() - t0
         links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
-        info, frames = encoded[0]
+        info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
         self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
