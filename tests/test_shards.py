@@ -179,22 +179,30 @@ def test_a_sharded_step_a_shard_already_passed_is_given_up() -> None:
 
 
 @pytest.mark.integration
-def test_a_slice_lost_between_sends_is_leased_again_and_recomputed(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("skip", "pipelined"), [
+    ("20:1", ()),
+    ("20:1:1", ("cluster.pipeline_stages=3", "model.factory=tests.fixtures:many_tensors_mlp",
+                "model.kwargs={n: 6, size: 20000}")),
+], ids=["two-phase", "pipelined"])
+def test_a_slice_lost_between_sends_is_leased_again_and_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  skip: str, pipelined: tuple[str, ...]) -> None:
     """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject, as when a worker dies between
     its sends), and it forgets the slices it held, as its replacement would. Shard 1 lacks the step, so the leader
     leases it again once the grace is over, and the worker pulls version 20 anew from both shards, past the next
-    version it had asked ahead for. Bitwise the reference."""
+    version it had asked ahead for. Pipelined, shard 1 gets stage 0 and steps it, and shard 2 steps all of its
+    stages: version 20 of those comes from the copies kept until the commit. Bitwise the reference."""
     monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'inject'}")
-    monkeypatch.setenv("CMEMI_TEST_SKIP_SHARD", "20:1")
+    monkeypatch.setenv("CMEMI_TEST_SKIP_SHARD", skip)
     sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "cluster.dead_after=1.0",
-            "cluster.heartbeat_interval=0.1")
+            "cluster.heartbeat_interval=0.1", *pipelined)
     r = run_up(tmp_path / "run", *sets, "cluster.shards=3", "cluster.workers=1")
     assert r.rc == 0, r.stderr[-3000:]
     events = [json.loads(x) for x in (r.run_dir / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["shard"]) for e in events if e["kind"] == "leases_reopened"][:1] == [(20, 1)], events
+    worker_log = (r.run_dir / "logs" / "worker-w0.log").read_text()
+    assert "lost a parameter-server shard" not in worker_log, "every shard answered the pull of version 20 at once"
     monkeypatch.delenv("CMEMI_TEST_SKIP_SHARD")
-    assert r.summary["params_sha256"] == reference_sha(tmp_path, *sets)
+    assert r.summary["params_sha256"] == reference_sha(tmp_path, *[x for x in sets if "pipeline" not in x])
 
 
 @pytest.mark.integration
@@ -244,7 +252,9 @@ def test_traffic_per_step_is_about_one_gradient_per_worker(tmp_path: Path) -> No
 
 @pytest.mark.integration
 @pytest.mark.fault
-def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, reference: str) -> None:
+@pytest.mark.parametrize("pipelined", [(), ("cluster.pipeline_stages=2",)], ids=["two-phase", "pipelined"])
+def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, reference: str,
+                                                         pipelined: tuple[str, ...]) -> None:
     """SIGKILL shard 1, then shard 2, then the leader, and workers in between (one may die between its slices:
     what a shard lacks is leased again), then shards 1 and 2 at once: each shard's death takes the cluster back to the last checkpoint every
     shard completed, and the result is still bitwise the fault-free one. With evaluation every 100 steps: an
@@ -252,7 +262,8 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     evals = ("eval.fn=cmemi.examples.digits:evaluate", "eval.every_steps=100")
     plain = run_up(tmp_path / "plain", *LONG, *evals, "cluster.workers=1", "cluster.spare_workers=0")
     assert plain.rc == 0, plain.stderr[-3000:]
-    c = Cluster(tmp_path / "run", *LONG, *evals, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3")
+    c = Cluster(tmp_path / "run", *LONG, *evals, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3",
+                *pipelined)
     try:
         for target, victims in ((150, [("aggregator", "1")]), (300, [("worker", "w0")]), (450, [("aggregator", "2")]),
                                 (600, [("worker", "w1")]), (750, [("aggregator", "0")]), (900, [("worker", "w0")]),
@@ -437,7 +448,8 @@ def test_pipelined_steps_give_the_reference_for_any_shards_workers_and_a_batchno
         r = run_up(tmp_path / f"k{k}w{w}", *sets, f"cluster.shards={k}", f"cluster.workers={w}")
         assert r.rc == 0, r.stderr[-3000:]
         got[(k, w)] = r.summary["params_sha256"]
-        assert not {k: v for k, v in r.summary["dropped_messages"].items() if k != "stale_step"}, r.summary
+        # (a duplicate: a lease also handed to an idle worker, computed twice; the first copy won)
+        assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
     assert set(got.values()) == {want}, got
     s = r.summary  # K = 3: the leader holds nothing, so the shards carry every gradient byte
     assert s["shards"][0]["bytes_received"] < 0.05 * s["bytes_received"], s["shards"]

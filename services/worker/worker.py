@@ -353,9 +353,9 @@ class Worker:
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
         t0 = time.perf_counter()
+        views = self.partition.views(grads) if finite else {}  # (an fp16 overflow sends no tensors)
         encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
-                    for names in self.partition.staged(k)]
-                   for k, views in ((k, self.partition.views(grads, k)) for k in range(self.partition.shards))]
+                    for names in self.partition.staged(k)] for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
         links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
