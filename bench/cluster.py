@@ -92,17 +92,41 @@ def shape(lab: netns.NetLab, host: netns.Host, rate: str, burst: str) -> None:
     tc(lab.bridge_ns, "qdisc", "replace", "dev", host.port_if, *spec)
 
 
-def tbf_drops(lab: netns.NetLab, hosts: list[netns.Host]) -> dict[str, int]:
-    """Packets every tbf has dropped so far (its queue full: `latency` 100 ms of data), uplinks (host -> bridge) and
-    downlinks (bridge -> host) summed: TCP losses, each one a retransmission and, in an incast, a timeout."""
-    out = {"up": 0, "down": 0}
+def allow_congestion_control(algorithm: str) -> None:
+    """Let network namespaces choose `algorithm` (net.ipv4.tcp_allowed_congestion_control: a namespace may only
+    pick an allowed one); the machine's own default is left as it is."""
+    path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    allowed = path.read_text().split()
+    if algorithm not in allowed:
+        path.write_text(" ".join([*allowed, algorithm]))
+
+
+def congestion_control(host: netns.Host, algorithm: str) -> None:
+    """The host's TCP congestion control (per network namespace), e.g. cubic, Linux's default."""
+    r = subprocess.run(["ip", "netns", "exec", host.ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={algorithm}"],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise RuntimeError(f"--tcp-cc {algorithm}: {r.stderr.strip()} (see net.ipv4.tcp_available_congestion_control)")
+
+
+def tbf_drops(lab: netns.NetLab, hosts: list[netns.Host]) -> dict[str, dict[str, int]]:
+    """Packets each host's tbfs have dropped so far (a queue full: `latency` 100 ms of data), uplink (host -> bridge)
+    and downlink (bridge -> host): TCP losses, each one a retransmission and, in an incast, a timeout."""
+    out: dict[str, dict[str, int]] = {}
     for h in hosts:
         for way, ns, dev in (("up", h.ns, "eth0"), ("down", lab.bridge_ns, h.port_if)):
             r = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev],
                                capture_output=True, text=True, timeout=20)
             m = re.search(r"dropped (\d+)", r.stdout)
-            out[way] += int(m.group(1)) if m else 0
+            out.setdefault(h.name, {})[way] = int(m.group(1)) if m else 0
     return out
+
+
+def drops_between(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Packets dropped between two `tbf_drops` readings: summed per direction, and per host where any were."""
+    diff = {h: {w: after[h][w] - before[h][w] for w in after[h]} for h in after}
+    return {"up": sum(d["up"] for d in diff.values()), "down": sum(d["down"] for d in diff.values()),
+            "by_host": {h: d for h, d in diff.items() if any(d.values())}}
 
 
 PROBE_RECV = """
@@ -412,7 +436,10 @@ def main() -> None:
     p.add_argument("--rate", default=RATES, help="every link's rate each way, in tc's units: one for all N, or one "
                    f"per N (default {RATES}: the CPU stays partly idle at every N, so the links are the limit)")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
-    p.add_argument("--stages", type=int, default=4, help="cluster.pipeline_stages of cmemi_kn_pipelined")
+    p.add_argument("--stages", type=int, default=8, help="cluster.pipeline_stages of cmemi_kn_pipelined")
+    p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
+                   "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
+                   "40 %% of their packets)")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="emulated compute per backward pass too, between the layers (default 0: forward only)")
@@ -450,7 +477,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "cluster", "command": " ".join(["python bench/cluster.py", *sys.argv[1:]]),
         "machine": C.machine(), "quick": args.quick,
-        "link": {"rate": args.rate, "burst": args.burst,
+        "link": {"rate": args.rate, "burst": args.burst, "tcp_congestion_control": args.tcp_cc,
                  "shaping": "tc tbf on both ends of every host's veth (each direction); no netem: no added delay"},
         "workload": {"model": f"MLP {in_dim}-" + f"{hidden}-" * (depth - 1) + "10 (bench.cluster_models:sleepy_mlp)",
                      "param_bytes": pbytes,
@@ -486,6 +513,9 @@ def main() -> None:
         servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))]
                    if {"cmemi_kn_dedicated", "cmemi_kn_pipelined"} & set(systems) else [])
         shaped = [server, *hosts, *servers]
+        allow_congestion_control(args.tcp_cc)
+        for h in shaped:
+            congestion_control(h, args.tcp_cc)
         from cmemi.shared.security import generate
 
         keys = work / "keys"
@@ -509,7 +539,7 @@ def main() -> None:
                         before = tbf_drops(lab, shaped)
                         runs[system] = run_system(cluster, system, n, steps, warmup, args.stages)
                         after = tbf_drops(lab, shaped)
-                        runs[system]["link_drops"] = {w: after[w] - before[w] for w in after}
+                        runs[system]["link_drops"] = drops_between(before, after)
                     except Exception as exc:  # one failed system does not lose the others' figures
                         runs[system] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
                     if "error" not in runs[system] or first_error is not None:

@@ -357,12 +357,14 @@ class Worker:
         encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
                     for names in self.partition.staged(k)] for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
+        # the next version asked for first: behind the gradient on the same connection, a pull would reach a shard
+        # only once this worker's whole slice had, too late to take a pipelined shard's first stages
+        links.ask_ahead(self.version + 1)
         links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
         self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
-        links.ask_ahead(self.version + 1)
         if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
