@@ -258,7 +258,8 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     """SIGKILL shard 1, then shard 2, then the leader, and workers in between (one may die between its slices:
     what a shard lacks is leased again), then shards 1 and 2 at once: each shard's death takes the cluster back to the last checkpoint every
     shard completed, and the result is still bitwise the fault-free one. With evaluation every 100 steps: an
-    evaluation lost with a term runs again from the checkpoint, so the history is the fault-free run's."""
+    evaluation lost with a term runs again from the checkpoint, so the history is the fault-free run's. The same
+    with pipelined steps (the leader then holds no parameters, and stages are stepped before the commit)."""
     evals = ("eval.fn=cmemi.examples.digits:evaluate", "eval.every_steps=100")
     plain = run_up(tmp_path / "plain", *LONG, *evals, "cluster.workers=1", "cluster.spare_workers=0")
     assert plain.rc == 0, plain.stderr[-3000:]

@@ -120,11 +120,8 @@ class Trainer:
             self.optimizer.step()
         else:
             self.skipped += 1
-        self.scaler.update(overflow=mean_grads is None)
-        if self.scheduler is not None:
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        self.end_step(overflow=mean_grads is None)
 
     def apply_stage(self, mean_grads: dict[str, torch.Tensor]) -> None:
         """A pipelined step's stage (cluster.pipeline_stages: no clipping, no loss scaling): optimizer.step() over
@@ -136,9 +133,10 @@ class Trainer:
         for n in mean_grads:
             self.pieces[n].grad = None
 
-    def end_step(self) -> None:
-        """After a pipelined step's last stage: what `apply` does after optimizer.step()."""
-        self.scaler.update(overflow=False)
+    def end_step(self, overflow: bool = False) -> None:
+        """After the step's optimizer.step() (a pipelined step's: after its last stage): the loss scale, the LR
+        schedule, the version."""
+        self.scaler.update(overflow=overflow)
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
