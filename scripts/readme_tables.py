@@ -288,13 +288,15 @@ def cluster() -> str:
                   "the 2 shared cores, so where DDP is well above its bound with no idle CPU the excess is CPU "
                   "contention, not the links, and the CMEMI/DDP ratios understate the gap a quiet machine would show."]
     kn = [(n, x["ratios"].get("cmemi_kn_vs_ddp"), x["ratios"].get("cmemi_kn_dedicated_vs_ddp"),
+           x["ratios"].get("cmemi_kn_pipelined_vs_ddp"),
            x["runs"].get("cmemi_kn", {}).get("cpu", {}).get("machine_idle_cores")) for n, x in d["by_n"].items()]
     kn = [k for k in kn if k[1] is not None]
     if kn:
         lines += ["", "Sharded (`cluster.shards` = N): " + "; ".join(
             f"N = {n}: {a:.2f}× DDP on the worker hosts" + (f", {b:.2f}× on dedicated hosts" if b else "")
+            + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
-            for n, a, b, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
+            for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
     return "\n".join(lines + cluster_profile(d))
 
 
