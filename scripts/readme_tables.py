@@ -334,14 +334,12 @@ def cluster_profile(d: dict[str, Any]) -> list[str]:
         idle = min(ddp["cpu"]["machine_idle_cores"], kn["cpu"]["machine_idle_cores"])
         bound = ("both systems were CPU-bound on the 2 cores (idle column)" if idle < 0.3 else
                  f"the CPU was not the limit ({idle:.2f} or more idle cores in both runs)")
-        lines += ["", f"At N = {n} {bound}. DDP's ranks used "
-                  f"{used(ddp):.0f} CPU-ms per step, CMEMI's co-located run {used(kn):.0f} "
-                  f"({used(kn) / used(ddp):.2f}×): its workers alone "
-                  f"{roles.get('worker', 0):.0f}, about what DDP's ranks use, and on top its {n} shard processes "
-                  f"{servers:.0f}, which receive, check, sum, step and send every byte a second time in user space, "
-                  f"where a ring all-reduce passes each chunk from rank to rank once. The kernel's share (system + "
-                  f"softirq: the emulated links, about the same bytes for both) was {kernel(kn):.0f} CPU-ms per step "
-                  f"against DDP's {kernel(ddp):.0f}."]
+        lines += ["", f"At N = {n} {bound}. DDP's ranks used {used(ddp):.0f} CPU-ms per step (their real backward "
+                  f"passes included), CMEMI's co-located run {used(kn):.0f} ({used(kn) / used(ddp):.2f}×): its "
+                  f"workers {roles.get('worker', 0):.0f} and its {n} shard processes {servers:.0f}, which receive, "
+                  "check, sum, step and send every byte a second time in user space, where a ring all-reduce passes "
+                  "each chunk from rank to rank once. The kernel's share (system + softirq: the emulated links, "
+                  f"about the same bytes for both) was {kernel(kn):.0f} CPU-ms per step against DDP's {kernel(ddp):.0f}."]
         if (plain := rows.get("cmemi_kn_nocurve")) is not None:
             lines[-1] += (f" Without CurveZMQ (gloo encrypts nothing) the step took {plain['step_time_median_s'] * 1000:.0f}"
                           f" ms instead of {kn['step_time_median_s'] * 1000:.0f}.")
