@@ -56,13 +56,19 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
         send_params(a, pub, params, 0)
         held = pub._current
         assert held is not None and not held.idle()
+        versions = {}
         for v in range(1, 6):
             with torch.no_grad():
                 params["w"].add_(1.0)
+            versions[v] = params["w"].clone()
             pub.encoded(params, v)
             assert pub._current is not held and torch.equal(pub._current.tensors["w"], params["w"])
-        # version 0's copy stayed untouched; versions 1-5 all reused one other buffer
-        assert len(pub._copies) == 2 and torch.equal(held.tensors["w"], v0)
+        # version 0's copy stayed untouched; versions 1-5 took turns in two others: the version before the current
+        # one stays encoded and untouched too (a pipelined shard serves it until the commit)
+        assert len(pub._copies) == 3 and torch.equal(held.tensors["w"], v0)
+        kept = pub.kept(4)
+        assert kept is not None and pub.kept(3) is None and pub.kept(5) is not None
+        assert torch.equal(torch.frombuffer(kept[0][1][0], dtype=torch.float32).view(512, 512), versions[4])
         msg = protocol.decode(b.recv_multipart(copy=False), RUN)
         assert torch.equal(msg.tensors["w"], v0)
         del msg
@@ -71,7 +77,7 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
             assert time.monotonic() < deadline, "the received frame was never released"
             time.sleep(0.01)
         pub.encoded(params, 6)
-        assert len(pub._copies) == 2
+        assert len(pub._copies) == 3
     finally:
         ctx.destroy(linger=0)
 
