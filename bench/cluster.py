@@ -6,7 +6,8 @@ Needs root (network namespaces, veths, `tc`); without them it says why in one li
 `make bench`. Every host's veth is shaped with `tc ... tbf` at both ends (the host's eth0 and its bridge port,
 i.e. each direction; this kernel has no netem, so there is rate but no added delay), at a rate per N (default
 200 / 100 / 50 Mbit/s at N = 2 / 4 / 8: the bytes per step grow with N while the 2 cores do not, so a lower rate
-keeps the CPU partly idle and the links the limit; each run records both, and the packets each tbf dropped). One
+keeps the CPU partly idle and the links the limit; each run records both, and the packets each tbf dropped), and
+every host uses the TCP congestion control `--tcp-cc` (default cubic, Linux's default). One
 extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps), all in one run, one after the other:
 
 - `ddp`, `ddp_powersgd`: bench/torch_train.py as N gloo ranks, one per host, rendezvous env:// with

@@ -146,27 +146,17 @@ class ShardLinks:
                 self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
             if answers(link.over, version):
                 return False
-            received: dict[str, torch.Tensor] = {}
-            for layout, msg in zip(link.layouts, link.got, strict=True):
-                assert msg is not None
-                received.update(self._received(link, layout, msg))
-            self._copy(link, received)
+            self._copy(link)
             link.have = version
         return True
 
-    def _received(self, link: Link, layout: Layout, msg: protocol.Message) -> dict[str, torch.Tensor]:
+    def _copy(self, link: Link) -> None:
+        """Every stage of the slice received into the model's pieces of shard k."""
         try:
-            return layout.views(msg.tensors) if layout.flat else msg.tensors
-        except LayoutError as exc:
-            self._misfit(link, exc)
-            raise AssertionError("not reached") from None
-
-    def _misfit(self, link: Link, exc: Exception) -> None:
-        self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
-                       "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
-
-    def _copy(self, link: Link, received: dict[str, torch.Tensor]) -> None:
-        try:
+            received: dict[str, torch.Tensor] = {}
+            for layout, msg in zip(link.layouts, link.got, strict=True):
+                assert msg is not None
+                received.update(layout.views(msg.tensors) if layout.flat else msg.tensors)
             targets = self.partition.views(self.params, link.k)
             if received.keys() != targets.keys():
                 raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
@@ -174,7 +164,8 @@ class ShardLinks:
                 for name, view in targets.items():
                     view.copy_(received[name])
         except (LayoutError, RuntimeError) as exc:
-            self._misfit(link, exc)
+            self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
+                           "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
 
     def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any]) -> None:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
