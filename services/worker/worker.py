@@ -351,7 +351,8 @@ class Worker:
         lo, hi = h["lo"], h["hi"]
         losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]))
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
-                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
+                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches),
+                  "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
         views = self.partition.views(grads) if finite else {}  # (an fp16 overflow sends no tensors)
         encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
