@@ -353,8 +353,8 @@ def load_avg() -> list[float]:
 
 def provenance(root: Path = ROOT) -> dict[str, Any]:
     """What a results file was measured on: the git commit (full sha) of `root`, whether its tree had uncommitted
-    changes (`dirty`, with the first changed paths; bench/results/ itself is left out, since `make bench` rewrites
-    it as it goes), and the UTC date. Every bench script puts these three fields at the top of its JSON
+    changes (`dirty`, with the first changed paths; the results files themselves, bench/results/ and
+    docs/resnet_accuracy.json, are left out, since re-measuring rewrites them as it goes), and the UTC date. Every bench script puts these three fields at the top of its JSON
     (scripts/readme_tables.py refuses a results file without them). git runs with safe.directory set, so a script
     run as root (bench/cluster.py) still reads a checkout owned by someone else."""
     date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -365,7 +365,8 @@ def provenance(root: Path = ROOT) -> dict[str, Any]:
 
     try:
         commit = git("rev-parse", "HEAD").strip()
-        changed = git("status", "--porcelain", "--", ".", ":(exclude)bench/results").splitlines()
+        changed = git("status", "--porcelain", "--", ".", ":(exclude)bench/results",
+                      ":(exclude)docs/resnet_accuracy.json").splitlines()
     except (OSError, subprocess.SubprocessError) as exc:
         return {"commit": None, "dirty": None, "date": date, "commit_note": f"git could not say: {exc}"[:500]}
     out: dict[str, Any] = {"commit": commit, "dirty": bool(changed), "date": date}
