@@ -190,7 +190,7 @@ def main() -> None:
     t0 = time.monotonic()
     work = C.workdir("small", args.keep)
     result: dict[str, Any] = {
-        "bench": "small", "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
+        "bench": "small", **C.provenance(), "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
         "global_batch": BATCH, "microbatches": MICROBATCHES, "steps": steps, "warmup_skipped": args.warmup,
         "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
         "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
