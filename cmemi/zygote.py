@@ -77,9 +77,10 @@ def main(argv: list[str]) -> int:
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
-    from cmemi.cli import main as cli_main
+    from cmemi.launch import run_service, user_code_importable
 
-    cli_main(request["argv"][3:])
+    user_code_importable()
+    run_service(request["argv"][3], request["argv"][4:])
     return 0
 
 
