@@ -203,7 +203,7 @@ class ClusterConfig:
     lease_timeout: float = 30.0
     """A lease not returned within this many seconds per microbatch it holds goes back to the queue, as single microbatches."""
     spare_workers: int = 1
-    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once a worker is admitted."""
+    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once the first step is done (until then they would compete with it for the CPU)."""
     max_restarts: int = 10
     """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
     start_timeout: float = 180.0

@@ -128,5 +128,5 @@ def data_error(who: str, cfg: Any, exc: BaseException) -> str:
     from cmemi.shared.usercode import describe
 
     hint = "; check that data.kwargs (paths) exist and are readable on this host" if isinstance(exc, OSError) else ""
-    return (f"{who} on host {socket.gethostname()} cannot build the dataset: {cfg.data.factory}(**{cfg.data.kwargs}) "
+    return (f"{who} on host {socket.gethostname()} cannot read the dataset: {cfg.data.factory}(**{cfg.data.kwargs}) "
             f"raised {describe(exc).line()}{hint}")

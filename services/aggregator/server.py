@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import torch
 import zmq
-from cmemi.services.aggregator import snapshots
+from cmemi.services.aggregator import dataprint, snapshots
 from cmemi.services.aggregator.admission import ROLE_OF, EnvironmentCheck, ReissuePolicy, registered
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, Probe, eval_boundary, run_eval
@@ -32,7 +32,6 @@ from cmemi.shared import atomic, limits, metrics, protocol, reduction, startup, 
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, all_finite, make_codec
 from cmemi.shared.config import ConfigError
-from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
@@ -68,17 +67,10 @@ class Aggregator:
         try:
             self.trainer = Trainer(cfg)
             startup.mark("model_built")
-            factory = resolve(cfg.data.factory, "data.factory")
             self.eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
         except ConfigError as exc:
             ctx.fatal(str(exc))
-        try:
-            dataset = factory(**cfg.data.kwargs)
-            startup.mark("dataset_built")
-            self.fp = fingerprint(dataset)
-            startup.mark("fingerprinted")
-        except Exception as exc:  # user data code may raise anything: report it in one line
-            ctx.fatal(data_error("aggregator", cfg, exc))
+        self.fp: dict[str, Any] = {}  # the checkpoint's, else the first admitted worker's: the aggregator reads no data
         self.M = cfg.train.microbatches
         self.environment = EnvironmentCheck(environment(torch.device("cpu"), cfg))
         self.report_buffers = bool(self.trainer.buffers) and cfg.model.buffers == "mean"
@@ -147,7 +139,7 @@ class Aggregator:
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", "0")
-        self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
+        self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp.get("sha256", "(the first worker's)")[:12])
 
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
@@ -290,10 +282,10 @@ class Aggregator:
             self._send(identity, "reject", fatal=False, reason=f"worker {wid} on host {h['host']}: incarnation "
                        f"{inc} is not registered for it ({why}); say hello after registering")
             return
-        if h["fp"] != self.fp:  # names the worker's own fingerprint only: the reply reveals no hash of ours
+        if not dataprint.agrees(self.fp, h["fp"]):  # names the worker's own fingerprint only: the reply reveals none of ours
             self._send(identity, "reject", fatal=True, reason=(
                 f"worker {wid} on host {h['host']} has a different dataset (length {h['fp'].get('length')}, "
-                f"sha256 {str(h['fp'].get('sha256'))[:12]}) than the aggregator; make data.factory/data.kwargs "
+                f"sha256 {str(h['fp'].get('sha256'))[:12]}) than the run's; make data.factory/data.kwargs "
                 "give the same data on every host (compare the fingerprints in each service's log)"))
             return
         if self._is_fenced(wid, inc):
