@@ -66,6 +66,10 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
         cfg = load_config(config_path(args.config), args.set)
         # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
         lock = RunLock(cfg.run.path.resolve())
+        if cfg.model.init_from:  # a missing file fails now, in a second, not after the services start
+            from cmemi.shared.initweights import weights_file
+
+            weights_file(cfg.model.init_from)
         from cmemi.up import up
 
         startup.mark("imported")

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from cmemi.shared.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 FIELD = "config field 'model.init_from'"
 SHOWN = 20  # mismatch lines listed before "... and N more"
@@ -46,6 +49,8 @@ def weights_file(path: str) -> Path:
 
 def read(path: str) -> tuple[Path, dict[str, torch.Tensor]]:
     """The state_dict stored at `path` (see weights_file), on the CPU."""
+    import torch  # here: `cmemi up` checks that the file exists (weights_file) before it imports torch
+
     f = weights_file(path)
     try:
         if f.suffix in (".pt", ".pth", ".bin"):
@@ -78,6 +83,8 @@ def mismatches(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor
 def load_into(model: torch.nn.Module, path: str, strict: bool) -> list[str]:
     """Copy the weights at `path` into `model` (in place); returns the mismatch lines skipped (strict: none, or
     InitError listing them)."""
+    import torch
+
     f, loaded = read(path)
     expected = model.state_dict()
     lines = mismatches(expected, loaded)
