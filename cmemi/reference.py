@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from cmemi.configs import config_path
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, run_eval
 from cmemi.services.aggregator.trainer import Trainer
@@ -111,8 +112,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None, help="also write the summary JSON here")
     p.add_argument("--export", default=None, metavar="FILE.safetensors", help="write the trained state_dict here")
     args = p.parse_args(argv)
-    from cmemi.cli import config_path
-
     try:
         cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)

@@ -63,10 +63,11 @@ Reply = Callable[..., None]  # reply(identity, "reject", fatal=..., reason=...)
 class Admission:
     """The admitted workers of this server (identity -> WorkerInfo) and the fences it knows."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, fingerprint: Callable[[], dict[str, Any]],
+    def __init__(self, client: redis.Redis, keys: Keys, same_data: Callable[[dict[str, Any]], bool],
                  environment: EnvironmentCheck, require_same_environment: bool, reply: Reply,
                  drop: Callable[[str, str], None], log: Any) -> None:
-        self.client, self.keys, self.fingerprint, self.environment = client, keys, fingerprint, environment
+        # same_data(fp): is a worker's dataset fingerprint the run's (services/aggregator/dataprint.py)?
+        self.client, self.keys, self.same_data, self.environment = client, keys, same_data, environment
         self.require_same, self.reply, self.drop, self.log = require_same_environment, reply, drop, log
         self.workers: dict[bytes, WorkerInfo] = {}
         self.fenced: dict[str, int] = {}  # worker id -> the newest fenced incarnation
@@ -88,10 +89,10 @@ class Admission:
             self._refuse(identity, "fenced", f"{wid}/{inc}", f"incarnation {inc} of worker {wid} is fenced")
             return None
         fp = h["fp"]
-        if fp != self.fingerprint():  # names the worker's own fingerprint only: the reply reveals no hash of ours
+        if not self.same_data(fp):  # names the worker's own fingerprint only: the reply reveals no hash of ours
             self._refuse(identity, "wrong_dataset", f"{wid}/{inc}", fatal=True, answer=(
                 f"worker {wid} on host {host} has a different dataset (length {fp.get('length')}, sha256 "
-                f"{str(fp.get('sha256'))[:12]}) than the aggregator; make data.factory/data.kwargs give the same "
+                f"{str(fp.get('sha256'))[:12]}) than the run's; make data.factory/data.kwargs give the same "
                 "data on every host (compare the fingerprints in each service's log)"))
             return None
         if diff := self.environment.differences(h.get("env")):

@@ -43,6 +43,7 @@ class ShardRoster:
         self.welcome = welcome  # what a joining shard is told: the run's fingerprint, the lease-seal key
         self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
         self.last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
+        self.announced: dict[str, Any] | None = None  # the welcome every joined shard was sent last
 
     @property
     def complete(self) -> bool:
@@ -72,6 +73,14 @@ class ShardRoster:
         self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
         self.ctx.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])
         return self.complete
+
+    def announce(self) -> None:
+        """Welcome every joined shard again if what it is told changed (the run's fingerprint, set by the first
+        admitted worker: the leader reads no data)."""
+        if (welcome := self.welcome()) != self.announced:
+            self.announced = welcome
+            for info in self.shards.values():
+                self.outbox.send(info.identity, "shard_welcome", term=self.term, **welcome)
 
     def member(self, identity: bytes, h: dict[str, Any]) -> ShardInfo | None:
         """The joined shard a message comes from, or None (dropped: `unknown_shard`)."""

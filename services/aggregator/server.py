@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import torch
 import zmq
-from cmemi.services.aggregator import finish, snapshots
+from cmemi.services.aggregator import dataprint, finish, snapshots
 from cmemi.services.aggregator.admission import Admission, EnvironmentCheck, LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.intake import Drops, Intake
@@ -34,7 +34,6 @@ from cmemi.shared import limits, protocol, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
-from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
@@ -54,17 +53,10 @@ class Aggregator:
         try:
             self.trainer = Trainer(cfg)
             startup.mark("model_built")
-            factory = resolve(cfg.data.factory, "data.factory")
             eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
         except ConfigError as exc:
             ctx.fatal(str(exc))
-        try:
-            dataset = factory(**cfg.data.kwargs)
-            startup.mark("dataset_built")
-            self.fp = fingerprint(dataset)
-            startup.mark("fingerprinted")
-        except Exception as exc:  # user data code may raise anything: report it in one line
-            ctx.fatal(data_error("aggregator", cfg, exc))
+        self.fp: dict[str, Any] = {}  # the checkpoint's, else the first admitted worker's: the aggregator reads no data
         self.report_buffers = bool(self.trainer.buffers) and cfg.model.buffers == "mean"
         # Decode side, stateless. NaN/inf is checked once per step on the sum, not per message (stepping.py).
         self.codec = make_codec(cfg.compression, check_finite=False)
@@ -75,11 +67,11 @@ class Aggregator:
         self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.max_message_bytes, self.log, ctx.fatal)
         self.term = allocate(ctx.redis, ctx.keys.term)
         self.seal = LeaseSeal(os.urandom(32))  # this term's: given to the shards when they join
-        self.admission = Admission(ctx.redis, ctx.keys, lambda: self.fp,
+        self.admission = Admission(ctx.redis, ctx.keys, lambda fp: dataprint.agrees(self.fp, fp),
                                    EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                                    cfg.cluster.require_same_environment, self._reply, self.drops, self.log)
         self.roster = (ShardRoster(ctx, self.trainer.partition, self.term, self.outbox, self.drops,
-                                   lambda: {"lease_key": self.seal.key, "fp": self.fp})
+                                   lambda: {"lease_key": self.seal.key, "fp": dict(self.fp)})
                        if self.trainer.sharded else None)
         # messages bigger than one, from admitted workers (gradients) and joined shards (their final and evaluation
         # slices) only: one partial transfer each, and one for a replacement
@@ -123,7 +115,8 @@ class Aggregator:
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", "0")
-        self.log.info("aggregator listening", addr=self.addr, term=self.term, fingerprint=self.fp["sha256"][:12])
+        self.log.info("aggregator listening", addr=self.addr, term=self.term,
+                      fingerprint=self.fp.get("sha256", "(the first worker's)")[:12])
 
     def _advertise(self) -> None:
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
@@ -234,6 +227,8 @@ class Aggregator:
         h = msg.header
         if (info := self.admission.hello(identity, h)) is None:
             return
+        if self.roster is not None:
+            self.roster.announce()  # the run's fingerprint, once the first worker set it, before any shard's hello
         self._fenced(info.wid, info.inc - 1, announce=False)  # admission fenced the older incarnations
         self.outbox.send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
                          total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [])

@@ -75,7 +75,7 @@ class ShardServer:
         # the run's fingerprint and the lease seal come with the leader's welcome (shard_welcome)
         self.fp: dict[str, Any] | None = None
         self.seal: LeaseSeal | None = None
-        self.admission = Admission(ctx.redis, ctx.keys, lambda: self.fp or {},
+        self.admission = Admission(ctx.redis, ctx.keys, lambda fp: fp == self.fp,
                                    EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                                    cfg.cluster.require_same_environment, self._send, self.drops, self.log)
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
@@ -248,7 +248,7 @@ class ShardServer:
             return
         h = msg.header
         if msg.type == "hello":
-            if self.fp is None:  # not welcomed by the leader yet (workers learn of shards only after): cannot check
+            if not self.fp:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
                 self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
                            "term yet; say hello again")
             elif (info := self.admission.hello(identity, h)) is not None:
