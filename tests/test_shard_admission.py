@@ -13,14 +13,14 @@ Each refusal is counted in the server's drops, and the run ends with the fault-f
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol
+from cmemi.shared import protocol, transfer
+from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import load_config
 from cmemi.shared.environment import environment
 from cmemi.shared.membership import Member
@@ -70,22 +70,28 @@ def test_every_shard_refuses_what_the_leader_refuses(tmp_path: Path, reference: 
             assert r["type"] == "reject" and not r["fatal"] and "fenced" in r["reason"], (name, r)
             r = ask(s, a.run, "hello", {**me, "fp": fp, "env": env})
             assert r["type"] == "welcome", (name, r)
-        # admitted everywhere: now gradients for microbatches nobody leased to mallory, to shard 1 (its pieces,
-        # all 5.0: accepted, they would change the result) and to the leader (the whole model)
+        # admitted everywhere: gradients (all 5.0) for microbatch 0, which nobody leased to mallory. To shard 1 the
+        # moment each step starts there (its answer to a pull of the next version), before the honest copy can
+        # arrive: accepted, they would change the result. To the leader too (the whole model).
         shard, leader = socks["shard 1"], socks["leader"]
-        term, sent = int(c.redis.get(c.keys.term)), 0
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            step = c.step()
-            for s in range(step, step + 3):  # the current step, whichever it is when they arrive
-                grad = {**me, "term": term, "step": s, "lo": 0, "hi": 1, "version": s, "losses": [0.0], "n": 16,
-                        "finite": True, "codec": {"name": "none"}, "encode_s": 0.0, "lease": b"\0" * 16}
-                protocol.send(shard, protocol.encode("grad", a.run, grad, {n: torch.full(p.shape, 5.0)
-                                                                            for n, p in pieces.items()}))
-                protocol.send(leader, protocol.encode("grad", a.run, grad, {n: torch.full(p.shape, 5.0)
-                                                                             for n, p in params.items()}))
-                sent += 1
-            time.sleep(0.05)  # pacing the attacker, not waiting for a condition
+        term, version, injected = int(c.redis.get(c.keys.term)), c.step(), 0
+        parts = transfer.Assembler(a.run, 1 << 30)
+        codec = make_codec(cfg.compression)  # the run's wire encoding, as a worker's
+        to_shard = codec.encode({n: torch.full(p.shape, 5.0) for n, p in pieces.items()}, 0)
+        to_leader = codec.encode({n: torch.full(p.shape, 5.0) for n, p in params.items()}, 0)
+        while injected < 20:
+            protocol.send(shard, protocol.encode("pull", a.run, {**me, "term": term, "version": version + 1}))
+            while True:
+                assert shard.poll(10_000), "shard 1 does not answer an admitted worker's pull"
+                r = parts.recv(shard)  # a slice may come in parts (shared/transfer.py)
+                if r is not None and r.type == "slice" and r.header["asked"] == version + 1:
+                    break
+            version = r.header["version"]
+            grad = {**me, "term": term, "step": version, "lo": 0, "hi": 1, "version": version, "losses": [0.0],
+                    "n": 16, "finite": True, "encode_s": 0.0, "lease": b"\0" * 16}
+            protocol.send(shard, protocol.encode("grad", a.run, {**grad, "codec": to_shard[0]}, to_shard[1]))
+            protocol.send(leader, protocol.encode("grad", a.run, {**grad, "codec": to_leader[0]}, to_leader[1]))
+            injected += 1
         protocol.send(leader, protocol.encode("leave", a.run, {"wid": "mallory", "inc": mallory.incarnation}))
     finally:
         for member in (mallory, fenced):
@@ -101,4 +107,4 @@ def test_every_shard_refuses_what_the_leader_refuses(tmp_path: Path, reference: 
         assert drops.get("wrong_dataset", 0) >= 1 and drops.get("wrong_environment", 0) >= 1, (name, drops)
         assert drops.get("fenced", 0) >= 1, (name, drops)
     assert s["dropped_messages"].get("not_leased", 0) >= 1, s["dropped_messages"]
-    assert s["shards"][1]["dropped_messages"].get("forged_lease", 0) >= 1, s["shards"][1]
+    assert s["shards"][1]["dropped_messages"].get("forged_lease", 0) >= 20, s["shards"][1]

@@ -371,7 +371,8 @@ class ShardServer:
         for identity, (version, sent) in list(self.pulls.items()):
             if version < self.version:  # that step is over: the worker's lease is stale
                 del self.pulls[identity]
-                self._send(identity, "slice", version=self.version, asked=version, shard=self.shard, stage=-1)
+                self._send(identity, "slice", (([], []), None), version=self.version, asked=version, shard=self.shard,
+                           stage=-1)  # no tensors, but listed as none: the schema asks for the list
                 continue
             for g in range(len(self.stages)):
                 if g not in sent and (encoded := self._servable(g, version)) is not None:
