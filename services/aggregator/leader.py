@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.outbox import Outbox
 from cmemi.shared.service import EXIT_REJOIN, ServiceContext
 from cmemi.shared.shards import Partition
@@ -89,6 +90,20 @@ class ShardRoster:
             self.drop("unknown_shard", f"shard {h['shard']}/{h['inc']}")
             return None
         return info
+
+    def have(self, identity: bytes, h: dict[str, Any], collector: StepCollector, grace: float) -> bool:
+        """A shard's microbatches of its incomplete step: what it lacks of a step complete here goes back to the
+        queue after `grace` (its worker died between its sends); True if some did."""
+        if self.member(identity, h) is None or h["step"] != collector.step:
+            return False
+        if not all(isinstance(m, int) for m in h["have"]):
+            self.drop("bad_have", f"shard {h['shard']}")
+            return False
+        if lacking := collector.reopen(h["have"], time.monotonic(), grace=grace):
+            self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
+            self.ctx.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
+                                 microbatches=lacking)
+        return bool(lacking)
 
     def is_shard(self, identity: bytes) -> bool:
         return any(info.identity == identity for info in self.shards.values())

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 import torch
 import zmq
-from cmemi.services.aggregator import dataprint, finish, snapshots
+from cmemi.services.aggregator import dataprint, finish, gradients, snapshots
 from cmemi.services.aggregator.admission import Admission, EnvironmentCheck, LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.intake import Drops, Intake
@@ -32,7 +32,7 @@ from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, startup, state
 from cmemi.shared.buffers import PREFIX
-from cmemi.shared.codecs import CodecError, make_codec
+from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
@@ -263,26 +263,17 @@ class Aggregator:
         if (reason := collector.check(node, holder)) is not None:  # before decoding: injection costs little
             self.drops(reason, where)
             return
-        grads = None
-        if h["finite"] or not self.trainer.scaler.enabled:
-            try:
-                t0 = time.perf_counter()
-                codec = self.checking_codec if collector.strict else self.codec
-                grads = codec.decode(h["codec"], tensors, shapes=self.trainer.shapes)
-                self.reporter.codec_s += time.perf_counter() - t0 + float(h["encode_s"])
-            except CodecError as exc:
-                self.drops(f"codec_{exc.reason}", f"{info.wid}: {exc}")
-                return
-        if grads is not None and (bad := self.trainer.check_grads(grads)) is not None:
-            self.drops(bad, f"{info.wid}: gradient tensors do not match the model")
+        codec = self.checking_codec if collector.strict else self.codec
+        grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors)
+        if bad is not None:
+            self.drops(bad, where)
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self.drops("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
-        elif not all(isinstance(x, (int, float)) for x in h["losses"]):
-            self.drops("bad_losses", where)
         elif (reason := collector.offer(node, grads, h["losses"], holder,
                                         produced if self.report_buffers else None)) is not None:
             self.drops(reason, where)
         else:
+            self.reporter.codec_s += seconds + float(h["encode_s"])
             self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
             self.reporter.accepted(info.wid, info.inc, node[1] - node[0])
             if (info.wid, info.inc) not in self._contributed:
@@ -337,16 +328,8 @@ class Aggregator:
 
     def _on_shard_have(self, identity: bytes, msg: protocol.Message) -> None:
         """A shard's microbatches of its incomplete step: what it lacks of a step complete here is leased again."""
-        h, collector = msg.header, self.leasing.collector
-        if self.roster is None or self.roster.member(identity, h) is None or h["step"] != collector.step:
-            return
-        if not all(isinstance(m, int) for m in h["have"]):
-            self.drops("bad_have", f"shard {h['shard']}")
-            return
-        if lacking := collector.reopen(h["have"], time.monotonic(), grace=2 * self.cfg.cluster.dead_after):
-            self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
-            self.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
-                             microbatches=lacking)
+        if self.roster is not None and self.roster.have(identity, msg.header, self.leasing.collector,
+                                                        grace=2 * self.cfg.cluster.dead_after):
             self._serve_parked()
 
     def _on_shard_ready(self, identity: bytes, msg: protocol.Message) -> None:

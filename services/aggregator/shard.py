@@ -29,24 +29,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import redis
 import torch
 import zmq
-from cmemi.services.aggregator import snapshots
+from cmemi.services.aggregator import gradients, shard_join, snapshots
 from cmemi.services.aggregator.admission import Admission, EnvironmentCheck, LeaseSeal
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import eval_boundary
 from cmemi.services.aggregator.intake import Drops, Intake
 from cmemi.services.aggregator.outbox import Encoded, Outbox
-from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, reduction, startup, transfer
-from cmemi.shared.codecs import CodecError, make_codec
+from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.environment import environment
-from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member
 from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
 from cmemi.shared.watch import Watch
@@ -85,38 +83,20 @@ class ShardServer:
                                         on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
-        self.term, self.leader_addr, restored_step = self._leader()
+        self.term, leader_addr, restored_step = shard_join.find_leader(ctx, shard)
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        joined_at = self.trainer.step
-        if restored_step >= 0:
-            msg = self.ckpt.fetch_latest(timeout=120, step=restored_step, shard=shard)
-            if msg is None or msg.header["step"] != restored_step:
-                # retention removed it: the leader has run on since, so this is a restart within its term, which
-                # rolls the cluster back anyway (the leader leaves the term when this shard joins at another step)
-                self.log.warning("the checkpoint the leader restored is gone; joining to roll the cluster back",
-                                 step=restored_step)
-                joined_at = -1
-            else:
-                try:
-                    snapshots.restore(self.trainer, self.totals, None, None, msg.header["meta"], msg.tensors)
-                except (ValueError, KeyError, RuntimeError) as exc:
-                    ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
-                joined_at = self.trainer.step
+        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
-        self.publishers = [Publisher(cfg.cluster.checksum, Layout(self._stage(g))) for g in range(len(self.stages))]
-        self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
+        self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
+                                  self._send)
         self.collectors = self._collectors(self.trainer.step)
         self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
-        self.leader = self.zctx.socket(zmq.DEALER)
-        ctx.curve.connect_as_client(self.leader)
-        self.leader.setsockopt(zmq.LINGER, 0)
-        self.leader.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
-        self.leader.connect(self.leader_addr)
+        self.leader = shard_join.leader_link(ctx, self.zctx, leader_addr)
         self._to_leader("shard_join", step=joined_at, addr=self.addr)
         # the leader's term and the run's state, read off the loop (shared/watch.py)
         self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
@@ -145,21 +125,6 @@ class ShardServer:
     @property
     def complete(self) -> bool:
         return len(self.applied) == len(self.stages) if self.pipelined else self.mean is not None
-
-    def _leader(self) -> tuple[int, str, int]:
-        """(term, address, step it restored or -1) of the leader, once it has advertised them."""
-        deadline = time.monotonic() + self.cfg.cluster.start_timeout
-        while time.monotonic() < deadline and not self.ctx.stopping.is_set():
-            try:
-                info = self.ctx.redis.hgetall(self.ctx.keys.aggregator)
-            except redis.RedisError:
-                info = {}
-            if {"addr", "term", "restored"} <= info.keys():
-                return int(info["term"]), info["addr"], int(info["restored"])
-            time.sleep(0.05)
-        self.ctx.fatal(f"shard {self.shard}: no leader (shard 0) advertised itself within "
-                       f"{self.cfg.cluster.start_timeout:g} s; is `cmemi aggregator` (shard 0) running?")
-        raise AssertionError("not reached")
 
     def _to_leader(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.member.incarnation,
@@ -259,7 +224,7 @@ class ShardServer:
         if self.admission.known(identity, h, self.term) is None:
             return
         if msg.type == "pull":
-            self.pulls[identity] = (h["version"], set())
+            self.slices.pull(identity, h["version"])
             self._answer_pulls()
         else:
             self._on_grad(msg)
@@ -283,18 +248,9 @@ class ShardServer:
         collector = self.collectors[g]
         if self.mean is not None or g in self.applied or collector.check(node, None) == "duplicate":
             return  # held already: the first complete copy won (a lease handed out again, or reopened)
-        grads = None
-        try:
-            if h["finite"] or not self.trainer.scaler.enabled:
-                grads = self.codec.decode(h["codec"], msg.tensors,
-                                          shapes={n: self.trainer.shapes[n] for n in self.stages[g]})
-        except CodecError as exc:
-            self.drops(f"codec_{exc.reason}", f"{where}: {exc}")
-            return
-        if grads is not None and (bad := self.trainer.check_grads(grads, self.stages[g])) is not None:
+        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.stages[g])
+        if bad is not None:
             self.drops(bad, where)
-        elif not all(isinstance(x, (int, float)) for x in h["losses"]):
-            self.drops("bad_losses", where)
         elif (reason := collector.offer(node, grads, h["losses"], None)) is not None:
             self.drops(reason, where)
         elif collector.complete and self.pipelined:
@@ -307,7 +263,7 @@ class ShardServer:
         """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
         grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
-        self.publishers[g].encoded(self._stage(g), self.version)
+        self.slices.encoded(g, self.version)
         try:
             self.trainer.apply_stage(grads or {})
             if len(self.applied) == len(self.stages) - 1:
@@ -355,31 +311,8 @@ class ShardServer:
         elif snapshot:  # the leader names the steps every shard checkpoints
             self.ckpt.offer(self._snapshot())
 
-    def _servable(self, g: int, version: int) -> tuple[Any, list[zmq.MessageTracker]] | None:
-        """Stage g at `version`, encoded, if this shard has it: the current step's version (kept when the stage
-        was stepped already), or the next one once the stage is stepped."""
-        if g not in self.applied:
-            return self.publishers[g].encoded(self._stage(g), version) if version == self.version else None
-        if version == self.version:
-            return self.publishers[g].kept(version)
-        return self.publishers[g].encoded(self._stage(g), version) if version == self.version + 1 else None
-
     def _answer_pulls(self) -> None:
-        """Each stage of the version asked for as soon as it is here; each answer names the version asked for
-        (`asked`): a worker can tell the answer to its pull from a late answer to an earlier one (that step is over:
-        its version is the current one, without tensors)."""
-        for identity, (version, sent) in list(self.pulls.items()):
-            if version < self.version:  # that step is over: the worker's lease is stale
-                del self.pulls[identity]
-                self._send(identity, "slice", (([], []), None), version=self.version, asked=version, shard=self.shard,
-                           stage=-1)  # no tensors, but listed as none: the schema asks for the list
-                continue
-            for g in range(len(self.stages)):
-                if g not in sent and (encoded := self._servable(g, version)) is not None:
-                    sent.add(g)
-                    self._send(identity, "slice", encoded, version=version, asked=version, shard=self.shard, stage=g)
-            if len(sent) == len(self.stages):
-                del self.pulls[identity]
+        self.slices.answer(self.version, self.applied)
 
     def _snapshot(self) -> snapshots.Snapshot:
         return snapshots.collect(self.trainer, self.totals, self.term, {}, None)
