@@ -213,25 +213,13 @@ def slow_import_startup(work: Path, tag: str) -> dict[str, Any]:
             "returned_after_last_step_s": C.rnd(returned, 2), "load_avg": C.load_avg(), "startup": startup}
 
 
-def provenance() -> dict[str, Any]:
-    """The commit measured (with "+dirty" when the tree had changes) and the date, UTC."""
-    import datetime
-    import subprocess
-
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=C.ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
 def startup_only(args: argparse.Namespace) -> None:
     """--startup-only: the slow-import workload alone (a few minutes), merged into --out under "slow_import"."""
     C.setup()
     t0 = time.monotonic()
     work = C.workdir("small-startup", args.keep)
     repeats = args.repeats or 3
-    result: dict[str, Any] = {**provenance(), "command": f".venv/bin/python bench/small.py --startup-only --repeats {repeats}",
+    result: dict[str, Any] = {**C.provenance(), "command": f".venv/bin/python bench/small.py --startup-only --repeats {repeats}",
                               "machine": C.machine(), "runs": []}
     try:
         for r in range(repeats):
@@ -282,8 +270,7 @@ def main() -> None:
         "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
         "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
                                                                      not a.endswith(".json"))]),
-        "runs": {wl: {"plain": [], **{v: [] for v in VARIANTS[wl]}} for wl in WORKLOADS}, "digits_startup": [],
-        **provenance()}
+        "runs": {wl: {"plain": [], **{v: [] for v in VARIANTS[wl]}} for wl in WORKLOADS}, "digits_startup": []}
     try:
         for r in range(repeats):
             for wl in WORKLOADS:
