@@ -74,7 +74,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.integration
 def test_the_zygote_checks_the_config_then_listens_for_its_owner_only(served) -> None:
     zygote, run_dir, verdict = served
-    assert verdict["rc"] == 0 and list(verdict["phases"]) == ["spawned", "imported", "plugins_checked", "listening"]
+    assert verdict["rc"] == 0 and list(verdict["phases"]) == [
+        "spawned", "imported", "user_code_imported", "plugins_checked", "listening"]  # the config's modules, once
     sock = run_dir / "zygote" / "socket"
     mode = os.stat(sock).st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
