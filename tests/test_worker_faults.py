@@ -56,7 +56,7 @@ def test_random_worker_kills_change_nothing(tmp_path: Path, reference: str) -> N
             killed.append((wid, c.signal("worker", wid)))
     finally:
         rc = c.wait()
-    assert len(killed) == KILLS and c.summary["steps"] > plan[-1]  # every kill landed before the end
+    assert len(killed) == KILLS  # every kill landed before the end (assert_clean_finish: the run then completed)
     assert_clean_finish(c, rc, reference)
     died = {(e["id"], e["incarnation"]) for e in load_events(c.run_dir) if e["kind"] == "died"}
     assert set(killed) <= died, set(killed) - died  # each kill hit that live incarnation and was detected
