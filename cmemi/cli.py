@@ -176,7 +176,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    from cmemi.shared.security import ROLE_SECRETS, export_role, generate
+    from cmemi.shared.security import ROLE_SECRETS, SecurityError, export_role, generate
 
     p = argparse.ArgumentParser(prog="cmemi keys", description="Generate the CurveZMQ key pairs of a cluster "
                                 "(security.keys_dir): server, aggregator, coordinator, worker.")
@@ -190,15 +190,21 @@ def _keys(argv: list[str]) -> int:
     args = p.parse_args(argv)
     made = generate(Path(args.directory), args.workers, if_missing=args.if_missing)
     if args.per_role:
-        for role in ROLE_SECRETS:
-            export_role(Path(args.directory), Path(args.per_role) / role, role)
-        print(f"wrote {args.per_role}/{{{','.join(ROLE_SECRETS)}}}: mount each role's directory only into its own "
-              "containers, as their security.keys_dir")
+        try:
+            for role in ROLE_SECRETS:
+                export_role(Path(args.directory), Path(args.per_role) / role, role)
+        except SecurityError as exc:
+            print(f"cmemi: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(made)} files to {args.directory} (every role's keys: keep them off the hosts) and "
+              f"{args.per_role}/{{{','.join(ROLE_SECRETS)}}}/: the public keys and only that role's secret keys (mode "
+              "600). Give each role's hosts or containers only its own directory, as their security.keys_dir.")
+        return 0
     print(f"wrote {len(made)} files to {args.directory} (secret keys mode 600). In the config of every service:\n"
           f"security:\n  curve: true\n  keys_dir: {Path(args.directory).resolve()}\n"
           "Each host needs the public *.key files and only its own role's *.key_secret: the aggregator host "
           "server + aggregator, the checkpointer host server, the coordinator host coordinator, worker hosts "
-          "worker (or worker-N).")
+          "worker (or worker-N); `--per-role OUT` writes one such directory per role.")
     return 0
 
 
