@@ -65,7 +65,9 @@ swarm-test:
 	bash scripts/swarm_test.sh
 
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
-# saved to bench/results/NAME.json and printed. BENCHES=... picks a subset; BENCH_ARGS=... adds flags.
+# saved to bench/results/NAME.json and printed, with the commit (and dirty flag) and UTC date it measured.
+# BENCHES=... picks a subset; BENCH_ARGS=... adds flags. Re-measuring every results file (cluster.py, curve.py,
+# scripts/resnet_accuracy.py too) and regenerating the README: bench/README.md, "Re-measuring everything".
 BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression small
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.bench

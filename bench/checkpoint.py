@@ -131,7 +131,7 @@ def main() -> None:
     sizes = [float(x) for x in (args.store_sizes_mib or ("1,16,128,1024" if args.quick else "1,16,128,512,1024")).split(",")]
     repeats = 2 if args.quick else 3
     work = C.workdir("checkpoint")
-    result: dict[str, Any] = {"bench": "checkpoint", "machine": C.machine(), "quick": args.quick}
+    result: dict[str, Any] = {"bench": "checkpoint", **C.provenance(), "machine": C.machine(), "quick": args.quick}
     t_start = time.monotonic()
     try:
         runs = []

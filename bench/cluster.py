@@ -476,8 +476,8 @@ def main() -> None:
     pbytes = param_bytes()
     work = C.workdir("cluster")
     result: dict[str, Any] = {
-        "bench": "cluster", "command": " ".join(["python bench/cluster.py", *sys.argv[1:]]),
-        "machine": C.machine(), "quick": args.quick,
+        "bench": "cluster", **C.provenance(), "command": " ".join(["python bench/cluster.py", *sys.argv[1:]]),
+        "machine": C.machine(), "quick": args.quick, "pipeline_stages": args.stages,
         "link": {"rate": args.rate, "burst": args.burst, "tcp_congestion_control": args.tcp_cc,
                  "shaping": "tc tbf on both ends of every host's veth (each direction); no netem: no added delay"},
         "workload": {"model": f"MLP {in_dim}-" + f"{hidden}-" * (depth - 1) + "10 (bench.cluster_models:sleepy_mlp)",

@@ -71,6 +71,14 @@ def setup(threads: int = 1) -> None:
 
 
 def emit_result(obj: dict[str, Any]) -> None:
+    """Print a script's JSON object, with its provenance (taken at its start; here if it was not) and the load at
+    its end."""
+    now = provenance()
+    if "commit" not in obj:
+        obj.update(now)
+    elif now["commit"] != obj["commit"] or now["dirty"] != obj["dirty"]:
+        obj["commit_note"] = (f"the tree changed while it ran: at the end, commit {now['commit']}, dirty "
+                              f"{now['dirty']}")
     m = obj.get("machine")
     if isinstance(m, dict):
         m["loadavg_at_end"] = load_avg()
@@ -341,6 +349,31 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def provenance(root: Path = ROOT) -> dict[str, Any]:
+    """What a results file was measured on: the git commit (full sha) of `root`, whether its tree had uncommitted
+    changes (`dirty`, with the first changed paths; the results files themselves, bench/results/ and
+    docs/resnet_accuracy.json, are left out, since re-measuring rewrites them as it goes), and the UTC date. Every bench script puts these three fields at the top of its JSON
+    (scripts/readme_tables.py refuses a results file without them). git runs with safe.directory set, so a script
+    run as root (bench/cluster.py) still reads a checkout owned by someone else."""
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", f"safe.directory={root}", "-C", str(root), *args], capture_output=True,
+                              text=True, check=True, timeout=30).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = git("status", "--porcelain", "--", ".", ":(exclude)bench/results",
+                      ":(exclude)docs/resnet_accuracy.json").splitlines()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"commit": None, "dirty": None, "date": date, "commit_note": f"git could not say: {exc}"[:500]}
+    out: dict[str, Any] = {"commit": commit, "dirty": bool(changed), "date": date}
+    if changed:
+        out["dirty_paths"] = [line[3:] for line in changed[:20]] + ([f"... {len(changed) - 20} more"]
+                                                                   if len(changed) > 20 else [])
+    return out
 
 
 def machine() -> dict[str, Any]:

@@ -3,7 +3,10 @@
     .venv/bin/python bench/compression.py [--quick] [--examples digits,charlm]
 
 Prints one JSON object: per example, per codec: bytes sent per step, ratio to `none`, final eval
-metric, median encode+decode seconds per step (workers' encode + aggregator's decode).
+metric, median encode+decode seconds per step (workers' encode + aggregator's decode), and the lease shape the
+aggregator used: `lease_microbatches` (a lease is a block of the reduction tree, docs/design.md §2; a stateless
+lossy codec leases single microbatches) and `gradients_per_step`. The baseline `none` is what the code sends
+today: one gradient per block lease (2 per step for digits' M = 4 on 2 workers), not one per microbatch.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cmemi.shared import reduction  # noqa: E402
+from cmemi.shared.codecs import make_codec  # noqa: E402
+from cmemi.shared.config import load_config  # noqa: E402
+
+from bench import common as C  # noqa: E402
+
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 EXAMPLES = {
     "digits": {"config": "examples/digits.yaml", "metric": "accuracy", "sets": []},
@@ -24,20 +35,34 @@ EXAMPLES = {
 }
 
 
+def leases(config: str, sets: list[str]) -> dict:
+    """The lease shape the aggregator uses for this config when no worker dies (services/aggregator/server.py,
+    `_collector`): blocks of `reduction.block_size(M, W)` microbatches, or single microbatches for a codec that
+    rounds each microbatch's gradient (fp16, bf16, int8)."""
+    cfg = load_config(str(ROOT / config), sets)
+    M, W = cfg.train.microbatches, cfg.cluster.workers
+    block = 1 if make_codec(cfg.compression).per_microbatch else reduction.block_size(M, W)
+    return {"microbatches": M, "workers": W, "lease_microbatches": block,
+            "gradients_per_step": len(list(reduction.blocks(M, block)))}
+
+
 def run(example: str, codec: str, workdir: Path, extra: list[str]) -> dict:
     spec = EXAMPLES[example]
     run_dir = workdir / f"{example}-{codec}"
+    sets = [f"compression.codec={codec}", "cluster.spare_workers=0", "checkpoint.every_steps=0", *spec["sets"],
+            *extra]
     cmd = [sys.executable, "-m", "cmemi", "up", spec["config"], "--set", f"run.dir={run_dir}",
-           "--set", f"run.name=bench-{example}-{codec}", "--set", f"compression.codec={codec}",
-           "--set", "cluster.spare_workers=0", "--set", "checkpoint.every_steps=0", *spec["sets"], *extra]
+           "--set", f"run.name=bench-{example}-{codec}", *(a for x in sets for a in ("--set", x))]
+    shape = leases(spec["config"], sets)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        return {"codec": codec, "error": proc.stderr.strip().splitlines()[-1:]}
+        return {"codec": codec, **shape, "error": proc.stderr.strip().splitlines()[-1:]}
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {
-        "codec": codec,
+        "codec": codec, **shape,
         "bytes_sent_per_step": summary["bytes_sent"] / summary["steps"],
+        "bytes_sent_per_gradient": summary["bytes_sent"] / summary["steps"] / shape["gradients_per_step"],
         "bytes_received_per_step": summary["bytes_received"] / summary["steps"],
         f"eval_{spec['metric']}": summary["eval"].get(spec["metric"]),
         "final_loss": summary["final_loss"],
@@ -53,7 +78,11 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
     args = ap.parse_args()
     examples = args.examples.split(",") if args.examples else (["digits"] if args.quick else list(EXAMPLES))
-    out: dict = {"bench": "compression", "examples": {}}
+    command = " ".join([".venv/bin/python", "bench/compression.py", *sys.argv[1:]])
+    out: dict = {"bench": "compression", **C.provenance(), "machine": C.machine(), "command": command,
+                 "bytes_note": "bytes_sent = every byte workers sent the aggregator (headers, wants and hellos "
+                               "included); ratio_vs_none = none's bytes_sent_per_step / this codec's",
+                 "examples": {}}
     with tempfile.TemporaryDirectory(prefix="cmemi-bench-") as tmp:
         for ex in examples:
             rows = []
@@ -65,7 +94,7 @@ def main() -> None:
                 if base and "error" not in r:
                     r["ratio_vs_none"] = base["bytes_sent_per_step"] / r["bytes_sent_per_step"]
             out["examples"][ex] = rows
-    print(json.dumps(out, indent=1))
+    C.emit_result(out)
 
 
 if __name__ == "__main__":

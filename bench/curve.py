@@ -51,7 +51,7 @@ def main() -> None:
     C.setup()
     t0 = time.monotonic()
     work = C.workdir("curve", args.keep)
-    result: dict[str, Any] = {"bench": "curve", "workload": WORKLOAD, "spec": WORKLOADS[WORKLOAD], "workers": 2,
+    result: dict[str, Any] = {"bench": "curve", **C.provenance(), "workload": WORKLOAD, "spec": WORKLOADS[WORKLOAD], "workers": 2,
                               "microbatches": 2, "steps": args.steps, "warmup_skipped": args.warmup,
                               "repeats": args.repeats, "machine": C.machine(), "runs": {"on": [], "off": []}}
     try:

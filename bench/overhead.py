@@ -107,7 +107,7 @@ def main() -> None:
     repeats = {"compute_bound": args.repeats or (1 if args.quick else 3),
                "comm_bound": args.repeats or (1 if args.quick else 3)}
     work = C.workdir("overhead")
-    result: dict[str, Any] = {"bench": "overhead", "machine": C.machine(), "quick": args.quick, "workdir": str(work)}
+    result: dict[str, Any] = {"bench": "overhead", **C.provenance(), "machine": C.machine(), "quick": args.quick, "workdir": str(work)}
     t_start = time.monotonic()
     try:
         results: dict[str, dict[str, list[dict[str, Any]]]] = {}

@@ -276,7 +276,7 @@ def main() -> None:
     tt = args.torchrun_timeout or (30 if args.quick else 90)
     parts = args.parts.split(",")
     work = C.workdir("recovery")
-    result: dict[str, Any] = {"bench": "recovery", "machine": C.machine(), "quick": args.quick, "workload": WORKLOADS[WL]}
+    result: dict[str, Any] = {"bench": "recovery", **C.provenance(), "machine": C.machine(), "quick": args.quick, "workload": WORKLOADS[WL]}
     t_start = time.monotonic()
     try:
         if "workers" in parts:

@@ -178,7 +178,7 @@ def main() -> None:
     workers = [int(x) for x in args.workers.split(",")]
     wls = (args.worker_workloads or ("compute_bound" if args.quick else "compute_bound,comm_bound")).split(",")
     work = C.workdir("scaling")
-    result: dict[str, Any] = {"bench": "scaling", "machine": C.machine(), "quick": args.quick}
+    result: dict[str, Any] = {"bench": "scaling", **C.provenance(), "machine": C.machine(), "quick": args.quick}
     t_start = time.monotonic()
     try:
         result["by_params"] = param_sweep(work, sizes, 20 if args.quick else 40)

@@ -11,8 +11,15 @@ Python per microbatch), with the data read in the worker and ahead in one loader
 Variants alternate within each repeat, so drift of the machine's load hits them alike; medians over repeats.
 Then `cmemi up` of the digits example as a new user runs it (defaults, a warm spare): the time from `cmemi up`
 to its first step, with every process's phases (RUN_DIR/startup.json, as `cmemi up --verbose` prints them).
+And the slow-import workload (bench/slow_import_model.py, a user module that takes T seconds to import and build
+its dataset in a plain process): `cmemi up` with 2 workers should reach its first step within T + 3 s and
+return within 2 s of its last step. Alone, in a few minutes (merged into the results file):
+
+    .venv/bin/python bench/small.py --startup-only --repeats 3 --out bench/results/small.json
 
     .venv/bin/python bench/small.py [--quick] [--steps N] [--repeats R] [--out bench/results/small.json]
+
+Every result records the commit measured ("+dirty" when the tree had changes) and the date (UTC).
 
 Prints one JSON object: `ms_per_step` (wall-clock training time per step after the warm-up steps), `ratios`
 (CMEMI / plain, lower is better), `startup` (seconds since `cmemi up` started) and `wire_us_per_message`: one
@@ -171,6 +178,69 @@ def digits_startup(work: Path, tag: str) -> dict[str, Any]:
         return json.loads((run.run_dir / "startup.json").read_text())
 
 
+SLOW = {"model": {"factory": "bench.small_models:cnn1d", "kwargs": {"features": 64, "classes": 8}},
+        "data": {"factory": "bench.slow_import_model:dataset"}}
+
+
+def slow_import_baseline() -> float:
+    """T: a plain Python process that imports the slow module and builds its dataset, from its start."""
+    import subprocess
+
+    code = "import bench.slow_import_model as m; m.dataset()"
+    t0 = time.time()
+    subprocess.run([C.PY, "-c", code], cwd=C.ROOT, check=True, env=C.env())
+    return time.time() - t0
+
+
+def slow_import_startup(work: Path, tag: str) -> dict[str, Any]:
+    """`cmemi up` with 2 workers (and the default warm spare) on a user module that is slow to import and to build
+    its data (bench/slow_import_model.py): its first step against T, and how soon it returns after the last step."""
+    name = C.safe_name(f"small_slow_{tag}")
+    cfg = {"run": {"name": name, "dir": str(work / name), "seed": 0}, **SLOW,
+           "optimizer": {"name": "Adam", "kwargs": {"lr": LR}},
+           "train": {"steps": 50, "global_batch": BATCH, "microbatches": MICROBATCHES},
+           "cluster": {"workers": 2}, "checkpoint": {"every_steps": 0}}
+    t = slow_import_baseline()
+    with C.CmemiRun(cfg, work) as run:
+        rc = run.wait(timeout=900)
+        if rc != 0:
+            raise RuntimeError(f"cmemi up failed ({rc}); see {run.log_path}:\n{run.group.tail() if run.group else ''}")
+        startup = json.loads((run.run_dir / "startup.json").read_text())
+        last = run.metrics()[-1]["t"]
+        returned = (run.t_end or time.time()) - last
+    return {"plain_import_and_dataset_s": C.rnd(t, 2), "first_step_s": startup["first_step_s"],
+            "first_step_minus_plain_s": C.rnd(startup["first_step_s"] - t, 2),
+            "returned_after_last_step_s": C.rnd(returned, 2), "load_avg": C.load_avg(), "startup": startup}
+
+
+def startup_only(args: argparse.Namespace) -> None:
+    """--startup-only: the slow-import workload alone (a few minutes), merged into --out under "slow_import"."""
+    C.setup()
+    t0 = time.monotonic()
+    work = C.workdir("small-startup", args.keep)
+    repeats = args.repeats or 3
+    result: dict[str, Any] = {**C.provenance(), "command": f".venv/bin/python bench/small.py --startup-only --repeats {repeats}",
+                              "machine": C.machine(), "runs": []}
+    try:
+        for r in range(repeats):
+            result["runs"].append(slow_import_startup(work, f"r{r}"))
+            C.log(f"slow import: T {result['runs'][-1]['plain_import_and_dataset_s']} s, first step "
+                  f"{result['runs'][-1]['first_step_s']} s, returned {result['runs'][-1]['returned_after_last_step_s']} s "
+                  "after the last step")
+        for k in ("plain_import_and_dataset_s", "first_step_s", "first_step_minus_plain_s", "returned_after_last_step_s"):
+            result[f"median_{k}"] = C.rnd(C.median(x[k] for x in result["runs"]), 2)
+        result["targets"] = {"first_step_within_T_plus_3s": result["median_first_step_minus_plain_s"] <= 3.0,
+                             "returns_within_2s_of_last_step": result["median_returned_after_last_step_s"] <= 2.0}
+    except BaseException as exc:
+        C.record_error(result, exc)
+    C.finish(result, work, args.keep, t0)
+    if args.out:
+        out = Path(args.out)
+        whole = json.loads(out.read_text()) if out.is_file() else {}
+        whole["slow_import"] = result
+        out.write_text(json.dumps(whole, indent=1, default=str) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="300 steps, 1 repeat")
@@ -180,7 +250,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here, e.g. bench/results/small.json")
     p.add_argument("--keep", action="store_true")
     p.add_argument("--plain", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)  # one plain loop, in a child
+    p.add_argument("--startup-only", action="store_true", help="only the slow-import start-up workload (minutes), "
+                   "merged into --out under 'slow_import'")
     args = p.parse_args()
+    if args.startup_only:
+        startup_only(args)
+        return
     steps = args.steps or (300 if args.quick else 1000)  # 3 repeats fit `make bench`'s 900 s per bench
     repeats = args.repeats or (1 if args.quick else 3)
     if args.plain:
@@ -190,7 +265,7 @@ def main() -> None:
     t0 = time.monotonic()
     work = C.workdir("small", args.keep)
     result: dict[str, Any] = {
-        "bench": "small", "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
+        "bench": "small", **C.provenance(), "dataset": "4000 x 40 synthetic, 10 classes", "optimizer": f"Adam lr {LR}",
         "global_batch": BATCH, "microbatches": MICROBATCHES, "steps": steps, "warmup_skipped": args.warmup,
         "repeats": repeats, "machine": {**C.machine(), "cores_plain_loop_uses": os.cpu_count()},
         "command": " ".join([".venv/bin/python", "bench/small.py", *(a for a in sys.argv[1:] if a != "--out" and
@@ -214,6 +289,7 @@ def main() -> None:
         result["startup"] = best[len(best) // 2]  # the median run, whole, so its phases add up
         result["startup_first_step_s"] = result["startup"]["first_step_s"]
         result["wire_us_per_message"] = wire(300 if args.quick else 1000)
+        result["slow_import"] = {"runs": [slow_import_startup(work, "r0")]}
         result["targets"] = {"cnn1d_cmemi_1w_vs_plain_le_1.5": result["ratios"]["cnn1d"]["cmemi_1w_vs_plain"] <= 1.5,
                              "cnn1d_cmemi_2w_vs_plain_le_1.0": result["ratios"]["cnn1d"]["cmemi_2w_vs_plain"] <= 1.0,
                              "digits_first_step_le_5s": result["startup_first_step_s"] <= 5.0}

@@ -288,7 +288,7 @@ def main() -> None:
 
         version = importlib.metadata.version("torchft")
     except Exception as exc:  # not installed, or broken against this torch
-        print(json.dumps({"bench": "torchft_recovery", "skipped": f"torchft cannot be imported: "
+        print(json.dumps({"bench": "torchft_recovery", **C.provenance(), "skipped": f"torchft cannot be imported: "
                           f"{type(exc).__name__}: {exc}"[:500]}), flush=True)
         return
 
@@ -296,7 +296,7 @@ def main() -> None:
     kills = args.kills if args.kills is not None else (3 if args.quick else 5)
     hbs = [int(x) for x in args.heartbeat_timeouts_ms.split(",") if x.strip()]
     work = C.workdir("torchft-recovery")
-    result: dict[str, Any] = {"bench": "torchft_recovery", "machine": C.machine(), "quick": args.quick,
+    result: dict[str, Any] = {"bench": "torchft_recovery", **C.provenance(), "machine": C.machine(), "quick": args.quick,
                               "torchft": version, "workload": WORKLOADS[WL], "torchft_kills": {}}
     t_start = time.monotonic()
     try:

@@ -266,7 +266,7 @@ def main() -> None:
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
     repeats = args.repeats or (3 if args.quick else 7)
     burst = (args.mib_per_burst or (128 if args.quick else 512)) << 20
-    result: dict[str, Any] = {"bench": "transport", "machine": C.machine(), "quick": args.quick,
+    result: dict[str, Any] = {"bench": "transport", **C.provenance(), "machine": C.machine(), "quick": args.quick,
                               "microbatches_per_step": M, "repeats": repeats}
     t_start = time.monotonic()
     work = C.workdir("transport")

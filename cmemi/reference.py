@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from cmemi.configs import config_path
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, run_eval
 from cmemi.services.aggregator.trainer import Trainer
@@ -158,8 +159,6 @@ def main(argv: list[str]) -> int:
         resets = {int(a): int(b) for a, b in (r.split(":") for r in args.codec_reset)}
     except ValueError:
         p.error(f"--codec-reset takes STEP:N, two integers (got {args.codec_reset})")
-    from cmemi.cli import config_path
-
     try:
         cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)

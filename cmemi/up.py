@@ -36,6 +36,7 @@ from cmemi.supervise import (
     run_supervised,
     stop_orphans,
 )
+from cmemi.teardown import stop_together
 from cmemi.zygote_up import Zygote
 
 
@@ -214,8 +215,9 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
         if sup is not None:
             sup.stop(grace=0)
         stop_orphans(run_dir)
-        if embedded is not None:
-            embedded.stop()
+        held = {"zygote": zygote.proc if zygote is not None else None,
+                "redis-server": embedded.proc if embedded is not None else None}
+        stop_together({name: p for name, p in held.items() if p is not None})  # at once, not one after another
         for s, h in old.items():
             signal.signal(s, h)
         os.environ.pop("CMEMI_UP_PID", None)

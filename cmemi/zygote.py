@@ -5,10 +5,12 @@ with `cmemi up`'s own start. Then:
 1. it imports what every service needs (PRELOAD) and never runs a torch op: a fork after an OpenMP or
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
-3. it checks the config's functions (shared/plugins.py check_plugins) in a forked child, so a bad
+3. it imports the modules the config names (cmemi/zygote_user_code.py; not under cluster.zygote_imports: false),
+   so that no service imports them again: import only, no factory is called;
+4. it checks the config's functions (shared/plugins.py check_plugins) in a forked child, so a bad
    config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
    (after a failed check it never listens, and waits for `cmemi up` to stop it);
-4. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
+5. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
    forks `python -m cmemi ROLE ...` for whoever asks (the coordinator, shared/zygote.py): the child takes
    the request's environment and working directory, shows the request's command line in
    /proc/PID/cmdline (shared/proctitle.py), resets signals and runs `cmemi.cli.main` as a fresh process
@@ -35,6 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cmemi import zygote_user_code as user_code
 from cmemi.shared import atomic, proctitle
 from cmemi.shared.zygote import MAX_MESSAGE, connect_path
 
@@ -63,6 +66,9 @@ def main(argv: list[str]) -> int:
     zdir = Path(sock_path).parent
     exits = zdir / "exits"
     exits.mkdir(parents=True, exist_ok=True)
+    if not user_code.preload(config):
+        return 0  # its imports made forking unsafe: every service starts fresh, `cmemi up` checks the config
+    phases["user_code_imported"] = time.time()
     gc.collect()
     gc.freeze()  # children never scan (so never copy) the pages of what is imported now
     rc, error = _check(config)
@@ -77,9 +83,10 @@ def main(argv: list[str]) -> int:
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
-    from cmemi.cli import main as cli_main
+    from cmemi.launch import run_service, user_code_importable
 
-    cli_main(request["argv"][3:])
+    user_code_importable()
+    run_service(request["argv"][3], request["argv"][4:])
     return 0
 
 
@@ -107,6 +114,7 @@ def _check(config: str) -> tuple[int, str | None]:
             from cmemi.shared.extras import MissingExtra
             from cmemi.shared.plugins import check_plugins
 
+            user_code.after_fork()
             try:
                 check_plugins(load_config(config))
             except (ConfigError, MissingExtra) as exc:
@@ -266,6 +274,7 @@ def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = Non
 
 def _become(request: dict[str, Any]) -> None:
     """In the forked child: look and start like `request["argv"]` run by a fresh interpreter."""
+    user_code.after_fork()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -3,11 +3,16 @@
 `python scripts/readme_tables.py` rewrites every block between `<!-- NAME:start ... -->` and `<!-- NAME:end -->`
 in README.md; `--check` exits 1 when one differs (tests/test_readme.py runs the same comparison). A figure
 that is in no results file has no place in these tables.
+
+Every results file says which commit and date it was measured at (`commit`, `dirty`, `date`: bench/common.py's
+`provenance`), and each generated block ends with that line; a results file without them stops the generator
+(ProvenanceError), so no figure reaches the README without the code it describes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +20,74 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+RESNET = ROOT / "docs" / "resnet_accuracy.json"
 README = ROOT / "README.md"
 GENERATOR = ".venv/bin/python scripts/readme_tables.py"
 
 
+class ProvenanceError(ValueError):
+    """A results file that does not say which commit and date its figures were measured at."""
+
+
+def shown(path: Path) -> str:
+    """How the README names a results file (`bench/results/NAME.json` wherever RESULTS points)."""
+    return f"bench/results/{path.name}" if path.parent == RESULTS else str(path.relative_to(ROOT))
+
+
+def check_provenance(path: Path, d: dict[str, Any]) -> None:
+    where = shown(path)
+    commit, date, dirty = d.get("commit"), d.get("date"), d.get("dirty")
+    if not (isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{40}", commit)) or not isinstance(date, str) \
+            or not re.match(r"\d{4}-\d\d-\d\d", date):
+        raise ProvenanceError(
+            f"{where} does not say which commit and date it was measured at (`commit`: the full sha, `date`: UTC "
+            f"ISO 8601, `dirty`: true/false; got commit={commit!r}, date={date!r}): re-measure it with its script, "
+            "which writes them (bench/common.py: provenance), or recover them from `git log -- FILE` with a "
+            "`commit_note` saying so")
+    if not isinstance(dirty, bool) and not d.get("commit_note"):
+        raise ProvenanceError(f"{where}: `dirty` is {dirty!r}; give true/false, or a `commit_note` saying why it is "
+                              "not known")
+
+
+def load_path(path: Path) -> dict[str, Any]:
+    d = json.loads(path.read_text())
+    check_provenance(path, d)
+    return d
+
+
 def load(name: str) -> dict[str, Any]:
-    return json.loads((RESULTS / f"{name}.json").read_text())
+    return load_path(RESULTS / f"{name}.json")
+
+
+def check_all() -> None:
+    """Every results file, quoted in the README or not, carries its commit and date."""
+    for path in [*sorted(RESULTS.glob("*.json")), RESNET]:
+        load_path(path)
+
+
+def measured(*names: str, paths: tuple[Path, ...] = ()) -> str:
+    """'Measured at commit X on DATE' for the results files a block quotes; files measured at the same commit
+    share one clause."""
+    files = [*(RESULTS / f"{n}.json" for n in names), *paths]
+    groups: dict[tuple[str, Any, str], list[str]] = {}
+    for path in files:
+        d = load_path(path)
+        groups.setdefault((d["commit"], d["dirty"], d["date"][:10]), []).append(f"`{shown(path)}`")
+    clauses = []
+    for (commit, dirty, day), where in groups.items():
+        if dirty is None:  # recovered from git log afterwards
+            clauses.append(f"at or before commit `{commit[:7]}`, on or before {day} ({', '.join(where)}: recovered "
+                           "from `git log`, not recorded when measured)")
+        else:
+            clauses.append(f"at commit `{commit[:7]}`{' with uncommitted changes' if dirty else ''} on {day} "
+                           f"({', '.join(where)})")
+    caveats: dict[str, list[str]] = {}
+    for path in files:
+        if caveat := load_path(path).get("caveat"):
+            caveats.setdefault(caveat, []).append(f"`{shown(path)}`")
+    return " ".join(["Measured " + "; ".join(clauses) + ".",
+                     *(f"{', '.join(where)} {'was' if len(where) == 1 else 'were'} {caveat}."
+                       for caveat, where in caveats.items())])
 
 
 def ms(s: float) -> str:
@@ -47,7 +114,7 @@ def machine_line() -> str:
 
 
 def benchmark() -> str:
-    o, t, r, cv = load("overhead"), load("transport"), load("recovery"), load("curve")
+    o, t, r = load("overhead"), load("transport"), load("recovery")
     ft, c, s = load("torchft_recovery"), load("checkpoint"), load("scaling")
     cb, mb = o["ratios"]["compute_bound"], o["ratios"]["comm_bound"]
     cst, mst = o["step_times"]["compute_bound"]["median_step_time_s"], o["step_times"]["comm_bound"]["median_step_time_s"]
@@ -94,14 +161,11 @@ def benchmark() -> str:
          f"{span(list(ratio.values()), '{:.2f}')} ({sizes[0]}–{sizes[-1]} messages); against a raw receiver that "
          f"**also sums**: {span(vs_sum, '{:.2f}')}",
          "≥ 0.8" + ok[t["target_protocol_vs_raw_ge_0.8"]]),
-        (f"CurveZMQ on / off (the default is on), comm-bound step (the comm-bound MLP, {cv['workers']} workers, "
-         f"M = {cv['microbatches']}, ~{cv['runs']['on'][0]['bytes_per_step'] / 1e6:.0f} MB moved per step)",
-         f"**{cv['ratio_on_vs_off']:.1f}×** ({sec(cv['step_time_median_s']['on'], 2)} vs "
-         f"{sec(cv['step_time_median_s']['off'], 2)} median step; measured at load average "
-         f"{span([cv['machine']['loadavg_at_start'][0], cv['machine']['loadavg_at_end'][0]], '{:.1f}')} on the "
-         f"{cv['machine']['cpus']} cores — an overloaded machine, so the ratio is noisy; `bench/results/curve.json`). "
-         "Encryption and authentication are one more pass over every byte in each sender and receiver: for a "
-         "comm-bound model on a network you trust, `security.curve: false` is the fast path", ""),
+        *([("CurveZMQ on / off (the default is on), comm-bound step: CMEMI 2 workers, the two rows above",
+            f"**{mst['cmemi_2w'] / mst['cmemi_2w_nocurve']:.2f}×** ({sec(mst['cmemi_2w'])} vs "
+            f"{sec(mst['cmemi_2w_nocurve'])}, side by side in the same run). Encryption and authentication are one "
+            "more pass over every byte in each sender and receiver: for a comm-bound model on a network you trust, "
+            "`security.curve: false` is the fast path", "")] if "cmemi_2w_nocurve" in mst else []),
         ("worker SIGKILL → its replacement's first gradient accepted (median, warm spare)",
          f"**{sec(wk['timeline_median_s']['first_grad_s'])}** over {wk['kills']} kills, "
          f"{wk['steps']['steps_lost']} steps lost, {wk['steps']['steps_redone']} redone", "< 3 s" +
@@ -139,19 +203,22 @@ def benchmark() -> str:
     ]
     lines = [machine_line(), "", "| what | figure | target |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c_} |" for a, b, c_ in rows]
+    lines += ["", measured("overhead", "transport", "recovery", "torchft_recovery", "checkpoint", "scaling")]
     return "\n".join(lines)
 
 
 def compression() -> str:
     d = load("compression")
-    lines = ["| example | codec | bytes/step | × fewer than `none` | eval | codec ms/step |", "|---|---|---|---|---|---|"]
+    lines = ["| example | codec | microbatches per lease | gradients / step | bytes/step | × fewer than `none` | eval | "
+             "codec ms/step |", "|---|---|---|---|---|---|---|---|"]
     for example, rows in d["examples"].items():
         for x in rows:
             ev = (f"accuracy {x['eval_accuracy']:.4f}" if "eval_accuracy" in x
                   else f"loss {x['eval_loss']:.3f}" if "eval_loss" in x else "-")
-            lines.append(f"| {example} | `{x['codec']}` | {x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
-                         f"{ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
-    return "\n".join(lines)
+            lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
+            lines.append(f"| {example} | `{x['codec']}` | {' | '.join(lease)} | {x['bytes_sent_per_step']:,.0f} | "
+                         f"{x['ratio_vs_none']:.1f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
+    return "\n".join([*lines, "", measured("compression")])
 
 
 def scaling() -> str:
@@ -166,7 +233,7 @@ def scaling() -> str:
     for x in s["by_params"]:
         lines.append(f"| {x['param_MB']:.0f} MB of parameters | 1 | {sec(x['step_time_median_s'])} | — | "
                      f"{x['bytes_in_per_step'] / 1e6:.2f} MB | {x['aggregator_hwm_MB']:.0f} MB |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", measured("scaling")])
 
 
 def small() -> str:
@@ -202,7 +269,7 @@ def small() -> str:
         cpu = st["cpu_s"].get(name)
         lines.append(f"| {name} | {', '.join(f'{k} {v:.2f}' for k, v in phases.items())} | "
                      f"{'' if cpu is None else f'{cpu:.2f}'} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", measured("small")])
 
 
 CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP + PowerSGD hook (rank 2)",
@@ -297,7 +364,7 @@ def cluster() -> str:
             + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
-    return "\n".join(lines + cluster_profile(d))
+    return "\n".join([*lines, *cluster_profile(d), "", measured("cluster")])
 
 
 def cluster_profile(d: dict[str, Any]) -> list[str]:
@@ -346,8 +413,100 @@ def cluster_profile(d: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cluster_notes() -> str:
+    """The prose under the cluster table: where the sharded rows lose to their bounds, from bench/results/cluster.json."""
+    if not (RESULTS / "cluster.json").is_file():
+        return ""
+    d = load("cluster")
+    by = d["by_n"]
+    ns = list(by)
+    top = max(ns, key=int)
+
+    def run(n: str, key: str) -> dict[str, Any]:
+        r = by[n]["runs"].get(key, {})
+        return {} if "error" in r else r
+
+    def idle(*keys: str) -> list[float]:
+        return [c for n in ns for k in keys if (c := run(n, k).get("cpu", {}).get("machine_idle_cores")) is not None]
+
+    rates = " / ".join(by[n].get("link", d["link"])["rate"] for n in ns)
+    cc = d["link"].get("tcp_congestion_control")
+    two_phase, ddp_idle, pipe_idle = idle("cmemi_kn", "cmemi_kn_dedicated"), idle("ddp"), idle("cmemi_kn_pipelined")
+    out = [f"Where the sharded rows lose to their bounds. The link rate falls with N ({rates} at N = {' / '.join(ns)}) "
+           "so that the 2 cores are not the limit"
+           + (f": the two-phase sharded runs left {span(two_phase, '{:.2f}')} cores idle, DDP "
+              f"{span(ddp_idle, '{:.2f}')}, the pipelined runs {span(pipe_idle, '{:.2f}')} (CPU column)"
+              if two_phase and ddp_idle and pipe_idle else "") + "."
+           + (f" Every host uses {cc} (`--tcp-cc`), Linux's default congestion control: this machine's own default, "
+              "BBRv1, ignores losses, and a worker's many flows into one shaped queue then lost far more packets "
+              "(seen while building this bench; not in a results file)." if cc else ""), ""]
+    pipe = [(n, run(n, "cmemi_kn_pipelined").get("step_time_median_s"), run(n, "cmemi_kn_dedicated").get(
+        "step_time_median_s")) for n in ns]
+    pipe = [(n, p, q) for n, p, q in pipe if p and q]
+    r_top = by[top]["ratios"].get("cmemi_kn_pipelined_vs_ddp")
+    if pipe and r_top:
+        top_run = run(top, "cmemi_kn_pipelined")
+        bound = by[top]["bounds_with_compute_s"]["dedicated_servers_full_duplex_s"]
+        shard_ms = top_run.get("cpu", {}).get("ms_per_step_by_role", {}).get("shard k > 0")
+        drops = top_run.get("link_drops", {}).get("up")
+        stages = d.get("pipeline_stages")
+        less = [(1 - p / q) * 100 for _, p, q in pipe]
+        goal = "met" if r_top <= 0.7 else f"missed by {(r_top / 0.7 - 1) * 100:.0f} %"
+        out.append(
+            f"- **Pipelined steps {'pay ' if all(p < q for _, p, q in pipe) else ''}on dedicated hosts**: "
+            f"{' / '.join(f'{p * 1000:.0f}' for _, p, _ in pipe)} ms against "
+            f"{' / '.join(f'{q * 1000:.0f}' for _, _, q in pipe)} ms two-phase at N = {' / '.join(n for n, _, _ in pipe)}, "
+            f"{span(less)} % less, and {r_top:.2f}× DDP at N = {top}. The goal (≤ 0.7×) is {goal}, and the row is "
+            f"{top_run['step_time_median_s'] / bound:.1f}× its bound. What is left, not profiled further: the barrier "
+            "every step still has (the leader commits, and leases the next step, only after every shard's last "
+            "stage; the links idle meanwhile, and during the "
+            f"{d['workload']['emulated_compute_ms_per_forward']:.0f} ms of compute), the shards' interpreter"
+            + (f" ({shard_ms:.0f} CPU-ms per step for {top} shards: each handles {top} workers"
+               + (f" × {stages} stages" if stages else "'s stages") + " each way)" if shard_ms is not None else "")
+            + f", and a worker's {int(top) + 1} TCP flows sharing one queue"
+            + (f" ({drops / top_run['steps']:.0f} packets dropped per step)" if drops is not None else "") + ".")
+    kn = [by[n]["ratios"].get("cmemi_kn_vs_ddp") for n in ns]
+    kn_idle = run(top, "cmemi_kn").get("cpu", {}).get("machine_idle_cores")
+    if all(kn) and kn_idle is not None:
+        out.append(
+            f"- **Co-located shards** ({span(kn, '{:.2f}')}× DDP, goal ≤ 1.05×) are "
+            f"{'not CPU-bound' if kn_idle >= 0.3 else 'CPU-bound'} here ({kn_idle:.2f} idle cores at N = {top}): what "
+            "remains is the two-phase structure, the push, then the commit round trip, then the pull, each phase as "
+            "slow as its slowest host; pipelining them was not measured, and should help little, because a host's "
+            "uplink carries its gradient slices and its parameter slices either way.")
+    for n in ns:
+        if "error" in by[n]["runs"].get("cmemi_k1", {}):
+            send = by[n]["bounds_comm_only_s"]["single_server_full_duplex_s"]
+            out.append(
+                f"- **K = 1 at N = {n} failed** (the table's row): at {by[n]['link']['rate']} one server needs "
+                f"{send:.1f} s to send {n} parameter sets, a worker that hears nothing for 2 × `cluster.dead_after` "
+                "asks again, and the leader takes that as a lost lease and sends its parameters again, so the step "
+                "drowns in parameter sets sent again. A known bug, not fixed: the re-ask must not resend what is "
+                "still on its way.")
+    out.append("- The `powersgd` goal (≤ 0.3× DDP dense) is out of reach by design: only the gradients shrink, and the "
+               "dense parameters each worker pulls back alone take longer than 0.3× DDP's step at this link rate (the "
+               "`≥` bound of that row); DDP's PowerSGD hook has no parameters to send because every rank steps its own "
+               "replica.")
+    return "\n".join(out)
+
+
+def resnet_accuracy() -> str:
+    """The ResNet example's accuracy line, from docs/resnet_accuracy.json (scripts/resnet_accuracy.py)."""
+    d = load_path(RESNET)
+
+    def pct(xs: list[float]) -> str:
+        return " / ".join(f"{x * 100:.1f}" for x in xs)
+
+    return (f"- **Accuracy of the example** (`{d.get('command', 'python scripts/resnet_accuracy.py')}`, "
+            f"seeds {', '.join(map(str, d['seeds']))}, test accuracy in eval mode): CMEMI (`cmemi reference`, bitwise "
+            f"`cmemi up`) {pct(d['cmemi_reference'])} %, mean **{d['cmemi_mean'] * 100:.1f} %**; a plain PyTorch loop "
+            f"(tests/plain.py) {pct(d['plain_pytorch'])} %, mean **{d['plain_mean'] * 100:.1f} %**. "
+            + measured(paths=(RESNET,)))
+
+
 TABLES: dict[str, Callable[[], str]] = {"bench-table": benchmark, "compression-table": compression,
-                                        "scaling-table": scaling, "small-table": small, "cluster-table": cluster}
+                                        "scaling-table": scaling, "small-table": small, "cluster-table": cluster,
+                                        "cluster-notes": cluster_notes, "resnet-accuracy": resnet_accuracy}
 
 
 def block_bounds(text: str, name: str) -> tuple[int, int]:
@@ -365,6 +524,7 @@ def blocks(text: str) -> dict[str, str]:
 
 
 def regenerate(text: str) -> str:
+    check_all()
     for name, make in TABLES.items():
         a, b = block_bounds(text, name)
         text = text[:a] + make() + "\n" + text[b:]
@@ -373,7 +533,11 @@ def regenerate(text: str) -> str:
 
 def main(argv: list[str]) -> int:
     text = README.read_text()
-    new = regenerate(text)
+    try:
+        new = regenerate(text)
+    except ProvenanceError as exc:
+        print(f"readme_tables: {exc}", file=sys.stderr)
+        return 2
     if "--check" in argv:
         if new != text:
             print("README.md figure tables differ from bench/results: run " + GENERATOR, file=sys.stderr)

@@ -1,6 +1,7 @@
 """Measure examples/resnet.yaml: test accuracy of `cmemi reference` (bitwise what `cmemi up` gives) against an
-independent plain PyTorch loop (tests/plain.py), 3 seeds each. Writes docs/resnet_accuracy.json, which the
-README quotes: `python scripts/resnet_accuracy.py`."""
+independent plain PyTorch loop (tests/plain.py), 3 seeds each. Writes docs/resnet_accuracy.json (with the commit and
+date it was measured at), from which scripts/readme_tables.py generates the README's accuracy line:
+`python scripts/resnet_accuracy.py`."""
 
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ sys.path.insert(0, str(ROOT))
 
 from cmemi.shared.config import load_config  # noqa: E402
 
+from bench.common import provenance  # noqa: E402
 from cmemi.reference import train  # noqa: E402
 from tests.plain import plain_loop  # noqa: E402
 
 
 def main() -> None:
     torch.set_num_threads(1)
+    measured = provenance()  # the commit, dirty flag and date, taken before the runs
     config = str(ROOT / "examples" / "resnet.yaml")
     cmemi = [train(load_config(config, [f"run.seed={s}"]))[1]["eval"]["accuracy"] for s in range(3)]
     plain = [plain_loop(load_config(config), s)["accuracy"] for s in range(3)]
-    result = {"config": "examples/resnet.yaml", "seeds": [0, 1, 2], "cmemi_reference": cmemi, "plain_pytorch": plain,
+    result = {**measured, "command": "python scripts/resnet_accuracy.py", "config": "examples/resnet.yaml", "seeds": [0, 1, 2], "cmemi_reference": cmemi, "plain_pytorch": plain,
               "cmemi_mean": statistics.mean(cmemi), "plain_mean": statistics.mean(plain)}
     (ROOT / "docs" / "resnet_accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

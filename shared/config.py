@@ -66,9 +66,18 @@ class ModelConfig:
     buffers: Literal["mean", "frozen"] = "mean"
     """Buffers (BatchNorm running stats, counters): mean folds each step's microbatch buffers into the model
     (floating: tree sum / M; integer counters: advanced as one process would); frozen keeps the initial ones."""
+    init_from: str | None = None
+    """Start from these weights instead of the factory's: a .safetensors file (a run's model.safetensors, `cmemi
+    checkpoints export`), a .pt state_dict, a checkpoint directory or another run's directory (its model.safetensors,
+    else its latest checkpoint). Loaded by the parameter servers only; null: the factory's initial weights."""
+    init_strict: bool = True
+    """With model.init_from: every name and shape must match (one line per mismatch). false: load what matches, keep
+    the factory's weights for the rest (a new head, say) and list what was skipped in the aggregator's log."""
 
     def __post_init__(self) -> None:
         _import_path("model.factory", self.factory)
+        if self.init_from is not None and not str(self.init_from).strip():
+            _fail("model.init_from", self.init_from, "is empty", "give a path, or null for the factory's weights")
         if self.buffers not in ("mean", "frozen"):
             _fail("model.buffers", self.buffers, "must be mean or frozen",
                   "use mean (train BatchNorm statistics) or frozen (keep the initial buffers)")
@@ -194,11 +203,15 @@ class ClusterConfig:
     lease_timeout: float = 30.0
     """A lease not returned within this many seconds per microbatch it holds goes back to the queue, as single microbatches."""
     spare_workers: int = 1
-    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once a worker is admitted."""
+    """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once the first step is done (until then they would compete with it for the CPU)."""
     max_restarts: int = 10
     """Restarts in a row per process (each within 60 s of the last start) before the coordinator gives up on it and reports it."""
     start_timeout: float = 180.0
     """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
+    zygote_imports: bool = True
+    """`cmemi up`'s zygote imports the modules the config names (model.factory, data.factory, ...) once, before it
+    forks the services, so no process imports them again (import only: no factory is called). false: each service
+    imports them itself (a module that starts threads, opens a GPU or a connection at import time)."""
     max_message_bytes: int | None = None
     """Largest ZeroMQ message (and frame) sent or accepted; bigger messages travel in parts of at most this size.
     null: 4 x the model's parameter + buffer bytes + 16 MiB, at most 64 MiB."""

@@ -121,11 +121,12 @@ def fingerprint(dataset: Dataset, samples: int = 256) -> dict[str, Any]:
 
 
 def data_error(who: str, cfg: Any, exc: BaseException) -> str:
-    """One line naming the process, the host, the dataset call and the fix."""
+    """One line naming the process, the host, the dataset call, what it raised and where; the hint about paths
+    only when a file could not be opened (anything else is the factory's own bug, and its file:line says where)."""
     import socket
 
     from cmemi.shared.usercode import describe
 
+    hint = "; check that data.kwargs (paths) exist and are readable on this host" if isinstance(exc, OSError) else ""
     return (f"{who} on host {socket.gethostname()} cannot read the dataset: {cfg.data.factory}(**{cfg.data.kwargs}) "
-            f"raised {describe(exc).line()}"
-            + "; check that data.kwargs (paths) exist and are readable on this host")
+            f"raised {describe(exc).line()}{hint}")

@@ -10,33 +10,77 @@ The logical bound (`logical_bytes`) is what a receiver accepts for one reassembl
 largest honest one is the aggregator's snapshot to the checkpointer: parameters, optimizer state
 (Adam keeps two more copies) and buffers; gradients, even with the index tensors of sparse codecs,
 and parameters are smaller. So: 4 x (parameter + buffer bytes) + 16 MiB for headers and small
-tensors, and never less than the cap. The model is built on PyTorch's `meta` device: sizes only, no
-memory, no RNG touched.
+tensors, and never less than the cap.
+
+The sizes come from the model the process really builds (`record`, called by plugins.build_model), in
+the context a plain script gives the factory: never a meta device, which turns every tensor the factory
+creates — and caches for the dataset to read — into a tensor without data. A process that builds no
+model (the checkpointer) measures one in a forked child that is thrown away.
 """
 
 from __future__ import annotations
 
+import os
+import struct
+
 import torch
 from cmemi.shared.config import Config
-from cmemi.shared.plugins import build_model
 
 MARGIN = 16 << 20
 DEFAULT_CAP = 64 << 20  # cluster.max_message_bytes: null never means more than this
-FALLBACK = 1 << 31  # logical bound when the model cannot be built on the meta device
+FALLBACK = 1 << 31  # logical bound when the model cannot be built
+
+_built: dict[str, int | None] = {}  # parameter + buffer bytes of the models this process built, by `_key`
 
 
-def model_bytes(cfg: Config) -> int:
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build_model(cfg)
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _key(cfg: Config) -> str:
+    return f"{cfg.model.factory}{sorted(cfg.model.kwargs.items())!r}"
+
+
+def tensor_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def record(cfg: Config, model: torch.nn.Module) -> None:
+    """The model this process built for `cfg`: its size sizes the run's messages."""
+    _built[_key(cfg)] = tensor_bytes(model)
+    derive_max_message_bytes(cfg)
+
+
+def model_bytes(cfg: Config) -> int | None:
+    """Parameter + buffer bytes of the model; None when its factory fails (the service reports that itself)."""
+    if _key(cfg) not in _built:
+        _built[_key(cfg)] = _measure_in_child(cfg)
+    return _built[_key(cfg)]
+
+
+def _measure_in_child(cfg: Config) -> int | None:
+    """Build the model in a forked child and return its size: whatever the factory creates or caches dies
+    with the child. One intra-op thread there: a fork after this process used OpenMP hangs on a second one."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (a child: coverage never sees it)
+        os.close(r)
+        try:
+            from cmemi.shared.plugins import build_model
+
+            torch.set_num_threads(1)
+            os.write(w, struct.pack("<q", tensor_bytes(build_model(cfg))))
+        except BaseException:  # the service itself builds nothing else here: any failure means "unknown"
+            pass
+        os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 8):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return struct.unpack("<q", data)[0] if len(data) == 8 else None
 
 
 def _derived(cfg: Config) -> int:
-    try:
-        return 4 * model_bytes(cfg) + MARGIN
-    except Exception:  # a factory that needs real memory or a device: the service reports real errors itself
-        return FALLBACK
+    size = model_bytes(cfg)
+    return FALLBACK if size is None else 4 * size + MARGIN
 
 
 def derive_max_message_bytes(cfg: Config) -> int:
@@ -49,3 +93,4 @@ def derive_max_message_bytes(cfg: Config) -> int:
 def logical_bytes(cfg: Config) -> int:
     """The most bytes of tensors a receiver accepts in one logical message (reassembled from parts)."""
     return max(_derived(cfg), derive_max_message_bytes(cfg))
+

@@ -10,7 +10,9 @@ import warnings
 from typing import Any
 
 import torch
+from cmemi.shared import initweights, limits
 from cmemi.shared.config import Config, ConfigError
+from cmemi.shared.usercode import describe
 
 
 def resolve(path: str, field: str) -> Any:
@@ -47,14 +49,30 @@ def _class_in(namespace: Any, base: type, name: str, field: str) -> type:
                       f"available: {', '.join(choices)} (or 'module:Class' for your own)")
 
 
+class FactoryError(ConfigError):
+    """The model factory raised: the same on every try, so said once (exit 2), not restarted."""
+
+
+def user_modules(cfg: Config) -> list[str]:
+    """The modules the config's import paths name (model, data, loss, evaluation, own optimizer or scheduler)."""
+    paths = [cfg.model.factory, cfg.data.factory, cfg.train.loss, cfg.eval.fn, cfg.optimizer.name, cfg.scheduler.name]
+    return list(dict.fromkeys(p.partition(":")[0] for p in paths if p and ":" in p))
+
+
 def build_model(cfg: Config) -> torch.nn.Module:
-    """Build the model with the run's seed, so every process starts from identical weights."""
+    """Build the model with the run's seed, so every process starts from identical weights. The factory runs as
+    in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/limits.py)."""
     factory = resolve(cfg.model.factory, "model.factory")
     torch.manual_seed(cfg.run.seed)
-    model = factory(**cfg.model.kwargs)
+    try:
+        model = factory(**cfg.model.kwargs)
+    except Exception as exc:  # user code may raise anything: one line with the function and its file:line
+        raise FactoryError(f"config field 'model.factory': {cfg.model.factory}(**{cfg.model.kwargs}) raised "
+                           f"{describe(exc).line()}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"config field 'model.factory' = {cfg.model.factory!r} returned {type(model).__name__}, "
                           "not a torch.nn.Module; return the model from the factory")
+    limits.record(cfg, model)
     return model
 
 
@@ -116,6 +134,9 @@ def check_plugins(cfg: Config) -> None:
     if cfg.eval.fn:
         check_signature(resolve(cfg.eval.fn, "eval.fn"), "eval.fn", cfg.eval.fn, "evaluate(model) -> dict", 1)
     model = build_model(cfg)
+    if cfg.model.init_from:  # a missing file or (strict) a mismatch fails here, in seconds, before any service
+        initweights.say_skipped(cfg.model.init_from, initweights.load_into(model, cfg.model.init_from,
+                                                                           cfg.model.init_strict))
     opt = build_optimizer(cfg, dict(model.named_parameters()))
     build_scheduler(cfg, opt)
     dry_run_schedule(cfg)

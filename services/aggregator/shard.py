@@ -27,24 +27,24 @@ grid's pieces (shared/shards.py) and their optimizer state, and otherwise only f
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
-import redis
 import torch
 import zmq
-from cmemi.services.aggregator import snapshots
-from cmemi.services.aggregator.admission import ROLE_OF, registered
+from cmemi.services.aggregator import gradients, shard_join, snapshots
+from cmemi.services.aggregator.admission import Admission, EnvironmentCheck, LeaseSeal
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import eval_boundary
-from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.intake import Drops, Intake
+from cmemi.services.aggregator.outbox import Encoded, Outbox
+from cmemi.services.aggregator.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, reduction, startup, transfer
-from cmemi.shared.codecs import CodecError, make_codec
+from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
-from cmemi.shared.layout import Layout
+from cmemi.shared.environment import environment
 from cmemi.shared.membership import Member
 from cmemi.shared.service import EXIT_REJOIN, ServiceContext, serve_router
 from cmemi.shared.watch import Watch
@@ -68,44 +68,35 @@ class ShardServer:
         self.codec = make_codec(cfg.compression)  # a NaN or inf is dropped as codec_nonfinite
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
-        self.drops: Counter[str] = Counter()
+        self.drops = Drops(self.log)
+        self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.max_message_bytes, self.log, ctx.fatal)
+        # the run's fingerprint and the lease seal come with the leader's welcome (shard_welcome)
+        self.fp: dict[str, Any] | None = None
+        self.seal: LeaseSeal | None = None
+        self.admission = Admission(ctx.redis, ctx.keys, lambda fp: fp == self.fp,
+                                   EnvironmentCheck(environment(torch.device("cpu"), cfg)),
+                                   cfg.cluster.require_same_environment, self._send, self.drops, self.log)
+        self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
+                             cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
+                             self.admission.admitted, self.drops)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
-                                        peers=cfg.cluster.workers + cfg.cluster.spare_workers + 1, on_abandon=self._drop)
+                                        on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
-        self.term, self.leader_addr, restored_step = self._leader()
-        self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self._drop)
+        self.term, leader_addr, restored_step = shard_join.find_leader(ctx, shard)
+        self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        joined_at = self.trainer.step
-        if restored_step >= 0:
-            msg = self.ckpt.fetch_latest(timeout=120, step=restored_step, shard=shard)
-            if msg is None or msg.header["step"] != restored_step:
-                # retention removed it: the leader has run on since, so this is a restart within its term, which
-                # rolls the cluster back anyway (the leader leaves the term when this shard joins at another step)
-                self.log.warning("the checkpoint the leader restored is gone; joining to roll the cluster back",
-                                 step=restored_step)
-                joined_at = -1
-            else:
-                try:
-                    snapshots.restore(self.trainer, self.totals, None, None, msg.header["meta"], msg.tensors)
-                except (ValueError, KeyError, RuntimeError) as exc:
-                    ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
-                joined_at = self.trainer.step
+        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
-        self.publishers = [Publisher(cfg.cluster.checksum, Layout(self._stage(g))) for g in range(len(self.stages))]
-        self.workers: dict[bytes, tuple[str, int]] = {}
-        self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
+        self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
+                                  self._send)
         self.collectors = self._collectors(self.trainer.step)
         self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
-        self.leader = self.zctx.socket(zmq.DEALER)
-        ctx.curve.connect_as_client(self.leader)
-        self.leader.setsockopt(zmq.LINGER, 0)
-        self.leader.setsockopt(zmq.MAXMSGSIZE, cfg.cluster.max_message_bytes)
-        self.leader.connect(self.leader_addr)
+        self.leader = shard_join.leader_link(ctx, self.zctx, leader_addr)
         self._to_leader("shard_join", step=joined_at, addr=self.addr)
         # the leader's term and the run's state, read off the loop (shared/watch.py)
         self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
@@ -135,41 +126,14 @@ class ShardServer:
     def complete(self) -> bool:
         return len(self.applied) == len(self.stages) if self.pipelined else self.mean is not None
 
-    def _leader(self) -> tuple[int, str, int]:
-        """(term, address, step it restored or -1) of the leader, once it has advertised them."""
-        deadline = time.monotonic() + self.cfg.cluster.start_timeout
-        while time.monotonic() < deadline and not self.ctx.stopping.is_set():
-            try:
-                info = self.ctx.redis.hgetall(self.ctx.keys.aggregator)
-            except redis.RedisError:
-                info = {}
-            if {"addr", "term", "restored"} <= info.keys():
-                return int(info["term"]), info["addr"], int(info["restored"])
-            time.sleep(0.05)
-        self.ctx.fatal(f"shard {self.shard}: no leader (shard 0) advertised itself within "
-                       f"{self.cfg.cluster.start_timeout:g} s; is `cmemi aggregator` (shard 0) running?")
-        raise AssertionError("not reached")
-
-    def _drop(self, reason: str, detail: str = "") -> None:
-        self.drops[reason] += 1
-        if self.drops[reason] <= 5 or self.drops[reason] % 1000 == 0:
-            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
-
     def _to_leader(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.member.incarnation,
                                                        "term": self.term, **fields},
                                  self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
         transfer.send(self.leader, msgs)
 
-    def _send(self, identity: bytes, mtype: str, encoded: tuple[Any, list[zmq.MessageTracker]] | None = None,
-              **fields: Any) -> None:
-        encoded, trackers = encoded if encoded is not None else (None, None)
-        msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, encoded=encoded)
-        try:
-            n = transfer.send(self.sock, msgs, identity, trackers)
-        except zmq.ZMQError as exc:
-            self.log.warning("send failed", error=str(exc))
-            return
+    def _send(self, identity: bytes, mtype: str, encoded: Encoded | None = None, **fields: Any) -> None:
+        n = self.outbox.send(identity, mtype, encoded, **fields)
         if mtype == "slice":
             self.totals.bytes_out += n
 
@@ -222,54 +186,45 @@ class ShardServer:
             except zmq.Again:
                 return
             except protocol.ProtocolError as exc:
-                self._drop(exc.reason, f"from the leader: {exc}")
+                self.drops(exc.reason, f"from the leader: {exc}")
                 continue
             if msg is None:
                 continue
             h = msg.header
-            if msg.type == "shard_commit" and h["term"] == self.term and h["step"] == self.version:
-                self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
-            elif msg.type == "reject":
+            if msg.type == "reject":
                 raise Rejoin(h["reason"])
+            if h.get("term") != self.term:
+                continue
+            if msg.type == "shard_commit" and h["step"] == self.version:
+                self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
+            elif msg.type == "shard_welcome":
+                self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
+            elif msg.type == "shard_fence":
+                self.admission.fence(h["wid"], h["inc"])
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
-            self._drop("no_identity")
+        taken = self.intake.take(frames)
+        if taken is None:
             return
-        identity = frames[0].bytes
-        size = protocol.message_bytes(frames[1:])
-        try:
-            msg = self.parts.decode(identity, frames[1:], allow_parts=identity in self.workers)
-        except protocol.ProtocolError as exc:
-            self._drop(exc.reason, str(exc))
-            return
+        identity, msg, size = taken
         if msg is None or msg.type == "grad":  # all gradient bytes workers sent (a part: of a bigger one)
             self.totals.bytes_in += size
         if msg is None:
             return
-        if msg.type not in ("hello", "grad", "pull"):
-            self._drop("unexpected_type", msg.type)
-            return
-        if (role := self.ctx.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
-            self._drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")
-            return
         h = msg.header
         if msg.type == "hello":
-            if (why := registered(self.ctx.redis, self.ctx.keys, h["wid"], h["inc"])) is not None:
-                self._drop(why, f"{h['wid']}/{h['inc']}")
-                self._send(identity, "reject", fatal=False, reason=f"worker {h['wid']}: incarnation {h['inc']} is "
-                           f"not registered for it ({why}); say hello after registering")
-                return
-            self.workers[identity] = (h["wid"], h["inc"])
-            self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                       total_steps=self.total)
+            if not self.fp:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
+                self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
+                           "term yet; say hello again")
+            elif (info := self.admission.hello(identity, h)) is not None:
+                self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
+                           total_steps=self.total)
+                self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
             return
-        if self.workers.get(identity) != (h["wid"], h["inc"]) or h["term"] != self.term:
-            self._drop("unknown_worker", f"{h['wid']}/{h['inc']}")
-            self._send(identity, "reject", fatal=False, reason="unknown worker or term: say hello first")
+        if self.admission.known(identity, h, self.term) is None:
             return
         if msg.type == "pull":
-            self.pulls[identity] = (h["version"], set())
+            self.slices.pull(identity, h["version"])
             self._answer_pulls()
         else:
             self._on_grad(msg)
@@ -278,32 +233,26 @@ class ShardServer:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
         if h["step"] != self.version or h["version"] != self.version:
-            self._drop("stale_step", f"{where}, current step {self.version}")
+            self.drops("stale_step", f"{where}, current step {self.version}")
             return
         if not reduction.is_subtree(*node, self.M):
-            self._drop("bad_microbatch", where)
+            self.drops("bad_microbatch", where)
+            return
+        if self.seal is None or not self.seal.valid(h.get("lease"), self.term, h["step"], *node, h["wid"], h["inc"]):
+            self.drops("forged_lease", where)  # not a lease the leader handed this worker
             return
         g = h.get("stage", 0)  # optional: pipelined steps only
         if type(g) is not int or not 0 <= g < len(self.stages):
-            self._drop("bad_stage", f"{where}: stage {g} of {len(self.stages)}")
+            self.drops("bad_stage", f"{where}: stage {g} of {len(self.stages)}")
             return
         collector = self.collectors[g]
         if self.mean is not None or g in self.applied or collector.check(node, None) == "duplicate":
             return  # held already: the first complete copy won (a lease handed out again, or reopened)
-        grads = None
-        try:
-            if h["finite"] or not self.trainer.scaler.enabled:
-                grads = self.codec.decode(h["codec"], msg.tensors,
-                                          shapes={n: self.trainer.shapes[n] for n in self.stages[g]})
-        except CodecError as exc:
-            self._drop(f"codec_{exc.reason}", f"{where}: {exc}")
-            return
-        if grads is not None and (bad := self.trainer.check_grads(grads, self.stages[g])) is not None:
-            self._drop(bad, where)
-        elif not all(isinstance(x, (int, float)) for x in h["losses"]):
-            self._drop("bad_losses", where)
+        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.stages[g])
+        if bad is not None:
+            self.drops(bad, where)
         elif (reason := collector.offer(node, grads, h["losses"], None)) is not None:
-            self._drop(reason, where)
+            self.drops(reason, where)
         elif collector.complete and self.pipelined:
             self._step_stage(g)
         elif collector.complete:
@@ -314,7 +263,7 @@ class ShardServer:
         """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
         grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
-        self.publishers[g].encoded(self._stage(g), self.version)
+        self.slices.encoded(g, self.version)
         try:
             self.trainer.apply_stage(grads or {})
             if len(self.applied) == len(self.stages) - 1:
@@ -362,30 +311,8 @@ class ShardServer:
         elif snapshot:  # the leader names the steps every shard checkpoints
             self.ckpt.offer(self._snapshot())
 
-    def _servable(self, g: int, version: int) -> tuple[Any, list[zmq.MessageTracker]] | None:
-        """Stage g at `version`, encoded, if this shard has it: the current step's version (kept when the stage
-        was stepped already), or the next one once the stage is stepped."""
-        if g not in self.applied:
-            return self.publishers[g].encoded(self._stage(g), version) if version == self.version else None
-        if version == self.version:
-            return self.publishers[g].kept(version)
-        return self.publishers[g].encoded(self._stage(g), version) if version == self.version + 1 else None
-
     def _answer_pulls(self) -> None:
-        """Each stage of the version asked for as soon as it is here; each answer names the version asked for
-        (`asked`): a worker can tell the answer to its pull from a late answer to an earlier one (that step is over:
-        its version is the current one, without tensors)."""
-        for identity, (version, sent) in list(self.pulls.items()):
-            if version < self.version:  # that step is over: the worker's lease is stale
-                del self.pulls[identity]
-                self._send(identity, "slice", version=self.version, asked=version, shard=self.shard, stage=-1)
-                continue
-            for g in range(len(self.stages)):
-                if g not in sent and (encoded := self._servable(g, version)) is not None:
-                    sent.add(g)
-                    self._send(identity, "slice", encoded, version=version, asked=version, shard=self.shard, stage=g)
-            if len(sent) == len(self.stages):
-                del self.pulls[identity]
+        self.slices.answer(self.version, self.applied)
 
     def _snapshot(self) -> snapshots.Snapshot:
         return snapshots.collect(self.trainer, self.totals, self.term, {}, None)
@@ -396,7 +323,7 @@ class ShardServer:
         snap = self._snapshot()
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
                         step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
-                        drops=dict(self.drops))
+                        drops=self.drops.as_dict())
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)
 

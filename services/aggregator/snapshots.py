@@ -16,7 +16,7 @@ from typing import Any
 import redis
 import torch
 import zmq
-from cmemi.services.aggregator import reshard
+from cmemi.services.aggregator import dataprint, reshard
 from cmemi.services.aggregator.evaluation import BackgroundEval
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
@@ -83,8 +83,8 @@ def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.T
 
 def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,
             meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """`fp`: the dataset's fingerprint, checked against the checkpoint's (None: not checked, a shard k > 0 has no
-    dataset; the leader checks it). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
+    """`fp`: the run's dataset fingerprint, filled from the checkpoint's when empty, else checked against it (None:
+    not checked, a shard k > 0 holds none; the leader does, services/aggregator/dataprint.py). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
     named, model, other_k = _sections(trainer, meta, tensors)
     t = trainer
     t.model.load_state_dict(model)
@@ -94,7 +94,7 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
         t.optimizer.load_state_dict(named["optimizer"])
         if t.scheduler is not None and named["scheduler"] is not None:
             t.scheduler.load_state_dict(named["scheduler"])
-    if fp is not None and named["progress"]["fingerprint"] != fp:
+    if fp is not None and not dataprint.adopt(fp, named["progress"]["fingerprint"]):
         raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
                                "restore with the data it was trained on, or start a new run.dir")
     torch.set_rng_state(named["rng"]["torch"])

@@ -6,6 +6,7 @@ import hashlib
 
 import torch
 from cmemi.shared import buffers as buffer_rule
+from cmemi.shared import initweights
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 from cmemi.shared.shards import Partition, clip_coefficient
@@ -48,6 +49,8 @@ class Trainer:
         owns the travelling buffers. One shard, and no tensor over a chunk: the pieces are the parameters."""
         self.cfg, self.shard = cfg, shard
         self.model = build_model(cfg)
+        if cfg.model.init_from:  # the servers alone load it: one canonical copy, sent to the workers (shared/initweights.py)
+            initweights.load_into(self.model, cfg.model.init_from, cfg.model.init_strict)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards,
                                    cfg.cluster.pipeline_stages)

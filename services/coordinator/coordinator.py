@@ -46,7 +46,7 @@ class Coordinator:
         self.children: dict[str, Child] = {}
         self.spares: list[Child] = []
         self._spare_seq = 0
-        self._deferred = False  # a fresh run starts what it needs only later once a worker is admitted
+        self._deferred = False  # a fresh run starts its spares only once the first step is done
         self.declared: dict[tuple[str, str], int] = {}  # (role, id) -> newest incarnation declared dead
         self.zctx = zmq.Context()
         self.agg_sock: zmq.Socket | None = None
@@ -136,7 +136,7 @@ class Coordinator:
     def _adopt_or_start(self) -> None:
         """Adopt the services an earlier coordinator of this run started (they outlive it under `cmemi up`),
         then start whatever is missing. Nothing healthy is restarted. A fresh run does what only later needs
-        once a worker is admitted (_after_start_up)."""
+        once the first step is done (_after_start_up)."""
         slots = self._registered_workers()
         adopted = load_children(self.children_file)
         for child in adopted:
@@ -168,9 +168,9 @@ class Coordinator:
         self._save_children()
 
     def _after_start_up(self) -> None:
-        """Start the warm spares. On a fresh run, not before a worker is admitted: until then they would compete
-        for the CPU with the processes the first step waits for (importing torch, building the dataset), and no
-        worker has run that could die."""
+        """Start the warm spares. On a fresh run, not before the first step is done: until then they would compete
+        for the CPU with the processes the first step waits for (building the model and the dataset, the first
+        microbatches), and a worker that dies before it is replaced by a fresh process."""
         self._deferred = False
         if self.supervise == "local":
             for _ in range(self.cfg.cluster.spare_workers - len(self.spares)):
@@ -476,8 +476,8 @@ class Coordinator:
             for entry_id, event in read_events(self.ctx.redis, self.ctx.keys, self.events_cursor):
                 self.events_cursor = entry_id
                 self.events_file.write(json.dumps(event) + "\n")
-                if self._deferred and event["kind"] == "worker_admitted":
-                    self._after_start_up()
-        except redis.RedisError:
+            if self._deferred and int(self.ctx.redis.hget(self.ctx.keys.progress, "step") or 0) >= 1:
+                self._after_start_up()  # the first step is done: the spares no longer compete with it
+        except (redis.RedisError, ValueError):
             pass
 

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     worker = Worker(ctx, args.spare or wid)
     try:
         if args.spare:
-            assigned = worker.wait_for_identity(args.spare)
+            assigned = worker.life.wait_for_identity(args.spare)
             if assigned is None:
                 return
             wid = assigned

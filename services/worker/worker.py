@@ -3,6 +3,9 @@
 The worker owns no training state that matters: parameters come from the aggregator with each
 new version, the data of microbatch (s, m) is a pure function of the config. A worker can be
 killed at any moment; its replacement needs only the aggregator.
+
+This module is the connection to the leader and the loop; who the worker is and when it exits is
+`lifecycle.py`, where parameters land `inbox.py`, a lease's gradient `block.py`, the other shards `shards.py`.
 """
 
 from __future__ import annotations
@@ -15,27 +18,22 @@ import redis
 import structlog
 import torch
 import zmq
-from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
+from cmemi.services.worker.block import BlockComputer
+from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
+from cmemi.services.worker.inbox import Inbox
+from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import buffers as buffer_rule
 from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
-from cmemi.shared.codecs import all_finite, make_codec
+from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
-from cmemi.shared.layout import Layout, LayoutError
-from cmemi.shared.membership import Member
 from cmemi.shared.plugins import build_model, resolve
-from cmemi.shared.reduction import TreeAccumulator, add_into
 from cmemi.shared.service import ServiceContext
 from cmemi.shared.shards import Partition
-from cmemi.shared.usercode import describe
-from cmemi.shared.watch import Watch
-
-EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
 
 class Worker:
@@ -69,7 +67,9 @@ class Worker:
         self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages)  # the leader's slice, and the other shards'
         self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc})
         self.device = torch.device("cpu")
-        self._set_inbox()
+        self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
+        self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
+        self.life = Lifecycle(ctx)
         self.version = -1
         self.term = -1
         self.lost_reply = False
@@ -80,21 +80,6 @@ class Worker:
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
-        self.member: Member | None = None
-        self.watch: Watch | None = None  # once registered (a spare, once it has an identity)
-
-    def wait_for_identity(self, spare: str) -> str | None:
-        """As a warm spare: block until the coordinator hands us the id of a dead worker to replace."""
-        self.ctx.log.info("spare ready", spare=spare)
-        while not self.ctx.stopping.is_set():
-            try:
-                item = self.ctx.redis.blpop([self.ctx.keys.spare(spare)], timeout=1)
-            except redis.RedisError:
-                time.sleep(0.1)
-                continue
-            if item is not None:
-                return item[1]
-        return None
 
     def assume(self, wid: str) -> None:
         """Take identity `wid`: register (new incarnation) and start heartbeating."""
@@ -107,54 +92,12 @@ class Worker:
         if self.device.type != "cpu":
             make_deterministic(self.device)
             self.runner.to(self.device)
-            self._set_inbox()
-        self.member = Member(self.ctx.redis, self.ctx.keys, "worker", wid, cfg.cluster.heartbeat_interval,
-                             cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
-        self.inc = self.member.incarnation
-        keys = self.ctx.keys
-        # while idle: fenced? run over? another aggregator? Read off the loop (shared/watch.py)
-        self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
-                           .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
+            self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
+        self.inc = self.life.register(wid)
         startup.mark("registered")
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
         self.log = self.ctx.log
         self.ctx.emit("worker_started", worker=wid, incarnation=self.inc, host=self.host)
-
-    def _set_inbox(self) -> None:
-        """Where received parameters land (the model itself on a CPU) and the step's buffers (always a copy:
-        each microbatch starts from them, while the forward pass changes the model's own). A small model's
-        arrive as flat buffers (shared/layout.py); on a CPU its parameters and step buffers are views into
-        them, so one frame per dtype lands in place and nothing is copied."""
-        wire = {**self.partition.views(self.params, 0), **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
-        self.layout = Layout(wire)
-        cpu = self.device.type == "cpu"
-        whole = self.partition.shards == 1 and not self.partition.split  # the leader sends whole tensors, all of them
-        self.bound = cpu and whole  # the model's tensors are (views into) the inbox: what lands there is in place
-        if self.layout.flat:
-            self.inbox = self.layout.empty(pin_memory=not cpu)
-            if cpu and whole:
-                with torch.no_grad():
-                    for name, view in self.layout.views(self.inbox).items():
-                        view.copy_(wire[name])
-                        if name.startswith(PREFIX):
-                            self.runner.step_buffers[name[len(PREFIX):]] = view
-                        else:
-                            self.params[name].data = view
-            return
-        params = (self.params if cpu and whole else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=not cpu)
-                                                     for n, p in self.partition.views(self.params, 0).items()})
-        self.inbox = {**params, **{PREFIX + n: b for n, b in self.runner.step_buffers.items()}}
-
-    def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
-        """The parameters and step buffers of a `work` message by name; None if they are not in our layout."""
-        if not self.layout.flat:
-            return msg.tensors
-        if msg.header.get("layout") != self.layout.digest or msg.tensors.keys() != self.inbox.keys():
-            return None
-        try:
-            return self.layout.views(msg.tensors)
-        except LayoutError:
-            return None
 
     # ------------------------------------------------------------------ connection
     def _aggregator(self) -> tuple[str, int] | None:
@@ -169,7 +112,7 @@ class Worker:
     def _connect(self) -> None:
         """(Re)connect to the current aggregator and say hello; returns once welcomed."""
         while not self.ctx.stopping.is_set():
-            self._exit_if_finished()
+            self.life.exit_if_finished()
             found = self._aggregator()
             if found is None:
                 time.sleep(0.05)
@@ -203,11 +146,10 @@ class Worker:
                         break
                     self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
-                    if self.watch is not None:
-                        self.watch.take()  # read before this join: stale
+                    self.life.forget_readings()
                     return
                 self._handle_reject_or_stop(msg)
-            self._check_fenced()
+            self.life.check_fenced()
 
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         assert self.sock is not None
@@ -225,7 +167,7 @@ class Worker:
             return None
         self.last_heard = time.monotonic()
         try:  # new parameters land straight in the model's tensors
-            msg = self.parts.recv(self.sock, into=self.inbox)
+            msg = self.parts.recv(self.sock, into=self.inbox.tensors)
             if msg is None and self.parts.pending:  # parameters in parts are half written until the last one
                 self.version = -1
             return msg
@@ -250,29 +192,7 @@ class Worker:
             if msg.header["fatal"]:
                 self.ctx.fatal(msg.header["reason"])
             self.log.warning("rejected", reason=msg.header["reason"])
-            self._check_fenced()
-
-    def _exit_if_finished(self) -> None:
-        """A worker that (re)starts after the run ended, or missed the stop message, leaves cleanly."""
-        self._exit_if_over(self.ctx.run_state())
-
-    def _exit_if_over(self, state: str | None) -> None:
-        if state in ("completed", "failed"):
-            self.log.info("run is over; exiting", state=state)
-            raise SystemExit(0)
-
-    def _check_fenced(self) -> None:
-        assert self.member is not None
-        try:
-            fenced = self.member.fenced()
-        except redis.RedisError:
-            return
-        self._exit_if_fenced(fenced)
-
-    def _exit_if_fenced(self, fenced: bool) -> None:
-        if fenced:
-            self.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
-            raise SystemExit(EXIT_FENCED)
+            self.life.check_fenced()
 
     # ------------------------------------------------------------------ work
     def run(self) -> None:
@@ -306,14 +226,11 @@ class Worker:
             elif time.monotonic() - self.last_heard > self.reask_s:  # a want, work or grad went missing
                 self.log.info("no reply; asking again", after_s=round(time.monotonic() - self.last_heard, 1))
                 self._send("want", term=self.term, version=self.version)
-            elif self.watch is not None and (seen := self.watch.take()) is not None:  # idle: still current?
-                fence, state, info = seen[0]
-                self._exit_if_fenced(self.member is not None and self.member.fenced_by(fence))
-                self._exit_if_over(state)
+            elif (info := self.life.idle_check()) is not None:  # idle: still current?
                 if "addr" in info and (info["addr"] != self.agg_addr or int(info["term"]) != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
                     self._reconnect()
-        if self.sock is not None and self.member is not None:
+        if self.sock is not None and self.life.member is not None:
             self._send("leave")  # graceful: our leases go back at once
 
     def _reconnect(self) -> None:
@@ -323,22 +240,13 @@ class Worker:
 
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
-        if not msg.tensors and not self.inbox:  # nothing to receive: a pipelined leader holds no parameters
+        if not msg.tensors and not self.inbox.tensors:  # nothing to receive: a pipelined leader holds no parameters
             self.version = h["version"]
         if msg.tensors:
-            received = self._received(msg)
-            if received is None:  # checksums passed: the aggregator's model is not ours (another config)
+            if not self.inbox.take(msg):  # checksums passed: the aggregator's model is not ours (another config)
                 self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
-                               f"do not fit this worker's model (layout {self.layout.digest}, shared/layout.py): "
+                               f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/layout.py): "
                                "use the same model.factory and model.kwargs on every host")
-            # On a CPU the inbox is the model's own tensors (or the flat buffers they are views into): what landed
-            # there is in place already. Otherwise (a GPU's pinned inbox, or a tensor that did not fit) copy.
-            if not (self.bound and all(msg.tensors[k] is self.inbox.get(k) for k in msg.tensors)):
-                with torch.no_grad():
-                    for name, p in self.partition.views(self.params, 0).items():
-                        p.copy_(received[name])
-                    for name, b in self.runner.step_buffers.items():
-                        b.copy_(received[PREFIX + name])
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights
             self.version = -1
@@ -349,9 +257,10 @@ class Worker:
             self._send("want", term=self.term, version=self.version)  # they are past it: this lease is stale
             return
         lo, hi = h["lo"], h["hi"]
-        losses, grads, buffers, finite = self.compute_block(h["step"], lo, hi, float(h["scale"]))
+        losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
-                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches)}
+                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches),
+                  "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
         views = self.partition.views(grads) if finite else {}  # (an fp16 overflow sends no tensors)
         encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
@@ -370,58 +279,10 @@ class Worker:
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
             self.runner.loader.guess(h["step"] + 1, range(lo, hi))
 
-    def compute_block(self, step: int, lo: int, hi: int, scale: float) -> tuple[
-            list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]:
-        """The lease [lo, hi) of step `step`: each microbatch's gradient, summed here in the reduction tree's
-        order (docs/design.md), so one gradient travels and it is bitwise the node the aggregator would have built
-        from the leaves. Returns (loss per microbatch, gradient sum, buffer contribution sum or None, finite)."""
-        grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)  # a node's tree has its length's shape
-        buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
-        losses, finite, fp16 = [], True, self.cfg.precision == "fp16"
-        if self.runner.loader is not None:
-            self.runner.loader.want(step, range(lo, hi))
-        for m in range(lo, hi):
-            loss, g, produced = self.compute(step, m, scale)
-            losses.append(loss)
-            if fp16 and finite and not all_finite(g.values()):
-                finite = False  # an fp16 overflow, exactly per microbatch as GradScaler sees it: the step is skipped
-            grads.add(m - lo, m - lo + 1, g if finite else {})
-            if produced is not None:
-                buffers.add(m - lo, m - lo + 1, buffer_rule.contribution(self.runner.step_buffers, produced))
-        total = grads.result()
-        if not fp16 and not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
-            self.ctx.fatal(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite (losses "
-                           f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
-        return losses, total, buffers.result() if buffers.complete else None, finite
-
-    def compute(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
-                                                                      dict[str, torch.Tensor] | None]:
-        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py).
-
-        User code that raises is run once more, at once, from the same seeds and buffers: failing the
-        same way again, the error is deterministic (restarting or moving the microbatch would repeat it)
-        and the run stops with one line; succeeding, it was transient and training goes on."""
-        try:
-            return self.runner.run(step, m, scale)
-        except UserCodeError as first:
-            seen = describe(first.cause)
-            self.log.warning("user code failed; retrying once to tell a bug from a transient error",
-                             error=seen.line(), where=first.phase)
-            try:
-                return self.runner.run(step, m, scale)
-            except UserCodeError as again:
-                if describe(again.cause) == seen:
-                    self.ctx.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.wid}: "
-                                   "a bug in user code, not retried; fix it and run again")
-                raise
-
     def close(self) -> None:
         if self.runner.loader is not None:
             self.runner.loader.close()
-        if self.watch is not None:
-            self.watch.stop()
-        if self.member is not None:
-            self.member.stop()
+        self.life.close()
         if self.sock is not None:
             self.sock.close(linger=200)
         self.zctx.destroy(linger=200)

@@ -1,0 +1,102 @@
+"""The end of a run on the leader: the whole model's result, the final checkpoint, then the final evaluation.
+
+Sharded, every shard's pieces after the last step are placed into the leader's model first. The final
+checkpoint is written before the final evaluation, so a crash there loses nothing. `summary.json` holds the
+result (`params_sha256`: the same bits for any worker count, shard count and faults); the run's state
+becomes `completed` in Redis, and workers that ask in the next moment are told to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import zmq
+from cmemi.services.aggregator.eval_schedule import EvalSchedule
+from cmemi.services.aggregator.evaluation import EvalError, run_eval
+from cmemi.services.aggregator.leader import ShardRoster
+from cmemi.services.aggregator.outbox import Outbox
+from cmemi.services.aggregator.reporting import Reporter
+from cmemi.services.aggregator.snapshots import CheckpointerLink
+from cmemi.services.aggregator.stepping import Stepper
+from cmemi.services.aggregator.totals import RunTotals
+from cmemi.services.aggregator.trainer import Trainer
+from cmemi.shared import atomic
+from cmemi.shared.service import ServiceContext
+
+
+def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalSchedule, roster: ShardRoster | None,
+           reporter: Reporter, ckpt: CheckpointerLink, totals: RunTotals, term: int, drops: dict[str, int],
+           pump: Callable[[], None]) -> dict[str, Any]:
+    """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary."""
+    cfg = ctx.cfg
+    wall = totals.wall_s()
+    if roster is not None:
+        roster.gather(trainer.params, pump)
+    evals.finish()
+    shards_total = roster.total if roster is not None else (lambda _field: 0)
+    summary: dict[str, Any] = {
+        "steps": trainer.step, "final_loss": totals.final_loss, "eval": {}, "wall_s": wall,
+        "samples_per_s": trainer.step * cfg.train.global_batch / wall if wall > 0 else None,
+        "workers": cfg.cluster.workers, "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
+        "bytes_received": totals.bytes_out + shards_total("bytes_received"),
+        "params_sha256": trainer.params_sha256(), "final_lr": trainer.lr,
+        "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
+        "precision": cfg.precision, "skipped_steps": trainer.skipped,
+        "stopped_early": stepper.stopped_early, "eval_history": evals.history,
+    }
+    if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
+        summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},
+                             *roster.summary()]
+    step, meta, tensors = stepper.snapshot()
+    meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
+    summary["final_checkpoint"] = ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)
+    if evals.fn:
+        try:
+            summary["eval"] = run_eval(evals.fn, trainer.model, str(cfg.eval.fn))
+        except EvalError as exc:
+            ctx.fatal(f"{exc} (the final checkpoint {summary['final_checkpoint']} was written)")
+    summary["checkpointer_dropped_messages"] = _checkpointer_drops(ctx)
+    if stepper.stall_s:
+        summary["checkpoint_stall_s_median"] = statistics.median(stepper.stall_s)
+    atomic.write_text(ctx.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    reporter.flush(timeout=10)  # the last step's progress before the run is complete
+    _set_completed(ctx)
+    ctx.emit("run_completed", steps=trainer.step, params_sha256=summary["params_sha256"])
+    ctx.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
+    return summary
+
+
+def _checkpointer_drops(ctx: ServiceContext) -> dict[str, int]:
+    try:
+        return {k: int(v) for k, v in ctx.redis.hgetall(ctx.keys.ckpt_dropped).items()}
+    except redis.RedisError:
+        return {}
+
+
+def _set_completed(ctx: ServiceContext, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ctx.redis.set(ctx.keys.state, "completed")
+            return
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def linger(sock: zmq.Socket, outbox: Outbox, parked: list[bytes], seconds: float) -> None:
+    """Tell every worker that asks in the next moments to stop, so they exit cleanly."""
+    for identity in parked:
+        outbox.send(identity, "stop", reason="training complete")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sock.poll(50):
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) >= 2:
+                outbox.send(frames[0].bytes, "stop", reason="training complete")

@@ -1,0 +1,85 @@
+"""One intake for every parameter server (the leader and each shard k > 0): frames in, a message out or a drop.
+
+What a received multipart message passes, in this order, before any handler sees it:
+1. it has an identity and a body (`no_identity`);
+2. the whole message is within `cluster.max_message_bytes` (`too_big`; ZeroMQ's MAXMSGSIZE bounds one frame);
+3. its header passes the schema (`shared/protocol.py`: type, run, protocol version, fields); a part of a
+   bigger message is taken only from an admitted peer, which bounds what an unauthenticated flood can make
+   us allocate (`shared/transfer.py`);
+4. its type is one this server takes (`unexpected_type`);
+5. with CurveZMQ, the sender's key has the role the type needs (`wrong_role`: `admission.ROLE_OF`).
+
+`Drops` counts every dropped message by reason in one place: the log (rate-limited), the run's counters
+(reported in summary.json) and Prometheus.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection
+from typing import Any
+
+import structlog
+from cmemi.services.aggregator.admission import ROLE_OF
+from cmemi.shared import metrics, protocol, transfer
+from cmemi.shared.security import Curve
+
+
+class Drops:
+    """Dropped messages by reason: logged (the first 5 of each, then every 1000th), counted, exported."""
+
+    def __init__(self, log: structlog.stdlib.BoundLogger) -> None:
+        self.log = log
+        self.counts: Counter[str] = Counter()
+
+    def __call__(self, reason: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        metrics.DROPPED.labels(reason).inc()
+        n = self.counts[reason]
+        if n <= 5 or n % 1000 == 0:
+            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=n)
+
+    def get(self, reason: str) -> int:
+        return self.counts[reason]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+class Intake:
+    """Turns a ROUTER's multipart messages into validated messages from peers with the right key role."""
+
+    def __init__(self, run: str, cap: int, bound: int, checksum: bool, peers: int, curve: Curve,
+                 types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops) -> None:
+        self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
+        # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
+        self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
+
+    def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:
+        """(sender identity, message or None while a bigger one's parts still come, bytes) — or None: dropped."""
+        if len(frames) < 2:
+            self.drop("no_identity")
+            return None
+        identity = frames[0].bytes
+        size = protocol.message_bytes(frames[1:])
+        if size > self.cap:
+            self.drop("too_big", f"{size} bytes")
+            return None
+        try:
+            msg = self.parts.decode(identity, frames[1:], allow_parts=self.admitted(identity))
+        except protocol.ProtocolError as exc:
+            self.drop(exc.reason, str(exc))
+            return None
+        if msg is None:
+            return identity, None, size
+        if msg.type not in self.types:
+            self.drop("unexpected_type", msg.type)
+            return None
+        if (role := self.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
+            self.drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")  # e.g. a worker key fencing
+            return None
+        return identity, msg, size
+
+    def keep(self, peers: Any) -> None:
+        """Forget the unfinished transfers of peers no longer admitted (fenced, departed)."""
+        self.parts.keep(peers)

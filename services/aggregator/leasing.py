@@ -1,0 +1,107 @@
+"""The leader's lease protocol (docs/design.md §2): which worker computes which node of the step's reduction tree.
+
+Workers pull: `want` (or a `grad`, which implies the next `want`) is answered with `work` — carrying the
+parameters when the worker's version is stale — or the worker is parked until work exists. A lease goes back
+to the queue when its holder dies, is fenced, leaves, asks again (its lease was lost on the way) or times out;
+an outstanding lease is handed to an idle worker too once it is overdue (`ReissuePolicy`). Every lease is
+sealed (`admission.LeaseSeal`) so the shards can tell it from a forgery.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
+from cmemi.services.aggregator.collector import StepCollector
+from cmemi.shared import reduction
+from cmemi.shared.config import Config
+
+
+class ReissuePolicy:
+    """How long a lease may be outstanding, while the queue is empty and workers idle, before the next idle worker
+    gets it too: twice the recent lease-to-gradient time per microbatch (an exponential average; a lease of n
+    microbatches waits n times as long), so a withheld lease costs about one recomputation, not `lease_timeout`,
+    and an honest step's tail is not duplicated."""
+    FACTOR = 2.0
+    MIN_S = 0.05
+    MIN_SAMPLES = 3
+
+    def __init__(self) -> None:
+        self.avg: float | None = None
+        self.samples = 0
+        self._since: dict[tuple[str, int], float] = {}
+
+    def leased(self, info: Any, now: float) -> None:
+        self._since[(info.wid, info.inc)] = now
+
+    def accepted(self, info: Any, now: float, microbatches: int = 1) -> None:
+        since = self._since.get((info.wid, info.inc))
+        if since is None:
+            return
+        dt = (now - since) / microbatches
+        self.avg = dt if self.avg is None else 0.8 * self.avg + 0.2 * dt
+        self.samples += 1
+
+    @property
+    def after(self) -> float | None:
+        """Seconds per microbatch a lease is outstanding before an idle worker gets it too (None: not measured yet)."""
+        if self.avg is None or self.samples < self.MIN_SAMPLES:
+            return None
+        return max(self.MIN_S, self.FACTOR * self.avg)
+
+
+class Leasing:
+    def __init__(self, cfg: Config, per_microbatch: bool, always_strict: bool, seal: LeaseSeal, term: int,
+                 live_workers: Callable[[], int]) -> None:
+        self.cfg, self.M, self.seal, self.term = cfg, cfg.train.microbatches, seal, term
+        # A stateless lossy codec (fp16/bf16/int8) rounds each microbatch's gradient, as the reference does, so it
+        # leases microbatch by microbatch; the lossless and the error-feedback codecs encode a block's sum.
+        self.per_microbatch = per_microbatch
+        self.always_strict = always_strict  # sharded: every gradient is checked on arrival
+        self.live_workers = live_workers
+        self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
+        self.reissue = ReissuePolicy()
+        self.collector = self.new_step(0)
+
+    def new_step(self, step: int, strict: bool = False) -> StepCollector:
+        """Leases of a step: blocks of the reduction tree, one per worker where M allows."""
+        block = 1 if self.per_microbatch else reduction.block_size(self.M, max(self.cfg.cluster.workers,
+                                                                                  self.live_workers()))
+        self.collector = StepCollector(step, self.M, block=block, strict=strict or self.always_strict)
+        return self.collector
+
+    def reissuable(self) -> bool:
+        after = self.reissue.after
+        return after is not None and self.collector.reissuable(time.monotonic(), after)
+
+    def lease(self, identity: bytes, info: WorkerInfo, held_version: int) -> tuple[int, int, bytes] | None:
+        """The next node for this worker and its seal, or None: the worker is parked until there is one."""
+        now = time.monotonic()
+        self.reissue.leased(info, now)
+        node = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
+        if node is None:
+            self.parked[identity] = (info, held_version)
+            return None
+        self.parked.pop(identity, None)
+        return node[0], node[1], self.seal.seal(self.term, self.collector.step, node[0], node[1], info.wid, info.inc)
+
+    def waiting(self) -> list[tuple[bytes, WorkerInfo, int]]:
+        """The parked workers, oldest first: (identity, worker, parameter version it holds)."""
+        return [(identity, info, held) for identity, (info, held) in self.parked.items()]
+
+    def has_work(self, finished: bool) -> bool:
+        """Is there something for a parked worker: work, an overdue lease, or word that the run is over?"""
+        return bool(self.collector.pending) or finished or self.reissuable()
+
+    def release(self, wid: str, max_inc: int | None = None) -> list[int]:
+        """Leases of `wid` (incarnations <= max_inc) back to the queue, as leaves."""
+        return self.collector.release(wid, max_inc)
+
+    def forget(self, identity: bytes) -> None:
+        self.parked.pop(identity, None)
+
+    def expire(self, now: float) -> bool:
+        """Leases past their timeout back to the queue, as leaves; True if any."""
+        return bool(self.collector.expire(now))

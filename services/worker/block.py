@@ -1,0 +1,67 @@
+"""A lease's gradient: the microbatches [lo, hi) of a step, summed in the reduction tree's order
+(docs/design.md §1), so one gradient travels and it is bitwise the node the aggregator would have built from
+the leaves; user code that raises is run once more to tell a bug from a transient error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
+from cmemi.shared import buffers as buffer_rule
+from cmemi.shared.codecs import all_finite
+from cmemi.shared.config import Config
+from cmemi.shared.reduction import TreeAccumulator, add_into
+from cmemi.shared.usercode import describe
+
+Result = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]
+
+
+class BlockComputer:
+    def __init__(self, cfg: Config, runner: MicrobatchRunner, log: Any, fatal: Callable[[str], None],
+                 who: Callable[[], str]) -> None:
+        self.cfg, self.runner, self.log, self.fatal, self.who = cfg, runner, log, fatal, who
+
+    def block(self, step: int, lo: int, hi: int, scale: float) -> Result:
+        """The lease [lo, hi) of step `step`: (loss per microbatch, gradient sum, buffer contribution sum or None,
+        finite)."""
+        grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)  # a node's tree has its length's shape
+        buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
+        losses, finite, fp16 = [], True, self.cfg.precision == "fp16"
+        if self.runner.loader is not None:
+            self.runner.loader.want(step, range(lo, hi))
+        for m in range(lo, hi):
+            loss, g, produced = self.one(step, m, scale)
+            losses.append(loss)
+            if fp16 and finite and not all_finite(g.values()):
+                finite = False  # an fp16 overflow, exactly per microbatch as GradScaler sees it: the step is skipped
+            grads.add(m - lo, m - lo + 1, g if finite else {})
+            if produced is not None:
+                buffers.add(m - lo, m - lo + 1, buffer_rule.contribution(self.runner.step_buffers, produced))
+        total = grads.result()
+        if not fp16 and not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
+            self.fatal(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite (losses "
+                       f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
+        return losses, total, buffers.result() if buffers.complete else None, finite
+
+    def one(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                  dict[str, torch.Tensor] | None]:
+        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py).
+
+        User code that raises is run once more, at once, from the same seeds and buffers: failing the
+        same way again, the error is deterministic (restarting or moving the microbatch would repeat it)
+        and the run stops with one line; succeeding, it was transient and training goes on."""
+        try:
+            return self.runner.run(step, m, scale)
+        except UserCodeError as first:
+            seen = describe(first.cause)
+            self.log.warning("user code failed; retrying once to tell a bug from a transient error",
+                             error=seen.line(), where=first.phase)
+            try:
+                return self.runner.run(step, m, scale)
+            except UserCodeError as again:
+                if describe(again.cause) == seen:
+                    self.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.who()}: "
+                               "a bug in user code, not retried; fix it and run again")
+                raise

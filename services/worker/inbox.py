@@ -1,0 +1,65 @@
+"""Where a worker's received parameters land: the leader's slice and the step's buffers.
+
+A small model's arrive as flat buffers (shared/layout.py); on a CPU its parameters and step buffers are views
+into them, so one frame per dtype lands in place and nothing is copied. Elsewhere (a GPU's pinned inbox, or
+tensors that do not fit a flat layout) what lands is copied into the model. The step's buffers are always a
+copy: each microbatch starts from them, while the forward pass changes the model's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from cmemi.shared import protocol
+from cmemi.shared.buffers import PREFIX
+from cmemi.shared.layout import Layout, LayoutError
+from cmemi.shared.shards import Partition
+
+
+class Inbox:
+    def __init__(self, partition: Partition, params: dict[str, torch.Tensor],
+                 step_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.partition, self.params, self.step_buffers = partition, params, step_buffers
+        wire = {**partition.views(params, 0), **{PREFIX + n: b for n, b in step_buffers.items()}}
+        self.layout = Layout(wire)
+        cpu = device.type == "cpu"
+        whole = partition.shards == 1 and not partition.split  # the leader sends whole tensors, all of them
+        self.bound = cpu and whole  # the model's tensors are (views into) the inbox: what lands there is in place
+        if self.layout.flat:
+            self.tensors = self.layout.empty(pin_memory=not cpu)
+            if self.bound:
+                with torch.no_grad():
+                    for name, view in self.layout.views(self.tensors).items():
+                        view.copy_(wire[name])
+                        if name.startswith(PREFIX):
+                            step_buffers[name[len(PREFIX):]] = view
+                        else:
+                            params[name].data = view
+            return
+        landing = (params if self.bound else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=not cpu)
+                                              for n, p in partition.views(params, 0).items()})
+        self.tensors = {**landing, **{PREFIX + n: b for n, b in step_buffers.items()}}
+
+    def take(self, msg: protocol.Message) -> bool:
+        """The parameters and step buffers of a `work` message into the model; False if they are not in our layout."""
+        received = self._received(msg)
+        if received is None:
+            return False
+        # On a CPU the inbox is the model's own tensors (or the flat buffers they are views into): what landed
+        # there is in place already. Otherwise (a GPU's pinned inbox, or a tensor that did not fit) copy.
+        if not (self.bound and all(msg.tensors[k] is self.tensors.get(k) for k in msg.tensors)):
+            with torch.no_grad():
+                for name, p in self.partition.views(self.params, 0).items():
+                    p.copy_(received[name])
+                for name, b in self.step_buffers.items():
+                    b.copy_(received[PREFIX + name])
+        return True
+
+    def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
+        if not self.layout.flat:
+            return msg.tensors
+        if msg.header.get("layout") != self.layout.digest or msg.tensors.keys() != self.tensors.keys():
+            return None
+        try:
+            return self.layout.views(msg.tensors)
+        except LayoutError:
+            return None

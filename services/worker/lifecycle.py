@@ -1,0 +1,90 @@
+"""Who a worker is, and whether it should still be running.
+
+A warm spare loads everything, then waits for the coordinator to hand it the id of a dead worker; a worker
+registers a new incarnation of its id (heartbeating from then on). It exits cleanly when the run is over,
+and with EXIT_FENCED when its incarnation was declared dead (the supervisor starts a fresh one). While idle,
+those facts and the aggregator's address are read off the loop (shared/watch.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from cmemi.shared.membership import Member
+from cmemi.shared.service import ServiceContext
+from cmemi.shared.watch import Watch
+
+EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
+
+
+class Lifecycle:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.member: Member | None = None
+        self.watch: Watch | None = None  # once registered (a spare, once it has an identity)
+
+    def wait_for_identity(self, spare: str) -> str | None:
+        """As a warm spare: block until the coordinator hands us the id of a dead worker to replace."""
+        self.ctx.log.info("spare ready", spare=spare)
+        while not self.ctx.stopping.is_set():
+            try:
+                item = self.ctx.redis.blpop([self.ctx.keys.spare(spare)], timeout=1)
+            except redis.RedisError:
+                time.sleep(0.1)
+                continue
+            if item is not None:
+                return item[1]
+        return None
+
+    def register(self, wid: str) -> int:
+        """A new incarnation of `wid`, heartbeating; returns it."""
+        cfg, keys = self.ctx.cfg, self.ctx.keys
+        self.member = Member(self.ctx.redis, keys, "worker", wid, cfg.cluster.heartbeat_interval,
+                             cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
+        # while idle: fenced? run over? another aggregator? Read off the loop (shared/watch.py)
+        self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
+                           .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
+        return self.member.incarnation
+
+    def exit_if_finished(self) -> None:
+        """A worker that (re)starts after the run ended, or missed the stop message, leaves cleanly."""
+        self.exit_if_over(self.ctx.run_state())
+
+    def exit_if_over(self, state: str | None) -> None:
+        if state in ("completed", "failed"):
+            self.ctx.log.info("run is over; exiting", state=state)
+            raise SystemExit(0)
+
+    def check_fenced(self) -> None:
+        assert self.member is not None
+        try:
+            fenced = self.member.fenced()
+        except redis.RedisError:
+            return
+        self.exit_if_fenced(fenced)
+
+    def exit_if_fenced(self, fenced: bool) -> None:
+        if fenced:
+            self.ctx.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
+            raise SystemExit(EXIT_FENCED)
+
+    def idle_check(self) -> dict[str, str] | None:
+        """While idle: exit if fenced or the run is over; the aggregator's record if a new reading came."""
+        if self.watch is None or (seen := self.watch.take()) is None:
+            return None
+        fence, state, info = seen[0]
+        self.exit_if_fenced(self.member is not None and self.member.fenced_by(fence))
+        self.exit_if_over(state)
+        return info
+
+    def forget_readings(self) -> None:
+        """Readings taken before a (re)join are stale."""
+        if self.watch is not None:
+            self.watch.take()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        if self.member is not None:
+            self.member.stop()
