@@ -163,7 +163,7 @@ def _plot(argv: list[str]) -> int:
 
 
 def _keys(argv: list[str]) -> int:
-    from cmemi.shared.security import generate
+    from cmemi.shared.security import ROLE_SECRETS, SecurityError, export_role, generate
 
     p = argparse.ArgumentParser(prog="cmemi keys", description="Generate the CurveZMQ key pairs of a cluster "
                                 "(security.keys_dir): server, aggregator, coordinator, worker.")
@@ -172,13 +172,26 @@ def _keys(argv: list[str]) -> int:
                    "host); the shared worker key is always made. Add more later with a new directory: copy its "
                    "worker-*.key files into the servers' directory, no restart needed")
     p.add_argument("--if-missing", action="store_true", help="keep the keys a directory already has")
+    p.add_argument("--per-role", metavar="OUT", help="also write OUT/ROLE/ for each role (" + ", ".join(ROLE_SECRETS)
+                   + "): the public keys and only that role's secret keys, a complete keys_dir for its containers")
     args = p.parse_args(argv)
     made = generate(Path(args.directory), args.workers, if_missing=args.if_missing)
+    if args.per_role:
+        try:
+            for role in ROLE_SECRETS:
+                export_role(Path(args.directory), Path(args.per_role) / role, role)
+        except SecurityError as exc:
+            print(f"cmemi: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {len(made)} files to {args.directory} (every role's keys: keep them off the hosts) and "
+              f"{args.per_role}/{{{','.join(ROLE_SECRETS)}}}/: the public keys and only that role's secret keys (mode "
+              "600). Give each role's hosts or containers only its own directory, as their security.keys_dir.")
+        return 0
     print(f"wrote {len(made)} files to {args.directory} (secret keys mode 600). In the config of every service:\n"
           f"security:\n  curve: true\n  keys_dir: {Path(args.directory).resolve()}\n"
           "Each host needs the public *.key files and only its own role's *.key_secret: the aggregator host "
           "server + aggregator, the checkpointer host server, the coordinator host coordinator, worker hosts "
-          "worker (or worker-N).")
+          "worker (or worker-N); `--per-role OUT` writes one such directory per role.")
     return 0
 
 
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
               "                   what a run is doing now (step, loss, workers, events)\n"
               "  plot RUN_DIR [-o out.png]\n"
               "                   loss, eval, lr and throughput over time, faults marked\n"
-              "  keys DIR         generate CurveZMQ key pairs (security.curve)\n"
+              "  keys DIR [--per-role OUT]\n                   generate CurveZMQ key pairs (security.curve), one dir per role\n"
               "  logs RUN_DIR [ROLE] [-f]\n"
               "                   the services' logs of a run (RUN_DIR/logs/), in time order\n"
               "  checkpoints list|verify|export RUN_DIR\n"

@@ -4,7 +4,11 @@ Same microbatch order, same per-microbatch seeding, the same microbatch computat
 (services/worker/compute.py), the same gradient codec round trip, the same collector (reduction tree,
 buffer rule) and the same trainer (optimizer, scheduler, clipping, loss scaling) and early stopping as
 the aggregator: its params_sha256 equals `cmemi up`'s bitwise, for any worker count and any faults.
-(Codecs with error feedback keep per-worker state: there the reference is one worker doing everything.)
+(Codecs with error feedback keep per-worker state: there the reference is the one worker of a
+`cluster.workers: 1` run, which leases and encodes a whole step's sum at once; `--codec-reset STEP:N` replays
+that worker replaced by a new process during step STEP: its state is dropped, and the step is leased again in
+blocks of N microbatches (1: the dead worker's lease went back split into microbatches) — the run's
+`first_grad_accepted` event of the new incarnation says STEP and N = hi - lo.)
 
 Because it shares that code with the system, tests also compare the cluster with an independent plain
 PyTorch loop, within a tolerance.
@@ -31,6 +35,7 @@ from cmemi.services.worker.device import make_deterministic, pick_device
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, resolve
+from cmemi.shared.reduction import TreeAccumulator, add_into, block_size
 
 HOLDER = ("reference", 0)  # the one (worker id, incarnation) that holds every lease of a reference run
 
@@ -39,8 +44,10 @@ class ReferenceError(RuntimeError):
     """Training cannot go on (diverged, user code failed): the one-line reason."""
 
 
-def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
-    """Train `cfg` in this process; returns the trainer (its model holds the result) and a summary."""
+def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trainer, dict[str, Any]]:
+    """Train `cfg` in this process; returns the trainer (its model holds the result) and a summary.
+    `codec_resets`: step -> lease size, where the one worker's codec state is dropped (a replacement)."""
+    codec_resets = codec_resets or {}
     t0 = time.monotonic()
     torch.set_num_threads(cfg.cluster.threads_per_worker)
     trainer = Trainer(cfg, shards=1)  # the whole grid in one process: the same pieces as any cluster.shards
@@ -54,6 +61,8 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
         runner.to(device)
     encoder, decoder = make_codec(cfg.compression), make_codec(cfg.compression, check_finite=False)
     M, report = cfg.train.microbatches, bool(trainer.buffers) and cfg.model.buffers == "mean"
+    # a stateful codec's result depends on what is encoded together: one worker's whole-step leases
+    block = block_size(M, 1) if encoder.stateful else 1
     loss, stopped = float("nan"), False
     try:
         while trainer.step < cfg.train.steps and not stopped:
@@ -63,9 +72,14 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
                     p.copy_(trainer.params[n])
                 for n, b in runner.step_buffers.items():
                     b.copy_(trainer.buffers[n])
-            collector = StepCollector(step, M)
-            for m in range(M):
-                collector.lease(*HOLDER, now=0.0, timeout=math.inf)  # m, in order: the reference holds every lease
+            if step in codec_resets:  # a new worker process: no residual, no warm-start Q
+                encoder.reset()
+            collector = StepCollector(step, M, block=codec_resets.get(step, block))
+            while (node := collector.lease(*HOLDER, now=0.0, timeout=math.inf)) is not None:  # in order
+                if node[1] - node[0] > 1:
+                    offer_block(cfg, runner, trainer, encoder, decoder, collector, step, node, report)
+                    continue
+                m = node[0]
                 mb_loss, grads, produced = runner.run(step, m, trainer.scaler.scale)
                 grads = trainer.partition.views(grads)  # by piece of the chunk grid, as workers send them
                 finite = all_finite(grads.values())
@@ -99,6 +113,32 @@ def train(cfg: Config) -> tuple[Trainer, dict[str, Any]]:
     return trainer, summary
 
 
+def offer_block(cfg: Config, runner: MicrobatchRunner, trainer: Trainer, encoder: Any, decoder: Any,
+                collector: StepCollector, step: int, node: tuple[int, int], report: bool) -> None:
+    """A lease of several microbatches as a worker computes it (Worker.compute_block): the gradients summed in
+    the reduction tree's order, then encoded once."""
+    lo, hi = node
+    grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
+    buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
+    losses, finite = [], True
+    for m in range(lo, hi):
+        mb_loss, g, produced = runner.run(step, m, trainer.scaler.scale)
+        losses.append(mb_loss)
+        if cfg.precision == "fp16" and finite and not all_finite(g.values()):
+            finite = False
+        grads.add(m - lo, m - lo + 1, g if finite else {})
+        if report and produced is not None:
+            buffers.add(m - lo, m - lo + 1, trainer.contribution(produced))
+    total = trainer.partition.views(grads.result())
+    if finite and not all_finite(total.values()):
+        raise ReferenceError(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite ({losses})")
+    decoded = None
+    if finite:
+        info, frames = encoder.encode(total, step)
+        decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)
+    collector.offer(node, decoded, losses, HOLDER, buffers.result() if buffers.complete else None)
+
+
 def main(argv: list[str]) -> int:
     from cmemi.services.worker.compute import UserCodeError
     from cmemi.shared.config import ConfigError, load_config
@@ -111,11 +151,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--out", default=None, help="also write the summary JSON here")
     p.add_argument("--export", default=None, metavar="FILE.safetensors", help="write the trained state_dict here")
+    p.add_argument("--codec-reset", action="append", default=[], metavar="STEP:N", help="an error-feedback codec, "
+                   "one worker: it was replaced by a new process during step STEP (its state dropped), which leased "
+                   "that step again N microbatches at a time (repeatable)")
     args = p.parse_args(argv)
+    try:
+        resets = {int(a): int(b) for a, b in (r.split(":") for r in args.codec_reset)}
+    except ValueError:
+        p.error(f"--codec-reset takes STEP:N, two integers (got {args.codec_reset})")
     try:
         cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)
-        trainer, summary = train(cfg)
+        trainer, summary = train(cfg, resets)
     except (ConfigError, ReferenceError) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2

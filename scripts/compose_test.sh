@@ -411,6 +411,19 @@ wait_training() {
 }
 two_workers_live() { [[ $(progress live_workers) == 2 ]]; }
 wait_for "both workers to train (live_workers=2)" 300 two_workers_live
+# One key per container: each running service sees at /keys (security.keys_dir) only its own role's secret keys.
+own_secrets() {  # SERVICE EXPECTED: the sorted *.key_secret names inside each of its running containers
+    local c got
+    for c in $(cid "$1"); do
+        got=$(docker exec "$c" sh -c 'cd /keys && ls *.key_secret' | sort | tr '\n' ' ')
+        [[ $got == "$2" ]] || die "$1 container ${c:0:12} holds secret keys '$got' at /keys, expected '$2'"
+    done
+}
+own_secrets worker "worker.key_secret "
+own_secrets aggregator "aggregator.key_secret server.key_secret "
+own_secrets checkpointer "server.key_secret "
+own_secrets coordinator "coordinator.key_secret "
+log "each container holds only its own role's secret keys"
 wait_training "$KILL_AT" 300
 phase_done
 
@@ -506,6 +519,7 @@ CKPT_CID=$(cid checkpointer)
 SHARD_CID=$(cid shard1)
 [[ -n $SHARD_CID ]] || die "no shard1 container"
 wait_for "both workers to train with 2 shards (live_workers=2)" 300 two_workers_live
+own_secrets shard1 "aggregator.key_secret server.key_secret "
 wait_training "$KILL_AT" 300
 docker kill "$SHARD_CID" >/dev/null || die "docker kill shard1 failed"
 KILL_STEP=$(progress step)

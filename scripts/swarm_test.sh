@@ -249,6 +249,19 @@ VOLUME=${STACK}_runs
 run_file() { docker run --rm --network none -v "$VOLUME:/runs:ro" --entrypoint cat "$IMAGE" "/runs/$1"; }
 live_workers() { [[ $(progress live_workers) == "$1" ]]; }
 wait_for "both workers to train (live_workers=2)" 300 live_workers 2
+# One key per container: each running task sees in /run/secrets (security.keys_dir) only its role's secret keys.
+own_secrets() {  # SERVICE EXPECTED: the sorted *.key_secret names inside each of its running tasks
+    local c got
+    for c in $(tasks_of "$1"); do
+        got=$(docker exec "$c" sh -c 'cd /run/secrets && ls *.key_secret' | sort | tr '\n' ' ')
+        [[ $got == "$2" ]] || die "$1 task ${c:0:12} holds secret keys '$got', expected '$2'"
+    done
+}
+own_secrets worker "worker.key_secret "
+own_secrets aggregator "aggregator.key_secret server.key_secret "
+own_secrets checkpointer "server.key_secret "
+own_secrets coordinator "coordinator.key_secret "
+log "each task holds only its own role's secret keys"
 phase_done
 
 STATE_KEY="cmemi:$RUN_NAME:state"
@@ -342,6 +355,7 @@ CMEMI_IMAGE=$IMAGE REDIS_IMAGE=$IMAGE CMEMI_CONFIG=$CONFIG CMEMI_WORKERS=2 timeo
     -c "$WORK/stack.test.yml" "$STACK" >"$WORK/deploy.log" 2>&1 || { cat "$WORK/deploy.log" >&2; die "docker stack deploy (sharded) failed"; }
 wait_for "the redis task" 300 sh -c "[ -n \"\$(docker ps -q --filter label=com.docker.swarm.service.name=${STACK}_redis --filter status=running)\" ]"
 wait_for "both workers to train with 2 shards (live_workers=2)" 300 live_workers 2
+own_secrets shard1 "aggregator.key_secret server.key_secret "
 wait_step $((STEPS / 4)) 300
 VICTIM=$(tasks_of shard1 | head -1)
 [[ -n $VICTIM ]] || die "no running shard1 task"

@@ -10,7 +10,10 @@ RUN_DIR/keys for the run) holds one key pair per role, secrets mode 0600:
     worker-NAME.key           more worker keys (public part only on the servers), e.g. one per host;
                               picked up while running, so adding a host needs no restart
 
-A host needs only its own role's secret plus the public `*.key` files. Servers accept only the
+A host needs only its own role's secret plus the public `*.key` files (`ROLE_SECRETS`); `cmemi keys DIR
+--per-role OUT` writes OUT/<role>/ with exactly that, one directory per container or host, and such a
+directory is a complete keys_dir for its role: a worker's container then holds no key that would let
+it act as the aggregator, the checkpointer or the coordinator. Servers accept only the
 public keys found there, and pyzmq's authenticator sets every message's `User-Id` to the client's
 Z85 key: `Curve.role(frame)` maps it back to the role, and each server checks that role per
 message type (only workers ask for work, only the coordinator fences, only the aggregator talks to
@@ -31,6 +34,10 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 ROLES = ("aggregator", "coordinator", "worker")  # client roles; "server" is the servers' own pair
+# The secret keys each service loads at start (curve_from_config), and the only ones its host needs: the
+# servers serve with the server pair, each client uses its own role's pair.
+ROLE_SECRETS = {"aggregator": ("server", "aggregator"), "checkpointer": ("server",),
+                "coordinator": ("coordinator",), "worker": ("worker",)}
 RESCAN_S = 1.0  # an unknown key re-reads keys_dir at most this often (new worker keys while running)
 
 
@@ -80,6 +87,36 @@ def generate(directory: Path, extra_workers: int = 0, if_missing: bool = False) 
         Path(pub).chmod(0o644)
         made += [Path(pub), Path(sec)]
     return made
+
+
+def export_role(directory: Path, dest: Path, role: str) -> list[Path]:
+    """Write into `dest` one role's key directory, made from the full one `generate` wrote: every public
+    *.key and only the role's own *.key_secret files (ROLE_SECRETS); a secret of another role already in
+    `dest` is removed. Rerunning it is safe (each file is replaced whole, secrets never looser than 0600)."""
+    if role not in ROLE_SECRETS:
+        raise SecurityError(f"unknown role {role!r} for a key directory; choose one of {sorted(ROLE_SECRETS)}")
+    own = {f"{name}.key_secret" for name in ROLE_SECRETS[role]}
+    missing = sorted(f for f in own if not (directory / f).is_file())
+    if missing:
+        raise SecurityError(f"{str(directory)!r} has no {', '.join(missing)}; make the keys with `cmemi keys DIR` first")
+    dest.mkdir(parents=True, exist_ok=True)
+    dest.chmod(0o700)
+    for stale in dest.glob("*.key_secret"):
+        if stale.name not in own:
+            stale.unlink()
+    written = []
+    for src in [*sorted(directory.glob("*.key")), *(directory / f for f in sorted(own))]:
+        mode = 0o600 if src.name.endswith("_secret") else 0o644
+        tmp = dest / f".{src.name}.tmp"
+        old = os.umask(0o077)
+        try:
+            tmp.write_bytes(src.read_bytes())
+        finally:
+            os.umask(old)
+        tmp.chmod(mode)
+        os.replace(tmp, dest / src.name)
+        written.append(dest / src.name)
+    return written
 
 
 def read_public_keys(directory: Path) -> dict[bytes, str]:

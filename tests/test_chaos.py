@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from cmemi.events import load_events
 from tests.chaos import Cluster, poll
 from tests.conftest import LONG
 from tests.test_supervision import redis_pid
@@ -36,61 +37,81 @@ def schedule(rng: random.Random, per_kind: int = 5) -> list[tuple[int, str]]:
     return [(first + i * (last - first) // len(kinds), k) for i, k in enumerate(kinds)]
 
 
+def alive(pid: int) -> bool:
+    """`pid` is a running (or stopped) process, not gone and not a zombie that only waits to be reaped: a signal to
+    a zombie succeeds and does nothing, so a fault aimed at one would hit nothing."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def running_pid(c: Cluster, role: str, ident: str | None = None) -> tuple[str, int]:
-    """A running, heartbeating member of `role` (any id if None): (id, pid). Waits through Redis restarts."""
+    """A running, heartbeating, live member of `role` (any id if None): (id, pid). Waits through Redis restarts
+    and through a record that still names a process an earlier fault killed."""
     def find() -> tuple[str, int] | None:
         try:
             live = c.members(role)
         except redis.RedisError:
             return None
-        ids = sorted(live) if ident is None else [i for i in live if i == ident]
+        ids = sorted(i for i in live if (ident is None or i == ident) and alive(int(live[i]["pid"])))
         return (ids[0], int(live[ids[0]]["pid"])) if ids else None
     return poll(find, 120, f"a running {role}", interval=0.05)
 
 
 def running_worker(c: Cluster, rng: random.Random) -> tuple[str, int] | None:
     try:
-        live = c.members("worker")
+        live = {i: r for i, r in c.members("worker").items() if alive(int(r["pid"]))}
     except redis.RedisError:
         return None
     ident = rng.choice(sorted(live)) if live else None
     return (ident, int(live[ident]["pid"])) if ident else None
 
 
-def stopped_worker(c: Cluster, rng: random.Random) -> tuple[str, int] | None:
-    """SIGSTOP a running worker; None (try again) if the one picked exited between the lookup and the signal."""
-    found = running_worker(c, rng)
-    if found is None:
-        return None
+def hit(pid: int, sig: int) -> bool:
+    """Send `sig` to `pid` if it is a live process; False (pick again) if it is gone or a zombie by now."""
+    if not alive(pid):
+        return False
     try:
-        os.kill(found[1], signal.SIGSTOP)
+        os.kill(pid, sig)
     except ProcessLookupError:
-        return None
-    return found
+        return False
+    return True
 
 
-def inject(c: Cluster, rng: random.Random, kind: str) -> None:
+def inject(c: Cluster, rng: random.Random, kind: str) -> tuple[str, int]:
+    """One fault, to a live process of its kind (looked up again until one is found, else the poll fails the
+    test): returns the (id, pid) it hit."""
     if kind == "redis":
-        pid = poll(lambda: redis_pid(c), 60, "the redis-server")
-        os.kill(pid, signal.SIGKILL)
-        return
+        return "0", poll(lambda: (pid := redis_pid(c)) and hit(pid, signal.SIGKILL) and pid, 60, "a live redis-server")
     role = {"worker_kill": "worker", "worker_stop": "worker"}.get(kind, kind)
     if kind == "worker_stop":  # shorter or longer than dead_after (1 s): resumed, or taken for hung and killed
-        ident, pid = poll(lambda: stopped_worker(c, rng), 120, "a running worker to stop", interval=0.05)
+        def stopped() -> tuple[str, int] | None:
+            found = running_worker(c, rng)
+            return found if found and hit(found[1], signal.SIGSTOP) else None
+        ident, pid = poll(stopped, 120, "a running worker to stop", interval=0.05)
+        poll(lambda: state(pid) in ("T", "Z", "gone"), 5, f"worker {pid} stopped")  # it took the signal
         time.sleep(rng.uniform(0.2, 1.8))
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
-            pass
-        return
+            pass  # taken for hung and killed by the coordinator meanwhile
+        return ident, pid
     if role == "worker":  # any running worker: waiting for one slot that is restarting would let the run end first
-        ident, pid = poll(lambda: running_worker(c, rng), 120, "a running worker", interval=0.05)
-    else:
-        ident, pid = running_pid(c, role, "0")
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # it died by itself meanwhile (a previous fault): still a fault of that role
+        def killed() -> tuple[str, int] | None:
+            found = running_worker(c, rng)
+            return found if found and hit(found[1], signal.SIGKILL) else None
+        return poll(killed, 120, "a running worker", interval=0.05)
+    return poll(lambda: (found := running_pid(c, role, "0")) and hit(found[1], signal.SIGKILL) and found, 120,
+                f"a live {role}", interval=0.05)
 
 
 def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, capsys: pytest.CaptureFixture) -> None:
@@ -101,12 +122,11 @@ def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, ca
     # however fast a small model's steps get; the pace changes no bit, so the result is the reference's
     c = Cluster(tmp_path / "run", *LONG, f"cluster.workers={WORKERS}", "cluster.spare_workers=1",
                 "checkpoint.every_steps=50", "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
-    done: list[str] = []
+    done: list[tuple[str, str, int, float]] = []  # (kind, id, pid it hit, when)
     try:
         for at, kind in plan:
             poll(lambda at=at: c.step() >= at, 180, f"step {at}", interval=0.05)
-            inject(c, rng, kind)
-            done.append(kind)
+            done.append((kind, *inject(c, rng, kind), time.time()))
         last_fault, last_fault_wall = time.monotonic(), time.time()
 
         def recovered() -> bool:  # progress published after the last fault shows every slot filled
@@ -121,7 +141,20 @@ def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, ca
     finally:
         rc = c.wait(timeout=600)
     assert rc == 0, c.output()
-    assert len(done) == 30 and all(done.count(k) == 5 for k in KINDS), done
+    kinds = [k for k, *_ in done]
+    assert len(done) == 30 and all(kinds.count(k) == 5 for k in KINDS), done
+    # the run saw them: each killed service process declared dead by the coordinator (its pid in a "died" event)
+    # or, killed while the coordinator was down, its slot restarted after the kill (a restarted coordinator adopts
+    # only live processes); each killed coordinator and redis-server restarted by `cmemi up`
+    events = load_events(c.run_dir)
+    died = {e["pid"] for e in events if e["kind"] == "died"}
+    role = {"worker_kill": "worker", "aggregator": "aggregator", "checkpointer": "checkpointer"}
+    unseen = [(k, ident, pid) for k, ident, pid, t in done if k in role and pid not in died
+              and not any(e["kind"] == "restarted" and (e["role"], e["id"]) == (role[k], ident) and e["t"] > t
+                          for e in events)]
+    assert not unseen, f"killed, but the run never noticed: {unseen}"
+    restarts = [e["role"] for e in events if e["kind"] == "restarted"]
+    assert restarts.count("coordinator") >= 5 and restarts.count("redis") >= 5, restarts
     assert c.summary["steps"] == STEPS and c.summary["params_sha256"] == reference
     with capsys.disabled():  # the figure the README quotes, in every CI log
         print(f"\nchaos: live_workers back to {WORKERS} {recovery_s:.1f}s after the last of 30 faults")

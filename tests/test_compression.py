@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, 
 from safetensors.torch import load_file
 
 from tests.chaos import Cluster
-from tests.conftest import DIGITS, FAST, run_up
+from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
 
 pytestmark = pytest.mark.integration
 
@@ -52,17 +54,33 @@ def test_a_codec_ships_10x_fewer_bytes_within_one_point_of_accuracy(tmp_path: Pa
 
 def test_error_feedback_state_dies_with_its_worker_and_the_run_still_converges(tmp_path: Path) -> None:
     """topk's residual belongs to the worker: a killed worker's residual is lost (bounded: < one step of
-    its gradients), its replacement starts with none, and training still reaches the target accuracy."""
-    c = Cluster(tmp_path / "run", "train.steps=600", "scheduler.kwargs.T_max=600", "compression.codec=topk",
-                "cluster.workers=2")
+    its gradients), its replacement starts with none, and training still reaches the target accuracy.
+    One worker, so the result is exact: it is `cmemi reference` with the codec state dropped at the step each
+    replacement took over, leased as it was to the replacement (its `first_grad_accepted`), bitwise."""
+    sets = ("train.steps=600", "scheduler.kwargs.T_max=600", "compression.codec=topk", "cluster.workers=1",
+            "cluster.spare_workers=0")
+    c = Cluster(tmp_path / "run", *sets)
+    incarnations = []
     try:
         for target in (150, 350):
             c.wait_step(target)
-            c.replaced("worker", "w0", c.signal("worker", "w0"))
+            incarnations.append(c.signal("worker", "w0"))
+            c.replaced("worker", "w0", incarnations[-1])
     finally:
         rc = c.wait()
     assert rc == 0, c.output()
     assert c.summary["steps"] == 600 and c.summary["eval"]["accuracy"] >= 0.95
+    events = [json.loads(line) for line in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    firsts = {e["incarnation"]: (e["step"], e["hi"] - e["lo"]) for e in events
+              if e["kind"] == "first_grad_accepted" and e["worker"] == "w0"}
+    replacements = sorted(inc for inc in firsts if inc > incarnations[0])
+    assert len(replacements) == 2, firsts  # each kill hit a worker that had trained, and a new one took over
+    resets = [f"{firsts[inc][0]}:{firsts[inc][1]}" for inc in replacements]
+    ref = subprocess.run(cmemi_cmd("reference", DIGITS, *(a for s in sets for a in ("--set", s)),
+                                   *(a for r in resets for a in ("--codec-reset", r))),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert json.loads(ref.stdout)["params_sha256"] == c.summary["params_sha256"], (resets, firsts)
 
 
 def grad_scaler_reference(overrides: list[str]) -> tuple[list[float], list[bool], dict[str, torch.Tensor]]:

@@ -1,6 +1,8 @@
 """deploy/kubernetes/ validates against the Kubernetes schemas (kubernetes-validate bundles them), and its
 manifests hold together: the coordinator does not supervise, the run directory is a claim, secrets exist, every
-CMEMI container gets the Redis URL in CMEMI_REDIS_URL and its role's CurveZMQ keys at security.keys_dir."""
+CMEMI container gets the Redis URL in CMEMI_REDIS_URL and its role's CurveZMQ keys at security.keys_dir.
+One key per container: every compose service, swarm service and pod sees the public keys and only its own role's
+secret keys (compose: what the `keys` service really writes into the volume each service mounts)."""
 
 from __future__ import annotations
 
@@ -72,8 +74,9 @@ def test_the_manifests_hold_together(tmp_path: Path) -> None:
         mount = [m for m in container["volumeMounts"] if m["name"] == "keys"][0]
         assert env["CMEMI__SECURITY__KEYS_DIR"]["value"] == mount["mountPath"] and mount.get("readOnly")
         keys = [v for v in spec["volumes"] if v["name"] == "keys"][0]["secret"]
-        assert keys["secretName"] == "cmemi-curve-keys" and not keys.get("optional", False)
         role = container["name"]
+        # a Secret per role: the node of a worker pod is never sent another role's secret key
+        assert keys["secretName"] == f"cmemi-curve-{role}" and not keys.get("optional", False)
         projected = {item["key"] for item in keys["items"]}
         assert all(item["key"] == item["path"] for item in keys["items"])  # the file names security.py reads
         assert projected <= made, projected - made  # only files `cmemi keys` writes
@@ -91,6 +94,57 @@ def test_the_manifests_hold_together(tmp_path: Path) -> None:
     config_from_dict(yaml.safe_load(docs[("ConfigMap", "cmemi-config")]["data"]["config.yaml"]), [])
 
 
+def role_of(command: list[str]) -> str:
+    """The role a CMEMI service runs as (an aggregator shard is the aggregator role)."""
+    assert command[0] in OWN_SECRETS, command
+    return command[0]
+
+
+def compose_services(*files: str) -> dict[str, dict]:
+    """The services of compose files merged as `docker compose -f A -f B` does for what this test reads."""
+    services: dict[str, dict] = {}
+    for name in files:
+        for svc, spec in yaml.safe_load((ROOT / name).read_text())["services"].items():
+            services.setdefault(svc, {}).update(spec)
+    return services
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.shards.yml")])
+def test_every_compose_service_sees_only_its_own_roles_secret_keys(tmp_path: Path, files: tuple[str, ...]) -> None:
+    """Runs the `keys` service's command for real into a directory per volume it mounts, then reads what each
+    CMEMI service finds at its security.keys_dir: the public keys, and only its own role's secret keys, enough
+    for curve_from_config to start that role; the volume with every secret is mounted by the keys service alone."""
+    from cmemi.shared.config import SecurityConfig
+    from cmemi.shared.security import curve_from_config
+
+    from cmemi.cli import main
+
+    services = compose_services(*files)
+    keys_svc = services.pop("keys")
+    mounts = dict(v.split(":")[:2] for v in keys_svc["volumes"])  # volume -> path inside the keys container
+    assert set(mounts) == {"keys", *(f"keys-{role}" for role in OWN_SECRETS)}
+    host = {vol: tmp_path / path.lstrip("/") for vol, path in mounts.items()}
+    command = [arg.replace("/keys", str(tmp_path / "keys")) for arg in keys_svc["command"]]
+    with pytest.raises(SystemExit) as done:  # `cmemi keys` exits with its status
+        main(command)
+    assert done.value.code == 0
+    made = {p.name for p in host["keys"].iterdir()}
+    public = {f for f in made if f.endswith(".key")}
+    cmemi_services = {svc: spec for svc, spec in services.items() if svc != "redis"}
+    assert {"coordinator", "aggregator", "checkpointer", "worker"} <= set(cmemi_services)
+    for svc, spec in cmemi_services.items():
+        role = role_of(spec["command"])
+        keys_dir = [v for v in spec["volumes"] if v.split(":")[1] == "/keys"]
+        assert len(keys_dir) == 1 and keys_dir[0].endswith(":ro"), (svc, spec["volumes"])
+        volume = keys_dir[0].split(":")[0]
+        assert volume == f"keys-{role}", (svc, volume)
+        assert not any(v.split(":")[0] == "keys" for v in spec["volumes"]), svc  # never the volume of all secrets
+        seen = {p.name for p in host[volume].iterdir()}
+        assert seen == public | OWN_SECRETS[role], (svc, seen)
+        curve_from_config(SecurityConfig(curve=True, keys_dir=str(host[volume])), role)  # all it needs is there
+    assert {f for f in made if f.endswith("_secret")} == set().union(*OWN_SECRETS.values())
+
+
 def test_the_swarm_stack_gives_every_service_its_keys_and_the_redis_url(tmp_path: Path) -> None:
     """docker/stack.yml, read statically (swarm-test runs it for real): each CMEMI service mounts the public keys and
     only its role's secret keys as /run/secrets/<the file name `cmemi keys` writes>, keys_dir points there, the
@@ -102,11 +156,14 @@ def test_the_swarm_stack_gives_every_service_its_keys_and_the_redis_url(tmp_path
     declared = stack["secrets"]
     assert all(declared[name].get("external") for name in declared)
     assert {f"cmemi-{f}" for f in made} <= set(declared)  # the documented step: a secret cmemi-FILE per file
-    for role, own in OWN_SECRETS.items():
-        svc = stack["services"][role]
+    shards = yaml.safe_load((ROOT / "docker" / "stack.shards.yml").read_text())["services"]
+    services = {**{role: stack["services"][role] for role in OWN_SECRETS}, "shard1": shards["shard1"]}
+    for name, svc in services.items():
+        own = OWN_SECRETS[role_of(svc["command"])]
         assert svc["environment"]["CMEMI__SECURITY__KEYS_DIR"] == "/run/secrets"
         assert 'export CMEMI_REDIS_URL="redis://:$$(cat /run/secrets/cmemi_redis_password)@redis:' in svc["entrypoint"][2]
-        assert "CMEMI_REDIS_URL=" in svc["healthcheck"]["test"][1]
+        if name != "shard1":  # a shard has no healthcheck (docker/stack.shards.yml)
+            assert "CMEMI_REDIS_URL=" in svc["healthcheck"]["test"][1]
         files = {}
         for grant in svc["secrets"]:
             if isinstance(grant, dict):

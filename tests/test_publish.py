@@ -18,11 +18,25 @@ def send_params(sock: zmq.Socket, publisher: Publisher, params: dict[str, torch.
     protocol.send(sock, protocol.encode("work", RUN, fields, encoded=encoded), trackers=trackers)
 
 
+def pair(ctx: zmq.Context, name: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """Over inproc, ZeroMQ hands zero-copy frames over by reference: the receiver reads the sender's very bytes
+    when it calls recv, so a change made to them after the send (and before that recv) shows. Over TCP libzmq
+    may already have copied them into the kernel, and a test could not tell a copy from the live tensor."""
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind(f"inproc://{name}")
+    b.connect(f"inproc://{name}")
+    return a, b
+
+
+def in_flight(trackers: list[zmq.MessageTracker]) -> bool:
+    """Some send of these frames still holds them (nobody has read and released them yet)."""
+    return any(not t.done for t in trackers)
+
+
 def test_encoded_once_per_version_and_immune_to_later_optimizer_steps() -> None:
     ctx = zmq.Context()
     try:
-        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        a, b = pair(ctx, "publish-immune")
         params = {"w": torch.randn(256, 256), "b": torch.randn(3)}
         pub = Publisher(checksum=True)
         first, _ = pub.encoded(params, 0)
@@ -30,8 +44,9 @@ def test_encoded_once_per_version_and_immune_to_later_optimizer_steps() -> None:
         expected = {n: p.clone() for n, p in params.items()}
         for _ in range(3):
             send_params(a, pub, params, 0)
+        assert in_flight(pub.encoded(params, 0)[1])  # the frames are not read yet: what b reads is what is there now
         with torch.no_grad():
-            params["w"].add_(1.0)  # the optimizer steps while the sends may still be in flight
+            params["w"].add_(1.0)  # the optimizer steps while the sends are in flight
         for _ in range(3):
             msg = protocol.decode(b.recv_multipart(copy=False), RUN)
             assert all(torch.equal(msg.tensors[n], expected[n]) for n in params)
@@ -88,8 +103,7 @@ def test_a_small_model_goes_out_flat_once_per_version() -> None:
 
     ctx = zmq.Context()
     try:
-        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        a, b = pair(ctx, "publish-flat")
         params = {"w": torch.randn(256, 256), "b": torch.randn(3), "~n": torch.tensor(7)}
         layout = Layout(params)
         pub = Publisher(checksum=True, layout=layout)
@@ -97,6 +111,7 @@ def test_a_small_model_goes_out_flat_once_per_version() -> None:
         assert pub.encoded(params, 0)[0] is first and [m["name"] for m in first[0]] == ["flat.float32", "flat.int64"]
         expected = params["w"].clone()
         send_params(a, pub, params, 0)
+        assert in_flight(pub.encoded(params, 0)[1])
         with torch.no_grad():
             params["w"].add_(1.0)
         received = layout.views(protocol.decode(b.recv_multipart(copy=False), RUN).tensors)

@@ -3,10 +3,12 @@ stopped and started again under them."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import redis
 from cmemi.services.aggregator.progress import ProgressWriter
 from cmemi.shared.keys import Keys
 from cmemi.shared.membership import connect
@@ -25,24 +27,38 @@ def _until(cond: Callable[[], object], timeout: float = 10.0) -> object:
 
 
 def test_watch_gives_each_answer_once_and_keeps_reading_through_an_outage(tmp_path: Path) -> None:
+    """The test decides when the watch's thread reads (one permit per read), so each outcome is exact."""
     server = EmbeddedRedis(tmp_path / "redis").start()
     client = connect(server.url)
     client.set("k", "1")
-    watch = Watch(client, 0.02, lambda r: r.get("k"), "test").start()
+    gate, tried = threading.Semaphore(0), []
+
+    def read(r: redis.Redis) -> str | None:
+        gate.acquire()
+        tried.append(1)
+        return r.get("k")
+
+    watch = Watch(client, 0.02, read, "test").start()
     try:
+        gate.release()  # one read
         assert _until(watch.take) == ("1",)
-        seen = watch.take()
-        assert seen is None or seen == ("1",)  # a second answer only once read again
+        assert watch.take() is None  # no read since: the answer is given once, not again
         port = server.port
         server.stop()  # the thread's reads fail; the loop's take() never waits for them
+        before = len(tried)
+        for _ in range(3):
+            gate.release()
+        _until(lambda: len(tried) == before + 3)
         t0 = time.monotonic()
         for _ in range(20):
-            watch.take()
+            assert watch.take() is None  # a failed read tells nothing new
         assert time.monotonic() - t0 < 0.5
         server.start(port=port)
         client.set("k", "2")
+        gate.release(10_000)
         assert _until(lambda: watch.take() == ("2",))
     finally:
+        gate.release(10_000)  # a thread waiting for a permit must not hold up stop()
         watch.stop()
         server.stop()
 
