@@ -37,9 +37,14 @@ def slow_mlp(delay: float = 0.2, **kwargs):
     model = make_model(**kwargs)
     if os.environ.get("CMEMI_TEST_SLOW_WORKER") == "1":
         inner = model.forward
+        mark = os.environ.get("CMEMI_TEST_IN_FORWARD")  # a file that exists while a forward pass runs
 
         def forward(x):
+            if mark:
+                open(mark, "w").close()
             time.sleep(delay)
+            if mark:
+                os.unlink(mark)
             return inner(x)
 
         model.forward = forward

@@ -90,15 +90,16 @@ def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path
     try:
         c.wait_step(5)
         # a worker on "another host": not the coordinator's child, so it is fenced, not killed
-        env = {**os.environ, "CMEMI_TEST_SLOW_WORKER": "1"}
+        in_forward = tmp_path / "straggler-in-forward"
+        env = {**os.environ, "CMEMI_TEST_SLOW_WORKER": "1", "CMEMI_TEST_IN_FORWARD": str(in_forward)}
         extra = subprocess.Popen([sys.executable, "-m", "cmemi", "worker", "--config", str(c.run_dir / "config.yaml"),
                                   "--redis", c.redis_url, "--worker-id", "straggler"], cwd=ROOT, env=env,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # Its gradients are late by design (re-issue hands its microbatches to idle fast workers and the first
         # complete copy wins), so "contributing" is not the signal: being admitted and holding a lease is.
         poll(lambda: any(e.get("worker") == "straggler" for e in c.events("worker_admitted")), 60, "admitted")
-        time.sleep(0.1)  # into its next (slow) microbatch
-        c.signal("worker", "straggler", signal.SIGSTOP)
+        poll(in_forward.exists, 60, "the straggler computing a microbatch", interval=0.005)  # it holds a lease
+        c.signal("worker", "straggler", signal.SIGSTOP)  # within its 0.3 s forward: its gradient comes late
         poll(lambda: any(e.get("id") == "straggler" for e in c.events("fenced")), 30, "straggler fenced")
         poll(lambda: any(e.get("worker") == "straggler" for e in c.events("leases_freed")), 10, "leases freed")
         os.kill(extra.pid, signal.SIGCONT)
