@@ -94,8 +94,8 @@ def ms(s: float) -> str:
     return f"{s * 1000:.1f} ms"
 
 
-def sec(s: float, digits: int = 3) -> str:
-    return f"{s:.{digits}f} s"
+def sec(s: float | None, digits: int = 3) -> str:
+    return "none recovered" if s is None else f"{s:.{digits}f} s"  # None: a baseline that never came back
 
 
 def span(values: list[float], fmt: str = "{:.0f}") -> str:
@@ -177,7 +177,9 @@ def benchmark() -> str:
          "; ".join(f"{sec(v['recovery_s_median'], 1)}, {v['recovered']}/{v['kills_attempted']} recovered"
                    + (" with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`" if v["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] else "")
                    for v in tr.values())
-         + f"; the whole group restarts from its checkpoint, {tr['default']['steps_redone_median']:.0f} steps redone",
+         + "; the whole group restarts from its checkpoint"
+         + next((f", {v['steps_redone_median']:.0f} steps redone" for v in tr.values()
+                 if v.get("steps_redone_median") is not None), ""),  # a variant that never recovered redid nothing
          ""),
         (f"torchft {ft['torchft']} (lighthouse + 2 replica groups), replica SIGKILLed and restarted",
          f"default 5 s heartbeat timeout: the survivor stalls **{sec(ft5['survivor_max_gap_s_median'], 1)}** "
