@@ -39,9 +39,6 @@ class Drops:
         if n <= 5 or n % 1000 == 0:
             self.log.warning("message dropped", reason=reason, detail=detail[:200], count=n)
 
-    def get(self, reason: str) -> int:
-        return self.counts[reason]
-
     def as_dict(self) -> dict[str, int]:
         return dict(self.counts)
 
