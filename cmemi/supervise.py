@@ -14,6 +14,7 @@ import ctypes
 import dataclasses
 import fcntl
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -133,6 +134,7 @@ class Supervisor:
         self.argv, self.embedded, self.client, self.keys, self.env = argv, embedded, client, keys, env
         self.max_restarts = max_restarts
         self.coordinator: subprocess.Popen | None = None
+        self.coordinator_fd: int | None = None  # its pidfd: readable once it exits
         self.restarts = {"coordinator": 0, "redis": 0}
         self.started = {"coordinator": 0.0, "redis": time.monotonic()}
         self.next_start = 0.0
@@ -143,6 +145,12 @@ class Supervisor:
         from cmemi.shared.lifeline import die_with_parent
 
         self.coordinator = subprocess.Popen(self.argv, preexec_fn=die_with_parent, env=self.env)
+        if self.coordinator_fd is not None:
+            os.close(self.coordinator_fd)
+        try:
+            self.coordinator_fd = os.pidfd_open(self.coordinator.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3: wait() sleeps its whole time
+            self.coordinator_fd = None
         self.started["coordinator"] = time.monotonic()
         startup.mark("coordinator_spawned")
 
@@ -152,6 +160,14 @@ class Supervisor:
             self.restarts[what] = 0
         self.restarts[what] += 1
         return self.restarts[what] <= self.max_restarts
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, less if the coordinator exits first (the end of a run is seen at once). Its
+        pidfd turns readable at its exit; nothing is reaped here (check() does that)."""
+        if self.coordinator_fd is None or self.coordinator is None or self.coordinator.returncode is not None:
+            time.sleep(seconds)
+            return
+        select.select([self.coordinator_fd], [], [], seconds)
 
     def check(self) -> int | None:
         """One supervision round. Returns the coordinator's exit code once the run is over, else None."""
@@ -219,6 +235,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 self.coordinator.kill()
                 self.coordinator.wait()
+        if self.coordinator_fd is not None:
+            os.close(self.coordinator_fd)
+            self.coordinator_fd = None
 
 
 def stop_orphans(run_dir: Path) -> None:
@@ -237,4 +256,4 @@ def run_supervised(sup: Supervisor, stopping: Callable[[], bool], show: Callable
         if rc is not None:
             return rc
         show()
-        time.sleep(0.25)
+        sup.wait(0.25)

@@ -173,3 +173,34 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
         if holder.stdout is not None:
             holder.stdout.close()
     RunLock(run_dir).release()
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_started_after_the_run_completed_starts_nothing(tmp_path: Path) -> None:
+    """`cmemi up` restarts a coordinator that died; one that starts when the run has completed (it died in the
+    last moments) exits 0 at once instead of starting the services of a finished run again."""
+    import redis as redis_py
+
+    from cmemi.redis_server import EmbeddedRedis
+    from cmemi.shared.config import dump_config, load_config
+    from cmemi.shared.keys import Keys
+
+    from tests.conftest import DIGITS
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        run_dir = tmp_path / "run"
+        run_dir.mkdir()
+        cfg = load_config(DIGITS, [*FAST, "run.name=done", f"run.dir={run_dir}", "security.curve=false"])
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        client = redis_py.Redis.from_url(server.url, decode_responses=True)
+        client.set(Keys("done").state, "completed")
+        r = subprocess.run([sys.executable, "-m", "cmemi", "coordinator", "--config", str(run_dir / "config.yaml"),
+                            "--supervise", "local"], cwd=ROOT, capture_output=True, text=True, timeout=90,
+                           env={**os.environ, "CMEMI_REDIS_URL": server.url})
+        assert r.returncode == 0, r.stderr[-2000:]
+        started = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                   if e["kind"] == "process_started"]
+        assert started == [] and client.get(Keys("done").state) == "completed"
+    finally:
+        server.stop()

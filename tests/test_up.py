@@ -132,7 +132,9 @@ def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
-    r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
+    # steps enough that the run cannot end before both workers said hello (it fails at the second's hello)
+    r = run_up(tmp_path / "run", *FAST, "train.steps=20000", "scheduler.kwargs.T_max=20000",
+               "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
                timeout=300)  # workers must start to be refused: minutes on a loaded machine
     assert r.rc == 2
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]

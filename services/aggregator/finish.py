@@ -90,13 +90,13 @@ def _set_completed(ctx: ServiceContext, timeout: float = 120) -> None:
             time.sleep(0.1)
 
 
-def linger(sock: zmq.Socket, outbox: Outbox, parked: list[bytes], seconds: float) -> None:
-    """Tell every worker that asks in the next moments to stop, so they exit cleanly."""
-    for identity in parked:
-        outbox.send(identity, "stop", reason="training complete")
+def linger(sock: zmq.Socket, tell_stop: Callable[[bytes], None], everyone_told: Callable[[], bool],
+           seconds: float) -> None:
+    """Tell every worker that asks in the next moments to stop, so they exit cleanly; done as soon as every
+    admitted worker has been told (workers also see the run's state in Redis, so `seconds` only bounds the wait)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while not everyone_told() and time.monotonic() < deadline:
         if sock.poll(50):
             frames = sock.recv_multipart(copy=False)
             if len(frames) >= 2:
-                outbox.send(frames[0].bytes, "stop", reason="training complete")
+                tell_stop(frames[0].bytes)

@@ -70,6 +70,7 @@ class Aggregator:
         self.admission = Admission(ctx.redis, ctx.keys, lambda fp: dataprint.agrees(self.fp, fp),
                                    EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                                    cfg.cluster.require_same_environment, self._reply, self.drops, self.log)
+        self.told_stop: set[bytes] = set()  # workers told that the run is over
         self.roster = (ShardRoster(ctx, self.trainer.partition, self.term, self.outbox, self.drops,
                                    lambda: {"lease_key": self.seal.key, "fp": dict(self.fp)})
                        if self.trainer.sharded else None)
@@ -168,8 +169,14 @@ class Aggregator:
         if self.stepper.done:
             finish.finish(self.ctx, self.trainer, self.stepper, self.evals, self.roster, self.reporter, self.ckpt,
                           self.totals, self.term, self.drops.as_dict(), self._pump)
-            finish.linger(self.sock, self.outbox, [i for i, _, _ in self.leasing.waiting()], 1.0)
+            for identity, _, _ in self.leasing.waiting():
+                self._tell_stop(identity)
             self.leasing.parked.clear()
+            finish.linger(self.sock, self._tell_stop, lambda: set(self.admission.workers) <= self.told_stop, 1.0)
+
+    def _tell_stop(self, identity: bytes) -> None:
+        self.outbox.send(identity, "stop", reason="training complete")
+        self.told_stop.add(identity)
 
     def _pump(self) -> None:
         """Receive one message, if one comes within 50 ms (the end of a run waits for the shards' pieces)."""
@@ -206,7 +213,7 @@ class Aggregator:
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
         if self.stepper.done:
-            self.outbox.send(identity, "stop", reason="training complete")
+            self._tell_stop(identity)
             return
         self.reporter.started(time.monotonic())
         if (node := self.leasing.lease(identity, info, held_version)) is not None:

@@ -65,6 +65,9 @@ class Coordinator:
     def run(self) -> int:
         r, k = self.ctx.redis, self.ctx.keys
         r.set(k.state, "running", nx=True)  # a restarted coordinator must not reopen a finished run
+        if r.get(k.state) == "completed":  # nor start its services again (whoever started us stops any left over)
+            self.log.info("the run has completed already; nothing to supervise")
+            return 0
         self.ctx.emit("coordinator_started", supervise=self.supervise, workers=self.target_workers)
         if self.supervise == "local":
             self._adopt_or_start()
@@ -198,6 +201,15 @@ class Coordinator:
                       spare=True)
         child.start()
         self.spares.append(child)
+
+    def _dismiss_spares(self) -> None:
+        """The run is over: wake every warm spare out of its wait with an empty id (it exits) and SIGTERM it, so
+        that the spares shut down while the aggregator finishes, not after it."""
+        for spare in self.spares:
+            if spare.alive and not spare.dismissed:
+                spare.dismissed = True
+                self.ctx.redis.rpush(self.ctx.keys.spare(spare.ident), "")
+                spare.signal(signal.SIGTERM)
 
     def _registered_workers(self) -> dict[int, str]:
         """pid -> worker id of the worker records in Redis that are running (empty when Redis is down)."""
@@ -433,6 +445,7 @@ class Coordinator:
         if state is None:  # Redis restarted empty: the run is still running
             self.ctx.redis.set(k.state, "running")
         elif state == "completed":
+            self._dismiss_spares()
             agg = self.children.get("aggregator:0")
             if agg is None or not agg.alive or self.supervise == "none":
                 self.exit_code = 0

@@ -41,6 +41,7 @@ class Child:
     pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), so waiting costs no polling
     adopted: int | None = None  # pid of a process started by an earlier coordinator (not our child)
     spare: bool = False
+    dismissed: bool = False  # a spare told the run is over (it exits)
     registered: bool = False  # seen in Redis under this pid (the start deadline no longer applies)
     launched: list[str] = field(default_factory=list)  # the running process's command line (a spare's differs from argv)
     exit_record: str | None = None  # forked by `cmemi up`'s zygote: where it writes the exit code (shared/zygote.py)

@@ -25,7 +25,8 @@ class Lifecycle:
         self.watch: Watch | None = None  # once registered (a spare, once it has an identity)
 
     def wait_for_identity(self, spare: str) -> str | None:
-        """As a warm spare: block until the coordinator hands us the id of a dead worker to replace."""
+        """As a warm spare: block until the coordinator hands us the id of a dead worker to replace (None: an
+        empty id, the run is over, or a stop signal)."""
         self.ctx.log.info("spare ready", spare=spare)
         while not self.ctx.stopping.is_set():
             try:
@@ -34,7 +35,7 @@ class Lifecycle:
                 time.sleep(0.1)
                 continue
             if item is not None:
-                return item[1]
+                return item[1] or None
         return None
 
     def register(self, wid: str) -> int:
