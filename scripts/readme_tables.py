@@ -90,6 +90,12 @@ def measured(*names: str, paths: tuple[Path, ...] = ()) -> str:
                        for caveat, where in caveats.items())])
 
 
+def measured_at(d: dict[str, Any], where: str) -> str:
+    """'Measured at commit X on DATE' for a section of a results file that records its own provenance."""
+    return (f"Measured at commit `{d['commit'][:7]}`{' with uncommitted changes' if d['dirty'] else ''} on "
+            f"{d['date'][:10]} (`{where}`).")
+
+
 def ms(s: float) -> str:
     return f"{s * 1000:.1f} ms"
 
@@ -271,7 +277,17 @@ def small() -> str:
         cpu = st["cpu_s"].get(name)
         lines.append(f"| {name} | {', '.join(f'{k} {v:.2f}' for k, v in phases.items())} | "
                      f"{'' if cpu is None else f'{cpu:.2f}'} |")
-    return "\n".join([*lines, "", measured("small")])
+    lines += ["", measured("small")]
+    if (slow := d.get("slow_import")) and "median_first_step_s" in slow:
+        t, ok = slow["targets"], {True: "met", False: "missed"}
+        lines += ["", f"A user module slow to import and to build its data (`bench/slow_import_model.py`, measured with "
+                  f"`{slow['command']}`, median of {len(slow['runs'])}): T = {slow['median_plain_import_and_dataset_s']:.2f} s "
+                  f"in a plain Python process; `cmemi up` with 2 workers reached its first step at "
+                  f"**{slow['median_first_step_s']:.2f} s** (T + {slow['median_first_step_minus_plain_s']:.2f} s; goal T + 3 s: "
+                  f"{ok[t['first_step_within_T_plus_3s']]}) and returned **{slow['median_returned_after_last_step_s']:.2f} s** "
+                  f"after its last step (goal ≤ 2 s: {ok[t['returns_within_2s_of_last_step']]}). "
+                  + measured_at(slow, "bench/results/small.json (slow_import)")]
+    return "\n".join(lines)
 
 
 CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP + PowerSGD hook (rank 2)",
