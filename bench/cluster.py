@@ -80,19 +80,6 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
 
 
 # ---------------------------------------------------------------------------------------- links
-def tc(ns: str, *args: str) -> None:
-    r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20)
-    if r.returncode != 0:
-        raise RuntimeError(f"`tc {' '.join(args)}` in {ns} failed: {r.stderr.strip()}")
-
-
-def shape(lab: netns.NetLab, host: netns.Host, rate: str, burst: str) -> None:
-    """Token-bucket both ends of the host's veth: eth0 (host -> bridge) and its bridge port (bridge -> host)."""
-    spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", "100ms"]
-    tc(host.ns, "qdisc", "replace", "dev", "eth0", *spec)
-    tc(lab.bridge_ns, "qdisc", "replace", "dev", host.port_if, *spec)
-
-
 def allow_congestion_control(algorithm: str) -> None:
     """Let network namespaces choose `algorithm` (net.ipv4.tcp_allowed_congestion_control: a namespace may only
     pick an allowed one); the machine's own default is left as it is."""
@@ -339,6 +326,7 @@ class Cluster:
                 "wall_per_step_s": C.rnd((measured[-1]["t"] - at[first]) / len(measured), 5),
                 "bytes_from_workers_per_step": round(summary["bytes_sent"] / summary["steps"]),
                 "bytes_to_workers_per_step": round(summary["bytes_received"] / summary["steps"]),
+                "duplicate_param_sends": summary.get("duplicate_param_sends"),
                 "cpu": self.sampler.window(at[first], measured[-1]["t"], len(measured))}
 
 
@@ -525,7 +513,7 @@ def main() -> None:
         for n in ns_:
             rate = rate_bit_s(rates[n])
             for h in shaped:
-                shape(lab, h, rates[n], args.burst)
+                lab.shape(h, rates[n], args.burst)
             probe = 8 * max(1, int(rate / 8 / 4))  # about a quarter of a second's worth
             link = {"rate": rates[n], "rate_bit_s": rate,
                     "probe_mbit_s": {f"{a.name}->{b.name}": round(probe_rate(a, b, probe), 1)

@@ -492,15 +492,20 @@ def cluster_notes() -> str:
             "remains is the two-phase structure, the push, then the commit round trip, then the pull, each phase as "
             "slow as its slowest host; pipelining them was not measured, and should help little, because a host's "
             "uplink carries its gradient slices and its parameter slices either way.")
+    k1 = [(n, r) for n in ns if (r := run(n, "cmemi_k1")).get("bytes_to_workers_per_step")]
+    if k1 and all(r.get("duplicate_param_sends") is not None for _, r in k1):
+        pb = d["workload"]["param_bytes"]
+        out.append(
+            "- **K = 1 dense, bytes per step against the ideal** (N parameter sets down, N gradients up): "
+            + "; ".join(f"N = {n}: {(r['bytes_to_workers_per_step'] + r['bytes_from_workers_per_step']) / (2 * int(n) * pb):.2f}×"
+                        f" ({r['duplicate_param_sends']} parameter sets sent twice)" for n, r in k1)
+            + ". A worker that hears nothing for 2 × `cluster.dead_after` asks again; while its last work is still "
+            "on its way the leader answers `pending` instead of sending the parameters again (docs/design.md §2).")
     for n in ns:
-        if "error" in by[n]["runs"].get("cmemi_k1", {}):
+        if "error" in (failed := by[n]["runs"].get("cmemi_k1", {})):
             send = by[n]["bounds_comm_only_s"]["single_server_full_duplex_s"]
-            out.append(
-                f"- **K = 1 at N = {n} failed** (the table's row): at {by[n]['link']['rate']} one server needs "
-                f"{send:.1f} s to send {n} parameter sets, a worker that hears nothing for 2 × `cluster.dead_after` "
-                "asks again, and the leader takes that as a lost lease and sends its parameters again, so the step "
-                "drowns in parameter sets sent again. A known bug, not fixed: the re-ask must not resend what is "
-                "still on its way.")
+            out.append(f"- **K = 1 at N = {n} failed** (the table's row; one server needs {send:.1f} s to send {n} "
+                       f"parameter sets at {by[n]['link']['rate']}): {failed['error'].splitlines()[0][:200]}")
     out.append("- The `powersgd` goal (≤ 0.3× DDP dense) is out of reach by design: only the gradients shrink, and the "
                "dense parameters each worker pulls back alone take longer than 0.3× DDP's step at this link rate (the "
                "`≥` bound of that row); DDP's PowerSGD hook has no parameters to send because every rank steps its own "

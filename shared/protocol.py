@@ -44,7 +44,7 @@ _WORKER = {"wid": _STR, "inc": _INT}
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     # worker -> aggregator
     "hello": {**_WORKER, "fp": _MAP, "host": _STR},
-    "want": {**_WORKER, "term": _INT, "version": _INT},
+    "want": {**_WORKER, "term": _INT, "version": _INT},  # optional "reask": n > 0, asked again after silence
     "grad": {**_WORKER, "term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "losses": _LIST, "n": _INT,
              "finite": _BOOL, "codec": _MAP, "encode_s": _NUM, "tensors": _LIST},
     "leave": {**_WORKER},
@@ -53,6 +53,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
     "stop": {"reason": _STR},
     "reject": {"reason": _STR, "fatal": _BOOL},
+    "pending": {"reask": _INT},  # re-ask n came while the work last sent is unanswered (services/aggregator/leasing.py)
     # coordinator -> aggregator
     "fence": {"wid": _STR, "inc": _INT},
     # aggregator <-> checkpointer

@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import structlog
 import zmq
-from cmemi.shared import lifeline, metrics, protocol, startup
+from cmemi.shared import lifeline, metrics, startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import setup_logging
@@ -128,6 +128,8 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
 def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq.Socket, str]:
     """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port);
     returns it and the address peers connect to."""
+    from cmemi.shared import protocol  # here: it imports torch, which the coordinator (and `cmemi up`) never need
+
     sock = zctx.socket(zmq.ROUTER)
     ctx.curve.serve(zctx, sock)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)

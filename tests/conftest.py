@@ -78,3 +78,19 @@ def redis_server(tmp_path: Path):
     server = EmbeddedRedis(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def lab():
+    """Separate hosts on this machine (tests/netns.py): skipped where network namespaces are not available."""
+    from tests import netns
+
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"separate-hosts test needs Linux network namespaces: {why}")
+    lab = netns.NetLab()
+    try:
+        yield lab
+    finally:
+        left = lab.close()
+        assert not left, f"network namespaces left behind: {left}"

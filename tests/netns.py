@@ -62,6 +62,12 @@ def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.Compl
     return proc
 
 
+def _tc(ns: str, *args: str) -> None:
+    r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise RuntimeError(f"`tc {' '.join(args)}` in {ns} failed: {r.stderr.strip()}")
+
+
 def _namespaces() -> list[str]:
     out = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -161,6 +167,13 @@ class NetLab:
             out.close()
         self.procs.append(proc)
         return proc
+
+    def shape(self, host: Host, rate: str, burst: str = "64kb", latency: str = "100ms") -> None:
+        """Token-bucket both ends of the host's veth (`tc ... tbf`): eth0 (host -> bridge) and its bridge port
+        (bridge -> host), each at `rate` (tc's units, e.g. 50mbit), queueing at most `latency` of data."""
+        spec = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+        _tc(host.ns, "qdisc", "replace", "dev", "eth0", *spec)
+        _tc(self.bridge_ns, "qdisc", "replace", "dev", host.port_if, *spec)
 
     def cut(self, host: Host) -> None:
         """Pull the host's cable: its bridge port goes down, every packet to or from it is lost."""

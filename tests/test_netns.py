@@ -64,19 +64,6 @@ def poll(cond, timeout: float, what: str, on_timeout=lambda: "", interval: float
         time.sleep(interval)
 
 
-@pytest.fixture
-def lab():
-    why = netns.unavailable()
-    if why is not None:
-        pytest.skip(f"separate-hosts test needs Linux network namespaces: {why}")
-    lab = netns.NetLab()
-    try:
-        yield lab
-    finally:
-        left = lab.close()
-        assert not left, f"network namespaces left behind: {left}"
-
-
 class Timer:
     def __init__(self) -> None:
         self.t0 = time.monotonic()

@@ -19,7 +19,6 @@ import zmq
 from cmemi.services.aggregator.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.evaluation import EvalError, run_eval
 from cmemi.services.aggregator.leader import ShardRoster
-from cmemi.services.aggregator.outbox import Outbox
 from cmemi.services.aggregator.reporting import Reporter
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
@@ -44,6 +43,7 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
         "samples_per_s": trainer.step * cfg.train.global_batch / wall if wall > 0 else None,
         "workers": cfg.cluster.workers, "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
         "bytes_received": totals.bytes_out + shards_total("bytes_received"),
+        "duplicate_param_sends": totals.duplicate_param_sends,
         "params_sha256": trainer.params_sha256(), "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,

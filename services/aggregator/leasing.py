@@ -5,6 +5,14 @@ parameters when the worker's version is stale — or the worker is parked until 
 to the queue when its holder dies, is fenced, leaves, asks again (its lease was lost on the way) or times out;
 an outstanding lease is handed to an idle worker too once it is overdue (`ReissuePolicy`). Every lease is
 sealed (`admission.LeaseSeal`) so the shards can tell it from a forgery.
+
+A transfer still arriving is not a lost one. A worker that hears nothing for a while re-asks (`want` with
+`reask: n`); while the work last sent to it is unanswered (`in_flight`), the leader does not release its lease
+or send its parameters again: it answers `pending {reask: n}`, which travels behind that work on the same
+connection. If the work arrived first, the worker ignores the answer; if it never came (or the worker's
+gradient never reached us), the worker knows it and asks plainly, and only then does the lease go back
+(docs/design.md §2). So the leader holds at most one unanswered work message per worker: a slow link gets
+one parameter set per lease, never a queue of copies.
 """
 
 from __future__ import annotations
@@ -62,6 +70,8 @@ class Leasing:
         self.always_strict = always_strict  # sharded: every gradient is checked on arrival
         self.live_workers = live_workers
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
+        self.in_flight: set[bytes] = set()  # identities sent work that have not answered it yet (grad or want)
+        self.params_sent: dict[bytes, int] = {}  # identity -> the last parameter version sent to it
         self.reissue = ReissuePolicy()
         self.collector = self.new_step(0)
 
@@ -101,6 +111,26 @@ class Leasing:
 
     def forget(self, identity: bytes) -> None:
         self.parked.pop(identity, None)
+        self.in_flight.discard(identity)
+        self.params_sent.pop(identity, None)
+
+    def sent(self, identity: bytes, version: int | None) -> bool:
+        """Work went to `identity`, with the parameters of `version` (None: without parameters). True if that
+        version had been sent to it already (a duplicate: its first copy was lost, or a resend storm)."""
+        self.in_flight.add(identity)
+        if version is None:
+            return False
+        again = self.params_sent.get(identity) == version
+        self.params_sent[identity] = version
+        return again
+
+    def answered(self, identity: bytes, reask: Any) -> bool:
+        """A `want` or `grad` came from `identity`: False for a re-ask while its work is still unanswered (the
+        work may still be arriving: do not release or resend, answer `pending`)."""
+        if isinstance(reask, int) and not isinstance(reask, bool) and reask > 0 and identity in self.in_flight:
+            return False
+        self.in_flight.discard(identity)
+        return True
 
     def expire(self, now: float) -> bool:
         """Leases past their timeout back to the queue, as leaves; True if any."""

@@ -209,6 +209,8 @@ class Aggregator:
         n = self.outbox.send(identity, "work", encoded, term=self.term, step=self.leasing.collector.step, lo=node[0],
                              hi=node[1], lease=node[2], version=self.trainer.step, scale=self.trainer.scaler.scale,
                              **fields)
+        self.totals.duplicate_param_sends += self.leasing.sent(identity, self.trainer.step if held_version !=
+                                                                self.trainer.step else None)
         self.reporter.work_bytes(n)
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
@@ -245,8 +247,11 @@ class Aggregator:
     def _on_want(self, identity: bytes, msg: protocol.Message) -> None:
         info = self.admission.known(identity, msg.header, self.term)
         if info is not None:
-            # A worker that asks holds no lease (it works on one at a time, and the link keeps order): a lease
-            # still on its name was lost on the way (its work or its grad); it goes back to the queue now.
+            if not self.leasing.answered(identity, msg.header.get("reask")):  # its work may still be arriving
+                self.outbox.send(identity, "pending", reask=msg.header["reask"])
+                return
+            # A worker that asks plainly holds no lease (it works on one at a time, and the link keeps order): a
+            # lease still on its name was lost on the way (its work or its grad); it goes back to the queue now.
             if self.leasing.release(info.wid, info.inc):
                 self._serve_parked()
             self._serve(identity, info, msg.header["version"])
@@ -256,6 +261,7 @@ class Aggregator:
         if info is None:
             return
         h = msg.header
+        self.leasing.answered(identity, None)
         self._take_grad(info, h, msg.tensors)
         self._serve(identity, info, h["version"])
 

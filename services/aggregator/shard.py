@@ -232,14 +232,15 @@ class ShardServer:
     def _on_grad(self, msg: protocol.Message) -> None:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
+        # the seal first: a forgery is one whatever its step (and a stale honest gradient has a valid seal)
+        if self.seal is None or not self.seal.valid(h.get("lease"), self.term, h["step"], *node, h["wid"], h["inc"]):
+            self.drops("forged_lease", where)  # not a lease the leader handed this worker
+            return
         if h["step"] != self.version or h["version"] != self.version:
             self.drops("stale_step", f"{where}, current step {self.version}")
             return
         if not reduction.is_subtree(*node, self.M):
             self.drops("bad_microbatch", where)
-            return
-        if self.seal is None or not self.seal.valid(h.get("lease"), self.term, h["step"], *node, h["wid"], h["inc"]):
-            self.drops("forged_lease", where)  # not a lease the leader handed this worker
             return
         g = h.get("stage", 0)  # optional: pipelined steps only
         if type(g) is not int or not 0 <= g < len(self.stages):

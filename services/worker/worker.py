@@ -24,6 +24,7 @@ from cmemi.services.worker.device import DeviceError, make_deterministic, pick_d
 from cmemi.services.worker.inbox import Inbox
 from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
+from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
 from cmemi.shared import limits, protocol, startup, transfer
 from cmemi.shared.buffers import PREFIX
@@ -73,8 +74,7 @@ class Worker:
         self.version = -1
         self.term = -1
         self.lost_reply = False
-        self.last_heard = time.monotonic()  # last message from the aggregator (or our last request)
-        self.reask_s = max(2.0, 2 * cfg.cluster.dead_after)  # no reply this long: the request or reply was lost
+        self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again (services/worker/patience.py)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
         self.zctx = zmq.Context()
@@ -159,13 +159,13 @@ class Worker:
         except transfer.TooBig as exc:
             self.ctx.fatal(f"worker {self.wid}: {exc}")
         transfer.send(self.sock, msgs)
-        self.last_heard = time.monotonic()
+        self.patience.heard()
 
     def _recv(self, timeout_ms: int) -> protocol.Message | None:
         assert self.sock is not None
         if not self.sock.poll(timeout_ms):
             return None
-        self.last_heard = time.monotonic()
+        self.patience.heard()
         try:  # new parameters land straight in the model's tensors
             msg = self.parts.recv(self.sock, into=self.inbox.tensors)
             if msg is None and self.parts.pending:  # parameters in parts are half written until the last one
@@ -205,7 +205,13 @@ class Worker:
         while not self.ctx.stopping.is_set():
             msg = self._recv(100)
             if msg is not None:
+                if msg.type == "pending":
+                    if self.patience.lost(msg.header["reask"]):
+                        self.log.info("work or gradient lost on the way; asking again", reask=msg.header["reask"])
+                        self._send("want", term=self.term, version=self.version)
+                    continue
                 if msg.type == "work" and msg.header["term"] == self.term:
+                    self.patience.work_arrived()
                     try:
                         self._work(msg)
                     except Lost as exc:  # a shard died or restarted: the cluster starts a new term
@@ -223,9 +229,9 @@ class Worker:
             elif self.lost_reply:
                 self.lost_reply = False
                 self._send("want", term=self.term, version=self.version)
-            elif time.monotonic() - self.last_heard > self.reask_s:  # a want, work or grad went missing
-                self.log.info("no reply; asking again", after_s=round(time.monotonic() - self.last_heard, 1))
-                self._send("want", term=self.term, version=self.version)
+            elif (waited := self.patience.due(time.monotonic())) is not None:  # a want, work or grad went missing?
+                self.log.info("no reply; asking again", after_s=round(waited, 1))
+                self._send("want", term=self.term, version=self.version, reask=self.patience.reask())
             elif (info := self.life.idle_check()) is not None:  # idle: still current?
                 if "addr" in info and (info["addr"] != self.agg_addr or int(info["term"]) != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))

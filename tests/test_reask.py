@@ -1,0 +1,69 @@
+"""Re-asks are not losses (docs/design.md §2): the leader's bookkeeping of unanswered work
+(services/aggregator/leasing.py) and the worker's reading of `pending` (services/worker/patience.py), as pure
+logic; tests/test_slow_link.py shows the whole exchange over a shaped link."""
+
+from __future__ import annotations
+
+import os
+
+from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
+from cmemi.services.aggregator.leasing import Leasing
+from cmemi.services.worker.patience import Patience
+from cmemi.shared.config import load_config
+
+from tests.conftest import DIGITS
+
+W0, W1 = b"w0/1/1", b"w1/2/1"
+
+
+def leasing() -> Leasing:
+    return Leasing(load_config(DIGITS, []), False, False, LeaseSeal(os.urandom(32)), 1, lambda: 2)
+
+
+def test_a_reask_while_work_is_unanswered_is_answered_pending_not_served() -> None:
+    lz = leasing()
+    info = WorkerInfo("w0", 1, "h")
+    node = lz.lease(W0, info, -1)
+    assert node is not None
+    assert lz.sent(W0, 0) is False
+    assert lz.answered(W0, 1) is False  # the work may be on its way: no release, no second parameter set
+    assert lz.answered(W0, 2) is False
+    assert lz.answered(W1, 1) is True  # another worker's re-ask: nothing of its own unanswered
+    assert lz.answered(W0, None) is True  # a plain want (or a grad): the work was answered
+    assert lz.answered(W0, 3) is True  # ... so a later re-ask is served as a want
+    for hostile in (True, "1", 1.5, -1, 0):  # only a positive integer is a re-ask
+        lz.sent(W0, None)
+        assert lz.answered(W0, hostile) is True
+
+
+def test_the_same_version_sent_twice_to_a_worker_is_counted() -> None:
+    lz = leasing()
+    assert lz.sent(W0, 0) is False
+    assert lz.sent(W0, None) is False  # work without parameters
+    assert lz.sent(W0, 1) is False
+    assert lz.sent(W0, 1) is True  # the storm this prevents
+    assert lz.sent(W1, 1) is False
+    lz.forget(W0)
+    assert lz.sent(W0, 1) is False and lz.answered(W1, 1) is False
+
+
+def test_pending_means_lost_only_for_a_reask_sent_after_the_last_work() -> None:
+    p = Patience(4.0)
+    first = p.reask()  # asked again while the work was still arriving
+    p.work_arrived()
+    assert p.lost(first) is False  # the answer to it came behind the work: nothing was lost
+    second = p.reask()  # asked again after the work (and our gradient) went out
+    assert p.lost(second) is True  # the aggregator still waits: the work or the gradient was lost
+
+
+def test_reasks_back_off_while_no_work_comes() -> None:
+    p = Patience(4.0)
+    t = p.last_heard
+    assert p.due(t + 3.9) is None and p.due(t + 4.1) is not None
+    waits = []
+    for _ in range(6):
+        p.reask()
+        waits.append(next(s for s in range(1, 200) if p.due(p.last_heard + s) is not None))
+    assert waits == [9, 17, 33, 65, 65, 65]  # 8, 16, 32, 64 s, then no longer (just over each)
+    p.work_arrived()
+    assert p.due(p.last_heard + 4.1) is not None
