@@ -128,7 +128,9 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
 def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq.Socket, str]:
     """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port);
     returns it and the address peers connect to."""
-    from cmemi.shared import protocol  # here: it imports torch, which the coordinator (and `cmemi up`) never need
+    from cmemi.shared import (
+        protocol,  # here: it imports torch, which the coordinator (and `cmemi up`) never need
+    )
 
     sock = zctx.socket(zmq.ROUTER)
     ctx.curve.serve(zctx, sock)
