@@ -62,6 +62,18 @@ def _ip(*args: str, check: bool = True, timeout: float = 20) -> subprocess.Compl
     return proc
 
 
+def wait_all(procs: dict[str, subprocess.Popen], names: list[str], timeout: float, diagnostics) -> dict[str, int]:
+    """Wait for each named process to exit, all within `timeout` seconds; their exit codes. AssertionError (with
+    `diagnostics()`) for one that does not finish."""
+    deadline = time.monotonic() + timeout
+    for k in names:
+        try:
+            procs[k].wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{k} did not finish{diagnostics()}") from None
+    return {k: procs[k].returncode for k in names}
+
+
 def _tc(ns: str, *args: str) -> None:
     r = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=20)
     if r.returncode != 0:

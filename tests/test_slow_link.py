@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -79,13 +78,7 @@ def test_a_parameter_set_slower_than_the_patience_is_sent_once(lab: netns.NetLab
             out.append(f"---- {f.name}\n{f.read_text(errors='replace')[-1500:]}")
         return "\n".join(out)
 
-    deadline = time.monotonic() + 300
-    for k in ("agg", "w0", "w1", "coord"):
-        try:
-            procs[k].wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{k} did not finish{diagnostics()}") from None
-    codes = {k: procs[k].returncode for k in ("agg", "w0", "w1", "coord")}
+    codes = netns.wait_all(procs, ["agg", "w0", "w1", "coord"], 300, diagnostics)
     assert codes == {"agg": 0, "w0": 0, "w1": 0, "coord": 0}, f"{codes}{diagnostics()}"
     timer.mark("run completed")
 
