@@ -14,19 +14,20 @@ class StateError(ValueError):
     pass
 
 
-def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], copy: bool) -> Any:
     """Replace every tensor inside `obj` by {"__tensor__": name}; dict keys become strings (tagged if int)."""
     if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach().cpu().contiguous().clone()
+        t = obj.detach().cpu().contiguous()
+        tensors[prefix] = t.clone() if copy and t.data_ptr() == obj.data_ptr() else t
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
             key = f"#int:{k}" if isinstance(k, int) else str(k)
-            out[key] = _split(v, f"{prefix}.{k}", tensors)
+            out[key] = _split(v, f"{prefix}.{k}", tensors, copy)
         return out
     if isinstance(obj, (list, tuple)):
-        return [_split(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+        return [_split(v, f"{prefix}.{i}", tensors, copy) for i, v in enumerate(obj)]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise StateError(f"cannot serialise {type(obj).__name__} at {prefix!r} without pickle; "
@@ -46,10 +47,11 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def flatten(named: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """{"optimizer": opt.state_dict(), ...} -> (metadata, tensors)."""
+def flatten(named: dict[str, Any], copy: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """{"optimizer": opt.state_dict(), ...} -> (metadata, tensors): copies, or (`copy=False`) the tensors themselves
+    where they are contiguous CPU tensors already."""
     tensors: dict[str, torch.Tensor] = {}
-    meta = {name: _split(value, name, tensors) for name, value in named.items()}
+    meta = {name: _split(value, name, tensors, copy) for name, value in named.items()}
     return meta, tensors
 
 

@@ -67,7 +67,7 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
         b.connect("inproc://publish-test")
         params = {"w": torch.randn(512, 512)}
         v0 = params["w"].clone()
-        pub = Publisher(checksum=False)
+        pub = Publisher(checksum=False, keep_previous=True)  # pipelined
         send_params(a, pub, params, 0)
         held = pub._current
         assert held is not None and not held.idle()
@@ -93,6 +93,36 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
             time.sleep(0.01)
         pub.encoded(params, 6)
         assert len(pub._copies) == 3
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_unpipelined_a_copy_that_no_send_holds_is_reused_at_once() -> None:
+    """Not pipelined, nothing serves the version before the current one: one copy of the slice in steady state,
+    a second only while a send still holds the first."""
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        a.bind("inproc://publish-unpipelined")
+        b.connect("inproc://publish-unpipelined")
+        params = {"w": torch.randn(256, 256)}
+        pub = Publisher(checksum=False)
+        send_params(a, pub, params, 0)
+        held = pub._current
+        for v in range(1, 5):
+            with torch.no_grad():
+                params["w"].add_(1.0)
+            pub.encoded(params, v)
+            assert pub.kept(v - 1) is None and pub.kept(v) is not None
+        assert len(pub._copies) == 2 and held in pub._copies  # the held one, and one other reused for 1-4
+        msg = protocol.decode(b.recv_multipart(copy=False), RUN)
+        del msg
+        deadline = time.monotonic() + 10
+        while not held.idle():
+            assert time.monotonic() < deadline, "the received frame was never released"
+            time.sleep(0.01)
+        pub.encoded(params, 5)
+        assert len(pub._copies) == 2
     finally:
         ctx.destroy(linger=0)
 

@@ -339,6 +339,11 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
             _step_all([straight], s)
         first = [Trainer(cfg, shard=k, shards=before) for k in range(before)]
         assert len({t.partition.owner[n] for t in first for n in t.pieces}) == before
+        for t in first:
+            t.keep_own_rows()  # as the servers do after start-up: each holds its own rows only
+            held = sum(p.numel() for p in t.model.parameters()) + sum(
+                p.numel() for n, p in t.pieces.items() if p is not t.params.get(n))
+            assert before == 1 or held == sum(p.numel() for p in t.pieces.values()), "a shard keeps rows it does not own"
         for s in range(4):
             _step_all(first, s)
         meta, tensors = _checkpoint(first)
@@ -347,6 +352,7 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
         for t, tot in zip(second, totals, strict=True):
             restore(t, tot, None, None, meta, tensors)
             assert t.step == 4 and t.lr == first[0].lr
+            t.keep_own_rows()
         assert sum(tot.bytes_in for tot in totals) == sum(100 * (k + 1) for k in range(before)), "bytes kept whole"
         for s in range(4, 8):
             _step_all(second, s)
@@ -354,6 +360,13 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
         assert pieces.keys() == straight.pieces.keys()
         for n, p in straight.pieces.items():
             assert torch.equal(pieces[n], p), f"{opt['name']}: piece {n} differs after {before} -> {after} shards"
+        leader = second[0]  # the end of a run: the whole model again, the other shards' rows placed into it
+        leader.materialize()
+        with torch.no_grad():
+            for k, t in enumerate(second[1:], start=1):
+                for n, view in leader.partition.views(leader.params, k).items():
+                    view.copy_(t.pieces[n])
+        assert leader.params_sha256() == straight.params_sha256()
 
 
 # ---------------------------------------------------------------------------------------------- pipelined steps

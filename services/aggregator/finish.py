@@ -35,6 +35,7 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     cfg = ctx.cfg
     wall = totals.wall_s()
     if roster is not None:
+        trainer.materialize()
         roster.gather(trainer.params, pump)
     evals.finish()
     shards_total = roster.total if roster is not None else (lambda _field: 0)

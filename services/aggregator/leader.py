@@ -176,6 +176,7 @@ class ShardRoster:
         for k, info in self.shards.items():
             assert info.final is not None
             self.place(k, info.final, into)
+            info.final = {}  # placed: free the received slice
 
     def place(self, k: int, pieces: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
         """Shard k's pieces (its final or evaluation slice) into the whole model's tensors `into`."""

@@ -9,8 +9,9 @@ steps the live parameters, never these copies. A copy's buffers are reused for a
 every send that reads them has completed, as ZeroMQ's message trackers report; a slow or
 disconnected worker keeps its buffers alive, and a new set is allocated meanwhile.
 
-The version before the current one stays encoded (and its buffers untouched) too: a pipelined shard steps
-its stages before the step is committed, and a microbatch leased again must still be computed from it.
+Pipelined (`keep_previous`), the version before the current one stays encoded (and its buffers untouched)
+too: a pipelined shard steps its stages before the step is committed, and a microbatch leased again must still
+be computed from it. Otherwise no copy outlives its sends: one copy of the slice in steady state.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class _Copy:
 
 
 class Publisher:
-    def __init__(self, checksum: bool, layout: Layout | None = None, pool: int = 3) -> None:
-        self.checksum = checksum
+    def __init__(self, checksum: bool, layout: Layout | None = None, pool: int = 3, keep_previous: bool = False) -> None:
+        self.checksum, self.keep_previous = checksum, keep_previous
         self.layout = layout if layout is not None and layout.flat else None
         self.pool = pool  # copies kept for reuse; more may exist while slow sends hold them
         self._copies: list[_Copy] = []
@@ -54,7 +55,7 @@ class Publisher:
         version) and the tracker list that sends of it must append to."""
         cur = self._current
         if cur is None or cur.version != version:
-            self._previous = cur
+            self._previous = cur if self.keep_previous else None
             cur = self._take(params)
             if self.layout is not None and cur.views is None:
                 cur.views = self.layout.views(cur.tensors)

@@ -18,9 +18,9 @@ from cmemi.shared.layout import Layout
 
 class SliceServer:
     def __init__(self, stages: list[dict[str, torch.Tensor]], checksum: bool, shard: int,
-                 send: Callable[..., None]) -> None:
+                 send: Callable[..., None], pipelined: bool) -> None:
         self.stages, self.shard, self.send = stages, shard, send  # each stage's pieces (live tensors)
-        self.publishers = [Publisher(checksum, Layout(stage)) for stage in stages]
+        self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
 
     def pull(self, identity: bytes, version: int) -> None:

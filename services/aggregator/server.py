@@ -113,6 +113,7 @@ class Aggregator:
                                self._serve_parked)
         if eval_fn and self.trainer.step == 0 and not self.stepper.done:
             self.evals.start_probe(self.stepper.weights())  # a broken eval.fn stops the run now, not after training
+        self.trainer.keep_own_rows()  # sharded: this shard's rows only, from here on (docs/design.md, "Memory")
         ctx.emit("aggregator_started", term=self.term, addr=self.addr, step=self.trainer.step)
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", "0")
@@ -158,6 +159,7 @@ class Aggregator:
                     self.stepper.after_step()
                     if self.stepper.done:
                         break
+            self.ckpt.pump()  # the next parts of a snapshot (outgoing.py)
             now = time.monotonic()
             if now >= next_housekeeping:
                 next_housekeeping = now + 0.1

@@ -88,11 +88,12 @@ class ShardServer:
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
+        self.trainer.keep_own_rows()  # this shard's rows only, from here on (docs/design.md, "Memory")
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
         self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
-                                  self._send)
+                                  self._send, self.pipelined)
         self.collectors = self._collectors(self.trainer.step)
         self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
@@ -154,6 +155,7 @@ class ShardServer:
                         except zmq.Again:
                             break
                         self._receive(frames)
+                self.ckpt.pump()  # the next parts of a snapshot (outgoing.py)
                 self._housekeeping()
         except Rejoin as exc:
             self.log.info("leaving the term; starting again from its checkpoint", reason=str(exc))
@@ -265,6 +267,7 @@ class ShardServer:
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
         grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
         self.slices.encoded(g, self.version)
+        self.ckpt.protect()  # a snapshot still being sent names the state this stage changes
         try:
             self.trainer.apply_stage(grads or {})
             if len(self.applied) == len(self.stages) - 1:
@@ -293,6 +296,7 @@ class ShardServer:
             assert self.mean is not None
             grads, _ = self.mean
             self.mean = None
+            self.ckpt.protect()
             try:
                 self.trainer.apply(None if skip else grads, None, partials=partials)
             except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way

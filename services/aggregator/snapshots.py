@@ -1,9 +1,10 @@
 """Snapshots of the aggregator's full training state, handed to the checkpointer over ZeroMQ.
 
-Training waits only for the in-memory copy (`collect`); the checkpointer writes to disk in its own
-process. At most one snapshot is in flight; a newer one replaces one not yet sent. If the
-checkpointer restarts (a new incarnation in Redis, on a new address or on the same fixed port), the
-in-flight snapshot is sent again.
+Taking a snapshot (`collect`) copies nothing: it names the live tensors, and its parts go out a few at a
+time, copy-on-write (outgoing.py): the step after it copies only what is not sent yet. The checkpointer
+writes to disk in its own process. At most one snapshot is in flight; a newer one replaces one not yet
+sent, unless retention keeps it. If the checkpointer restarts (a new incarnation in Redis, on a new
+address or on the same fixed port), the in-flight snapshot is sent again where it can be (outgoing.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import zmq
 from cmemi.services.aggregator import dataprint, reshard
 from cmemi.services.aggregator.evaluation import BackgroundEval
+from cmemi.services.aggregator.outgoing import Outgoing
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, state, transfer
@@ -29,8 +31,8 @@ Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 
 def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
             bg_eval: BackgroundEval | None, evaluating: int | None = None) -> Snapshot:
-    """Everything needed to continue the run bitwise identically: copies, so training can go on at once. An
-    evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first.
+    """Everything needed to continue the run bitwise identically, naming the live tensors (the link copies what
+    is not sent yet before the next step changes them: `CheckpointerLink.protect`). An evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first.
     `evaluating`: the step of an evaluation not started yet (sharded: it waits for the other shards' slices), to
     run again after a restore like one in flight."""
     t = trainer
@@ -47,7 +49,7 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
         # sharded: the pieces this shard owns (who owns what depends on cluster.pipeline_stages too: reshard.py)
         **({"owned": list(t.pieces)} if t.sharded else {}),
     }
-    meta, tensors = state.flatten(named)
+    meta, tensors = state.flatten(named, copy=False)
     return t.step, meta, tensors
 
 
@@ -120,8 +122,9 @@ class CheckpointerLink:
         self.addr: str | None = None
         self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
         self.sharding: dict[str, Any] = {}  # a sharded run's snapshots say whose slice they are: shard, shards, pieces
-        self.in_flight: Snapshot | None = None
-        self.queued: list[Snapshot] = []  # unsent: milestones (kept) and at most one other, the newest
+        self.in_flight: Outgoing | None = None
+        self.queued: list[Outgoing] = []  # unsent: milestones and the final one (kept), and at most one other
+        self.saved_path: dict[int, str] = {}  # step -> where the checkpointer wrote it (the final one's is reported)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
@@ -154,26 +157,24 @@ class CheckpointerLink:
             self.sock = self.zctx.socket(zmq.DEALER)
             self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 1)  # a snapshot's parts wait here, not in ZeroMQ (outgoing.py)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             self.sock.connect(addr)
             self.addr = addr
         return True
 
-    def _send(self, snap: Snapshot, final: bool) -> None:
-        assert self.sock is not None
+    def _outgoing(self, snap: Snapshot, final: bool) -> Outgoing:
         step, meta, tensors = snap
-        self._send_message("snapshot", {"step": step, "term": self.term, "final": final, "meta": meta,
-                                        **self.sharding}, tensors)
+        fields = {"step": step, "term": self.term, "final": final, "meta": meta, **self.sharding}
+        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors))
 
-    def _send_message(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> None:
+    def _messages(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> list[list[Any]]:
         """One logical message, in parts if it is over the cap."""
-        assert self.sock is not None
         try:
-            msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
+            return transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
                                      self.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
-        transfer.send(self.sock, msgs)
 
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
         out = []
@@ -199,28 +200,43 @@ class CheckpointerLink:
         return self.in_flight is None and not self.queued
 
     def offer(self, snap: Snapshot) -> None:
-        if self.in_flight is None and not self.queued and self._connect(wait=False):
-            self.in_flight = snap
-            self._send(snap, final=False)
-        else:  # a newer snapshot replaces an older unsent one, unless that one is a milestone retention keeps
-            self.queued = [q for q in self.queued if self.milestone(q[0])] + [snap]
+        # a newer snapshot replaces an older unsent one, unless retention keeps that one (or it is the final one)
+        self.queued = [q for q in self.queued if q.final or self.milestone(q.step)] + [self._outgoing(snap, False)]
+        self.pump()
+
+    def protect(self) -> None:
+        """Call before the live state changes (an optimizer step): what is not sent yet is copied now."""
+        for out in (self.in_flight, *self.queued):
+            if out is not None:
+                out.protect()
+
+    def pump(self) -> None:
+        """Call from the aggregator loop (cheap): hand ZeroMQ the next parts of the snapshot in flight."""
+        if self.in_flight is None and self.queued and self._connect(wait=False):
+            self.in_flight = self.queued.pop(0)
+            self.in_flight.to = (self.addr, self.inc)
+        if self.in_flight is not None and not self.in_flight.sent and self.sock is not None:
+            self.in_flight.pump(self.sock)
 
     def poll(self) -> list[int]:
         """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""
         saved = []
         for msg in self._replies(0):
             # "skipped": another shard sent a newer step first; this one will never be complete
-            if msg.type in ("saved", "skipped") and self.in_flight is not None and msg.header["step"] == self.in_flight[0]:
+            if msg.type in ("saved", "skipped") and self.in_flight is not None and msg.header["step"] == self.in_flight.step:
                 saved.append(msg.header["step"])
+                if msg.type == "saved":
+                    self.saved_path[msg.header["step"]] = str(msg.header["path"])
                 self.in_flight = None
-        if self.in_flight is None and self.queued and self._connect(wait=False):
-            self.in_flight = self.queued.pop(0)
-            self._send(self.in_flight, final=False)
-        elif self.in_flight is not None and time.monotonic() > self._next_check:
+        if self.in_flight is not None and time.monotonic() > self._next_check:
             self._next_check = time.monotonic() + 0.5
-            old = (self.addr, self.inc)
-            if self._connect(wait=False) and (self.addr, self.inc) != old:
-                self._send(self.in_flight, final=False)  # the checkpointer restarted: send again
+            if self._connect(wait=False) and (self.addr, self.inc) != self.in_flight.to:  # the checkpointer restarted
+                self.in_flight.to = (self.addr, self.inc)
+                if not self.in_flight.restart():
+                    self.ctx.log.warning("checkpoint given up: the checkpointer restarted while it was sent, after "
+                                         "the state had moved on; the next one is written", step=self.in_flight.step)
+                    self.in_flight = None
+        self.pump()
         return saved
 
     # ---------------------------------------------------------------- blocking
@@ -232,7 +248,7 @@ class CheckpointerLink:
             if not self._connect():
                 time.sleep(0.05)
                 continue
-            self._send_message(mtype, fields, tensors)
+            transfer.send(self.sock, self._messages(mtype, fields, tensors))
             sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
             while time.monotonic() < deadline:
                 for msg in self._replies(100):
@@ -248,16 +264,21 @@ class CheckpointerLink:
     def close(self) -> None:
         self.where.stop()
 
-    def save_final(self, snap: Snapshot) -> str:
-        step, meta, tensors = snap
-        deadline = time.monotonic() + 60
-        while self.in_flight is not None and time.monotonic() < deadline:  # let a periodic one land first
+    def save_final(self, snap: Snapshot, timeout: float = 300) -> str:
+        """Send the final snapshot (after any still queued) and wait until it is written; returns its path."""
+        step = snap[0]
+        self.queued.append(self._outgoing(snap, True))
+        deadline = time.monotonic() + timeout
+        while step not in self.saved_path:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the checkpointer did not write the final checkpoint within {timeout:g}s; "
+                                   "is `cmemi checkpointer` running and reachable?")
             self.poll()
-            time.sleep(0.01)
-        msg = self.request("snapshot", {"step": step, "term": self.term, "final": True, "meta": meta, **self.sharding},
-                           tensors,
-                           lambda m: m.type == "saved" and m.header["step"] == step, timeout=300)
-        return str(msg.header["path"])
+            if self.sock is not None:
+                self.sock.poll(10)
+            else:
+                time.sleep(0.05)
+        return self.saved_path[step]
 
     def fetch_latest(self, timeout: float, step: int | None = None, shard: int = 0) -> protocol.Message | None:
         """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0)."""

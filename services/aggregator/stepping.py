@@ -75,6 +75,7 @@ class Stepper:
             self.leasing.new_step(collector.step, strict=True)
             self.serve_parked()
             return
+        self.ckpt.protect()  # a snapshot still being sent names the state this step changes
         try:
             self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
@@ -88,13 +89,12 @@ class Stepper:
         self.stopped_early = stop
         if step >= self.total or stop:
             self.done = True
-        else:
-            self.leasing.new_step(step)
+        self.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
         self.after = (step, loss, dt, nbytes, line, snapshot)
         self.serve_parked()
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
+        return self.trainer.state_copy()
 
     def _snapshot_due(self, step: int) -> bool:
         """Is the state after `step` checkpointed (checkpoint.every_steps)? Sharded, the leader decides for every
@@ -121,7 +121,7 @@ class Stepper:
             self.reporter.write(line)
         if snapshot:
             t0 = time.monotonic()
-            self.ckpt.offer(self.snapshot())  # in-memory copy only: the disk is the checkpointer's
+            self.ckpt.offer(self.snapshot())  # no copy: sent while the next step collects (outgoing.py)
             self.stall_s.append(time.monotonic() - t0)
             metrics.CHECKPOINT_STALL.observe(self.stall_s[-1])
         if self.reporter.progress_due(force=self.done):

@@ -66,7 +66,47 @@ class Trainer:
         self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
         self.shapes = {n: tuple(p.shape) for n, p in self.pieces.items()}  # of the gradients this shard receives
         self.buffers = buffer_rule.travelling(self.model) if shard == 0 else {}  # empty for most MLPs
+        self.dropped: dict[str, torch.Size] = {}  # trained tensors whose rows live on other shards (keep_own_rows)
         self.model.train()  # as on the workers (evaluation switches to eval() and back)
+
+    def keep_own_rows(self) -> None:
+        """Sharded, after start-up (restore, the evaluation probe): keep only this shard's rows. Each owned piece of
+        a tensor shared with other shards gets storage of its own (the same Parameter, so the optimizer and its
+        state are untouched), and every trained tensor not wholly owned here gives its storage up (an empty tensor
+        in the model; its shape kept in `dropped`). The leader rebuilds the whole model at the end (`materialize`)."""
+        if not self.sharded:
+            return
+        with torch.no_grad():
+            for n, piece in self.pieces.items():
+                if piece is not self.params.get(n):
+                    piece.data = piece.detach().clone()
+            for n, p in self.params.items():
+                if self.pieces.get(n) is not p:
+                    self.dropped[n] = p.shape
+                    p.data = torch.empty(0, dtype=p.dtype)
+
+    def state_copy(self) -> dict[str, torch.Tensor]:
+        """A copy of the model's state (for an evaluation); sharded, the rows of other shards are left for their
+        slices to fill (`ShardRoster.place`)."""
+        out = {k: torch.empty(self.dropped[k], dtype=v.dtype) if k in self.dropped else v.clone()
+               for k, v in self.model.state_dict().items()}
+        self._own_rows_into(out)
+        return out
+
+    def materialize(self) -> None:
+        """The whole model again (the leader, at the end: the other shards' rows are placed into it next)."""
+        with torch.no_grad():
+            for n, shape in self.dropped.items():
+                self.params[n].data = torch.empty(shape, dtype=self.params[n].dtype)
+            self.dropped = {}
+            self._own_rows_into(self.params)
+
+    def _own_rows_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.sharded:
+            with torch.no_grad():
+                for name, view in self.partition.views({n: tensors[n] for n in self.params}, self.shard).items():
+                    if view is not self.pieces[name]:
+                        view.copy_(self.pieces[name])
 
     @property
     def lr(self) -> float:
@@ -150,7 +190,7 @@ class Trainer:
         h = hashlib.sha256()
         for group in (self.params, self.buffers):
             for n in sorted(group):
-                h.update(group[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                h.update(group[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
         return h.hexdigest()
 
     def wire_state(self) -> dict[str, torch.Tensor]:
