@@ -18,8 +18,13 @@ peer whose frame exceeds MAXMSGSIZE before the receiver could say why.
 The receiver (`Assembler`) keeps at most one partial transfer per peer and at most `peers` in all
 (the oldest is abandoned); the logical size is bounded by `bound` (limits.logical_bytes) before
 anything is allocated. Tensors land in the caller's `into` tensors when dtype and shape match, else in
-one allocation per tensor. Anything wrong raises `ProtocolError` with a reason (the caller drops and
-counts it) and abandons the transfer; its later parts are dropped as `stale_part`.
+one allocation per tensor, or, with a `sink` (the checkpointer's spool files), nowhere in memory: each
+received frame is handed to the sink as it is read, after the same checks. Anything wrong raises
+`ProtocolError` with a reason (the caller drops and counts it) and abandons the transfer (a sink's
+bytes are discarded); its later parts are dropped as `stale_part`.
+
+A sender whose tensors are not in memory (the checkpointer's restore, read from its files) uses
+`stream`: the same messages, each one's bytes read just before it is sent, at most two held.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def sharding_problem(header: dict[str, Any]) -> str | None:
 
 
 class Merger:
-    def __init__(self, on_drop: Callable[[dict[str, Spooled]], None]) -> None:
+    def __init__(self, on_drop: Callable[[dict[str, Spooled]], None] = lambda tensors: None) -> None:
         self.on_drop = on_drop
         self.pending: dict[int, Pending] = {}
         self.term = -1

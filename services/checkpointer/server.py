@@ -3,7 +3,7 @@
 Its memory does not grow with the model: a snapshot's bytes go to disk as they arrive (spool.py), the
 checkpoint files are written from there (store.py), and a restore is read back a part at a time
 (restore.py). It reads a message a frame at a time, and each sender may have at most one more message
-queued in ZeroMQ (RCVHWM 1; the rest waits on the sender's side): about one part (cluster.max_message_bytes)
+queued in ZeroMQ (RCVHWM; the rest waits on the sender's side): about one part (cluster.max_message_bytes)
 per aggregator sending at once."""
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ class Checkpointer:
         self.sock = self.zctx.socket(zmq.ROUTER)
         ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
-        self.sock.setsockopt(zmq.RCVHWM, 1)  # a sender's next message waits on its side while one is being read
+        # a sender's next message waits on its side while one is being read; with ZAP (Curve on) libzmq keeps one
+        # entry more in each peer's pipe (RCVHWM 1 then delivers nothing at all), so 2 there queues one message too
+        self.sock.setsockopt(zmq.RCVHWM, 2 if self.ctx.curve.enabled else 1)
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
