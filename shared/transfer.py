@@ -18,17 +18,23 @@ peer whose frame exceeds MAXMSGSIZE before the receiver could say why.
 The receiver (`Assembler`) keeps at most one partial transfer per peer and at most `peers` in all
 (the oldest is abandoned); the logical size is bounded by `bound` (limits.logical_bytes) before
 anything is allocated. Tensors land in the caller's `into` tensors when dtype and shape match, else in
-one allocation per tensor. Anything wrong raises `ProtocolError` with a reason (the caller drops and
-counts it) and abandons the transfer; its later parts are dropped as `stale_part`.
+one allocation per tensor, or, with a `sink` (the checkpointer's spool files), nowhere in memory: each
+received frame is handed to the sink as it is read, after the same checks. Anything wrong raises
+`ProtocolError` with a reason (the caller drops and counts it) and abandons the transfer (a sink's
+bytes are discarded); its later parts are dropped as `stale_part`.
+
+A sender whose tensors are not in memory (the checkpointer's restore, read from its files) uses
+`stream`: the same messages, each one's bytes read just before it is sent, at most two held.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -68,15 +74,23 @@ def _part_header(run: str, xfer: int, index: int, count: int, frames: list[list[
 
 def split(whole: list[Any], cap: int) -> list[list[Any]]:
     """Cut a message built by `protocol.encode` into parts of at most `cap` bytes each."""
-    of = msgpack.unpackb(whole[0])
-    metas, frames = of.get("tensors", []), [memoryview(f) for f in whole[1:]]
+    frames = [memoryview(f) for f in whole[1:]]
+    return [[header, *(frames[ti][off:off + n] for ti, off, n in entries)]
+            for header, entries in plan(msgpack.unpackb(whole[0]), cap)]
+
+
+def plan(of: dict[str, Any], cap: int) -> list[tuple[bytes, list[list[int]]]]:
+    """The parts of the logical message whose header is `of` (as `protocol.encode` packs it, tensor entries
+    included): each part's header frame and its [tensor, offset, nbytes] ranges, one frame per range."""
+    metas = of.get("tensors", [])
     run, xfer = of["run"], random.getrandbits(62)
     base = len(msgpack.packb(_part_header(run, xfer, _BIG, _BIG, [], None))) + 5  # + a list header of up to 5
     base0 = base + len(msgpack.packb({"of": of}))
     chunk = min(CHUNK, cap - base0 - _ENTRY) // _ALIGN * _ALIGN
     if chunk < _ALIGN:
-        raise TooBig(f"a {of['type']!r} message of {protocol.message_bytes(whole)} bytes exceeds "
-                     f"cluster.max_message_bytes={cap}, and its header alone ({len(whole[0])} bytes) leaves no room "
+        size = len(msgpack.packb(of))
+        raise TooBig(f"a {of['type']!r} message of {size + sum(m['nbytes'] for m in metas)} bytes exceeds "
+                     f"cluster.max_message_bytes={cap}, and its header alone ({size} bytes) leaves no room "
                      "to send it in parts; raise cluster.max_message_bytes (on every service)")
     runs: list[list[list[int]]] = [[]]
     used = base0
@@ -91,8 +105,8 @@ def split(whole: list[Any], cap: int) -> list[list[Any]]:
     out = []
     for index, entries in enumerate(runs):
         header = msgpack.packb(_part_header(run, xfer, index, len(runs), entries, of if index == 0 else None))
-        out.append([header, *(frames[ti][off:off + n] for ti, off, n in entries)])
-        assert protocol.message_bytes(out[-1]) <= cap, "part header bound is wrong"
+        assert len(header) + sum(n for _, _, n in entries) <= cap, "part header bound is wrong"
+        out.append((header, entries))
     return out
 
 
@@ -100,6 +114,49 @@ def send(sock: zmq.Socket, msgs: list[list[Any]], identity: bytes | None = None,
          trackers: list[zmq.MessageTracker] | None = None) -> int:
     """Send the messages of `messages` in order; returns the bytes sent."""
     return sum(protocol.send(sock, parts, identity, trackers) for parts in msgs)
+
+
+def stream(sock: zmq.Socket, mtype: str, run: str, fields: dict[str, Any], metas: list[dict[str, Any]],
+           read: Callable[[int, int, memoryview], None], cap: int, identity: bytes | None = None,
+           timeout: float = 120.0) -> int:
+    """Send one logical message whose tensor bytes are not in memory: `metas` as `protocol.encode_tensors` makes
+    them (checksums included), `read(tensor, offset, buf)` fills `buf` with that tensor's bytes from `offset`. The
+    messages are exactly those `messages` would send; at most two of them are held: the bytes of message i+2 are
+    read only once ZeroMQ is done with message i's (tracked sends), waited for at most `timeout` s each (then
+    `TimeoutError`: the peer does not read). Returns the bytes sent."""
+    header = protocol.encode(mtype, run, fields, encoded=(metas, []))[0]
+    sizes = [m["nbytes"] for m in metas]
+    if len(header) + sum(sizes) <= cap:
+        layout = [(header, [[ti, 0, n] for ti, n in enumerate(sizes)])]
+    else:
+        layout = plan(msgpack.unpackb(header), cap)
+    in_flight: list[list[zmq.MessageTracker]] = []
+    total = 0
+    for head, entries in layout:
+        if len(in_flight) == 2:
+            _sent(in_flight.pop(0), timeout)
+        buf = memoryview(bytearray(sum(n for _, _, n in entries)))
+        frames, at = [], 0
+        for ti, off, n in entries:
+            frames.append(buf[at:at + n])
+            read(ti, off, frames[-1])
+            at += n
+        trackers: list[zmq.MessageTracker] = []
+        total += protocol.send(sock, [head, *frames], identity, trackers)
+        in_flight.append(trackers)
+        del buf, frames  # ZeroMQ holds them until it has sent them
+    for trackers in in_flight:
+        _sent(trackers, timeout)
+    return total
+
+
+def _sent(trackers: list[zmq.MessageTracker], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for t in trackers:
+        try:
+            t.wait(max(0.0, deadline - time.monotonic()))
+        except zmq.NotDone:
+            raise TimeoutError(f"a message was not sent within {timeout:g}s: its peer does not read") from None
 
 
 # ---------------------------------------------------------------------------------------------- receiving
@@ -119,27 +176,103 @@ class _Frames:
             raise ProtocolError("bad_length", f"a frame of {src.nbytes} bytes for a range of {buf.nbytes}")
         buf[:] = src.cast("B")
 
+    def take(self, n: int) -> memoryview:
+        """The next frame itself (n bytes), for a sink: no copy."""
+        if self.i >= len(self.frames):
+            raise ProtocolError("frame_count", f"only {len(self.frames)} frames")
+        frame = self.frames[self.i]
+        self.i += 1
+        src = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+        if src.nbytes != n:
+            raise ProtocolError("bad_length", f"a frame of {src.nbytes} bytes for a range of {n}")
+        return src.cast("B")
+
     def finish(self) -> None:
         if self.i != len(self.frames):
             raise ProtocolError("frame_count", f"{len(self.frames)} frames for {self.i} ranges")
 
 
 class _Socket:
-    """The tensor frames of a message still on the socket: each lands straight in its range."""
+    """The tensor frames of a message still on the socket: each lands straight in its range (or, for a sink, is
+    handed over and released after it): one frame in memory at a time. `budget`: the most bytes its frames may
+    have (the caller's message size cap, less the header)."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        self.sock = sock
+    def __init__(self, sock: zmq.Socket, budget: int | None = None) -> None:
+        self.sock, self.budget = sock, budget
+
+    def _spend(self, n: int) -> None:
+        if self.budget is not None:
+            self.budget -= n
+            if self.budget < 0:
+                raise ProtocolError("too_big", "a part over the message size cap")
 
     def read_into(self, buf: memoryview) -> None:
         if not self.sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError("frame_count", "fewer frames than ranges")
+        self._spend(buf.nbytes)
         n = self.sock.recv_into(buf)
         if n != buf.nbytes:
             raise ProtocolError("bad_length", f"a frame of {n} bytes for a range of {buf.nbytes}")
 
+    def take(self, n: int) -> memoryview:
+        if not self.sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("frame_count", "fewer frames than ranges")
+        self._spend(n)
+        buf = self.sock.recv(copy=False).buffer
+        if buf.nbytes != n:
+            raise ProtocolError("bad_length", f"a frame of {buf.nbytes} bytes for a range of {n}")
+        return buf.cast("B")
+
     def finish(self) -> None:
         if self.sock.getsockopt(zmq.RCVMORE):
             raise ProtocolError("frame_count", "more frames than ranges")
+
+
+class Sink(Protocol):
+    """Where a transfer's tensor bytes go instead of tensors (the checkpointer spools them to disk): `write` gets
+    every range in order, each checked against the header; `result` stands for the tensors of the message once
+    all arrived; `discard` undoes it all (a transfer abandoned, or the message dropped afterwards)."""
+
+    def write(self, ti: int, off: int, buf: memoryview) -> None: ...
+
+    def result(self) -> dict[str, Any]: ...
+
+    def discard(self) -> None: ...
+
+
+class _Tensors:
+    """The usual destination: one tensor per entry (the caller's `into`, or allocated)."""
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names, self.tensors = names, tensors
+        self.views = [protocol.tensor_bytes(t) for t in tensors]
+
+    def land(self, ti: int, off: int, n: int, source: Any) -> memoryview:
+        buf = self.views[ti][off:off + n]
+        source.read_into(buf)
+        return buf
+
+    def result(self) -> dict[str, Any]:
+        return dict(zip(self.names, self.tensors, strict=True))
+
+    def discard(self) -> None:
+        pass
+
+
+class _Sunk:
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+
+    def land(self, ti: int, off: int, n: int, source: Any) -> memoryview:
+        buf = source.take(n)
+        self.sink.write(ti, off, buf)
+        return buf
+
+    def result(self) -> dict[str, Any]:
+        return self.sink.result()
+
+    def discard(self) -> None:
+        self.sink.discard()
 
 
 @dataclass
@@ -148,16 +281,16 @@ class _Partial:
     count: int
     header: dict[str, Any]
     names: list[str]
-    tensors: list[torch.Tensor]
-    views: list[memoryview]
+    sizes: list[int]
+    dest: _Tensors | _Sunk
     hashes: list[Any]  # a streaming xxh3 per tensor, or None (checksums off, or none sent)
     expect: list[int | None]
     next: int = 0  # the part index expected next
-    ti: int = 0  # the cursor: next byte expected is views[ti][off]
+    ti: int = 0  # the cursor: next byte expected is byte `off` of tensor `ti`
     off: int = 0
 
     def skip_empty(self) -> None:
-        while self.ti < len(self.views) and self.off == self.views[self.ti].nbytes:
+        while self.ti < len(self.sizes) and self.off == self.sizes[self.ti]:
             h, want = self.hashes[self.ti], self.expect[self.ti]
             if h is not None and h.intdigest() != want:
                 raise ProtocolError("bad_checksum", repr(self.names[self.ti])[:60])
@@ -169,11 +302,15 @@ def _int(x: Any) -> bool:
 
 
 class Assembler:
-    """Reassembles parts into logical messages; at most one partial transfer per peer, `peers` in all."""
+    """Reassembles parts into logical messages; at most one partial transfer per peer, `peers` in all. With `sink`
+    (called with a message's validated logical header and tensor entries, it may raise `ProtocolError` to refuse
+    it), the bytes of every message with tensors go to its `Sink` instead of tensors, and the message's tensors are
+    the sink's `result()`."""
 
     def __init__(self, run: str, bound: int, checksum: bool = True, peers: int = 1,
-                 on_abandon: Callable[[str, str], None] | None = None) -> None:
-        self.run, self.bound, self.checksum, self.peers = run, bound, checksum, max(1, peers)
+                 on_abandon: Callable[[str, str], None] | None = None,
+                 sink: Callable[[dict[str, Any], list[dict[str, Any]]], Sink] | None = None) -> None:
+        self.run, self.bound, self.checksum, self.peers, self.sink = run, bound, checksum, max(1, peers), sink
         self.on_abandon = on_abandon or (lambda reason, detail: None)
         self.partials: OrderedDict[bytes, _Partial] = OrderedDict()
         self.dead: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last abandoned transfer id
@@ -186,22 +323,47 @@ class Assembler:
             raise ProtocolError("empty", "no frames")
         header, metas = protocol.parse(frames[0], self.run)
         if header["type"] != "part":
-            return protocol.decode_body(header, metas, frames[1:], self.checksum)
+            return self._whole(protocol.decode_body(header, metas, frames[1:], self.checksum), metas)
         if not allow_parts:
             raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, _Frames(frames[1:]), into)
 
-    def recv(self, sock: zmq.Socket, into: dict[str, torch.Tensor] | None = None, peer: bytes = b"") -> Message | None:
-        """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete."""
+    def recv(self, sock: zmq.Socket, into: dict[str, torch.Tensor] | None = None, peer: bytes = b"",
+             first: zmq.Frame | None = None, cap: int | None = None) -> Message | None:
+        """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete. `first`: the
+        header frame, when the caller has read it already (a ROUTER reads the identity and checks the sender
+        first); `cap`: the most bytes one ZeroMQ message may have (a bigger one is dropped as `too_big`)."""
         try:
-            first = sock.recv(copy=False)
+            first = sock.recv(copy=False) if first is None else first
             header, metas = protocol.parse(first, self.run)
-            if header["type"] != "part":
-                return protocol.recv_body(sock, header, metas, self.checksum, into)
-            return self.feed(peer, header, _Socket(sock), into)
+            budget = None if cap is None else cap - len(first.bytes)
+            if header["type"] == "part":
+                return self.feed(peer, header, _Socket(sock, budget), into)
+            if budget is None:
+                return self._whole(protocol.recv_body(sock, header, metas, self.checksum, into), metas)
+            rest = []
+            while sock.getsockopt(zmq.RCVMORE):
+                rest.append(sock.recv(copy=False))
+            if (size := protocol.message_bytes([f.buffer for f in rest])) > budget:
+                raise ProtocolError("too_big", f"{size + cap - budget} bytes")
+            return self._whole(protocol.decode_body(header, metas, rest, self.checksum), metas)
         except ProtocolError:
             protocol.drain(sock)
             raise
+
+    def _whole(self, msg: Message, metas: list[Any]) -> Message:
+        """A message received whole, through the sink if there is one."""
+        if self.sink is None or not metas:
+            return msg
+        sink = self.sink(msg.header, metas)
+        try:
+            for ti, t in enumerate(msg.tensors.values()):
+                if t.numel():
+                    sink.write(ti, 0, protocol.tensor_bytes(t))
+        except BaseException:
+            sink.discard()
+            raise
+        return Message(msg.header, sink.result())
 
     @property
     def pending(self) -> bool:
@@ -212,10 +374,16 @@ class Assembler:
         for peer in [p for p in self.partials if p not in peers]:
             self._abandon(peer, "transfer_abandoned", "its sender is gone")
 
+    def close(self) -> None:
+        """Discard every partial transfer (the service stops), without counting them as abandoned."""
+        while self.partials:
+            self.partials.popitem()[1].dest.discard()
+
     def _abandon(self, peer: bytes, reason: str, detail: str) -> None:
         p = self.partials.pop(peer, None)
         if p is None:
             return
+        p.dest.discard()
         self._forget(peer, p.xfer)
         self.on_abandon(reason, f"{p.header['type']!r} transfer at part {p.next} of {p.count}: {detail}")
 
@@ -253,13 +421,13 @@ class Assembler:
             if p.next < p.count:
                 return None
             p.skip_empty()
-            if p.ti != len(p.views):
+            if p.ti != len(p.sizes):
                 raise ProtocolError("missing_bytes", f"tensor {p.names[p.ti]!r}"[:80] + f" ends at byte {p.off}")
         except ProtocolError as exc:
             self._abandon(peer, "transfer_abandoned", exc.reason)
             raise
         del self.partials[peer]
-        return Message(p.header, dict(zip(p.names, p.tensors, strict=True)))
+        return Message(p.header, p.dest.result())
 
     def _start(self, peer: bytes, header: dict[str, Any], count: int,
                into: dict[str, torch.Tensor] | None) -> _Partial:
@@ -283,17 +451,21 @@ class Assembler:
             raise ProtocolError("too_many_parts", f"{count} parts for {total} bytes")
         while len(self.partials) >= self.peers:  # bounded memory: the oldest partial transfer goes
             self._abandon(next(iter(self.partials)), "transfer_abandoned", "too many transfers at once")
-        tensors = []
-        for (dtype, shape, _), name in zip(specs, names, strict=True):
-            target = (into or {}).get(name)
-            if target is not None and target.dtype == dtype and list(target.shape) == shape and target.is_contiguous() \
-                    and target.device.type == "cpu":
-                tensors.append(target)
-            else:
-                tensors.append(torch.empty(shape, dtype=dtype))
-        views = [protocol.tensor_bytes(t) for t in tensors]
+        dest: _Tensors | _Sunk
+        if self.sink is not None and metas:
+            dest = _Sunk(self.sink(of, metas))
+        else:
+            tensors = []
+            for (dtype, shape, _), name in zip(specs, names, strict=True):
+                target = (into or {}).get(name)
+                if target is not None and target.dtype == dtype and list(target.shape) == shape \
+                        and target.is_contiguous() and target.device.type == "cpu":
+                    tensors.append(target)
+                else:
+                    tensors.append(torch.empty(shape, dtype=dtype))
+            dest = _Tensors(names, tensors)
         hashes = [xxhash.xxh3_64() if self.checksum and m["xxh"] is not None else None for m in metas]
-        p = _Partial(header["xfer"], count, of, names, tensors, views, hashes, [m["xxh"] for m in metas])
+        p = _Partial(header["xfer"], count, of, names, [s[2] for s in specs], dest, hashes, [m["xxh"] for m in metas])
         self.partials[peer] = p
         return p
 
@@ -303,10 +475,9 @@ class Assembler:
                 raise ProtocolError("bad_range", repr(entry)[:60])
             ti, off, n = entry
             p.skip_empty()
-            if ti != p.ti or off != p.off or n <= 0 or ti >= len(p.views) or off + n > p.views[ti].nbytes:
+            if ti != p.ti or off != p.off or n <= 0 or ti >= len(p.sizes) or off + n > p.sizes[ti]:
                 raise ProtocolError("bad_range", f"[{ti}, {off}, {n}], expected tensor {p.ti} from byte {p.off}")
-            buf = p.views[ti][off:off + n]
-            source.read_into(buf)
+            buf = p.dest.land(ti, off, n, source)
             if p.hashes[ti] is not None:
                 p.hashes[ti].update(buf)
             p.off += n

@@ -303,19 +303,43 @@ def _step_all(trainers, step: int) -> None:
 
 
 def _checkpoint(trainers) -> tuple[dict, dict]:
-    """What the checkpointer would hold for these shards' snapshots (merged when K > 1)."""
+    """What a restore gets of these shards' snapshots: each received as the checkpointer receives it (spooled to
+    disk), merged when K > 1, written as a checkpoint and read back."""
+    import tempfile
+
     from cmemi.services.aggregator.snapshots import collect
     from cmemi.services.aggregator.totals import RunTotals
+    from cmemi.services.checkpointer import spool
     from cmemi.services.checkpointer.merge import Pending, merged
+    from cmemi.services.checkpointer.store import CheckpointStore
+    from cmemi.shared import transfer
 
     snaps = [collect(t, RunTotals(bytes_in=100 * (k + 1), bytes_out=10 * (k + 1)), 1, {"sha256": "x"}, None)
              for k, t in enumerate(trainers)]
-    if len(trainers) == 1:
-        return snaps[0][1], snaps[0][2]
-    p = Pending(1, len(trainers), trainers[0].partition.describe())
-    for k, (_, meta, tensors) in enumerate(snaps):
-        p.slices[k] = (meta, tensors)
-    return merged(p)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = CheckpointStore(Path(tmp))
+        received = []
+        for k, (step, meta, tensors) in enumerate(snaps):
+            asm = transfer.Assembler("r", 1 << 30, sink=lambda of, metas, k=k, step=step: spool.Spool(
+                store.root, step, k, metas, lambda exc, attempt: None))
+            fields = {"step": step, "term": 1, "final": False, "meta": meta}
+            msg = None
+            for m in transfer.messages("snapshot", "r", fields, 1 << 18, tensors):
+                msg = asm.decode(b"", m)
+            assert msg is not None
+            received.append(msg.tensors)
+        if len(trainers) == 1:
+            meta, tensors = snaps[0][1], received[0]
+        else:
+            p = Pending(1, len(trainers), trainers[0].partition.describe())
+            for k, (_, meta, _) in enumerate(snaps):
+                p.slices[k] = (meta, received[k])
+            meta, tensors = merged(p)
+        path = store.write(snaps[0][0], meta, tensors)
+        for r in received:
+            spool.discard(r)
+        meta, tensors = store.load(path)
+        return meta, {n: t.clone() for n, t in tensors.items()}
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 1), (1, 2)])

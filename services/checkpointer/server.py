@@ -1,8 +1,15 @@
-"""The checkpointer loop: receive snapshots, write them durably, move the `latest` pointer, enforce retention."""
+"""The checkpointer loop: receive snapshots, write them durably, move the `latest` pointer, enforce retention.
+
+Its memory does not grow with the model: a snapshot's bytes go to disk as they arrive (spool.py), the
+checkpoint files are written from there (store.py), and a restore is read back a part at a time
+(restore.py). It reads a message a frame at a time, and each sender may have at most one more message
+queued in ZeroMQ (RCVHWM; the rest waits on the sender's side): about one part (cluster.max_message_bytes)
+per aggregator sending at once."""
 
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 import time
 from collections import Counter
@@ -10,9 +17,11 @@ from pathlib import Path
 
 import redis
 import zmq
+from cmemi.services.checkpointer import restore, spool
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
+from cmemi.services.checkpointer.spool import Spool, Spooled
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared import atomic, limits, metrics, protocol, startup, transfer
 from cmemi.shared.membership import Member
@@ -30,6 +39,9 @@ class Checkpointer:
         self.sock = self.zctx.socket(zmq.ROUTER)
         ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+        # a sender's next message waits on its side while one is being read; with ZAP (Curve on) libzmq keeps one
+        # entry more in each peer's pipe (RCVHWM 1 then delivers nothing at all), so 2 there queues one message too
+        self.sock.setsockopt(zmq.RCVHWM, 2 if self.ctx.curve.enabled else 1)
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
@@ -38,12 +50,12 @@ class Checkpointer:
         # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
         # their slices of a step at once) plus one for a restarted aggregator's new connection
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
-                                        peers=self.cfg.cluster.shards + 1, on_abandon=self._drop)
+                                        peers=self.cfg.cluster.shards + 1, on_abandon=self._drop, sink=self._spool)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
         # term asks again, from a new process, before the leader rolls everyone back)
         self.restored_terms: set[tuple[int, int, object]] = set()
-        self.merger = Merger()  # a sharded run's slices of a step, until all K are in (merge.py)
+        self.merger = Merger(spool.discard)  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
         self._advertise()
         startup.mark("listening")
@@ -80,8 +92,7 @@ class Checkpointer:
         next_check = 0.0
         while not self.ctx.stopping.is_set():
             if self.sock.poll(100):
-                frames = self.sock.recv_multipart(copy=False)
-                self._receive(frames)
+                self._receive()
             if time.monotonic() > next_check:  # Redis may have lost its data: re-advertise
                 next_check = time.monotonic() + 1.0
                 try:
@@ -115,39 +126,44 @@ class Checkpointer:
         except redis.RedisError:
             pass  # next time
 
-    def _receive(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
+    def _spool(self, of: dict, metas: list[dict]) -> Spool:
+        """The sink of a message with tensors (transfer.Assembler): only a snapshot has any."""
+        if of["type"] != "snapshot":
+            raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
+        step, shard = of["step"], of.get("shard", 0) if isinstance(of.get("shard"), int) else 0
+        total = sum(m["nbytes"] for m in metas)
+        return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self._full(step, exc, total, attempt))
+
+    def _receive(self) -> None:
+        """One ZeroMQ message, read a frame at a time."""
+        identity = self.sock.recv()
+        if not self.sock.getsockopt(zmq.RCVMORE):
             self._drop("no_identity")
             return
-        identity = frames[0].bytes
-        if (size := protocol.message_bytes(frames[1:])) > self.cfg.cluster.max_message_bytes:
-            self._drop("too_big", f"{size} bytes")
-            return
-        if (role := self.ctx.curve.role(frames[1])) is not None and role != "aggregator":
-            self._drop("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part allocates
+        first = self.sock.recv(copy=False)
+        if (role := self.ctx.curve.role(first)) is not None and role != "aggregator":
+            protocol.drain(self.sock)
+            self._drop("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part is spooled
             return
         try:
-            msg = self.parts.decode(identity, frames[1:])
+            msg = self.parts.recv(self.sock, peer=identity, first=first, cap=self.cfg.cluster.max_message_bytes)
         except protocol.ProtocolError as exc:
             self._drop(exc.reason, str(exc))
             return
         if msg is None:  # a part of a bigger snapshot; the rest is still coming
             return
-        if msg.type not in ("snapshot", "restore_req"):
-            self._drop("unexpected_type", msg.type)
-            return
-        if not self.terms.current(msg.header["term"]):
-            self._drop("stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}")
+        if (problem := self._refused(msg)) is not None:
+            spool.discard(msg.tensors)
+            self._drop(*problem)
             return
         if msg.type == "snapshot":
-            if (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)
-                    or sharding_problem(msg.header)) is not None:
-                self._drop("bad_meta", problem)
-                return
             if "shards" in msg.header:
                 self._save_slice(identity, msg)
             else:
-                self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], msg.tensors)
+                try:
+                    self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], msg.tensors)
+                finally:
+                    spool.discard(msg.tensors)
             return
         asked = (msg.header["term"], msg.header.get("shard", 0), msg.header.get("pid") if msg.header.get("shard") else None)
         if asked in self.restored_terms:  # a shard asks once, at its start
@@ -156,6 +172,17 @@ class Checkpointer:
             self.restored_terms.add(asked)
             self._restore(identity, msg)
 
+    def _refused(self, msg: protocol.Message) -> tuple[str, str] | None:
+        """(reason, detail) if a whole message is dropped, else None."""
+        if msg.type not in ("snapshot", "restore_req"):
+            return "unexpected_type", msg.type
+        if not self.terms.current(msg.header["term"]):
+            return "stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}"
+        if msg.type == "snapshot" and (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)
+                                       or sharding_problem(msg.header)) is not None:
+            return "bad_meta", problem
+        return None
+
     def _save_slice(self, identity: bytes, msg: protocol.Message) -> None:
         """One shard's slice of a step; the checkpoint is written once every shard's is in (merge.py)."""
         done, given_up = self.merger.add(identity, msg.header, msg.tensors)
@@ -163,11 +190,21 @@ class Checkpointer:
             self.log.info("sharded checkpoint given up: a newer step came first", step=step)
             for ident in senders:
                 self._reply(ident, "skipped", {"step": step})
-        if done is not None:
+        if done is None:
+            return
+        slices = [tensors for _, tensors in done.slices.values()]
+        try:
             meta, tensors = merged(done)
             self._save(list(done.senders.values()), msg.header["step"], done.final, meta, tensors)
+        except protocol.ProtocolError as exc:
+            self._drop(exc.reason, str(exc))
+            for ident in done.senders.values():
+                self._reply(ident, "skipped", {"step": msg.header["step"]})
+        finally:
+            for tensors in slices:
+                spool.discard(tensors)
 
-    def _save(self, senders: list[bytes], step: int, final: bool, meta: dict, tensors: dict) -> None:
+    def _save(self, senders: list[bytes], step: int, final: bool, meta: dict, tensors: dict[str, Spooled]) -> None:
         t0 = time.monotonic()
         path = self._write(step, meta, tensors)
         write_s = time.monotonic() - t0
@@ -188,21 +225,25 @@ class Checkpointer:
         for identity in senders:
             self._reply(identity, "saved", {"step": step, "path": str(path)})
 
-    def _write(self, step: int, meta: dict, tensors: dict) -> Path:
-        """Write a checkpoint; on a full disk apply retention as if it were written, then try once more."""
+    def _write(self, step: int, meta: dict, tensors: dict[str, Spooled]) -> Path:
+        """Write a checkpoint (a failed write leaves nothing behind); on a full disk apply retention as if it were
+        written, then try once more."""
         for attempt in (1, 2):
             try:
                 return self.store.write(step, meta, tensors)
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if exc.errno not in spool.FULL:
                     raise
-                self.store.clean_leftovers()
-                if attempt == 2:
-                    self._disk_full(step, exc, sum(t.numel() * t.element_size() for t in tensors.values()))
-                removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1),
-                                            self.cfg.checkpoint.keep_every, protect=self.latest)
-                self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
+                self._full(step, exc, sum(t.nbytes for t in tensors.values()), attempt)
         raise AssertionError("not reached: _disk_full exits")
+
+    def _full(self, step: int, exc: OSError, need: int, attempt: int) -> None:
+        """The disk filled up writing step `step`: make room once (retention, as if it were written), then stop."""
+        if attempt == 2:
+            self._disk_full(step, exc, need)
+        removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1),
+                                    self.cfg.checkpoint.keep_every, protect=self.latest)
+        self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
 
     def _disk_full(self, step: int, exc: OSError, need: int) -> None:
         """One clear line and a clean stop; the run resumes from the last checkpoint once there is room."""
@@ -231,23 +272,28 @@ class Checkpointer:
         for info in reversed(infos):
             problem = self.store.verify(info.path)
             if problem is None:
-                meta, tensors = self.store.load(info.path)
-                self._reply(identity, "restore", {"step": info.step, "meta": meta}, tensors)
+                meta = json.loads((info.path / "meta.json").read_text())
+                try:
+                    restore.send(self.sock, identity, self.ctx.run, {"step": info.step, "meta": meta}, info.path,
+                                 self.cfg.cluster.max_message_bytes, self.cfg.cluster.checksum)
+                except transfer.TooBig as exc:
+                    self.ctx.fatal(f"checkpointer: {exc}")
+                except TimeoutError as exc:  # its aggregator stopped reading: it asks again if it is alive
+                    self.log.warning("restore not sent", step=info.step, error=str(exc))
+                    return
                 self.ctx.emit("checkpoint_restored", step=info.step, term=msg.header["term"])
                 return
             self._damaged(info.step, problem)
         self._reply(identity, "no_checkpoint", {"term": msg.header["term"]})
 
-    def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
-        """One logical message, in parts if it is over the cap."""
-        try:
-            msgs = transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
-                                     self.cfg.cluster.checksum)
-        except transfer.TooBig as exc:
-            self.ctx.fatal(f"checkpointer: {exc}")
-        transfer.send(self.sock, msgs, identity)
+    def _reply(self, identity: bytes, mtype: str, fields: dict) -> None:
+        """A reply without tensors (the restore is sent by restore.py)."""
+        transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes),
+                      identity)
 
     def close(self) -> None:
+        self.parts.close()  # and the spool files of what did not come whole
+        self.merger.clear()
         self.member.stop()
         self.sock.close(linger=500)
         self.ctx.curve.close()

@@ -10,14 +10,14 @@ Layout under `RUN_DIR/checkpoints/`:
 A checkpoint is first written as `.tmp-step-…`, every file fsynced, the manifest written and
 fsynced, then the directory is renamed into place and its parent fsynced. Only a checkpoint that
 reached its final name is ever pointed at, so a crash at any moment leaves at worst a `.tmp-`
-leftover, removed at the next start. A step written again (a restarted aggregator redid it) keeps the
+leftover (a directory, or a spool file: spool.py), removed at the next start. The safetensors files
+are written from tensors in memory or from spool files (safetensors_out.py), as save_file writes them. A step written again (a restarted aggregator redid it) keeps the
 existing checkpoint if it verifies (training is deterministic: it is the same); only a damaged one,
 which nothing may point at, is replaced.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 import xxhash
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from cmemi.services.checkpointer import safetensors_out
+from cmemi.services.checkpointer.safetensors_out import Source
+from safetensors.torch import load_file
 
 MANIFEST = "MANIFEST.json"
 FILES = ("model.safetensors", "state.safetensors", "meta.json")
@@ -70,15 +71,6 @@ def _digest(path: Path, algorithm: str = "xxh3_128") -> str:
     return h.hexdigest()
 
 
-def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """safetensors' save_file, its I/O errors as OSError (with errno ENOSPC for a full disk)."""
-    try:
-        save_file(tensors, str(path), metadata=metadata)
-    except SafetensorError as exc:
-        full = "No space left" in str(exc) or "os error 28" in str(exc)
-        raise OSError(errno.ENOSPC if full else errno.EIO, f"writing {path}: {exc}") from exc
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -89,22 +81,41 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def clean_leftovers(self) -> list[str]:
+        """Remove what interrupted writes left: `.tmp-` checkpoint directories and spool files."""
         removed = []
         for p in self.root.glob(".tmp-*"):
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
             removed.append(p.name)
         return removed
 
-    def write(self, step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    def write(self, step: int, meta: dict[str, Any], tensors: dict[str, Source]) -> Path:
+        """Write a checkpoint from tensors in memory or spooled (`model.` ones to model.safetensors); a failed write
+        (a full disk: OSError ENOSPC) leaves nothing behind."""
         final = self.root / step_dir_name(step)
         if final.exists() and self.verify(final) is None:
             return final  # never remove a good checkpoint `latest` may name: keep it
         tmp = self.root / f".tmp-{step_dir_name(step)}-{os.getpid()}-{time.monotonic_ns()}"
         tmp.mkdir()
+        try:
+            self._write(tmp, step, meta, tensors)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if final.exists():  # damaged (it did not verify above): nothing points at it, replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(self.root)
+        return final
+
+    @staticmethod
+    def _write(tmp: Path, step: int, meta: dict[str, Any], tensors: dict[str, Source]) -> None:
         model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         rest = {k: v for k, v in tensors.items() if not k.startswith("model.")}
-        _save_file(model, tmp / "model.safetensors", metadata={"format": "pt", "step": str(step)})
-        _save_file(rest, tmp / "state.safetensors", metadata={"step": str(step)})
+        safetensors_out.write(tmp / "model.safetensors", model, metadata={"format": "pt", "step": str(step)})
+        safetensors_out.write(tmp / "state.safetensors", rest, metadata={"step": str(step)})
         (tmp / "meta.json").write_text(json.dumps(meta))
         manifest = {"step": step, "created": time.time(),
                     "files": {f: {"bytes": (tmp / f).stat().st_size, "xxh3_128": _digest(tmp / f)} for f in FILES}}
@@ -113,11 +124,6 @@ class CheckpointStore:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_path(tmp / MANIFEST)
         _fsync_path(tmp)
-        if final.exists():  # damaged (it did not verify above): nothing points at it, replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_path(self.root)
-        return final
 
     def list(self) -> list[CheckpointInfo]:
         out = []
