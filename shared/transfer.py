@@ -18,8 +18,9 @@ peer whose frame exceeds MAXMSGSIZE before the receiver could say why.
 The receiver (`Assembler`) keeps at most one partial transfer per peer and at most `peers` in all
 (the oldest is abandoned); the logical size is bounded by `bound` (limits.logical_bytes) before
 anything is allocated. Tensors land in the caller's `into` tensors when dtype and shape match, else in
-one allocation per tensor. Anything wrong raises `ProtocolError` with a reason (the caller drops and
-counts it) and abandons the transfer; its later parts are dropped as `stale_part`.
+one allocation per tensor (`into` may be a function of the message's logical header, to choose by it).
+Anything wrong raises `ProtocolError` with a reason (the caller drops and counts it) and abandons the
+transfer; its later parts are dropped as `stale_part`.
 """
 
 from __future__ import annotations
@@ -164,6 +165,13 @@ class _Partial:
             self.ti, self.off = self.ti + 1, 0
 
 
+Into = dict[str, torch.Tensor] | Callable[[dict[str, Any]], dict[str, torch.Tensor] | None] | None
+
+
+def _into(into: Into, header: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    return into(header) if callable(into) else into
+
+
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -179,7 +187,7 @@ class Assembler:
         self.dead: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last abandoned transfer id
 
     # -- entry points
-    def decode(self, peer: bytes, frames: list[Any], into: dict[str, torch.Tensor] | None = None,
+    def decode(self, peer: bytes, frames: list[Any], into: Into = None,
                allow_parts: bool = True) -> Message | None:
         """A message received whole (identity removed): the message, or None while a transfer is incomplete."""
         if not frames:
@@ -191,13 +199,13 @@ class Assembler:
             raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, _Frames(frames[1:]), into)
 
-    def recv(self, sock: zmq.Socket, into: dict[str, torch.Tensor] | None = None, peer: bytes = b"") -> Message | None:
+    def recv(self, sock: zmq.Socket, into: Into = None, peer: bytes = b"") -> Message | None:
         """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete."""
         try:
             first = sock.recv(copy=False)
             header, metas = protocol.parse(first, self.run)
             if header["type"] != "part":
-                return protocol.recv_body(sock, header, metas, self.checksum, into)
+                return protocol.recv_body(sock, header, metas, self.checksum, _into(into, header))
             return self.feed(peer, header, _Socket(sock), into)
         except ProtocolError:
             protocol.drain(sock)
@@ -227,8 +235,7 @@ class Assembler:
             self.dead.popitem(last=False)
 
     # -- the parts
-    def feed(self, peer: bytes, header: dict[str, Any], source: Any,
-             into: dict[str, torch.Tensor] | None = None) -> Message | None:
+    def feed(self, peer: bytes, header: dict[str, Any], source: Any, into: Into = None) -> Message | None:
         xfer, index, count, entries = header["xfer"], header["index"], header["count"], header["frames"]
         if not 0 <= index < count:
             raise ProtocolError("bad_part", f"part {index} of {count}")
@@ -261,8 +268,7 @@ class Assembler:
         del self.partials[peer]
         return Message(p.header, dict(zip(p.names, p.tensors, strict=True)))
 
-    def _start(self, peer: bytes, header: dict[str, Any], count: int,
-               into: dict[str, torch.Tensor] | None) -> _Partial:
+    def _start(self, peer: bytes, header: dict[str, Any], count: int, into: Into) -> _Partial:
         """Validate part 0's logical header and allocate (or take from `into`) its tensors."""
         if self.partials.get(peer) is not None:  # a new transfer while one from this peer is unfinished
             self._abandon(peer, "transfer_interleaved", "a new transfer started")
@@ -283,6 +289,7 @@ class Assembler:
             raise ProtocolError("too_many_parts", f"{count} parts for {total} bytes")
         while len(self.partials) >= self.peers:  # bounded memory: the oldest partial transfer goes
             self._abandon(next(iter(self.partials)), "transfer_abandoned", "too many transfers at once")
+        into = _into(into, of)
         tensors = []
         for (dtype, shape, _), name in zip(specs, names, strict=True):
             target = (into or {}).get(name)
