@@ -158,6 +158,12 @@ def test_a_shards_slice_lands_in_the_model_only_for_the_version_fetched_and_none
         shard.links._wait(lambda: link.got[0] is not None, lambda _l, _m: None)
         assert shard.model() == {4.0} and link.have == 4
         assert shard.links.fetch(5) and shard.model() == {5.0} and link.got == [None]
+        # fetching 6, the answer to a pull of 7 comes first, then "6 is over": 7 must not land in the model
+        link.asked = 6
+        shard.slice(7)
+        shard.router.send_multipart([b"w0", *transfer.messages("slice", RUN, {"version": 7, "asked": 6, "shard": 1},
+                                                                1 << 16, {})[0]])
+        assert not shard.links.fetch(6) and shard.model() == {5.0} and link.have == 5
     finally:
         shard.close()
 
