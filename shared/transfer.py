@@ -18,7 +18,8 @@ peer whose frame exceeds MAXMSGSIZE before the receiver could say why.
 The receiver (`Assembler`) keeps at most one partial transfer per peer and at most `peers` in all
 (the oldest is abandoned); the logical size is bounded by `bound` (limits.logical_bytes) before
 anything is allocated. Tensors land in the caller's `into` tensors when dtype and shape match, else in
-one allocation per tensor, or, with a `sink` (the checkpointer's spool files), nowhere in memory: each
+one allocation per tensor (`into` may be a function of the message's logical header, to
+choose by it), or, with a `sink` (the checkpointer's spool files), nowhere in memory: each
 received frame is handed to the sink as it is read, after the same checks. Anything wrong raises
 `ProtocolError` with a reason (the caller drops and counts it) and abandons the transfer (a sink's
 bytes are discarded); its later parts are dropped as `stale_part`.
@@ -297,6 +298,13 @@ class _Partial:
             self.ti, self.off = self.ti + 1, 0
 
 
+Into = dict[str, torch.Tensor] | Callable[[dict[str, Any]], dict[str, torch.Tensor] | None] | None
+
+
+def _into(into: Into, header: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    return into(header) if callable(into) else into
+
+
 def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -316,7 +324,7 @@ class Assembler:
         self.dead: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last abandoned transfer id
 
     # -- entry points
-    def decode(self, peer: bytes, frames: list[Any], into: dict[str, torch.Tensor] | None = None,
+    def decode(self, peer: bytes, frames: list[Any], into: Into = None,
                allow_parts: bool = True) -> Message | None:
         """A message received whole (identity removed): the message, or None while a transfer is incomplete."""
         if not frames:
@@ -328,7 +336,7 @@ class Assembler:
             raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, _Frames(frames[1:]), into)
 
-    def recv(self, sock: zmq.Socket, into: dict[str, torch.Tensor] | None = None, peer: bytes = b"",
+    def recv(self, sock: zmq.Socket, into: Into = None, peer: bytes = b"",
              first: zmq.Frame | None = None, cap: int | None = None) -> Message | None:
         """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete. `first`: the
         header frame, when the caller has read it already (a ROUTER reads the identity and checks the sender
@@ -340,7 +348,7 @@ class Assembler:
             if header["type"] == "part":
                 return self.feed(peer, header, _Socket(sock, budget), into)
             if budget is None:
-                return self._whole(protocol.recv_body(sock, header, metas, self.checksum, into), metas)
+                return self._whole(protocol.recv_body(sock, header, metas, self.checksum, _into(into, header)), metas)
             rest = []
             while sock.getsockopt(zmq.RCVMORE):
                 rest.append(sock.recv(copy=False))
@@ -395,8 +403,7 @@ class Assembler:
             self.dead.popitem(last=False)
 
     # -- the parts
-    def feed(self, peer: bytes, header: dict[str, Any], source: Any,
-             into: dict[str, torch.Tensor] | None = None) -> Message | None:
+    def feed(self, peer: bytes, header: dict[str, Any], source: Any, into: Into = None) -> Message | None:
         xfer, index, count, entries = header["xfer"], header["index"], header["count"], header["frames"]
         if not 0 <= index < count:
             raise ProtocolError("bad_part", f"part {index} of {count}")
@@ -429,8 +436,7 @@ class Assembler:
         del self.partials[peer]
         return Message(p.header, p.dest.result())
 
-    def _start(self, peer: bytes, header: dict[str, Any], count: int,
-               into: dict[str, torch.Tensor] | None) -> _Partial:
+    def _start(self, peer: bytes, header: dict[str, Any], count: int, into: Into) -> _Partial:
         """Validate part 0's logical header and allocate (or take from `into`) its tensors."""
         if self.partials.get(peer) is not None:  # a new transfer while one from this peer is unfinished
             self._abandon(peer, "transfer_interleaved", "a new transfer started")
@@ -451,6 +457,7 @@ class Assembler:
             raise ProtocolError("too_many_parts", f"{count} parts for {total} bytes")
         while len(self.partials) >= self.peers:  # bounded memory: the oldest partial transfer goes
             self._abandon(next(iter(self.partials)), "transfer_abandoned", "too many transfers at once")
+        into = _into(into, of)
         dest: _Tensors | _Sunk
         if self.sink is not None and metas:
             dest = _Sunk(self.sink(of, metas))

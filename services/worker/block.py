@@ -18,6 +18,11 @@ from cmemi.shared.usercode import describe
 Result = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]
 
 
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a += b in a's storage: `add_into`'s step, for one tensor."""
+    return a.add_(b)
+
+
 class BlockComputer:
     def __init__(self, cfg: Config, runner: MicrobatchRunner, log: Any, fatal: Callable[[str], None],
                  who: Callable[[], str]) -> None:
@@ -26,6 +31,53 @@ class BlockComputer:
     def block(self, step: int, lo: int, hi: int, scale: float) -> Result:
         """The lease [lo, hi) of step `step`: (loss per microbatch, gradient sum, buffer contribution sum or None,
         finite)."""
+        if self._folds(hi - lo):
+            folded = self._folding(step, lo, hi, scale)
+            if folded is not None:
+                return folded
+        return self._plain(step, lo, hi, scale)
+
+    def _folds(self, n: int) -> bool:
+        """Fold each tensor as backward produces it? Not for one microbatch (nothing to fold into), not with fp16 (a
+        microbatch's overflow is known only once all of it is there) and on a CPU only (a GPU's hooks run on
+        autograd's device threads)."""
+        return n > 1 and self.cfg.precision != "fp16" and self.runner.device.type == "cpu" and not self.runner.twice
+
+    def _folding(self, step: int, lo: int, hi: int, scale: float) -> Result | None:
+        """`_plain`'s sum, folded tensor by tensor as backward produces each gradient: one tree per tensor, fed leaf
+        m's tensor the moment backward has accumulated it (compute.py `take`), so the block holds its waiting partial
+        sums and one gradient tensor, not a whole second gradient. Per element it is the same `left.add_(right)` in
+        the same bracketing, so the same bits. None when that could not hold (user code raised mid-block: the sums
+        have part of a microbatch; a gradient accumulated twice in one backward): the caller computes it again."""
+        runner = self.runner
+        trees = {n: TreeAccumulator(hi - lo, _add) for n in runner.params}
+        buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
+        losses: list[float] = []
+        if runner.loader is not None:
+            runner.loader.want(step, range(lo, hi))
+        try:
+            for m in range(lo, hi):
+                runner.take = lambda name, g, m=m: trees[name].add(m - lo, m - lo + 1, g)
+                try:
+                    loss, rest, produced = runner.run(step, m, scale)
+                finally:
+                    runner.take = None
+                if runner.twice:
+                    self.log.info("a gradient was accumulated twice in one backward pass; summing whole "
+                                  "gradients from now on", step=step)
+                    return None
+                for name, g in rest.items():  # parameters backward did not reach: zeros, as in `_plain`
+                    trees[name].add(m - lo, m - lo + 1, g)
+                losses.append(loss)
+                if produced is not None:
+                    buffers.add(m - lo, m - lo + 1, buffer_rule.contribution(runner.step_buffers, produced))
+        except UserCodeError:
+            return None  # `_plain` runs it again, with its retry and its one-line error
+        total = {n: t.result() for n, t in trees.items()}
+        self._check(step, lo, hi, total, losses)
+        return losses, total, buffers.result() if buffers.complete else None, True
+
+    def _plain(self, step: int, lo: int, hi: int, scale: float) -> Result:
         grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)  # a node's tree has its length's shape
         buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
         losses, finite, fp16 = [], True, self.cfg.precision == "fp16"
@@ -40,10 +92,14 @@ class BlockComputer:
             if produced is not None:
                 buffers.add(m - lo, m - lo + 1, buffer_rule.contribution(self.runner.step_buffers, produced))
         total = grads.result()
-        if not fp16 and not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
+        if not fp16:
+            self._check(step, lo, hi, total, losses)
+        return losses, total, buffers.result() if buffers.complete else None, finite
+
+    def _check(self, step: int, lo: int, hi: int, total: dict[str, torch.Tensor], losses: list[float]) -> None:
+        if not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
             self.fatal(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite (losses "
                        f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
-        return losses, total, buffers.result() if buffers.complete else None, finite
 
     def one(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
                                                                   dict[str, torch.Tensor] | None]:

@@ -8,6 +8,7 @@ the forward pass: augmentation in `__getitem__` and dropout are the same bits on
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,29 @@ class MicrobatchRunner:
         self.step_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}
         self.report_buffers = bool(self.buffers) and cfg.model.buffers == "mean"
         self.loader: Any = None  # a services.worker.loader.Loader when data.workers > 0: batches read ahead
+        # While set (by a block, services/worker/block.py), each parameter's gradient is handed to `take` the moment
+        # backward has accumulated it, and dropped here: it is folded into the block's sum while backward goes on,
+        # so no whole second gradient is ever held. `taken`: the names handed over in this backward.
+        self.take: Callable[[str, torch.Tensor], None] | None = None
+        self.taken: set[str] = set()
+        self.twice = False  # a gradient accumulated twice in one backward (reentrant checkpointing): see _taker
+        for name, p in self.params.items():
+            p.register_post_accumulate_grad_hook(self._taker(name))
+
+    def _taker(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            if self.take is None or self.twice or p.grad is None:
+                return
+            if name in self.taken:
+                # Its first part was handed over as if final: the sum's bracketing is broken. Stop handing over;
+                # the block sees `twice` and computes again without `take` (services/worker/block.py).
+                self.twice = True
+                return
+            self.taken.add(name)
+            self.take(name, p.grad)
+            p.grad = None
+
+        return hook
 
     def to(self, device: torch.device) -> None:
         self.device = device
@@ -89,6 +113,7 @@ class MicrobatchRunner:
             raise UserCodeError(f"reading microbatch {m} of step {step} ({cfg.data.factory}, collate)", exc) from exc
         for p in self.params.values():
             p.grad = None
+        self.taken = set()
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             try:
                 out = self.model(x)
@@ -109,7 +134,11 @@ class MicrobatchRunner:
                 loss.backward()
         except Exception as exc:
             raise UserCodeError(f"backward pass on microbatch {m} of step {step}", exc) from exc
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()}
+        # what `take` did not get: every gradient, or (taking) those of parameters backward did not reach
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.params.items()
+                 if n not in self.taken}
+        for p in self.params.values():
+            p.grad = None  # the gradient is `grads`' now: a stale one kept here would be a whole extra P until next time
         if cfg.precision == "fp16":
             for g in grads.values():
                 g.mul_(M / scale)

@@ -1,9 +1,12 @@
 """Where a worker's received parameters land: the leader's slice and the step's buffers.
 
 A small model's arrive as flat buffers (shared/layout.py); on a CPU its parameters and step buffers are views
-into them, so one frame per dtype lands in place and nothing is copied. Elsewhere (a GPU's pinned inbox, or
-tensors that do not fit a flat layout) what lands is copied into the model. The step's buffers are always a
-copy: each microbatch starts from them, while the forward pass changes the model's own.
+into them, so one frame per dtype lands in place and nothing is copied. A bigger model's arrive one frame per
+piece, each straight into its rows of the model on a CPU. Elsewhere (a GPU's pinned inbox, or a small model whose
+leader's slice is not whole tensors) what lands is copied into the model. What lands in place is half written
+until a transfer's last part: the worker forgets its version meanwhile (worker.py), so it never computes on it.
+The step's buffers are always a copy: each microbatch starts from them, while the forward pass changes the
+model's own.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ class Inbox:
     def __init__(self, partition: Partition, params: dict[str, torch.Tensor],
                  step_buffers: dict[str, torch.Tensor], device: torch.device) -> None:
         self.partition, self.params, self.step_buffers = partition, params, step_buffers
-        wire = {**partition.views(params, 0), **{PREFIX + n: b for n, b in step_buffers.items()}}
+        pieces = partition.views(params, 0)
+        wire = {**pieces, **{PREFIX + n: b for n, b in step_buffers.items()}}
         self.layout = Layout(wire)
         cpu = device.type == "cpu"
-        whole = partition.shards == 1 and not partition.split  # the leader sends whole tensors, all of them
-        self.bound = cpu and whole  # the model's tensors are (views into) the inbox: what lands there is in place
         if self.layout.flat:
+            whole = partition.shards == 1 and not partition.split  # the leader sends whole tensors, all of them
+            self.bound = cpu and whole  # the model's tensors are views into the inbox: what lands there is in place
             self.tensors = self.layout.empty(pin_memory=not cpu)
             if self.bound:
                 with torch.no_grad():
@@ -35,8 +39,10 @@ class Inbox:
                         else:
                             params[name].data = view
             return
-        landing = (params if self.bound else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=not cpu)
-                                              for n, p in partition.views(params, 0).items()})
+        # One frame per piece: on a CPU each lands straight in its rows of the model (a piece is a contiguous run of
+        # rows, shared/shards.py), at any cluster.shards; no second copy of the leader's slice is kept.
+        self.bound = cpu
+        landing = pieces if cpu else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in pieces.items()}
         self.tensors = {**landing, **{PREFIX + n: b for n, b in step_buffers.items()}}
 
     def take(self, msg: protocol.Message) -> bool:

@@ -43,9 +43,12 @@ def answers(got: protocol.Message | None, version: int) -> bool:
 
 
 class Link:
-    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler) -> None:
+    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler,
+                 views: list[dict[str, torch.Tensor]]) -> None:
         self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
-        # one stage: its slice lands in place; stages: each message is its own (their flat frames share names)
+        self.views = views  # each stage's pieces of the model: where the slice being fetched lands
+        # A small model's slice, one stage: in flat buffers of its own, then copied (stages: each message is its
+        # own, their flat frames share names).
         self.inbox = layouts[0].empty() if len(layouts) == 1 and layouts[0].flat else None
         self.have = -1  # version whose slice is in the model
         self.asked = -1  # version of the last pull sent
@@ -59,6 +62,10 @@ class Link:
     def reset(self) -> None:
         self.got, self.over = [None] * len(self.got), None
 
+    def consumed(self) -> None:
+        """The slice is in the model: keep no reference to what it arrived in (a whole slice, when not in place)."""
+        self.got = [None] * len(self.got)
+
 
 class ShardLinks:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
@@ -67,6 +74,7 @@ class ShardLinks:
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
+        self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
         """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
@@ -81,9 +89,10 @@ class ShardLinks:
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
             sock.connect(addr)
             views = self.partition.views(self.params, k)
-            layouts = [Layout({n: views[n] for n in names}) for names in self.partition.staged(k)]
+            staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
+            layouts = [Layout(stage) for stage in staged]
             parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
-            self.links.append(Link(k, sock, layouts, parts))
+            self.links.append(Link(k, sock, layouts, parts, staged))
         for link in self.links:
             self._send(link, "hello", **hello)
         welcomed: set[int] = set()
@@ -111,7 +120,8 @@ class ShardLinks:
                 link = by_sock[sock]
                 quiet_since = time.monotonic()
                 try:
-                    msg = link.parts.recv(sock, into=link.inbox)
+                    msg = link.parts.recv(sock, into=link.inbox if link.inbox is not None else
+                                          lambda header, link=link: self._landing(link, header))
                 except protocol.ProtocolError as exc:
                     raise Lost(f"shard {link.k}: {exc}") from None
                 if msg is None:
@@ -131,9 +141,37 @@ class ShardLinks:
                     continue
                 handle(link, msg)
 
+    def _landing(self, link: Link, header: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """Where a message from shard k lands, chosen from its header: the model's own pieces for a slice of the
+        version being fetched (the answer to that pull), else a buffer of its own (a late or early answer: it must
+        not overwrite the parameters of the version the model holds, which a lease may still need).
+
+        From its first byte on, the model's pieces of shard k are neither the old version nor the new one until
+        the last: `have` is -1 until `fetch` sees the whole slice, so nothing is computed on half a slice (an
+        abandoned transfer leaves it -1: the next fetch pulls it again, or the shard is lost and the worker says
+        hello again)."""
+        stage = header.get("stage", 0)
+        if (header.get("type") == "slice" and self.fetching is not None and link.have != self.fetching
+                and header.get("version") == header.get("asked") == self.fetching
+                and type(stage) is int and 0 <= stage < len(link.views)
+                and all(v.device.type == "cpu" for v in link.views[stage].values())):
+            link.have = -1
+            views, before = link.views[stage], link.got[stage]
+            if before is not None and any(before.tensors.get(n) is v for n, v in views.items()):
+                link.got[stage] = None  # it landed here too: what these bytes hold is no longer that message
+            return views
+        return None
+
     def fetch(self, version: int) -> bool:
         """The slices of `version` from every shard into the model; False if a shard is past it (the step is over:
         the lease is stale)."""
+        self.fetching = version
+        try:
+            return self._fetch(version)
+        finally:
+            self.fetching = None
+
+    def _fetch(self, version: int) -> bool:
         for link in self.links:
             if link.have == version:
                 continue
@@ -147,22 +185,24 @@ class ShardLinks:
             if answers(link.over, version):
                 return False
             self._copy(link)
+            link.consumed()
             link.have = version
         return True
 
     def _copy(self, link: Link) -> None:
-        """Every stage of the slice received into the model's pieces of shard k."""
+        """Every stage of the slice received into the model's pieces of shard k (what landed there already stays)."""
         try:
             received: dict[str, torch.Tensor] = {}
             for layout, msg in zip(link.layouts, link.got, strict=True):
                 assert msg is not None
                 received.update(layout.views(msg.tensors) if layout.flat else msg.tensors)
-            targets = self.partition.views(self.params, link.k)
+            targets = {n: v for stage in link.views for n, v in stage.items()}
             if received.keys() != targets.keys():
                 raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
             with torch.no_grad():
                 for name, view in targets.items():
-                    view.copy_(received[name])
+                    if received[name] is not view:  # landed elsewhere (not in place): copy
+                        view.copy_(received[name])
         except (LayoutError, RuntimeError) as exc:
             self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
                            "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
