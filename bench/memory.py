@@ -47,6 +47,7 @@ SHARD_FACTOR, WORKER_FACTOR, CLUSTER_FACTOR = 1.5, 1.3, 1.5  # the issue's multi
 OPTIMIZER_STATE = {"Adam": 2, "AdamW": 2, "SGD": 1}  # parameter-sized optimizer tensors per parameter (SGD: momentum)
 POLL_S = 0.1
 WARMUP = 3
+FAULT_EVENTS = ("died", "exited", "fenced", "restarted", "gave_up")  # events.jsonl: a process replaced mid-run
 
 
 # ---------------------------------------------------------------------------------------- the workload
@@ -220,7 +221,12 @@ def cluster_run(work: Path, wl: dict[str, Any], *, shards: int, workers: int, st
         if rc != 0:
             raise RuntimeError(f"cmemi up failed ({rc}); see {run.log_path}:\n{run.group.tail()}")
         metrics, summ = run.metrics(), run.summary() or {}
-        saved = [e["step"] for e in run.events() if e["kind"] == "checkpoint_saved"]
+        events = run.events()
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    t_run = events[0]["t"] if events else 0.0
+    faults = [{"kind": e["kind"], "role": e.get("role"), "id": e.get("id"), "how": e.get("how"),
+               "t_s": round(e["t"] - t_run, 1), "after_step": max((m["step"] for m in metrics if m["t"] <= e["t"]), default=0)}
+              for e in events if e["kind"] in FAULT_EVENTS]
     wall = time.monotonic() - t0
     named = sampler.roles(roles)
     procs, slots = [], {}
@@ -244,7 +250,7 @@ def cluster_run(work: Path, wl: dict[str, Any], *, shards: int, workers: int, st
     return {"shards": shards, "slice_MB": [round(s / MB, 1) for s in facts["slice_bytes"]],
             "transfer_cap_MB": round(cap / MB, 1), "processes": procs,
             "cluster_total_MB": round(total / MB, 1),
-            "restarted": restarted,
+            "restarted": restarted, "faults": faults,
             "cluster_x_param_bytes": round(total / facts["param_bytes"], 2),
             "over_budget": over_budget(procs),
             "step_time_median_s": C.rnd(stats.get("step_time_median_s"), 4),
@@ -365,7 +371,9 @@ def sweep(work: Path, wl: dict[str, Any], shards: list[int], steps: int, ckpt_ev
         r["step_time_vs_ddp"] = C.ratio(r["step_time_median_s"], ddp["step_time_median_s"])
         by[str(k)] = r
         C.log(f"K = {k}: cluster {r['cluster_total_MB']:.0f} MB ({r['cluster_vs_ddp_ranks']}× DDP ranks), "
-              f"{r['step_time_median_s']} s/step; over budget: {r['over_budget'] or 'none'}")
+              f"{r['step_time_median_s']} s/step; over budget: {r['over_budget'] or 'none'}"
+              + "".join(f"; {f['kind']} {f['role']} {f['id']} at {f['t_s']} s ({f['how']})" for f in r["faults"]
+                        if f["kind"] == "died"))
     shas = {k: r["params_sha256"] for k, r in by.items()}
     return {"model": {**wl["model"], "params": facts["params"], "param_MB": round(P / MB, 1),
                       "optimizer": wl["optimizer"], "lr": wl["lr"]},

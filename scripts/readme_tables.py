@@ -353,6 +353,13 @@ def memory_lines(d: dict[str, Any]) -> str:
            + ")")
     lines += ["", f"Step time (median, 2 shared cores: for the record, the goal is memory): {times}; DDP "
               f"{ddp['step_time_median_s']:.2f} s. `params_sha256`: {sha}."]
+    died = {k: [f for f in r.get("faults", []) if f["kind"] == "died"] for k, r in d["by_shards"].items()}
+    if any(died.values()):
+        lines[-1] += (" Processes that died and were replaced mid-run (their replacements' peaks, restore included, "
+                      "are in the table): " + "; ".join(
+                          f"K = {k}: " + ", ".join(f"{f['role'] if f['role'] != 'aggregator' else 'shard'} {f['id']} "
+                                                   f"after step {f['after_step']} ({f['how']})" for f in fs)
+                          for k, fs in died.items() if fs) + ".")
     return "\n".join(lines)
 
 

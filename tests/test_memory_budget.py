@@ -93,6 +93,15 @@ def test_the_readme_memory_table_flags_a_params_sha256_mismatch(tmp_path, monkey
     assert "differ" in readme_tables.memory()
 
 
+def test_the_readme_memory_table_names_processes_replaced_mid_run(tmp_path, monkeypatch) -> None:
+    d = results(tmp_path, monkeypatch)
+    assert "replaced mid-run" not in readme_tables.memory()
+    d["by_shards"]["2"]["faults"] = [{"kind": "died", "role": "aggregator", "id": "1", "how": "no heartbeat",
+                                      "t_s": 30.0, "after_step": 7}]
+    (tmp_path / "memory.json").write_text(json.dumps(d))
+    assert "K = 2: shard 1 after step 7 (no heartbeat)" in readme_tables.memory()
+
+
 def test_no_memory_results_yet_says_how_to_make_them(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
     assert "bench/memory.py --out bench/results/memory.json" in readme_tables.memory()
