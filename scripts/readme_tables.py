@@ -193,7 +193,7 @@ def benchmark() -> str:
          f"{ft5['steps_with_samples_missing_median']} step with samples missing); 1 s timeout: the survivor stalls "
          f"{sec(ft1['survivor_max_gap_s_median'], 1)} and trains alone for {ft1['survivor_steps_alone_median']} steps on "
          f"**part of each global batch** until the replacement has healed ({sec(ft1['rejoin_s_median'], 1)})", ""),
-        ("training stall per checkpoint (in-memory snapshot on the aggregator)",
+        ("training stall per checkpoint (snapshot on the aggregator; measured before the copy-on-write sends of issue 34)",
          "; ".join(f"{ms(x['snapshot_stall_s_median'])} at {mb_:.0f} MB of parameters (a step: "
                    f"{ms(x['step_time_other_median_s'])}; the step after a snapshot: "
                    f"{ms(x['step_time_after_snapshot_median_s'])})" for mb_, x in sorted(runs.items())),

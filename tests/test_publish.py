@@ -33,6 +33,14 @@ def in_flight(trackers: list[zmq.MessageTracker]) -> bool:
     return any(not t.done for t in trackers)
 
 
+def wait_released(copy) -> None:
+    """Poll until ZeroMQ lets go of a copy's frames (it releases one once nobody references it)."""
+    deadline = time.monotonic() + 10
+    while not copy.idle():
+        assert time.monotonic() < deadline, "the received frame was never released"
+        time.sleep(0.01)
+
+
 def test_encoded_once_per_version_and_immune_to_later_optimizer_steps() -> None:
     ctx = zmq.Context()
     try:
@@ -87,10 +95,7 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
         msg = protocol.decode(b.recv_multipart(copy=False), RUN)
         assert torch.equal(msg.tensors["w"], v0)
         del msg
-        deadline = time.monotonic() + 10
-        while not held.idle():  # ZeroMQ releases the frame once nobody references it
-            assert time.monotonic() < deadline, "the received frame was never released"
-            time.sleep(0.01)
+        wait_released(held)
         pub.encoded(params, 6)
         assert len(pub._copies) == 3
     finally:
@@ -117,10 +122,7 @@ def test_unpipelined_a_copy_that_no_send_holds_is_reused_at_once() -> None:
         assert len(pub._copies) == 2 and held in pub._copies  # the held one, and one other reused for 1-4
         msg = protocol.decode(b.recv_multipart(copy=False), RUN)
         del msg
-        deadline = time.monotonic() + 10
-        while not held.idle():
-            assert time.monotonic() < deadline, "the received frame was never released"
-            time.sleep(0.01)
+        wait_released(held)
         pub.encoded(params, 5)
         assert len(pub._copies) == 2
     finally:
