@@ -56,9 +56,14 @@ class TooBig(Exception):
 
 # ---------------------------------------------------------------------------------------------- sending
 def messages(mtype: str, run: str, fields: dict[str, Any], cap: int, tensors: dict[str, torch.Tensor] | None = None,
-             checksum: bool = True, encoded: tuple[list[dict[str, Any]], list[Any]] | None = None) -> list[list[Any]]:
-    """The ZeroMQ messages of one logical message: `[protocol.encode(...)]` when it fits under `cap`, else its parts."""
+             checksum: bool = True, encoded: tuple[list[dict[str, Any]], list[Any]] | None = None,
+             part: int | None = None) -> list[list[Any]]:
+    """The ZeroMQ messages of one logical message: `[protocol.encode(...)]` when it fits under `cap`, else its parts.
+    `part`: cut it finer, into parts of about the header plus `part` bytes each (a sender that copies each part
+    as it goes holds no more than that per part)."""
     whole = protocol.encode(mtype, run, fields, tensors, checksum, encoded)
+    if part is not None:
+        cap = min(cap, len(whole[0]) + part)
     if protocol.message_bytes(whole) <= cap:
         return [whole]
     return split(whole, cap)

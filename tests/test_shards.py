@@ -385,12 +385,15 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
         for n, p in straight.pieces.items():
             assert torch.equal(pieces[n], p), f"{opt['name']}: piece {n} differs after {before} -> {after} shards"
         leader = second[0]  # the end of a run: the whole model again, the other shards' rows placed into it
-        leader.materialize()
-        with torch.no_grad():
-            for k, t in enumerate(second[1:], start=1):
-                for n, view in leader.partition.views(leader.params, k).items():
-                    view.copy_(t.pieces[n])
+        others = {k: {n: p.detach().clone() for n, p in t.pieces.items()} for k, t in enumerate(second[1:], start=1)}
+        assert leader.params_sha256(others) == straight.params_sha256()  # piece by piece, the model not built
+        leader.materialize(others)
         assert leader.params_sha256() == straight.params_sha256()
+        for n, view in leader.partition.views(leader.params, 0).items():  # its own rows: one copy, in the model
+            assert view.data_ptr() == leader.pieces[n].data_ptr()
+        for pieces in others.values():  # a tensor another shard owned whole is the received one, not a copy
+            whole = [n for n in pieces if n in leader.params]
+            assert all(leader.params[n].data_ptr() == pieces[n].data_ptr() for n in whole)
 
 
 # ---------------------------------------------------------------------------------------------- pipelined steps

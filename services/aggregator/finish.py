@@ -1,9 +1,10 @@
 """The end of a run on the leader: the whole model's result, the final checkpoint, then the final evaluation.
 
-Sharded, every shard's pieces after the last step are placed into the leader's model first. The final
-checkpoint is written before the final evaluation, so a crash there loses nothing. `summary.json` holds the
-result (`params_sha256`: the same bits for any worker count, shard count and faults); the run's state
-becomes `completed` in Redis, and workers that ask in the next moment are told to stop.
+Sharded, every shard's pieces after the last step are gathered first: the result's hash is taken over them
+piece by piece, and the whole model is built only for a final evaluation, once the final checkpoint is written
+(docs/design.md §8). The final checkpoint is written before the final evaluation, so a crash there loses
+nothing. `summary.json` holds the result (`params_sha256`: the same bits for any worker count, shard count and
+faults); the run's state becomes `completed` in Redis, and workers that ask in the next moment are told to stop.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary."""
     cfg = ctx.cfg
     wall = totals.wall_s()
-    if roster is not None:
-        trainer.materialize()
-        roster.gather(trainer.params, pump)
+    others = roster.gather(trainer.whole_shapes, pump) if roster is not None else None
     evals.finish()
     shards_total = roster.total if roster is not None else (lambda _field: 0)
     summary: dict[str, Any] = {
@@ -45,7 +44,7 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
         "workers": cfg.cluster.workers, "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
         "bytes_received": totals.bytes_out + shards_total("bytes_received"),
         "duplicate_param_sends": totals.duplicate_param_sends,
-        "params_sha256": trainer.params_sha256(), "final_lr": trainer.lr,
+        "params_sha256": trainer.params_sha256(others), "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,
         "stopped_early": stepper.stopped_early, "eval_history": evals.history,
@@ -57,6 +56,9 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
     summary["final_checkpoint"] = ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)
     if evals.fn:
+        if others is not None:  # the final evaluation runs on the whole model: built now, after the final checkpoint
+            trainer.drop_optimizer_state()
+            trainer.materialize(others)
         try:
             summary["eval"] = run_eval(evals.fn, trainer.model, str(cfg.eval.fn))
         except EvalError as exc:

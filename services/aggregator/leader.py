@@ -14,7 +14,7 @@ last complete checkpoint (a new term).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,29 +164,36 @@ class ShardRoster:
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
 
-    def gather(self, into: dict[str, torch.Tensor], pump: Callable[[], None], timeout: float = 120) -> None:
-        """Every shard's pieces after the last step into the whole model (`pump` receives one message). They
-        come on their own once a shard applied the last commit."""
+    def gather(self, shapes: Mapping[str, torch.Size], pump: Callable[[], None],
+               timeout: float = 120) -> dict[int, dict[str, torch.Tensor]]:
+        """Every shard's pieces after the last step, checked against the whole model's tensor `shapes` (`pump`
+        receives one message). They come on their own once a shard applied the last commit."""
         deadline = time.monotonic() + timeout
         while any(info.final is None for info in self.shards.values()):
             if time.monotonic() > deadline:
                 missing = sorted(k for k, info in self.shards.items() if info.final is None)
                 raise RuntimeError(f"shards {missing} did not send their final slice within {timeout:g} s")
             pump()
+        meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+        out = {}
         for k, info in self.shards.items():
             assert info.final is not None
-            self.place(k, info.final, into)
-            info.final = {}  # placed: free the received slice
+            self._check(k, info.final, self.partition.views(meta, k))
+            out[k], info.final = info.final, {}
+        return out
 
     def place(self, k: int, pieces: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
-        """Shard k's pieces (its final or evaluation slice) into the whole model's tensors `into`."""
+        """Shard k's pieces (its evaluation slice) into the whole model's tensors `into`."""
         views = self.partition.views(into, k)
-        if pieces.keys() != views.keys() or any(pieces[n].shape != v.shape for n, v in views.items()):
-            self.ctx.fatal(f"shard {k}'s slice does not fit this model: use the same model.factory, model.kwargs and "
-                           "cluster.shards for every shard")
+        self._check(k, pieces, views)
         with torch.no_grad():
             for name, view in views.items():
                 view.copy_(pieces[name])
+
+    def _check(self, k: int, pieces: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+        if pieces.keys() != views.keys() or any(pieces[n].shape != v.shape for n, v in views.items()):
+            self.ctx.fatal(f"shard {k}'s slice does not fit this model: use the same model.factory, model.kwargs and "
+                           "cluster.shards for every shard")
 
     def total(self, field: str) -> int:
         return sum(int((info.totals or {}).get(field, 0)) for info in self.shards.values())

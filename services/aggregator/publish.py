@@ -75,6 +75,11 @@ class Publisher:
                 return c.encoded, c.trackers
         return None
 
+    def release(self) -> None:
+        """The run is over: no version goes out again. The copies are freed once their sends let them go."""
+        self._copies.clear()
+        self._current = self._previous = None
+
     def _take(self, params: dict[str, torch.Tensor]) -> _Copy:
         for c in self._copies:
             if c is not self._previous and c.idle():

@@ -149,6 +149,7 @@ class Aggregator:
         poller.register(self.sock, zmq.POLLIN)
         next_housekeeping = 0.0
         while not self.ctx.stopping.is_set() and not self.stepper.done:
+            self.ckpt.wake_for_room(poller)
             if poller.poll(50):
                 for _ in range(64):  # drain a burst without starving housekeeping
                     try:
@@ -169,6 +170,7 @@ class Aggregator:
                 except redis.RedisError as exc:  # Redis down or restarting: training goes on without it
                     self.log.warning("redis unavailable", error=str(exc))
         if self.stepper.done:
+            self.publisher.release()  # no version goes out again: its copy is not kept for the end's peak
             finish.finish(self.ctx, self.trainer, self.stepper, self.evals, self.roster, self.reporter, self.ckpt,
                           self.totals, self.term, self.drops.as_dict(), self._pump)
             for identity, _, _ in self.leasing.waiting():

@@ -145,6 +145,7 @@ class ShardServer:
         poller.register(self.leader, zmq.POLLIN)
         try:
             while not self.ctx.stopping.is_set():
+                self.ckpt.wake_for_room(poller)
                 events = dict(poller.poll(50))
                 if self.leader in events:
                     self._from_leader()

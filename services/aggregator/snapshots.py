@@ -27,6 +27,10 @@ from cmemi.shared.service import ServiceContext
 from cmemi.shared.watch import Watch
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+# a snapshot's parts carry about two chunks each, whatever cluster.max_message_bytes: each is copied into ZeroMQ as
+# it goes (outgoing.py), so the part size, not the cap, is what a snapshot in flight adds to a server's memory
+SNAPSHOT_PART = 2 * transfer.CHUNK
+PROTECT_PATIENCE_S = 0.5
 
 
 def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
@@ -128,6 +132,7 @@ class CheckpointerLink:
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
+        self._polled: zmq.Socket | None = None  # registered for POLLOUT (`wake_for_room`)
         key = ctx.keys.checkpointer
         self.where = Watch(ctx.redis, 0.5, lambda r: r.hmget(key, ["addr", "incarnation"]), "checkpointer").start()
 
@@ -166,13 +171,14 @@ class CheckpointerLink:
     def _outgoing(self, snap: Snapshot, final: bool) -> Outgoing:
         step, meta, tensors = snap
         fields = {"step": step, "term": self.term, "final": final, "meta": meta, **self.sharding}
-        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors))
+        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors, SNAPSHOT_PART))
 
-    def _messages(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> list[list[Any]]:
-        """One logical message, in parts if it is over the cap."""
+    def _messages(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+                  part: int | None = None) -> list[list[Any]]:
+        """One logical message, in parts if it is over the cap (or, with `part`, of about that many bytes each)."""
         try:
             return transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
-                                     self.cfg.cluster.checksum)
+                                     self.cfg.cluster.checksum, part=part)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 
@@ -205,7 +211,14 @@ class CheckpointerLink:
         self.pump()
 
     def protect(self) -> None:
-        """Call before the live state changes (an optimizer step): what is not sent yet is copied now."""
+        """Call before the live state changes (an optimizer step). The step waits while the snapshot in flight goes
+        out — each part taken within PROTECT_PATIENCE_S — and what is still unsent then (a checkpointer that stopped
+        reading, the queued ones) is copied: a slow checkpointer costs the step time, a stalled one half a second,
+        and neither a second copy of the state (docs/design.md, "Memory")."""
+        out = self.in_flight
+        if out is not None and not out.changed and self.sock is not None:
+            while not out.sent and self.sock.poll(int(PROTECT_PATIENCE_S * 1000), zmq.POLLOUT):
+                out.pump(self.sock)
         for out in (self.in_flight, *self.queued):
             if out is not None:
                 out.protect()
@@ -217,6 +230,18 @@ class CheckpointerLink:
             self.in_flight.to = (self.addr, self.inc)
         if self.in_flight is not None and not self.in_flight.sent and self.sock is not None:
             self.in_flight.pump(self.sock)
+
+    def wake_for_room(self, poller: zmq.Poller) -> None:
+        """Call before the aggregator loop polls: while a snapshot's parts wait, the poll also wakes when the socket
+        has room (POLLOUT), so they go out as fast as the checkpointer takes them, and the next step finds less to
+        copy (`protect`)."""
+        want = self.sock if self.in_flight is not None and not self.in_flight.sent else None
+        if want is not self._polled:
+            if self._polled is not None:
+                poller.unregister(self._polled)
+            if want is not None:
+                poller.register(want, zmq.POLLOUT)
+            self._polled = want
 
     def poll(self) -> list[int]:
         """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""

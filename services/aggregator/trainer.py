@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import torch
 from cmemi.shared import buffers as buffer_rule
@@ -93,13 +94,34 @@ class Trainer:
         self._own_rows_into(out)
         return out
 
-    def materialize(self) -> None:
-        """The whole model again (the leader, at the end: the other shards' rows are placed into it next)."""
+    @property
+    def whole_shapes(self) -> dict[str, torch.Size]:
+        """Each trained tensor's shape in the whole model (also of those whose rows live on other shards)."""
+        return {n: self.dropped.get(n, p.shape) for n, p in self.params.items()}
+
+    def materialize(self, others: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """The whole model again (the leader, at the end), from its own pieces and the other shards' final ones
+        (`others`: shard -> piece name -> tensor, checked to fit). A tensor another shard owned whole takes the
+        received tensor as its storage; one split between shards is allocated and filled; each own piece moves into
+        its rows and aliases them again, as before `keep_own_rows`. No second copy of any row is left."""
         with torch.no_grad():
             for n, shape in self.dropped.items():
-                self.params[n].data = torch.empty(shape, dtype=self.params[n].dtype)
+                whole = others.get(self.partition.owner.get(n, -1), {}).get(n)  # a piece named as its tensor: whole
+                p = self.params[n]
+                p.data = whole if whole is not None and whole.dtype == p.dtype else torch.empty(shape, dtype=p.dtype)
             self.dropped = {}
-            self._own_rows_into(self.params)
+            for k, pieces in others.items():
+                for name, view in self.partition.views(self.params, k).items():
+                    if view.data_ptr() != pieces[name].data_ptr():
+                        view.copy_(pieces[name])
+            for name, view in self.partition.views(self.params, self.shard).items():
+                if (piece := self.pieces[name]) is not view:
+                    view.copy_(piece)
+                    piece.data = view
+
+    def drop_optimizer_state(self) -> None:
+        """The run is over and its final checkpoint written: the optimizer's state is not needed any more."""
+        self.optimizer.state.clear()
 
     def _own_rows_into(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.sharded:
@@ -184,13 +206,22 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
 
-    def params_sha256(self) -> str:
+    def params_sha256(self, others: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> str:
         """SHA-256 of the parameters' bytes (sorted by name), then the travelling buffers' (sorted by name):
-        trained statistics are part of the result. A model without buffers hashes its parameters only."""
+        trained statistics are part of the result. A model without buffers hashes its parameters only.
+        Sharded (the leader at the end), the other shards' final pieces are `others` (as `materialize` takes them):
+        each tensor's rows are hashed piece by piece, in row order, from whichever shard holds them, which gives
+        the bytes of the whole tensor without building it."""
         h = hashlib.sha256()
+        rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        if others is not None:
+            for p in self.partition.pieces:
+                k = self.partition.owner[p.name]
+                rows.setdefault(p.param, []).append((p.lo, self.pieces[p.name] if k == self.shard else others[k][p.name]))
         for group in (self.params, self.buffers):
             for n in sorted(group):
-                h.update(group[n].detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+                for _, t in sorted(rows.get(n, [(0, group[n])]), key=lambda r: r[0]):
+                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
         return h.hexdigest()
 
     def wire_state(self) -> dict[str, torch.Tensor]:
