@@ -144,7 +144,7 @@ class Worker:
                     except Lost as exc:
                         self.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
                         break
-                    self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"],
+                    self.log.info("joined", aggregator=addr, transport=self.life.links, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
                     self.life.forget_readings()
                     return
