@@ -6,7 +6,9 @@ For a compute-bound model (a small CNN) and a communication-bound one (a wide ML
   (c) CMEMI with 2 workers (train.microbatches = 2)
   (d) torchrun DDP (gloo), 2 processes                python -m torch.distributed.run --nproc_per_node 2 ...
   (e) CMEMI with 2 workers and 2 parameter-server shards (cluster.shards = 2)
-  (f) CMEMI with 2 workers and `security.curve: false` (what CurveZMQ costs: gloo encrypts nothing)
+  (f) CMEMI with 2 workers over tcp:// and `security.curve: false` (what CurveZMQ costs: gloo encrypts nothing)
+  (g) CMEMI with 2 workers over CurveZMQ tcp:// (`cluster.transport: tcp`); (c) takes the default, `auto`: the
+      workers share the aggregator's host, so they reach it over ipc:// without encryption (shared/samehost.py)
 Every process runs one intra-op thread. M equals the worker count so each process computes exactly the
 forward/backward its baseline counterpart does (global batch B: plain and 1 worker compute B per step,
 DDP ranks and CMEMI's 2 workers B/2 each).
@@ -14,7 +16,7 @@ DDP ranks and CMEMI's 2 workers B/2 each).
     .venv/bin/python bench/overhead.py [--quick] [--repeats R]
 
 Prints one JSON object; `ratios.<workload>.cmemi_1w_vs_plain` = (b)/(a) and `cmemi_2w_vs_ddp_2p` = (c)/(d)
-and `cmemi_2w_k2_vs_ddp_2p` = (e)/(d), `cmemi_2w_nocurve_vs_ddp_2p` = (f)/(d) (step-time ratios, lower is better). Runs in the same invocation alternate so that slow drift of the
+and `cmemi_2w_k2_vs_ddp_2p` = (e)/(d), `cmemi_2w_nocurve_vs_ddp_2p` = (f)/(d), `cmemi_2w_tcp_vs_ddp_2p` = (g)/(d) (step-time ratios, lower is better). Runs in the same invocation alternate so that slow drift of the
 shared machine's load affects all variants alike; with --repeats > 1 the medians over repeats are used.
 """
 
@@ -64,11 +66,12 @@ def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2, 
 
 
 def cmemi(work: Path, wl: str, steps: int, warmup: int, workers: int, tag: str, shards: int = 1,
-          curve: bool = True) -> dict[str, Any]:
+          curve: bool = True, transport: str = "auto") -> dict[str, Any]:
     name = C.safe_name(f"ovh_{tag}")
     cfg = C.cmemi_config(name, work / name, WORKLOADS[wl], steps=steps, microbatches=workers, workers=workers,
                          shards=shards)
     cfg["security"] = {"curve": curve}
+    cfg["cluster"]["transport"] = transport
     t0 = time.time()
     with C.CmemiRun(cfg, work) as run:
         cpu = C.GroupCpu(run.group.pgid)
@@ -113,7 +116,7 @@ def main() -> None:
         results: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for wl in args.workloads.split(","):
             results[wl] = {"plain": [], "cmemi_1w": [], "ddp_2p": [], "cmemi_2w": [], "cmemi_2w_k2": [],
-                           "cmemi_2w_nocurve": []}
+                           "cmemi_2w_nocurve": [], "cmemi_2w_tcp": []}
             n = steps[wl]
             for r in range(repeats[wl]):
                 tag = f"{wl}-{r}"
@@ -130,8 +133,11 @@ def main() -> None:
                 C.log(f"{wl}: cmemi 2 workers, Curve off -> {results[wl]['cmemi_2w_k2'][-1].get('step_time_median_s')} "
                       "cmemi 2w 2 shards")
                 results[wl]["cmemi_2w_nocurve"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w-nocurve",
-                                                              curve=False))
-                C.log(f"{wl}: done -> {results[wl]['cmemi_2w_nocurve'][-1].get('step_time_median_s')} cmemi 2w no Curve")
+                                                              curve=False, transport="tcp"))
+                C.log(f"{wl}: cmemi 2 workers, CurveZMQ tcp -> "
+                      f"{results[wl]['cmemi_2w_nocurve'][-1].get('step_time_median_s')} cmemi 2w no Curve")
+                results[wl]["cmemi_2w_tcp"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w-tcp", transport="tcp"))
+                C.log(f"{wl}: done -> {results[wl]['cmemi_2w_tcp'][-1].get('step_time_median_s')} cmemi 2w CurveZMQ tcp")
         step_times: dict[str, Any] = {}
         ratios: dict[str, Any] = {}
         for wl, by in results.items():
@@ -149,6 +155,7 @@ def main() -> None:
                 "cmemi_2w_vs_ddp_2p": C.ratio(med["cmemi_2w"], med["ddp_2p"]),
                 "cmemi_2w_k2_vs_ddp_2p": C.ratio(med["cmemi_2w_k2"], med["ddp_2p"]),
                 "cmemi_2w_nocurve_vs_ddp_2p": C.ratio(med["cmemi_2w_nocurve"], med["ddp_2p"]),
+                "cmemi_2w_tcp_vs_ddp_2p": C.ratio(med["cmemi_2w_tcp"], med["ddp_2p"]),
                 "wall_cross_check": {"cmemi_1w_vs_plain": C.ratio(wall["cmemi_1w"], wall["plain"]),
                                      "cmemi_2w_vs_ddp_2p": C.ratio(wall["cmemi_2w"], wall["ddp_2p"])},
                 "cpu_cost": {"cmemi_1w_vs_plain": C.ratio(cpu["cmemi_1w"], cpu["plain"]),

@@ -209,7 +209,7 @@ def _member(role: str, ident: str, rec: dict[str, str], hb: str | None, fence_va
         "id": ident, "role": role, "incarnation": inc, "host": rec.get("host"), "pid": _num(rec.get("pid"), int),
         "state": state, "heartbeat_age_s": hb_age, "started_at": _num(rec.get("started_at")),
     }
-    for extra in ("addr", "term", "metrics_url"):
+    for extra in ("addr", "term", "metrics_url", "transport"):
         if extra in rec:
             out[extra] = _num(rec[extra], int) if extra == "term" else rec[extra]
     return out
@@ -497,8 +497,9 @@ def render(report: dict[str, Any], width: int = 24) -> str:
     lines.append(f"workers ({sum(1 for w in workers if w.get('state') == 'running')} running)")
     if workers:
         rows = [[w["id"], _fmt(w.get("incarnation")), _fmt(w.get("host")), _fmt(w.get("pid")), _fmt(w.get("state")),
-                 _age(w.get("heartbeat_age_s")), _fmt(w.get("microbatches_done"))] for w in workers]
-        lines += _table(["id", "incarnation", "host", "pid", "state", "heartbeat", "microbatches"], rows)
+                 _age(w.get("heartbeat_age_s")), _fmt(w.get("microbatches_done")), _fmt(w.get("transport"))]
+                for w in workers]
+        lines += _table(["id", "incarnation", "host", "pid", "state", "heartbeat", "microbatches", "transport"], rows)
     else:
         lines.append("  (none registered yet)")
     lines.append("")

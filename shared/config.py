@@ -227,6 +227,10 @@ class ClusterConfig:
     parameters, shards 1..K-1 cut their slice into S stages, step each stage as soon as every microbatch's copy of it
     is in and send it back at once, while later stages still arrive (for dedicated server hosts; needs no
     train.clip_grad_norm and no fp16). The same params_sha256 either way."""
+    transport: str = "auto"
+    """How workers reach the aggregator and its shards. auto: a server on this host over ipc:// (a Unix socket in a
+    0700 directory, same uid and a worker key checked, no encryption), a remote one over CurveZMQ tcp://; tcp:
+    CurveZMQ tcp:// everywhere; shm: same-host servers only (a remote one is refused with one line)."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""
@@ -260,6 +264,9 @@ class ClusterConfig:
         if self.pipeline_stages and self.shards < 2:
             _fail("cluster.pipeline_stages", self.pipeline_stages, "pipelines the steps of 2 or more shards",
                   "set cluster.shards >= 2 (the leader and at least one shard), or cluster.pipeline_stages: 0")
+        if self.transport not in ("auto", "tcp", "shm"):
+            _fail("cluster.transport", self.transport, "must be one of auto, tcp, shm",
+                  "use auto (same-host peers over ipc://, remote ones over CurveZMQ tcp://), or tcp")
         if self.redis is not None and not self.redis.startswith(("redis://", "rediss://", "unix://")):
             _fail("cluster.redis", self.redis, "must be a redis:// or rediss:// URL", "e.g. redis://:password@10.0.0.5:6379/0, or null")
 

@@ -19,6 +19,12 @@ Z85 key: `Curve.role(frame)` maps it back to the role, and each server checks th
 message type (only workers ask for work, only the coordinator fences, only the aggregator talks to
 the checkpointer). A peer with an unknown key, or no encryption at all, fails the handshake inside
 ZeroMQ: its bytes never reach a service, and libzmq buffers nothing for it.
+
+Same-host workers (shared/samehost.py) reach a server's ipc:// endpoint instead, without encryption: ZeroMQ's
+PLAIN hello carries the worker's secret key, and the ZAP handler (`_LocalAuth`) admits the peer only if the
+kernel's SO_PEERCRED uid (libzmq hands it over as the ZAP address, `host:uid:gid:pid`) is ours and the key's
+public half is a worker key in keys_dir; its messages then carry the User-Id `ipc:worker`, so the per-message
+role checks are the same. No other role is admitted there.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +45,8 @@ ROLES = ("aggregator", "coordinator", "worker")  # client roles; "server" is the
 # servers serve with the server pair, each client uses its own role's pair.
 ROLE_SECRETS = {"aggregator": ("server", "aggregator"), "checkpointer": ("server",),
                 "coordinator": ("coordinator",), "worker": ("worker",)}
+LOCAL_DOMAIN = b"cmemi-local"  # the ZAP domain of the ipc:// endpoints
+LOCAL_USER = "ipc:"  # User-Id prefix of a peer admitted on an ipc:// endpoint
 RESCAN_S = 1.0  # an unknown key re-reads keys_dir at most this often (new worker keys while running)
 
 
@@ -153,6 +162,44 @@ class _Roles:
             return self.by_key.get(z85_key.encode())
 
 
+class _LocalAuth(ThreadAuthenticator):
+    """ZAP for CurveZMQ (pyzmq's rules) and for the ipc:// endpoints' PLAIN hellos (ours: same uid, worker key)."""
+
+    def __init__(self, ctx: zmq.Context, worker_key: Callable[[bytes], bool] | None) -> None:
+        super().__init__(ctx)
+        self.worker_key = worker_key  # None: Curve is off, no keys, no roles (the uid still decides)
+        self.refused = 0
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) == 8 and msg[5] == b"PLAIN":
+            user = self.local(msg[2], msg[3], msg[7])
+            if user is None:
+                self.refused += 1
+                self._send_zap_reply(msg[1], b"400", b"refused")
+            else:
+                self._send_zap_reply(msg[1], b"200", b"OK", user)
+            return
+        if msg[5:6] == [b"PLAIN"]:
+            self._send_zap_reply(msg[1], b"400", b"refused")
+            return
+        await super().handle_zap_message(msg)
+
+    def local(self, domain: bytes, address: bytes, password: bytes) -> str | None:
+        """The User-Id of an ipc:// peer, or None to refuse it."""
+        if domain != LOCAL_DOMAIN:
+            return None  # PLAIN anywhere else (a tcp:// endpoint) is not ours
+        fields = address.decode("ascii", "replace").rsplit(":", 3)
+        if len(fields) != 4 or fields[1] != str(os.getuid()):
+            return None  # another uid (or no peer credentials at all)
+        if self.worker_key is None:
+            return LOCAL_USER.rstrip(":")
+        try:
+            public = zmq.curve_public(password)
+        except (zmq.ZMQError, ValueError, TypeError):
+            return None
+        return f"{LOCAL_USER}worker" if self.worker_key(public) else None
+
+
 @dataclass
 class Curve:
     """Per-process CurveZMQ setup; a no-op when security.curve is false."""
@@ -160,7 +207,7 @@ class Curve:
     enabled: bool
     keys_dir: Path | None = None
     role_name: str = ""
-    _auth: ThreadAuthenticator | None = None
+    _auth: _LocalAuth | None = None
     _roles: _Roles | None = None
     _mine: dict[str, KeyPair] = field(default_factory=dict)
 
@@ -179,15 +226,40 @@ class Curve:
         if not self.enabled:
             return
         server = self._pair("server")
-        if self._auth is None:
-            assert self.keys_dir is not None
-            self._roles = _Roles(self.keys_dir)
-            self._auth = ThreadAuthenticator(ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback(domain="*", credentials_provider=self._roles)
+        self._authenticator(ctx)
         sock.curve_secretkey = server.secret
         sock.curve_publickey = server.public
         sock.curve_server = True
+
+    def _authenticator(self, ctx: zmq.Context) -> _LocalAuth:
+        if self._auth is None:
+            worker_key = None
+            if self.enabled:
+                assert self.keys_dir is not None
+                roles = self._roles = _Roles(self.keys_dir)
+                worker_key = lambda public: roles.callback("*", public) and roles.role(public.decode()) == "worker"  # noqa: E731
+            self._auth = _LocalAuth(ctx, worker_key)
+            self._auth.start()
+            if self.enabled:
+                self._auth.configure_curve_callback(domain="*", credentials_provider=self._roles)
+        return self._auth
+
+    def serve_local(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+        """Make the endpoints `sock` binds from now on (ipc:// ones) admit only same-uid workers (`_LocalAuth`).
+        libzmq takes a socket's mechanism at bind time, so its tcp:// endpoint, bound before, keeps CurveZMQ."""
+        self._authenticator(ctx)
+        sock.plain_server = True
+        sock.zap_domain = LOCAL_DOMAIN
+
+    def connect_local(self, sock: zmq.Socket) -> None:
+        """A worker's socket to an ipc:// endpoint: its secret key proves it is a worker (no encryption)."""
+        sock.plain_username = b"worker"
+        sock.plain_password = self._pair("worker").secret if self.enabled else b"-"
+
+    @property
+    def refused_local(self) -> int:
+        """ipc:// peers the ZAP handler refused (another uid, no worker key)."""
+        return self._auth.refused if self._auth is not None else 0
 
     def connect_as_client(self, sock: zmq.Socket) -> None:
         if not self.enabled:
@@ -211,6 +283,8 @@ class Curve:
             user = frame.get("User-Id")
         except (zmq.ZMQError, AttributeError):
             return ""
+        if user.startswith(LOCAL_USER):
+            return user.removeprefix(LOCAL_USER)
         return self._roles.role(user) or ""
 
     def close(self) -> None:

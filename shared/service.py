@@ -18,7 +18,7 @@ from typing import Any
 import redis
 import structlog
 import zmq
-from cmemi.shared import lifeline, metrics, startup
+from cmemi.shared import lifeline, metrics, samehost, startup
 from cmemi.shared.config import Config, ConfigError, load_config
 from cmemi.shared.keys import Keys
 from cmemi.shared.log import setup_logging
@@ -126,8 +126,9 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
 
 
 def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq.Socket, str]:
-    """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port);
-    returns it and the address peers connect to."""
+    """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port),
+    and, unless cluster.transport is tcp, to an ipc:// endpoint for same-host workers (shared/samehost.py); returns
+    it and the address peers connect to (both endpoints, `samehost.advertise`)."""
     from cmemi.shared import (
         protocol,  # here: it imports torch, which the coordinator (and `cmemi up`) never need
     )
@@ -136,4 +137,11 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq
     ctx.curve.serve(zctx, sock)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
     sock.setsockopt(zmq.LINGER, 1000)
-    return sock, protocol.bind(sock, ctx.cfg.cluster.host, port)
+    tcp = protocol.bind(sock, ctx.cfg.cluster.host, port)
+    local = None
+    if ctx.cfg.cluster.transport != "tcp":
+        try:
+            local = samehost.bind_local(ctx.curve, zctx, sock, ctx.run_dir, ctx.log_service)
+        except samehost.TransportError as exc:
+            ctx.fatal(str(exc))
+    return sock, samehost.advertise(tcp, local)

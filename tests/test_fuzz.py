@@ -31,7 +31,7 @@ import msgpack
 import pytest
 import xxhash
 import zmq
-from cmemi.shared import protocol
+from cmemi.shared import protocol, samehost
 from zmq.utils.monitor import recv_monitor_message
 
 from cmemi.events import load_events
@@ -527,7 +527,7 @@ def test_fuzzed_aggregator_stays_up_and_accepts_nothing(tmp_path: Path, referenc
         c.wait_step(40, timeout=180)
         agg = c.redis.hgetall(c.keys.aggregator)
         member = c.redis.hgetall(c.keys.member("aggregator", "0"))
-        pid, inc, addr = int(member["pid"]), agg["incarnation"], agg["addr"]
+        pid, inc, addr = int(member["pid"]), agg["incarnation"], samehost.tcp_of(agg["addr"])
         assert member["incarnation"] == inc
 
         def agg_alive() -> None:
@@ -642,7 +642,7 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
         keys = c.run_dir / "keys"  # it holds the worker key and registers in Redis, as a worker host can
         sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(str(keys / "worker.key_secret"))
         sock.curve_serverkey = zmq.auth.load_certificate(str(keys / "server.key"))[0]
-        sock.connect(agg["addr"])
+        sock.connect(samehost.tcp_of(agg["addr"]))
         member = Member(c.redis, c.keys, "worker", "mallory", 0.1, 1.0).start()
         me = {"wid": "mallory", "inc": member.incarnation}
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.shared import protocol
+from cmemi.shared import protocol, samehost
 from cmemi.shared.config import load_config
 from cmemi.shared.data import fingerprint
 from cmemi.shared.membership import Member
@@ -56,7 +56,7 @@ class Attacker:
         self.c, self.key = c, key
         self.ctx = zmq.Context()
         self.run = c.run
-        self.agg_addr = c.redis.hget(c.keys.aggregator, "addr")
+        self.agg_addr = samehost.tcp_of(c.redis.hget(c.keys.aggregator, "addr"))
         self.ckpt_addr = c.redis.hget(c.keys.checkpointer, "addr")
         self.term = int(c.redis.get(c.keys.term))
         self.socks: list[zmq.Socket] = []

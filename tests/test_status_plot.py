@@ -185,8 +185,8 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
     client.hset(k.aggregator, mapping={"addr": "tcp://127.0.0.1:5", "term": 9, "pid": 1, "incarnation": 3})
     member("aggregator", "0", 3, addr="tcp://127.0.0.1:5", term=9)
     member("coordinator", "0", 1)
-    member("worker", "w0", 20)
-    member("worker", "w1", 21, hb=False)       # silent: dead or hung, not yet declared
+    member("worker", "w0", 20, transport="ipc")
+    member("worker", "w1", 21, hb=False, transport="aggregator:ipc shard1:tcp")       # silent: dead or hung, not yet declared
     member("worker", "w2", 22)
     client.set(k.fence("worker", "w2"), 22)     # declared dead
     member("worker", "w10", 23, state="stopped", hb=False)  # left gracefully
@@ -206,6 +206,7 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
     assert [w["id"] for w in r["workers"]] == ["w0", "w1", "w2", "w10"]
     assert 0.4995 <= r["workers"][0]["heartbeat_age_s"] <= 0.5005 + waited  # the heartbeat holds ms
     assert r["workers"][1]["heartbeat_age_s"] is None
+    assert [w.get("transport") for w in r["workers"]] == ["ipc", "aggregator:ipc shard1:tcp", None, None]
     assert r["services"]["aggregator"]["addr"] == "tcp://127.0.0.1:5" and r["services"]["aggregator"]["term"] == 9
     assert r["checkpoint"] == {"step": 10, "path": None}
     assert [e["kind"] for e in r["events"]] == [f"e{i}" for i in range(4, 12)]  # the last 8, oldest first
@@ -220,6 +221,7 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
         assert col in text
     assert "state running" in text and "step 12/50" in text and "term 9" in text and "step 10" in text
     assert "no heartbeat" in text and "fenced" in text and "e11" in text and "e3" not in text
+    assert "transport" in text and "aggregator:ipc shard1:tcp" in text
 
     # --watch: one report per refresh until the run ends (JSON lines with --json)
     sleeps = []

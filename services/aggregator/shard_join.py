@@ -11,6 +11,7 @@ from cmemi.services.aggregator import snapshots
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
+from cmemi.shared import samehost
 from cmemi.shared.service import ServiceContext
 
 
@@ -56,5 +57,5 @@ def leader_link(ctx: ServiceContext, zctx: zmq.Context, addr: str) -> zmq.Socket
     ctx.curve.connect_as_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
-    sock.connect(addr)
+    sock.connect(samehost.tcp_of(addr))  # shard to leader: CurveZMQ always (only workers use ipc://)
     return sock

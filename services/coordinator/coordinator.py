@@ -26,7 +26,7 @@ from cmemi.services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from cmemi.shared import metrics, startup, wire
+from cmemi.shared import metrics, samehost, startup, wire
 from cmemi.shared.counters import GAP, Counters
 from cmemi.shared.membership import Member, read_events
 from cmemi.shared.service import EXIT_FATAL, EXIT_REJOIN, ServiceContext
@@ -428,7 +428,7 @@ class Coordinator:
             self.agg_sock = self.zctx.socket(zmq.DEALER)
             self.ctx.curve.connect_as_client(self.agg_sock)
             self.agg_sock.setsockopt(zmq.LINGER, 0)
-            self.agg_sock.connect(addr)
+            self.agg_sock.connect(samehost.tcp_of(addr))  # fences: CurveZMQ always (only workers use ipc://)
             self.agg_addr = addr
         assert self.agg_sock is not None
         # header-only (shared/wire.py): the coordinator never imports torch, so a restarted one is up in ~1 s

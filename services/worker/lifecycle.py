@@ -23,6 +23,7 @@ class Lifecycle:
         self.ctx = ctx
         self.member: Member | None = None
         self.watch: Watch | None = None  # once registered (a spare, once it has an identity)
+        self.links: dict[str, str] = {}  # peer -> the transport this worker reaches it by (status)
 
     def wait_for_identity(self, spare: str) -> str | None:
         """As a warm spare: block until the coordinator hands us the id of a dead worker to replace (None: an
@@ -47,6 +48,21 @@ class Lifecycle:
         self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
                            .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
         return self.member.incarnation
+
+    def transport(self, peer: str, kind: str) -> None:
+        """Record in the member record how this worker reaches `peer` (ipc or tcp), for `cmemi status`."""
+        if peer == "aggregator":  # a new term: the shards' links are made again after the leader's welcome
+            self.links.clear()
+        self.links[peer] = kind
+        kinds = set(self.links.values())
+        value = kinds.pop() if len(kinds) == 1 else " ".join(f"{p}:{k}" for p, k in sorted(self.links.items()))
+        if self.member is None:
+            return
+        self.member.extra = {**self.member.extra, "transport": value}  # a re-registration writes it again
+        try:
+            self.ctx.redis.hset(self.ctx.keys.member("worker", self.member.ident), "transport", value)
+        except redis.RedisError:
+            pass
 
     def exit_if_finished(self) -> None:
         """A worker that (re)starts after the run ended, or missed the stop message, leaves cleanly."""

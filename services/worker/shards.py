@@ -69,8 +69,9 @@ class Link:
 
 class ShardLinks:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
-                 ident: Callable[[], dict[str, Any]]) -> None:
+                 ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], None]) -> None:
         self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
+        self.link = link  # connects a socket to a shard's address by the worker's transport rule (worker._link)
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
@@ -83,11 +84,10 @@ class ShardLinks:
         me = self.ident()
         for k, addr in enumerate(addrs, start=1):
             sock = zctx.socket(zmq.DEALER)
-            self.ctx.curve.connect_as_client(sock)
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
-            sock.connect(addr)
+            self.link(sock, addr, f"shard{k}")
             views = self.partition.views(self.params, k)
             staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
             layouts = [Layout(stage) for stage in staged]

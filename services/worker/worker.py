@@ -26,7 +26,7 @@ from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import limits, protocol, startup, transfer
+from cmemi.shared import limits, protocol, samehost, startup, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -66,7 +66,8 @@ class Worker:
             self.runner.loader = Loader(cfg, self.dataset, cfg.data.workers, log=ctx.log)
         self.params = self.runner.params
         self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages)  # the leader's slice, and the other shards'
-        self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc})
+        self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc},
+                                      self._link)
         self.device = torch.device("cpu")
         self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
@@ -122,11 +123,10 @@ class Worker:
                 self.sock.close(linger=0)
                 self.parts.keep(())  # the rest of an unfinished transfer will never come on a new socket
             self.sock = self.zctx.socket(zmq.DEALER)
-            self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.IDENTITY, f"{self.wid}/{self.inc}/{term}".encode())
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
-            self.sock.connect(addr)
+            self._link(self.sock, addr, "aggregator")
             self.agg_addr = addr
             hello = {"fp": self.fp, "host": self.host, "env": environment(self.device, self.cfg)}
             self._send("hello", **hello)
@@ -144,12 +144,20 @@ class Worker:
                     except Lost as exc:
                         self.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
                         break
-                    self.log.info("joined", aggregator=addr, term=self.term, step=msg.header["step"],
+                    self.log.info("joined", aggregator=addr, transport=self.life.links, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
                     self.life.forget_readings()
                     return
                 self._handle_reject_or_stop(msg)
             self.life.check_fenced()
+
+    def _link(self, sock: zmq.Socket, addr: str, peer: str) -> None:
+        """Connect to a server over ipc:// when it is on this host, else CurveZMQ tcp:// (cluster.transport)."""
+        try:
+            kind = samehost.connect(self.ctx.curve, sock, addr, self.cfg.cluster.transport, peer)
+        except samehost.TransportError as exc:
+            self.ctx.fatal(f"worker {self.wid}: {exc}")
+        self.life.transport(peer, kind)
 
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         assert self.sock is not None

@@ -1,0 +1,57 @@
+"""The same-host path under faults: every role SIGKILLed while workers talk to the aggregator over ipc://.
+
+The run must end as a fault-free one does (the same params_sha256), every worker (re)join must have taken ipc://,
+and nothing may be left behind: no socket file in the run's socket directory, no new /dev/shm entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.chaos import Cluster, poll
+from tests.conftest import LONG
+from tests.test_chaos import inject
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(900)]
+
+FAULTS = ((100, "worker_kill"), (250, "aggregator"), (400, "checkpointer"), (550, "coordinator"),
+          (700, "worker_kill"), (850, "aggregator"))
+
+
+def joins(run_dir: Path) -> list[dict]:
+    """Every worker's "joined" log line (one per (re)join, carrying the transport it took per server)."""
+    out = []
+    for log in sorted((run_dir / "logs").glob("worker*.log")):
+        for line in log.read_text().splitlines():
+            if '"event": "joined"' in line:
+                out.append(json.loads(line))
+    return out
+
+
+def test_every_role_killed_over_ipc_same_bits_no_leaks(tmp_path: Path, reference: str) -> None:
+    shm_before = sorted(os.listdir("/dev/shm"))
+    rng = random.Random(31)
+    c = Cluster(tmp_path / "run", *LONG, "cluster.workers=2", "cluster.spare_workers=1", "checkpoint.every_steps=50",
+                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
+    try:
+        sockets = c.run_dir / "ipc"
+        poll(lambda: len(list(sockets.glob("aggregator-*.sock"))) == 1, 120, "the aggregator's ipc:// endpoint")
+        for at, kind in FAULTS:
+            poll(lambda at=at: c.step() >= at, 180, f"step {at}")
+            inject(c, rng, kind)
+    finally:
+        rc = c.wait(timeout=600)
+    assert rc == 0, c.output()
+    assert c.summary["params_sha256"] == reference
+    seen = joins(c.run_dir)
+    killed_aggregators = sum(kind == "aggregator" for _, kind in FAULTS)
+    assert len(seen) >= 2 * (1 + killed_aggregators), seen  # each worker joined each aggregator term
+    assert all(j["transport"] == {"aggregator": "ipc"} for j in seen), [j["transport"] for j in seen]
+    # killed aggregators left their socket files; the next one swept them, the last one removed its own
+    assert not sockets.exists() or list(sockets.iterdir()) == []
+    assert sorted(os.listdir("/dev/shm")) == shm_before
