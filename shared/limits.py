@@ -15,13 +15,16 @@ tensors, and never less than the cap.
 The sizes come from the model the process really builds (`record`, called by plugins.build_model), in
 the context a plain script gives the factory: never a meta device, which turns every tensor the factory
 creates — and caches for the dataset to read — into a tensor without data. A process that builds no
-model (the checkpointer) measures one in a forked child that is thrown away.
+model (the checkpointer) measures one in a forked child that is thrown away, on the meta device when the
+factory allows it (shapes only: the child stays small whatever the model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+from collections.abc import Callable
 
 import torch
 from cmemi.shared.config import Config
@@ -55,8 +58,16 @@ def model_bytes(cfg: Config) -> int | None:
 
 
 def _measure_in_child(cfg: Config) -> int | None:
-    """Build the model in a forked child and return its size: whatever the factory creates or caches dies
-    with the child. One intra-op thread there: a fork after this process used OpenMP hangs on a second one."""
+    """The model's size, measured in a forked child: whatever the factory creates or caches dies with it. First on
+    the meta device (shapes without data: the child stays at the interpreter's size whatever the model's; the
+    checkpointer's budget, issue 34); a factory that cannot build there (it reads a tensor's values, loads
+    weights) is built for real in a second child, its cache untouched by the first."""
+    size = _in_child(cfg, meta=True)
+    return size if size is not None else _in_child(cfg, meta=False)
+
+
+def _in_child(cfg: Config, meta: bool) -> int | None:
+    """One intra-op thread in the child: a fork after this process used OpenMP hangs on a second one."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover (a child: coverage never sees it)
@@ -65,7 +76,7 @@ def _measure_in_child(cfg: Config) -> int | None:
             from cmemi.shared.plugins import build_model
 
             torch.set_num_threads(1)
-            os.write(w, struct.pack("<q", tensor_bytes(build_model(cfg))))
+            os.write(w, struct.pack("<q", measure(cfg, build_model, meta)))
         except BaseException:  # the service itself builds nothing else here: any failure means "unknown"
             pass
         os._exit(0)
@@ -76,6 +87,13 @@ def _measure_in_child(cfg: Config) -> int | None:
     os.close(r)
     os.waitpid(pid, 0)
     return struct.unpack("<q", data)[0] if len(data) == 8 else None
+
+
+def measure(cfg: Config, build: Callable[[Config], torch.nn.Module], meta: bool) -> int:
+    """Parameter + buffer bytes of the model `build` makes, on the meta device if `meta` (only in a process that is
+    thrown away: the factory's caches would hold tensors without data)."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return tensor_bytes(build(cfg))
 
 
 def _derived(cfg: Config) -> int:

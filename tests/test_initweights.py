@@ -98,3 +98,18 @@ def test_the_run_fingerprint_is_the_checkpoints_else_the_first_workers() -> None
 def test_the_zygote_imports_the_modules_the_config_names() -> None:
     cfg = digits("optimizer.name=mypkg.opt:Lion")
     assert user_modules(cfg) == ["cmemi.examples.digits", "torch.nn.functional", "mypkg.opt"]
+
+
+def test_a_model_is_measured_on_the_meta_device_when_its_factory_allows_it() -> None:
+    """The checkpointer's child measures shapes only (it stays small whatever the model); a factory that reads
+    data values cannot build there and is measured for real in a fresh child: the same size either way."""
+    devices = []
+
+    def build(cfg):
+        model = build_model(cfg)
+        devices.append(next(model.parameters()).device.type)
+        return model
+
+    plain = digits()
+    assert limits.measure(plain, build, meta=True) == limits.tensor_bytes(build_model(plain)) and devices[0] == "meta"
+    assert limits.model_bytes(plain) == limits.tensor_bytes(build_model(plain))
