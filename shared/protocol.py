@@ -60,7 +60,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
     "saved": {"step": _INT, "path": _STR},
     "skipped": {"step": _INT},  # a shard's snapshot of a step that will never be complete (a newer one came)
-    "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard"
+    "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard", "owned" (its piece names)
     "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
     "no_checkpoint": {"term": _INT},
     # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard.py): hello/welcome/reject as above, then

@@ -136,6 +136,10 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq
     sock = zctx.socket(zmq.ROUTER)
     ctx.curve.serve(zctx, sock)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
+    # at most two messages (parts of a big gradient: transfer.PART each) queued per peer in ZeroMQ; the rest waits
+    # in the peer's queue (zero-copy from its tensors) and the kernel's: without it, every part of every worker's
+    # gradient could sit here beside their reassembled copies (docs/design.md §8). Curve's ZAP takes one entry.
+    sock.setsockopt(zmq.RCVHWM, 2)
     sock.setsockopt(zmq.LINGER, 1000)
     tcp = protocol.bind(sock, ctx.cfg.cluster.host, port)
     local = None

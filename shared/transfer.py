@@ -45,6 +45,9 @@ from cmemi.shared import protocol
 from cmemi.shared.protocol import Message, ProtocolError
 
 CHUNK = 4 << 20  # bytes; a multiple of 64 (docs/design.md §3)
+# The part size of the big messages whose receivers bound what they queue (RCVHWM) or whose senders copy each
+# part as it goes: gradients, snapshots. Two chunks: a queued part costs 8 MiB, not the cap (docs/design.md §8).
+PART = 2 * CHUNK
 _ALIGN = 64
 _ENTRY = 24  # msgpack bound of one [tensor, offset, nbytes] entry (fixarray + three ints below 2^32 / 2^64)
 _BIG = 1 << 32  # stands in for index and count when bounding a part header

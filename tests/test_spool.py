@@ -210,3 +210,32 @@ def test_a_restore_read_from_the_files_is_the_message_sent_before(tmp_path: Path
     assert msg is not None and msg.type == "restore" and list(msg.tensors) == list(loaded)
     assert all(torch.equal(msg.tensors[n], loaded[n]) for n in loaded)
     assert list(load_file(str(path / "model.safetensors"))) == [n[6:] for n in loaded if n.startswith("model.")]
+
+
+def test_a_sharded_restore_sends_a_shard_the_model_and_its_own_state_only(tmp_path: Path) -> None:
+    """The other shards' optimizer state stays on disk when the requester owns what its shard owned then; any
+    other requester (another cluster.shards, other pieces, an unsharded checkpoint) gets everything to cut again."""
+    tensors = {"model.w": torch.ones(8, 4), "shard0.optimizer.state.#int:0.exp_avg": torch.zeros(4, 4),
+               "shard1.optimizer.state.#int:0.exp_avg": torch.ones(4, 4), "shard10.x": torch.ones(2)}
+    meta = {"shards": 2, "per_shard": [{"owned": ["w#0"]}, {"owned": ["w#1"]}]}
+    keep = restore.wanted(meta, 2, {"shard": 1, "owned": ["w#1"]})
+    assert [n for n in tensors if keep(n)] == ["model.w", "shard1.optimizer.state.#int:0.exp_avg"]
+    for header, shards in (({"shard": 1, "owned": ["w#0"]}, 2), ({"shard": 1, "owned": ["w#1"]}, 3),
+                           ({"shard": 1}, 2), ({"shard": 5, "owned": ["w#1"]}, 2), ({"owned": ["w#1"]}, 2)):
+        assert all(restore.wanted(meta, shards, header)(n) for n in tensors), header
+    assert all(restore.wanted({"m": 1}, 2, {"shard": 1, "owned": ["w#1"]})(n) for n in tensors)
+    path = CheckpointStore(tmp_path).write(STEP, meta, tensors)
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hi")
+        identity, _ = router.recv_multipart()
+        restore.send(router, identity, RUN, {"step": STEP, "meta": meta}, path, 1 << 30, checksum=True, keep=keep)
+        assert dealer.poll(10_000), "the restore did not arrive"
+        msg = transfer.Assembler(RUN, 1 << 30).decode(b"", dealer.recv_multipart())
+    finally:
+        ctx.destroy(linger=0)
+    assert msg is not None and sorted(msg.tensors) == ["model.w", "shard1.optimizer.state.#int:0.exp_avg"]
+    assert torch.equal(msg.tensors["shard1.optimizer.state.#int:0.exp_avg"], torch.ones(4, 4))

@@ -33,6 +33,8 @@ def test_run_completes_with_everything_in_the_run_dir(tmp_path: Path) -> None:
     assert all({"loss", "lr", "samples_per_s", "bytes_in", "bytes_out"} <= m.keys() for m in metrics)
     kinds = {e["kind"] for e in r.events()}
     assert {"coordinator_started", "worker_admitted", "run_completed", "checkpoint_saved"} <= kinds
+    # nothing left early and was started again: workers told the steps are done wait for the run to complete
+    assert not kinds & {"exited", "restarted", "died"}, sorted(kinds)
     effective = load_config(r.run_dir / "config.yaml")
     assert effective.train.steps == 60 and effective.cluster.spare_workers == 0
     weights = load_file(str(r.run_dir / "model.safetensors"))

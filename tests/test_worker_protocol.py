@@ -89,8 +89,10 @@ def welcome(router: zmq.Socket) -> bytes:
     return ident
 
 
-def stop(router: zmq.Socket, ident: bytes) -> None:
+def stop(router: zmq.Socket, ident: bytes, redis_url: str) -> None:
+    """As the leader ends a run: "stop", then the run marked completed (a worker leaves once it is)."""
     protocol.send(router, protocol.encode("stop", RUN, {"reason": "test over"}), ident)
+    connect(redis_url).set(Keys(RUN).state, "completed")
 
 
 def halved_params_and_loss() -> tuple[dict[str, torch.Tensor], float]:
@@ -121,7 +123,7 @@ def test_corrupted_parameters_are_dropped_and_asked_for_again(redis_server, tmp_
         ident, msg = recv(router)
         assert msg.type == "grad" and (msg.header["step"], msg.header["lo"], msg.header["hi"], msg.header["version"]) == (0, 0, 1, 0)
         assert msg.header["losses"][0] == pytest.approx(expected_loss, rel=1e-6)
-        stop(router, ident)
+        stop(router, ident, redis_server.url)
         assert proc.wait(timeout=60) == 0
     assert "bad_checksum" in (tmp_path / "worker.log").read_text()
 
@@ -155,7 +157,7 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         assert grad.header["losses"][0] == pytest.approx(expected_loss, rel=1e-6)
         grads = NoneCodec().decode(grad.header["codec"], grad.tensors, shapes={n: p.shape for n, p in params.items()})
         assert all(grads[n].shape == p.shape for n, p in params.items())
-        stop(router, ident)
+        stop(router, ident, redis_server.url)
         _out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err[-2000:]
 

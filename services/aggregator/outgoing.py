@@ -1,7 +1,7 @@
 """One snapshot on its way to the checkpointer: sent a part at a time, and copy-on-write.
 
 A snapshot names the live tensors (the model's pieces, the optimizer's state; `state.flatten(copy=False)`):
-taking it copies nothing. Its parts (about two chunks each, snapshots.SNAPSHOT_PART) go out as
+taking it copies nothing. Its parts (about two chunks each, transfer.PART) go out as
 the socket takes them — it holds at most one more (SNDHWM 1) — and each is copied into ZeroMQ's own
 buffer as it goes, so the live tensors may change as soon as the send returns. Before they do (the next
 optimizer step), `protect` copies the parts not sent yet. A snapshot therefore costs the parts still

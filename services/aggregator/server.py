@@ -85,7 +85,7 @@ class Aggregator:
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
-        restored = self.ckpt.fetch_latest(timeout=120)
+        restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
         startup.mark("checkpoint_asked")
         if restored is not None:
             try:

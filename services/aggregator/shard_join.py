@@ -38,7 +38,7 @@ def restore_slice(ctx: ServiceContext, trainer: Trainer, totals: RunTotals, ckpt
     is gone, which rolls the cluster back)."""
     if restored_step < 0:
         return trainer.step
-    msg = ckpt.fetch_latest(timeout=120, step=restored_step, shard=shard)
+    msg = ckpt.fetch_latest(timeout=120, trainer=trainer, step=restored_step)
     if msg is None or msg.header["step"] != restored_step:
         # retention removed it: the leader has run on since, so this is a restart within its term, which
         # rolls the cluster back anyway (the leader leaves the term when this shard joins at another step)

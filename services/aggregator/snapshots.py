@@ -27,9 +27,6 @@ from cmemi.shared.service import ServiceContext
 from cmemi.shared.watch import Watch
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
-# a snapshot's parts carry about two chunks each, whatever cluster.max_message_bytes: each is copied into ZeroMQ as
-# it goes (outgoing.py), so the part size, not the cap, is what a snapshot in flight adds to a server's memory
-SNAPSHOT_PART = 2 * transfer.CHUNK
 PROTECT_PATIENCE_S = 0.5
 
 
@@ -171,7 +168,7 @@ class CheckpointerLink:
     def _outgoing(self, snap: Snapshot, final: bool) -> Outgoing:
         step, meta, tensors = snap
         fields = {"step": step, "term": self.term, "final": final, "meta": meta, **self.sharding}
-        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors, SNAPSHOT_PART))
+        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors, transfer.PART))
 
     def _messages(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
                   part: int | None = None) -> list[list[Any]]:
@@ -305,9 +302,12 @@ class CheckpointerLink:
                 time.sleep(0.05)
         return self.saved_path[step]
 
-    def fetch_latest(self, timeout: float, step: int | None = None, shard: int = 0) -> protocol.Message | None:
-        """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0)."""
-        fields = {"term": self.term, "shard": shard, "pid": os.getpid(), **({"step": step} if step is not None else {})}
+    def fetch_latest(self, timeout: float, trainer: Trainer, step: int | None = None) -> protocol.Message | None:
+        """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0). A
+        sharded server names the pieces it owns: the checkpointer then leaves the other shards' state out."""
+        fields = {"term": self.term, "shard": trainer.shard, "pid": os.getpid(),
+                  **({"owned": list(trainer.pieces)} if trainer.sharded else {}),
+                  **({"step": step} if step is not None else {})}
         msg = self.request("restore_req", fields, None,
                            lambda m: m.type in ("restore", "no_checkpoint"), timeout)
         return msg if msg.type == "restore" else None

@@ -14,7 +14,7 @@ import errno
 import json
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +86,26 @@ def _opened(path: Path) -> Iterator[list[_Tensor]]:
         yield out
 
 
+def wanted(meta: dict[str, Any], shards: int, header: dict[str, Any]) -> Callable[[str], bool]:
+    """Which tensors a restore request (`header`: the requester's "shard" and the pieces it "owned") needs. A
+    checkpoint a sharded run wrote with the same cluster.shards (`shards`), where that shard owned the same pieces:
+    the model and that shard's own state (`shard{k}.`), not the other shards' (their optimizer state is 2/K of
+    Adam's 2P each); anything else gets everything (reshard.py cuts it again there)."""
+    shard, owned, per_shard = header.get("shard"), header.get("owned"), meta.get("per_shard")
+    if (per_shard is None or meta.get("shards") != shards or type(shard) is not int or not 0 <= shard < shards
+            or len(per_shard) != shards or not isinstance(owned, list)
+            or not isinstance(per_shard[shard], dict) or per_shard[shard].get("owned") != owned):
+        return lambda _name: True
+    own = f"shard{shard}."
+    return lambda name: name.startswith(("model.", own)) or not name.startswith("shard")
+
+
 def send(sock: zmq.Socket, identity: bytes, run: str, fields: dict[str, Any], path: Path, cap: int,
-         checksum: bool) -> int:
-    """Send the checkpoint at `path` as a `restore` reply to `identity`; returns the bytes sent. Raises
-    `TimeoutError` if the peer stops reading, `RestoreError` if a file is not safetensors."""
-    with _opened(path) as tensors:
+         checksum: bool, keep: Callable[[str], bool] = lambda _name: True) -> int:
+    """Send the checkpoint at `path` (the tensors `keep` keeps) as a `restore` reply to `identity`; returns the
+    bytes sent. Raises `TimeoutError` if the peer stops reading, `RestoreError` if a file is not safetensors."""
+    with _opened(path) as every:
+        tensors = [t for t in every if keep(t.name)]
         buf = memoryview(bytearray(_READ)) if checksum else None
         metas = [{"name": t.name, "dtype": t.dtype, "shape": t.shape, "nbytes": t.nbytes,
                   "xxh": _checksum(t, buf) if buf is not None else None} for t in tensors]

@@ -275,7 +275,8 @@ class Checkpointer:
                 meta = json.loads((info.path / "meta.json").read_text())
                 try:
                     restore.send(self.sock, identity, self.ctx.run, {"step": info.step, "meta": meta}, info.path,
-                                 self.cfg.cluster.max_message_bytes, self.cfg.cluster.checksum)
+                                 self.cfg.cluster.max_message_bytes, self.cfg.cluster.checksum,
+                                 restore.wanted(meta, self.cfg.cluster.shards, msg.header))
                 except transfer.TooBig as exc:
                     self.ctx.fatal(f"checkpointer: {exc}")
                 except TimeoutError as exc:  # its aggregator stopped reading: it asks again if it is alive

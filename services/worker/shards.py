@@ -101,7 +101,7 @@ class ShardLinks:
 
     def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
-                                 tensors, self.cfg.cluster.checksum)
+                                 tensors, self.cfg.cluster.checksum, part=transfer.PART)
         transfer.send(link.sock, msgs)
 
     def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:

@@ -75,6 +75,7 @@ class Worker:
         self.version = -1
         self.term = -1
         self.lost_reply = False
+        self.told_stop = False  # the leader said the run's steps are done (`_handle_reject_or_stop`)
         self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again (services/worker/patience.py)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
@@ -163,7 +164,8 @@ class Worker:
         assert self.sock is not None
         try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
             msgs = transfer.messages(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields},
-                                     self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
+                                     self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum,
+                                     part=transfer.PART)  # a server queues two per worker (serve_router)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"worker {self.wid}: {exc}")
         transfer.send(self.sock, msgs)
@@ -194,8 +196,14 @@ class Worker:
 
     def _handle_reject_or_stop(self, msg: protocol.Message) -> None:
         if msg.type == "stop":
-            self.log.info("told to stop", reason=msg.header["reason"])
-            raise SystemExit(0)
+            # The run is over once Redis says so (idle_check exits then). Leaving now, before the leader has written
+            # the final checkpoint and marked it completed, would be a worker that left early: restarted, a whole
+            # process (model included) that builds only to exit. If the leader dies first, its successor's term
+            # brings this worker back to work (idle_check sees the new term).
+            if not self.told_stop:
+                self.log.info("told to stop; leaving once the run is marked completed", reason=msg.header["reason"])
+            self.told_stop = True
+            return
         if msg.type == "reject":
             if msg.header["fatal"]:
                 self.ctx.fatal(msg.header["reason"])
@@ -237,12 +245,14 @@ class Worker:
             elif self.lost_reply:
                 self.lost_reply = False
                 self._send("want", term=self.term, version=self.version)
-            elif (waited := self.patience.due(time.monotonic())) is not None:  # a want, work or grad went missing?
+            elif not self.told_stop and (waited := self.patience.due(time.monotonic())) is not None:
+                # a want, work or grad went missing?
                 self.log.info("no reply; asking again", after_s=round(waited, 1))
                 self._send("want", term=self.term, version=self.version, reask=self.patience.reask())
             elif (info := self.life.idle_check()) is not None:  # idle: still current?
                 if "addr" in info and (info["addr"] != self.agg_addr or int(info["term"]) != self.term):
                     self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
+                    self.told_stop = False
                     self._reconnect()
         if self.sock is not None and self.life.member is not None:
             self._send("leave")  # graceful: our leases go back at once
