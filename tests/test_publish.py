@@ -42,17 +42,24 @@ def wait_released(copy) -> None:
 
 
 def test_encoded_once_per_version_and_immune_to_later_optimizer_steps() -> None:
+    """Not pipelined and too big for flat buffers: the live tensors go out, copy-on-write. A step (after `protect`,
+    the Trainer's hook) while sends of them are queued moves the tensors to new storage; the queued sends keep
+    the old bytes."""
     ctx = zmq.Context()
     try:
         a, b = pair(ctx, "publish-immune")
         params = {"w": torch.randn(256, 256), "b": torch.randn(3)}
         pub = Publisher(checksum=True)
+        assert pub.live
         first, _ = pub.encoded(params, 0)
-        assert pub.encoded(params, 0)[0] is first  # same version: no new copy, no new checksum
+        assert pub.encoded(params, 0)[0] is first  # same version: no new encoding, no new checksum
         expected = {n: p.clone() for n, p in params.items()}
+        storage = params["w"].data_ptr()
         for _ in range(3):
             send_params(a, pub, params, 0)
         assert in_flight(pub.encoded(params, 0)[1])  # the frames are not read yet: what b reads is what is there now
+        pub.protect()
+        assert params["w"].data_ptr() != storage  # moved: the queued sends hold the old storage
         with torch.no_grad():
             params["w"].add_(1.0)  # the optimizer steps while the sends are in flight
         for _ in range(3):
@@ -102,9 +109,9 @@ def test_buffers_are_reused_only_when_no_send_holds_them() -> None:
         ctx.destroy(linger=0)
 
 
-def test_unpipelined_a_copy_that_no_send_holds_is_reused_at_once() -> None:
-    """Not pipelined, nothing serves the version before the current one: one copy of the slice in steady state,
-    a second only while a send still holds the first."""
+def test_unpipelined_the_live_tensors_go_out_and_move_only_when_a_send_holds_them() -> None:
+    """Not pipelined, nothing serves the version before the current one: no copy of the slice at all; the step
+    finds every send done and changes the tensors in place, unless a send still holds them (a slow worker)."""
     ctx = zmq.Context()
     try:
         a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
@@ -112,19 +119,29 @@ def test_unpipelined_a_copy_that_no_send_holds_is_reused_at_once() -> None:
         b.connect("inproc://publish-unpipelined")
         params = {"w": torch.randn(256, 256)}
         pub = Publisher(checksum=False)
+        storage = params["w"].data_ptr()
         send_params(a, pub, params, 0)
-        held = pub._current
+        msg = protocol.decode(b.recv_multipart(copy=False), RUN)
+        assert msg.tensors["w"].data_ptr() == storage  # inproc: the receiver reads the live tensor itself
+        del msg
+        deadline = time.monotonic() + 10
+        while in_flight(pub.encoded(params, 0)[1]):
+            assert time.monotonic() < deadline, "the received frame was never released"
+            time.sleep(0.01)
         for v in range(1, 5):
+            pub.protect()  # every send done: the step changes the tensors in place
             with torch.no_grad():
                 params["w"].add_(1.0)
             pub.encoded(params, v)
-            assert pub.kept(v - 1) is None and pub.kept(v) is not None
-        assert len(pub._copies) == 2 and held in pub._copies  # the held one, and one other reused for 1-4
-        msg = protocol.decode(b.recv_multipart(copy=False), RUN)
-        del msg
-        wait_released(held)
-        pub.encoded(params, 5)
-        assert len(pub._copies) == 2
+            assert pub.kept(v - 1) is None and params["w"].data_ptr() == storage
+        assert pub._copies == []
+        send_params(a, pub, params, 4)
+        pub.protect()  # b has not read it: the tensors move, the send keeps version 4's bytes
+        assert params["w"].data_ptr() != storage
+        v4 = params["w"].clone()
+        with torch.no_grad():
+            params["w"].add_(1.0)
+        assert torch.equal(protocol.decode(b.recv_multipart(copy=False), RUN).tensors["w"], v4)
     finally:
         ctx.destroy(linger=0)
 

@@ -12,6 +12,12 @@ disconnected worker keeps its buffers alive, and a new set is allocated meanwhil
 Pipelined (`keep_previous`), the version before the current one stays encoded (and its buffers untouched)
 too: a pipelined shard steps its stages before the step is committed, and a microbatch leased again must still
 be computed from it. Otherwise no copy outlives its sends: one copy of the slice in steady state.
+
+A model too big for flat buffers, not pipelined, is not copied at all: its live tensors are encoded and sent
+zero-copy (`live`), copy-on-write. Before the optimizer changes them (`protect`, a Trainer hook), a send still in
+ZeroMQ's queue (a slow or dead worker's) keeps their old storage and the tensors move to a copy; otherwise the
+sends are done and the step changes the tensors in place. The copy of the slice per server is gone
+(docs/design.md §8); a straggler costs one copy, at the step it is late for.
 """
 
 from __future__ import annotations
@@ -48,11 +54,18 @@ class Publisher:
         self._copies: list[_Copy] = []
         self._current: _Copy | None = None
         self._previous: _Copy | None = None
+        self.live = self.layout is None and not keep_previous  # sent from the live tensors, copy-on-write
+        self._live: _Copy | None = None  # its `tensors` are the live ones (not a copy)
 
     def encoded(self, params: dict[str, torch.Tensor], version: int) -> tuple[tuple[list[dict[str, Any]], list[Any]],
                                                                               list[zmq.MessageTracker]]:
-        """The wire encoding of `params` at `version` (copied and checksummed on the first call for that
+        """The wire encoding of `params` at `version` (copied, or live, and checksummed on the first call for that
         version) and the tracker list that sends of it must append to."""
+        if self.live:
+            if self._live is None or self._live.version != version:
+                self._live = _Copy(params, version=version, encoded=protocol.encode_tensors(params, self.checksum))
+            assert self._live.encoded is not None
+            return self._live.encoded, self._live.trackers
         cur = self._current
         if cur is None or cur.version != version:
             self._previous = cur if self.keep_previous else None
@@ -75,10 +88,19 @@ class Publisher:
                 return c.encoded, c.trackers
         return None
 
+    def protect(self) -> None:
+        """The live tensors are about to change (an optimizer step): if a send of them is still queued, it keeps
+        their storage and they move to a copy of it (the same tensor objects, so the optimizer is untouched)."""
+        live, self._live = self._live, None  # the next version is encoded afresh
+        if live is not None and not live.idle():
+            with torch.no_grad():
+                for t in live.tensors.values():
+                    t.data = t.data.clone()
+
     def release(self) -> None:
         """The run is over: no version goes out again. The copies are freed once their sends let them go."""
         self._copies.clear()
-        self._current = self._previous = None
+        self._current = self._previous = self._live = None
 
     def _take(self, params: dict[str, torch.Tensor]) -> _Copy:
         for c in self._copies:

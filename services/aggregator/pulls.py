@@ -23,6 +23,11 @@ class SliceServer:
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
 
+    def protect(self) -> None:
+        """Before a step changes the pieces (Publisher.protect)."""
+        for publisher in self.publishers:
+            publisher.protect()
+
     def pull(self, identity: bytes, version: int) -> None:
         self.pulls[identity] = (version, set())
 

@@ -83,6 +83,8 @@ class Aggregator:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
+        # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
+        self.trainer.before_change += [self.ckpt.protect, self.publisher.protect]
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -171,6 +173,7 @@ class Aggregator:
                     self.log.warning("redis unavailable", error=str(exc))
         if self.stepper.done:
             self.publisher.release()  # no version goes out again: its copy is not kept for the end's peak
+            self.trainer.release_heap()
             finish.finish(self.ctx, self.trainer, self.stepper, self.evals, self.roster, self.reporter, self.ckpt,
                           self.totals, self.term, self.drops.as_dict(), self._pump)
             for identity, _, _ in self.leasing.waiting():

@@ -95,6 +95,8 @@ class ShardServer:
         self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
                                   self._send, self.pipelined)
         self.collectors = self._collectors(self.trainer.step)
+        # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
+        self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
         self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
         self.leader = shard_join.leader_link(ctx, self.zctx, leader_addr)
@@ -268,7 +270,6 @@ class ShardServer:
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
         grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
         self.slices.encoded(g, self.version)
-        self.ckpt.protect()  # a snapshot still being sent names the state this stage changes
         try:
             self.trainer.apply_stage(grads or {})
             if len(self.applied) == len(self.stages) - 1:
@@ -297,7 +298,6 @@ class ShardServer:
             assert self.mean is not None
             grads, _ = self.mean
             self.mean = None
-            self.ckpt.protect()
             try:
                 self.trainer.apply(None if skip else grads, None, partials=partials)
             except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
@@ -305,6 +305,7 @@ class ShardServer:
                                f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
         self.collectors = self._collectors(step)
+        self.trainer.release_heap()  # the step's gradient sum is gone with its collectors
         self.applied.clear()
         self._answer_pulls()
         if eval_boundary(self.cfg, step):

@@ -75,7 +75,6 @@ class Stepper:
             self.leasing.new_step(collector.step, strict=True)
             self.serve_parked()
             return
-        self.ckpt.protect()  # a snapshot still being sent names the state this step changes
         try:
             self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
         except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
@@ -90,6 +89,7 @@ class Stepper:
         if step >= self.total or stop:
             self.done = True
         self.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
+        self.trainer.release_heap()
         self.after = (step, loss, dt, nbytes, line, snapshot)
         self.serve_parked()
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
+from cmemi.shared import allocator, initweights
 from cmemi.shared import buffers as buffer_rule
-from cmemi.shared import initweights
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 from cmemi.shared.shards import Partition, clip_coefficient
@@ -69,6 +69,10 @@ class Trainer:
         self.buffers = buffer_rule.travelling(self.model) if shard == 0 else {}  # empty for most MLPs
         self.dropped: dict[str, torch.Size] = {}  # trained tensors whose rows live on other shards (keep_own_rows)
         self.model.train()  # as on the workers (evaluation switches to eval() and back)
+        # called before an optimizer step changes the live tensors in place: what still sends them (a snapshot's
+        # unsent parts, parameters queued zero-copy for a worker) copies or moves them first
+        self.before_change: list[Callable[[], None]] = []
+        self._trims = allocator.worth_trimming(sum(p.numel() * p.element_size() for p in self.params.values()))
 
     def keep_own_rows(self) -> None:
         """Sharded, after start-up (restore, the evaluation probe): keep only this shard's rows. Each owned piece of
@@ -130,6 +134,12 @@ class Trainer:
                     if view is not self.pieces[name]:
                         view.copy_(self.pieces[name])
 
+    def release_heap(self) -> None:
+        """After a step, its gradient sum freed: the heap's free pages go back to the kernel (a model of 64 MiB or
+        more, shared/allocator.py), so that freed gradient pieces do not raise the next step's peak."""
+        if self._trims:
+            allocator.trim()
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -172,6 +182,8 @@ class Trainer:
         Clipping (train.clip_grad_norm): the global norm is the sum of one squared norm per piece of the grid, in
         grid order (`partials`: every shard's, in shard order; default: this shard's own, all of them at K = 1),
         and every piece is scaled by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ scales."""
+        for hook in self.before_change:
+            hook()
         if buffer_sum is not None:
             buffer_rule.fold(self.buffers, buffer_sum, self.cfg.train.microbatches)
         if mean_grads is not None:
@@ -192,6 +204,8 @@ class Trainer:
         """A pipelined step's stage (cluster.pipeline_stages: no clipping, no loss scaling): optimizer.step() over
         these pieces alone, at the step's LR. The optimizers allowed at K > 1 step each piece on its own, so the
         stages of a step give bitwise what one call over all pieces gives; `end_step` then steps the schedule."""
+        for hook in self.before_change:
+            hook()
         for n, g in mean_grads.items():  # (none: a stage or shard without pieces; the schedule wants a step)
             self.pieces[n].grad = g
         self.optimizer.step()
