@@ -51,7 +51,7 @@ def test_every_role_killed_over_ipc_same_bits_no_leaks(tmp_path: Path, reference
     seen = joins(c.run_dir)
     killed_aggregators = sum(kind == "aggregator" for _, kind in FAULTS)
     assert len(seen) >= 2 * (1 + killed_aggregators), seen  # each worker joined each aggregator term
-    assert all(j["transport"] == {"aggregator": "ipc"} for j in seen), [j["transport"] for j in seen]
+    assert all(j["transport"] == {"aggregator": "shm"} for j in seen), [j["transport"] for j in seen]
     # killed aggregators left their socket files; the next one swept them, the last one removed its own
     assert not sockets.exists() or list(sockets.iterdir()) == []
     assert sorted(os.listdir("/dev/shm")) == shm_before

@@ -9,6 +9,9 @@ What a received multipart message passes, in this order, before any handler sees
 4. its type is one this server takes (`unexpected_type`);
 5. with CurveZMQ, the sender's key has the role the type needs (`wrong_role`: `admission.ROLE_OF`).
 
+It also remembers which peers' last message came over the ipc:// endpoint (`local`): only those may be offered
+shared-memory slots (shared/shm.py), whatever their hello says.
+
 `Drops` counts every dropped message by reason in one place: the log (rate-limited), the run's counters
 (reported in summary.json) and Prometheus.
 """
@@ -21,7 +24,7 @@ from typing import Any
 
 import structlog
 from cmemi.services.aggregator.admission import ROLE_OF
-from cmemi.shared import metrics, protocol, transfer
+from cmemi.shared import metrics, protocol, samehost, transfer
 from cmemi.shared.security import Curve
 
 
@@ -51,6 +54,7 @@ class Intake:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
+        self.local: set[bytes] = set()  # peers whose last message came over ipc:// (kept to the admitted: `keep`)
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:
         """(sender identity, message or None while a bigger one's parts still come, bytes) — or None: dropped."""
@@ -67,6 +71,10 @@ class Intake:
         except protocol.ProtocolError as exc:
             self.drop(exc.reason, str(exc))
             return None
+        if samehost.came_local(frames[1]):
+            self.local.add(identity)
+        else:
+            self.local.discard(identity)
         if msg is None:
             return identity, None, size
         if msg.type not in self.types:
@@ -80,3 +88,4 @@ class Intake:
     def keep(self, peers: Any) -> None:
         """Forget the unfinished transfers of peers no longer admitted (fenced, departed)."""
         self.parts.keep(peers)
+        self.local &= set(peers)

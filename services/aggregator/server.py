@@ -24,13 +24,13 @@ from cmemi.services.aggregator.intake import Drops, Intake
 from cmemi.services.aggregator.leader import ShardRoster
 from cmemi.services.aggregator.leasing import Leasing
 from cmemi.services.aggregator.outbox import Outbox
-from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.services.aggregator.reporting import Reporter
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import limits, protocol, startup, state
+from cmemi.shared import limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -83,6 +83,16 @@ class Aggregator:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
+        # same-host workers (cluster.transport auto or shm, over ipc://): parameters in shared-memory slots, written
+        # once per version for all of them, and their gradients read from their own (shared/shm.py)
+        self.slots: SlotPublisher | None = None
+        self.slot_reader: shm.Reader | None = None
+        if cfg.cluster.transport != "tcp" and shm.available():
+            shm.sweep(ctx.run)  # segments of this run's SIGKILLed processes
+            self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout)
+            self.slot_reader = shm.Reader(ctx.run, cfg.cluster.checksum,
+                                          limit=2 * (cfg.cluster.workers + cfg.cluster.spare_workers) + 2)
+        self.shm_peers: set[bytes] = set()  # admitted workers told to use them (their welcome's "shm")
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120)
@@ -139,6 +149,7 @@ class Aggregator:
         elif self.leasing.parked and self.leasing.reissuable():  # a lease is withheld (or slow) while workers idle
             self._serve_parked()
         self.intake.keep(self.admission.workers)  # a fenced or departed worker's unfinished gradient goes
+        self.shm_peers &= self.intake.local
         if self.advertised.take() == (0,):  # Redis restarted empty: advertise again
             self._advertise()
             self.log.info("re-advertised after Redis lost its data")
@@ -171,6 +182,8 @@ class Aggregator:
                     self.log.warning("redis unavailable", error=str(exc))
         if self.stepper.done:
             self.publisher.release()  # no version goes out again: its copy is not kept for the end's peak
+            if self.slots is not None:
+                self.slots.close()  # likewise its slots (unlinked; the pages go with the workers' last reads)
             finish.finish(self.ctx, self.trainer, self.stepper, self.evals, self.roster, self.reporter, self.ckpt,
                           self.totals, self.term, self.drops.as_dict(), self._pump)
             for identity, _, _ in self.leasing.waiting():
@@ -204,7 +217,13 @@ class Aggregator:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
         are stale."""
         fields: dict[str, Any] = {}
-        if held_version != self.trainer.step:
+        if held_version != self.trainer.step and self.slots is not None and identity in self.shm_peers \
+                and (wire := self.trainer.wire_state()):
+            fields["shm"] = self.slots.descriptor(wire, self.trainer.step)  # no frames: the worker reads the slot
+            if self.slots.layout is not None:
+                fields["layout"] = self.layout.digest
+            encoded = (([], []), None)
+        elif held_version != self.trainer.step:
             encoded = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
             if self.publisher.layout is not None:
                 fields["layout"] = self.layout.digest
@@ -243,8 +262,12 @@ class Aggregator:
         if self.roster is not None:
             self.roster.announce()  # the run's fingerprint, once the first worker set it, before any shard's hello
         self._fenced(info.wid, info.inc - 1, announce=False)  # admission fenced the older incarnations
+        slots = self.slots is not None and h.get("shm") is True and identity in self.intake.local
+        if slots:
+            self.shm_peers.add(identity)
         self.outbox.send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                         total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [])
+                         total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [],
+                         shm=slots)
         self.ctx.emit("worker_admitted", worker=info.wid, incarnation=info.inc, host=info.host, term=self.term)
         self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
 
@@ -266,7 +289,19 @@ class Aggregator:
             return
         h = msg.header
         self.leasing.answered(identity, None)
-        self._take_grad(info, h, msg.tensors)
+        tensors = msg.tensors
+        if "shm" in h:  # a same-host worker's gradient, in its slot: copied out, then checked unchanged
+            try:
+                if self.slot_reader is None or identity not in self.shm_peers:
+                    raise shm.ShmError("shm_unexpected", f"{info.wid}: a slot descriptor from a peer not offered slots")
+                if tensors:
+                    raise shm.ShmError("shm_bad", f"{info.wid}: a slot descriptor and frames")
+                tensors = self.slot_reader.copied(h["shm"])
+            except protocol.ProtocolError as exc:
+                self.drops(exc.reason, str(exc))
+                tensors = None
+        if tensors is not None:
+            self._take_grad(info, h, tensors)
         self._serve(identity, info, h["version"])
 
     def _take_grad(self, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -368,6 +403,8 @@ class Aggregator:
                  "shard_eval": _on_shard_eval, "shard_final": _on_shard_final}
 
     def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
         self.evals.close()
         self.advertised.stop()
         self.reporter.close()
