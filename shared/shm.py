@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import itertools
 import mmap
 import os
 import re
@@ -50,6 +51,7 @@ ALIGN = 64
 HEAD = 64  # bytes before each slot's tensors: the sequence number (u64, little-endian)
 SLOTS = 2
 _SEQ = struct.Struct("<Q")
+_MADE = itertools.count()  # segments this process made: their names' last field, unique per process
 _NAME = re.compile(r"cmemi-([0-9a-f]{12})-([a-z0-9]{1,16})-([0-9]{1,10})-([0-9]{1,10})")
 
 
@@ -114,18 +116,24 @@ class Writer:
         self.path: Path | None = None
         self.mm: mmap.mmap | None = None
         self.capacity = 0  # bytes per slot, header excluded
-        self.made = 0  # segments made so far (a bigger one replaces a smaller one under a new name)
+        self.swept = False
+        self.retired: tuple[Path | None, mmap.mmap | None] = (None, None)  # the segment a bigger one replaced
         self.seqs = [0] * SLOTS
         self.next = 0
         atexit.register(self.close)
 
     def _grow(self, need: int) -> None:
-        self.close()
-        if self.made == 0:
+        # the segment it replaces stays linked until the next one replaces this one: a descriptor of it may still be
+        # on its way to a reader that has not mapped it yet
+        replaced = (self.path, self.mm)
+        self.path, self.mm = self.retired
+        self._drop()
+        self.retired, self.path, self.mm = replaced, None, None
+        if not self.swept:
             sweep(self.run)
-        capacity = max(ALIGN, need)
-        path = ROOT / f"cmemi-{run_tag(self.run)}-{self.role}-{os.getpid()}-{self.made}"
-        self.made += 1
+            self.swept = True
+        capacity = max(ALIGN, need, self.capacity * 3 // 2)  # a bigger one later replaces it under a new name
+        path = ROOT / f"cmemi-{run_tag(self.run)}-{self.role}-{os.getpid()}-{next(_MADE)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, SLOTS * (HEAD + capacity))
@@ -177,7 +185,13 @@ class Writer:
         return self.commit(slot, metas, views)
 
     def close(self) -> None:
-        """Unlink the segment; its pages go once no view of them is left (here or in a reader)."""
+        """Unlink the segment (and a replaced one); its pages go once no view of them is left (here or in a reader)."""
+        self._drop()
+        path, self.mm = self.retired
+        self.path, self.retired = path, (None, None)
+        self._drop()
+
+    def _drop(self) -> None:
         if self.path is not None:
             with contextlib.suppress(OSError):
                 self.path.unlink()

@@ -103,10 +103,18 @@ class SlotPublisher:
         self.writer = shm.Writer(run, role, checksum)
         self.version = -1
         self.desc: dict[str, Any] | None = None
+        self.previous: tuple[int, dict[str, Any]] | None = None  # the version before, still whole in the other slot
+
+    def kept(self, version: int) -> dict[str, Any] | None:
+        """The descriptor of `version` if it is the current or the previous one (written earlier), else None."""
+        if self.desc is not None and self.version == version:
+            return self.desc
+        return self.previous[1] if self.previous is not None and self.previous[0] == version else None
 
     def descriptor(self, params: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
         """The descriptor of `params` at `version`, written on the first call for that version."""
         if self.desc is None or self.version != version:
+            self.previous = (self.version, self.desc) if self.desc is not None else None
             self.desc = None  # a failed write leaves no descriptor of a half-written slot behind
             if self.layout is not None:  # its flat frames, the parameters copied into their places in them
                 metas = [{"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
@@ -126,4 +134,6 @@ class SlotPublisher:
         return self.desc
 
     def close(self) -> None:
+        """Unlink the slots' segment, and the run's segments whose owners were SIGKILLed and never replaced."""
         self.writer.close()
+        shm.sweep(self.writer.run)

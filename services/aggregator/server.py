@@ -30,7 +30,7 @@ from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import limits, protocol, shm, startup, state
+from cmemi.shared import limits, protocol, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -78,21 +78,15 @@ class Aggregator:
         # slices) only: one partial transfer each, and one for a replacement
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards, ctx.curve, TYPES,
-                             self._admitted, self.drops)
+                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp")
         self.totals = RunTotals()  # restored from the checkpoint
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         # same-host workers (cluster.transport auto or shm, over ipc://): parameters in shared-memory slots, written
         # once per version for all of them, and their gradients read from their own (shared/shm.py)
-        self.slots: SlotPublisher | None = None
-        self.slot_reader: shm.Reader | None = None
-        if cfg.cluster.transport != "tcp" and shm.available():
-            shm.sweep(ctx.run)  # segments of this run's SIGKILLed processes
-            self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout)
-            self.slot_reader = shm.Reader(ctx.run, cfg.cluster.checksum,
-                                          limit=2 * (cfg.cluster.workers + cfg.cluster.spare_workers) + 2)
-        self.shm_peers: set[bytes] = set()  # admitted workers told to use them (their welcome's "shm")
+        self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
+            if self.intake.slots is not None else None
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120)
@@ -149,7 +143,6 @@ class Aggregator:
         elif self.leasing.parked and self.leasing.reissuable():  # a lease is withheld (or slow) while workers idle
             self._serve_parked()
         self.intake.keep(self.admission.workers)  # a fenced or departed worker's unfinished gradient goes
-        self.shm_peers &= self.intake.local
         if self.advertised.take() == (0,):  # Redis restarted empty: advertise again
             self._advertise()
             self.log.info("re-advertised after Redis lost its data")
@@ -217,7 +210,7 @@ class Aggregator:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
         are stale."""
         fields: dict[str, Any] = {}
-        if held_version != self.trainer.step and self.slots is not None and identity in self.shm_peers \
+        if held_version != self.trainer.step and self.slots is not None and identity in self.intake.granted \
                 and (wire := self.trainer.wire_state()):
             fields["shm"] = self.slots.descriptor(wire, self.trainer.step)  # no frames: the worker reads the slot
             if self.slots.layout is not None:
@@ -262,9 +255,7 @@ class Aggregator:
         if self.roster is not None:
             self.roster.announce()  # the run's fingerprint, once the first worker set it, before any shard's hello
         self._fenced(info.wid, info.inc - 1, announce=False)  # admission fenced the older incarnations
-        slots = self.slots is not None and h.get("shm") is True and identity in self.intake.local
-        if slots:
-            self.shm_peers.add(identity)
+        slots = self.intake.grant(identity, h)
         self.outbox.send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
                          total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [],
                          shm=slots)
@@ -289,19 +280,7 @@ class Aggregator:
             return
         h = msg.header
         self.leasing.answered(identity, None)
-        tensors = msg.tensors
-        if "shm" in h:  # a same-host worker's gradient, in its slot: copied out, then checked unchanged
-            try:
-                if self.slot_reader is None or identity not in self.shm_peers:
-                    raise shm.ShmError("shm_unexpected", f"{info.wid}: a slot descriptor from a peer not offered slots")
-                if tensors:
-                    raise shm.ShmError("shm_bad", f"{info.wid}: a slot descriptor and frames")
-                tensors = self.slot_reader.copied(h["shm"])
-            except protocol.ProtocolError as exc:
-                self.drops(exc.reason, str(exc))
-                tensors = None
-        if tensors is not None:
-            self._take_grad(info, h, tensors)
+        self._take_grad(info, h, msg.tensors)
         self._serve(identity, info, h["version"])
 
     def _take_grad(self, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:

@@ -156,6 +156,9 @@ class Worker:
                     except Lost as exc:
                         self.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
                         break
+                    for link in self.shard_links.links:
+                        if link.slots:
+                            self.life.transport(f"shard{link.k}", "shm")
                     self.log.info("joined", aggregator=addr, transport=self.life.links, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
                     self.life.forget_readings()
@@ -163,13 +166,15 @@ class Worker:
                 self._handle_reject_or_stop(msg)
             self.life.check_fenced()
 
-    def _link(self, sock: zmq.Socket, addr: str, peer: str) -> None:
-        """Connect to a server over ipc:// when it is on this host, else CurveZMQ tcp:// (cluster.transport)."""
+    def _link(self, sock: zmq.Socket, addr: str, peer: str) -> str:
+        """Connect to a server over ipc:// when it is on this host, else CurveZMQ tcp:// (cluster.transport); returns
+        the transport taken."""
         try:
             kind = samehost.connect(self.ctx.curve, sock, addr, self.cfg.cluster.transport, peer)
         except samehost.TransportError as exc:
             self.ctx.fatal(f"worker {self.wid}: {exc}")
         self.life.transport(peer, kind)
+        return kind
 
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         assert self.sock is not None
@@ -339,6 +344,7 @@ class Worker:
     def close(self) -> None:
         if self.slot_writer is not None:
             self.slot_writer.close()
+        self.shard_links.close_slots()
         if self.runner.loader is not None:
             self.runner.loader.close()
         self.life.close()
