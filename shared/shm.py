@@ -143,7 +143,7 @@ class Writer:
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
-        os.close(fd)  # the map keeps the pages; no descriptor stays open
+        os.close(fd)  # the map holds a duplicate of its own (CPython's mmap), closed with the map
         self.path, self.capacity, self.seqs, self.next = path, capacity, [0] * SLOTS, 0
 
     def begin(self, metas: list[dict[str, Any]]) -> tuple[int, list[torch.Tensor]]:
