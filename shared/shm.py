@@ -209,8 +209,9 @@ def _int(x: Any) -> bool:
 class Reader:
     """A consumer's maps of its peers' segments (at most `limit`, least recently used dropped first)."""
 
-    def __init__(self, run: str, checksum: bool, limit: int = 16) -> None:
-        self.tag, self.checksum, self.limit = run_tag(run), checksum, limit
+    def __init__(self, run: str, checksum: bool, limit: int = 16, bound: int | None = None) -> None:
+        # bound: the most bytes one descriptor may name (limits.logical_bytes, as for a message in parts)
+        self.tag, self.checksum, self.limit, self.bound = run_tag(run), checksum, limit, bound
         self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
 
     def _map(self, name: str) -> mmap.mmap:
@@ -252,6 +253,8 @@ class Reader:
                     raise ShmError("shm_bad", f"tensor entry field {key!r}")
             if x.get("xxh") is not None and not _int(x["xxh"]):
                 raise ShmError("shm_bad", "tensor entry field 'xxh'")
+        if self.bound is not None and (total := sum(x["nbytes"] for x in metas)) > self.bound:
+            raise ShmError("too_big", f"a slot of {total} bytes, bound {self.bound}")
         mm = self._map(name)
         capacity = len(mm) // SLOTS - HEAD
         for x, a in zip(metas, at, strict=True):

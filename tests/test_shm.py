@@ -82,6 +82,8 @@ def test_bad_descriptors_are_refused_with_a_reason(run: str, tmp_path) -> None:
             "bad_checksum": [{**desc, "tensors": [{**desc["tensors"][0], "xxh": 1}, *desc["tensors"][1:]]}],
             "shm_missing": [{**desc, "seg": desc["seg"][:-1] + "9"}],
         }
+        with pytest.raises(shm.ShmError, match="too_big"):  # more than a message may carry: refused before mapping
+            shm.Reader(run, True, bound=100).views(desc)
         for reason, descs in cases.items():
             for bad in descs:
                 with pytest.raises(shm.ProtocolError) as exc:

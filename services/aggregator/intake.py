@@ -58,7 +58,7 @@ class Intake:
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
         self.local: set[bytes] = set()  # peers whose last message came over ipc:// (kept to the admitted: `keep`)
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
-        self.slots = shm.Reader(run, checksum, limit=2 * peers + 2) if slots and shm.available() else None
+        self.slots = shm.Reader(run, checksum, limit=2 * peers + 2, bound=bound) if slots and shm.available() else None
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:
         """(sender identity, message or None while a bigger one's parts still come, bytes) — or None: dropped."""

@@ -82,7 +82,8 @@ class ShardLinks:
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
         self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
-        self.reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4 * max(1, cfg.cluster.shards))
+        self.reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4 * max(1, cfg.cluster.shards),
+                                 bound=limits.logical_bytes(cfg))
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:

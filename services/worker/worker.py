@@ -87,7 +87,8 @@ class Worker:
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
         self.slots = False  # the leader granted shared-memory slots on this connection
-        self.slot_reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4)  # the leader's segment (and a successor's)
+        # the leader's segment (and a successor's)
+        self.slot_reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
 
     def assume(self, wid: str) -> None:
