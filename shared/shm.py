@@ -232,8 +232,10 @@ class Reader:
             mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        for old in [n for n in self.maps if not (ROOT / n).exists()]:  # unlinked: replaced, or its owner is gone
+            del self.maps[old]  # its pages go with the last view of them
         self.maps[name] = mm
-        while len(self.maps) > self.limit:  # a replaced or departed peer's: its pages go with its last view
+        while len(self.maps) > self.limit:  # the least recently used
             self.maps.popitem(last=False)
         return mm
 
