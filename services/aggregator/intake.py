@@ -20,7 +20,7 @@ changed meanwhile (`shm_overwritten`); a descriptor from anyone else is dropped 
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -56,7 +56,10 @@ class Intake:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
-        self.local: set[bytes] = set()  # peers whose last message came over ipc:// (kept to the admitted: `keep`)
+        # peers whose last message came over ipc://, the most recent ones (a hello parked until every shard joined
+        # is answered later: its sender is not admitted yet, so this is not kept to the admitted)
+        self.local: OrderedDict[bytes, None] = OrderedDict()
+        self.local_max = 4 * peers + 256
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
         self.slots = shm.Reader(run, checksum, limit=2 * peers + 2, bound=bound) if slots and shm.available() else None
 
@@ -76,9 +79,12 @@ class Intake:
             self.drop(exc.reason, str(exc))
             return None
         if samehost.came_local(frames[1]):
-            self.local.add(identity)
+            self.local[identity] = None
+            self.local.move_to_end(identity)
+            while len(self.local) > self.local_max:
+                self.local.popitem(last=False)
         else:
-            self.local.discard(identity)
+            self.local.pop(identity, None)
         if msg is None:
             return identity, None, size
         if msg.type not in self.types:
@@ -110,5 +116,4 @@ class Intake:
     def keep(self, peers: Any) -> None:
         """Forget the unfinished transfers of peers no longer admitted (fenced, departed)."""
         self.parts.keep(peers)
-        self.local &= set(peers)
-        self.granted &= self.local
+        self.granted &= set(peers)
