@@ -18,7 +18,7 @@ pattern and run, the file (a regular file of our uid, mode 0600, not a link), ea
 anything wrong raises `ShmError` with a drop reason.
 
 Segments are unlinked when their owner closes them or exits (atexit); a SIGKILLed owner's are removed by the next
-process of the run that creates one (`sweep`: the owner pid in the name is dead). The sequence store after the
+process of the run that creates one, and each server at its start (`sweep`: the owner pid in the name is dead). The sequence store after the
 tensors' stores, and the reader's loads in the opposite order, rely on the stores of one thread becoming visible in
 order (x86-64's TSO); the checksums (cluster.checksum, on by default) catch what a weaker memory order could let by.
 """
@@ -77,13 +77,22 @@ def owned(run: str) -> list[Path]:
         return []
 
 
-def sweep(run: str) -> int:
-    """Remove this run's segments whose owner is dead (SIGKILLed: nobody unlinked them); returns how many."""
+def sweep() -> int:
+    """Remove our uid's segments whose owner is dead (SIGKILLed: nobody unlinked them), of this run or of an earlier
+    one killed whole; returns how many. A map of one stays valid; a reader that had not mapped it drops its
+    descriptor (`shm_missing`), as it would drop anything else from a dead peer."""
     removed = 0
-    for path in owned(run):
-        m = _NAME.fullmatch(path.name)
-        if m is not None and not alive(int(m.group(3))):
-            with contextlib.suppress(OSError):
+    try:
+        names = os.listdir(ROOT)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or alive(int(m.group(3))):
+            continue
+        path = ROOT / name
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid == os.getuid():
                 path.unlink()
                 removed += 1
     return removed
@@ -130,7 +139,7 @@ class Writer:
         self._drop()
         self.retired, self.path, self.mm = replaced, None, None
         if not self.swept:
-            sweep(self.run)
+            sweep()
             self.swept = True
         capacity = max(ALIGN, need, self.capacity * 3 // 2)  # a bigger one later replaces it under a new name
         path = ROOT / f"cmemi-{run_tag(self.run)}-{self.role}-{os.getpid()}-{next(_MADE)}"

@@ -134,11 +134,12 @@ def test_a_sigkilled_writer_leaves_no_usable_slot_and_is_swept(run: str) -> None
     with pytest.raises(shm.ShmError, match="shm_overwritten"):
         r.views(torn)
     assert torch.equal(r.copied({**torn, "slot": 0})["w"], torch.ones(1000))  # the last whole version still reads
-    mine = shm.Writer(run, "leader", False)
-    mine.write({"x": torch.ones(1)})  # the next segment of the run sweeps the dead writer's
-    poll(lambda: [p.name for p in shm.owned(run)] == [mine.path.name], 10, "the dead writer's segment swept")
+    mine = shm.Writer(f"{run}-next", "leader", False)
+    mine.write({"x": torch.ones(1)})  # the next segment made sweeps the dead writer's, of any run (one killed whole)
+    poll(lambda: shm.owned(run) == [], 10, "the dead writer's segment swept")
+    assert [p.name for p in shm.owned(f"{run}-next")] == [mine.path.name]  # a live owner's stays
     mine.close()
-    assert shm.owned(run) == []
+    assert shm.owned(f"{run}-next") == []
 
 
 def test_descriptors_are_bounded_by_the_maps_and_go_with_them(run: str) -> None:

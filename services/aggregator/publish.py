@@ -101,6 +101,7 @@ class SlotPublisher:
     def __init__(self, run: str, role: str, checksum: bool, layout: Layout | None = None) -> None:
         self.layout = layout if layout is not None and layout.flat else None
         self.writer = shm.Writer(run, role, checksum)
+        shm.sweep()  # what SIGKILLed processes left (this run's or an earlier run's), now rather than at a first write
         self.version = -1
         self.desc: dict[str, Any] | None = None
         self.previous: tuple[int, dict[str, Any]] | None = None  # the version before, still whole in the other slot
@@ -134,6 +135,6 @@ class SlotPublisher:
         return self.desc
 
     def close(self) -> None:
-        """Unlink the slots' segment, and the run's segments whose owners were SIGKILLed and never replaced."""
+        """Unlink the slots' segment, and the segments whose owners were SIGKILLed and never replaced."""
         self.writer.close()
-        shm.sweep(self.writer.run)
+        shm.sweep()
