@@ -61,7 +61,8 @@ class Intake:
         self.local: OrderedDict[bytes, None] = OrderedDict()
         self.local_max = 4 * peers + 256
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
-        self.slots = shm.Reader(run, checksum, limit=2 * peers + 2, bound=bound) if slots and shm.available() else None
+        self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
+                      if slots and shm.available() else None)
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:
         """(sender identity, message or None while a bigger one's parts still come, bytes) — or None: dropped."""

@@ -100,7 +100,7 @@ class SlotPublisher:
 
     def __init__(self, run: str, role: str, checksum: bool, layout: Layout | None = None) -> None:
         self.layout = layout if layout is not None and layout.flat else None
-        self.writer = shm.Writer(run, role, checksum)
+        self.writer = shm.Writer(run, role, shm.checksums(checksum))
         shm.sweep()  # what SIGKILLed processes left (this run's or an earlier run's), now rather than at a first write
         self.version = -1
         self.desc: dict[str, Any] | None = None

@@ -82,7 +82,7 @@ class ShardLinks:
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
         self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
-        self.reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4 * max(1, cfg.cluster.shards),
+        self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
                                  bound=limits.logical_bytes(cfg))
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
 
@@ -243,7 +243,8 @@ class ShardLinks:
                 info, frames = stages[g]
                 if link.slots:  # into this worker's segment for shard k; only the descriptor goes
                     if (link.k, g) not in self.writers:  # one per stage: each stage's size is its own
-                        self.writers[link.k, g] = shm.Writer(self.ctx.run, "worker", self.cfg.cluster.checksum)
+                        checksum = shm.checksums(self.cfg.cluster.checksum)
+                        self.writers[link.k, g] = shm.Writer(self.ctx.run, "worker", checksum)
                     self._send(link, "grad", tensors={}, shm=self.writers[link.k, g].write(frames), codec=info,
                                stage=g, **fields)
                 else:

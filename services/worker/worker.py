@@ -88,7 +88,7 @@ class Worker:
         self.agg_addr: str | None = None
         self.slots = False  # the leader granted shared-memory slots on this connection
         # the leader's segment (and a successor's)
-        self.slot_reader = shm.Reader(ctx.run, cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(cfg))
+        self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
 
     def assume(self, wid: str) -> None:
@@ -333,7 +333,7 @@ class Worker:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
         if self.slots:  # into this worker's slot; the leader copies it out before it answers
             if self.slot_writer is None:
-                self.slot_writer = shm.Writer(self.ctx.run, "worker", self.cfg.cluster.checksum)
+                self.slot_writer = shm.Writer(self.ctx.run, "worker", shm.checksums(self.cfg.cluster.checksum))
             self._send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s, **fields)
         else:
             self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
