@@ -8,7 +8,11 @@ For a compute-bound model (a small CNN) and a communication-bound one (a wide ML
   (e) CMEMI with 2 workers and 2 parameter-server shards (cluster.shards = 2)
   (f) CMEMI with 2 workers over tcp:// and `security.curve: false` (what CurveZMQ costs: gloo encrypts nothing)
   (g) CMEMI with 2 workers over CurveZMQ tcp:// (`cluster.transport: tcp`); (c) takes the default, `auto`: the
-      workers share the aggregator's host, so they reach it over ipc:// without encryption (shared/samehost.py)
+      workers share the aggregator's host, so they reach it over ipc:// and their tensors travel in shared-memory
+      slots (shared/samehost.py, shared/shm.py)
+  (h), (i) as (f) and (g) with 1 worker: (b) against tcp:// without Curve and CurveZMQ tcp://, one row per transport
+Each CMEMI row also reports `socket_bytes_per_grad_byte`: the bytes the aggregator received through its socket per
+byte of gradient the workers produced (about 1 with frames, about 0 with slots, where only descriptors go).
 Every process runs one intra-op thread. M equals the worker count so each process computes exactly the
 forward/backward its baseline counterpart does (global batch B: plain and 1 worker compute B per step,
 DDP ranks and CMEMI's 2 workers B/2 each).
@@ -16,7 +20,8 @@ DDP ranks and CMEMI's 2 workers B/2 each).
     .venv/bin/python bench/overhead.py [--quick] [--repeats R]
 
 Prints one JSON object; `ratios.<workload>.cmemi_1w_vs_plain` = (b)/(a) and `cmemi_2w_vs_ddp_2p` = (c)/(d)
-and `cmemi_2w_k2_vs_ddp_2p` = (e)/(d), `cmemi_2w_nocurve_vs_ddp_2p` = (f)/(d), `cmemi_2w_tcp_vs_ddp_2p` = (g)/(d) (step-time ratios, lower is better). Runs in the same invocation alternate so that slow drift of the
+and `cmemi_2w_k2_vs_ddp_2p` = (e)/(d), `cmemi_2w_nocurve_vs_ddp_2p` = (f)/(d), `cmemi_2w_tcp_vs_ddp_2p` = (g)/(d),
+`cmemi_1w_nocurve_vs_plain` = (h)/(a), `cmemi_1w_tcp_vs_plain` = (i)/(a) (step-time ratios, lower is better). Runs in the same invocation alternate so that slow drift of the
 shared machine's load affects all variants alike; with --repeats > 1 the medians over repeats are used.
 """
 
@@ -35,6 +40,17 @@ from bench import common as C  # noqa: E402
 from bench.models import WORKLOADS  # noqa: E402
 
 SCRIPT = C.ROOT / "bench" / "torch_train.py"
+# every variant after (a), in the order each repeat runs them: cmemi's arguments, or None for DDP
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "cmemi_1w": {"workers": 1},
+    "ddp_2p": None,
+    "cmemi_2w": {"workers": 2},
+    "cmemi_2w_k2": {"workers": 2, "shards": 2},
+    "cmemi_2w_nocurve": {"workers": 2, "curve": False, "transport": "tcp"},
+    "cmemi_2w_tcp": {"workers": 2, "transport": "tcp"},
+    "cmemi_1w_nocurve": {"workers": 1, "curve": False, "transport": "tcp"},
+    "cmemi_1w_tcp": {"workers": 1, "transport": "tcp"},
+}
 
 
 def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, Any]:
@@ -90,7 +106,15 @@ def cmemi(work: Path, wl: str, steps: int, warmup: int, workers: int, tag: str, 
     stats["startup_and_teardown_s"] = round(time.time() - t0 - (summ.get("wall_s") or 0), 1)
     stats["cpu"] = cpu.per_unit()  # CPU seconds per step of every process of the cluster
     stats["cpu_s_per_step"] = stats["cpu"].get("cpu_s_per_unit")
+    stats["bytes_received"], stats["steps_run"] = summ.get("bytes_received"), summ.get("steps")
     return stats
+
+
+def socket_share(runs: list[dict[str, Any]], workers: int, grad_bytes: int) -> float | None:
+    """Bytes the aggregator received through its socket per gradient byte (each worker sends one per step)."""
+    vals = [r["bytes_received"] / (r["steps_run"] * workers * grad_bytes) for r in runs
+            if r.get("bytes_received") is not None and r.get("steps_run")]
+    return round(C.median(vals), 4) if vals else None
 
 
 def main() -> None:
@@ -103,41 +127,37 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--workloads", default="compute_bound,comm_bound")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
+    p.add_argument("--variants", default=None,
+                   help="run only these CMEMI/DDP variants, comma-separated (e.g. cmemi_1w,cmemi_1w_nocurve; plain "
+                        "always runs): a quick direction check, not the figures")
     args = p.parse_args()
     C.setup(threads=1)
     steps = {"compute_bound": args.steps_compute or (20 if args.quick else 40),
              "comm_bound": args.steps_comm or (40 if args.quick else 100)}
     repeats = {"compute_bound": args.repeats or (1 if args.quick else 3),
                "comm_bound": args.repeats or (1 if args.quick else 3)}
+    chosen = set(args.variants.split(",")) if args.variants else set()
     work = C.workdir("overhead")
     result: dict[str, Any] = {"bench": "overhead", **C.provenance(), "machine": C.machine(), "quick": args.quick, "workdir": str(work)}
     t_start = time.monotonic()
     try:
         results: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for wl in args.workloads.split(","):
-            results[wl] = {"plain": [], "cmemi_1w": [], "ddp_2p": [], "cmemi_2w": [], "cmemi_2w_k2": [],
-                           "cmemi_2w_nocurve": [], "cmemi_2w_tcp": []}
             n = steps[wl]
+            if unknown := sorted(chosen - set(VARIANTS)):
+                raise SystemExit(f"--variants: no variant {unknown}; choose from {', '.join(VARIANTS)}")
+            results[wl] = {"plain": [], **{k: [] for k in VARIANTS}}
             for r in range(repeats[wl]):
                 tag = f"{wl}-{r}"
                 C.log(f"{wl} repeat {r}: plain ({n} steps)")
                 results[wl]["plain"].append(plain(work, wl, n, args.warmup, tag))
-                C.log(f"{wl}: cmemi 1 worker -> {results[wl]['plain'][-1]['step_time_median_s']:.4f}s plain")
-                results[wl]["cmemi_1w"].append(cmemi(work, wl, n, args.warmup, 1, tag + "-1w"))
-                C.log(f"{wl}: ddp 2 processes -> {results[wl]['cmemi_1w'][-1].get('step_time_median_s')} cmemi 1w")
-                results[wl]["ddp_2p"].append(ddp(work, wl, n, args.warmup, tag))
-                C.log(f"{wl}: cmemi 2 workers -> {results[wl]['ddp_2p'][-1]['step_time_median_s']:.4f}s ddp")
-                results[wl]["cmemi_2w"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w"))
-                C.log(f"{wl}: cmemi 2 workers, 2 shards -> {results[wl]['cmemi_2w'][-1].get('step_time_median_s')} cmemi 2w")
-                results[wl]["cmemi_2w_k2"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w-k2", shards=2))
-                C.log(f"{wl}: cmemi 2 workers, Curve off -> {results[wl]['cmemi_2w_k2'][-1].get('step_time_median_s')} "
-                      "cmemi 2w 2 shards")
-                results[wl]["cmemi_2w_nocurve"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w-nocurve",
-                                                              curve=False, transport="tcp"))
-                C.log(f"{wl}: cmemi 2 workers, CurveZMQ tcp -> "
-                      f"{results[wl]['cmemi_2w_nocurve'][-1].get('step_time_median_s')} cmemi 2w no Curve")
-                results[wl]["cmemi_2w_tcp"].append(cmemi(work, wl, n, args.warmup, 2, tag + "-2w-tcp", transport="tcp"))
-                C.log(f"{wl}: done -> {results[wl]['cmemi_2w_tcp'][-1].get('step_time_median_s')} cmemi 2w CurveZMQ tcp")
+                C.log(f"{wl}: plain -> {results[wl]['plain'][-1]['step_time_median_s']:.4f}s")
+                for key, spec in VARIANTS.items():
+                    if chosen and key not in chosen:
+                        continue
+                    results[wl][key].append(ddp(work, wl, n, args.warmup, tag) if spec is None else
+                                            cmemi(work, wl, n, args.warmup, tag=f"{tag}-{key}", **spec))
+                    C.log(f"{wl}: {key} -> {results[wl][key][-1].get('step_time_median_s')}")
         step_times: dict[str, Any] = {}
         ratios: dict[str, Any] = {}
         for wl, by in results.items():
@@ -156,6 +176,8 @@ def main() -> None:
                 "cmemi_2w_k2_vs_ddp_2p": C.ratio(med["cmemi_2w_k2"], med["ddp_2p"]),
                 "cmemi_2w_nocurve_vs_ddp_2p": C.ratio(med["cmemi_2w_nocurve"], med["ddp_2p"]),
                 "cmemi_2w_tcp_vs_ddp_2p": C.ratio(med["cmemi_2w_tcp"], med["ddp_2p"]),
+                "cmemi_1w_nocurve_vs_plain": C.ratio(med["cmemi_1w_nocurve"], med["plain"]),
+                "cmemi_1w_tcp_vs_plain": C.ratio(med["cmemi_1w_tcp"], med["plain"]),
                 "wall_cross_check": {"cmemi_1w_vs_plain": C.ratio(wall["cmemi_1w"], wall["plain"]),
                                      "cmemi_2w_vs_ddp_2p": C.ratio(wall["cmemi_2w"], wall["ddp_2p"])},
                 "cpu_cost": {"cmemi_1w_vs_plain": C.ratio(cpu["cmemi_1w"], cpu["plain"]),
@@ -163,6 +185,16 @@ def main() -> None:
                 "speedup_2w_over_1w": {"cmemi": C.ratio(med["cmemi_1w"], med["cmemi_2w"]),
                                        "ddp_vs_plain": C.ratio(med["plain"], med["ddp_2p"])},
             }
+        from cmemi.shared.plugins import resolve
+
+        from bench.models import count_params
+
+        result["model_params"] = {wl: count_params(resolve(WORKLOADS[wl]["model"]["factory"], "m")(
+            **WORKLOADS[wl]["model"]["kwargs"])) for wl in results}
+        for wl, by in results.items():  # float32 gradients: 4 bytes per parameter
+            step_times[wl]["socket_bytes_per_grad_byte"] = {
+                k: socket_share(v, 2 if "_2w" in k else 1, 4 * result["model_params"][wl])
+                for k, v in by.items() if k.startswith("cmemi") and "_k2" not in k}
         result["ratios"] = ratios
         result["step_times"] = step_times
         cb = ratios.get("compute_bound", {})
@@ -172,12 +204,6 @@ def main() -> None:
             "comm_bound_cmemi_2w_k2_vs_ddp_2p_le_1.00":
                 (ratios.get("comm_bound", {}).get("cmemi_2w_k2_vs_ddp_2p") or 99) <= 1.00,
         }
-        from cmemi.shared.plugins import resolve
-
-        from bench.models import count_params
-
-        result["model_params"] = {wl: count_params(resolve(WORKLOADS[wl]["model"]["factory"], "m")(
-            **WORKLOADS[wl]["model"]["kwargs"])) for wl in results}
         result["notes"] = [
             f"{C.machine()['cpus']} CPU cores, shared with other jobs: CMEMI with 2 workers runs 3 busy processes "
             "(2 workers + the aggregator, plus coordinator/checkpointer/Redis mostly idle) on 2 cores, DDP 2 processes; "
@@ -190,6 +216,12 @@ def main() -> None:
             "CMEMI runs exclude process start-up (startup_and_teardown_s per run), like the baselines' step times",
             "cpu_s_per_step: CPU seconds per step summed over all processes of the variant (for CMEMI: every process of "
             "the cluster, Redis included); less sensitive to the shared machine's load than wall time",
+            "copies per byte, by the code paths (not measured): with slots (`auto`, same host) a gradient byte is "
+            "copied into the worker's slot and out of it at the server (2), a parameter byte once into the server's "
+            "slot for all W same-host workers and once out of it by each (1/W + 1), and only descriptors cross the "
+            "socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
+            "sides), is checksummed on each side, and parameters are first copied into the publisher's copy; "
+            "CurveZMQ adds encryption and its buffers on both sides",
         ]
     except BaseException as exc:
         C.record_error(result, exc)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-from cmemi.shared.security import Curve
+from cmemi.shared.security import LOCAL_USER, Curve
 
 _SEP = "|"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes on Linux, with its NUL
@@ -126,7 +126,7 @@ def bind_local(curve: Curve, zctx: zmq.Context, sock: zmq.Socket, run_dir: Path,
     d = socket_dir(run_dir)
     for old in d.glob("*.sock"):
         pid = old.stem.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             with contextlib.suppress(OSError):
                 old.unlink()
     path = d / f"{name}-{os.getpid()}.sock"
@@ -146,7 +146,8 @@ def _unlink(path: Path) -> None:
         path.parent.rmdir()  # the last one out removes the directory
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Is process `pid` alive (of any uid)? Owners of socket files and shared-memory segments are named by pid."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -154,3 +155,12 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def came_local(frame: zmq.Frame) -> bool:
+    """Did `frame` arrive on an ipc:// endpoint (its peer admitted by `Curve.serve_local`: our uid)?"""
+    try:
+        user = frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return False
+    return user in (LOCAL_USER.rstrip(":"), LOCAL_USER + "worker")  # exactly: a Z85 key may begin with "ipc:"

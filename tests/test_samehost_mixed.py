@@ -72,7 +72,7 @@ def test_same_host_workers_take_ipc_remote_one_takes_curve_same_bits(lab: netns.
 
     rc = netns.wait_all(procs, ["agg0", "w0", "w1", "w2"], 420, diagnostics)
     assert rc["agg0"] == 0, diagnostics()
-    ipc = {"aggregator": "ipc", "shard1": "ipc"}
+    ipc = {"aggregator": "shm", "shard1": "shm"}  # over ipc:, tensors in shared-memory slots
     tcp = {"aggregator": "tcp", "shard1": "tcp"}
     for wid, want in (("w0", ipc), ("w1", ipc), ("w2", tcp)):
         seen = joins(logs / f"{wid}.log")

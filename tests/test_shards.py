@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cmemi.shared import shm
 from cmemi.shared.config import ConfigError, config_from_dict
 from cmemi.shared.shards import CHUNK, Partition, clip_coefficient, join
 from safetensors.torch import load_file
@@ -276,6 +277,7 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     finally:
         rc = c.wait(timeout=400)
     assert rc == 0, c.output()
+    assert shm.owned(c.run) == []  # the killed shards' and workers' slot segments were swept, the rest unlinked
     s = c.summary
     assert s["steps"] == 1200 and s["params_sha256"] == reference == plain.summary["params_sha256"]
     assert s["eval_history"] == plain.summary["eval_history"] and len(s["eval_history"]) == 11

@@ -9,19 +9,24 @@ What a received multipart message passes, in this order, before any handler sees
 4. its type is one this server takes (`unexpected_type`);
 5. with CurveZMQ, the sender's key has the role the type needs (`wrong_role`: `admission.ROLE_OF`).
 
+Shared-memory slots (shared/shm.py) are granted here too (`grant`, at a worker's admission): only to a worker whose
+hello asks for them and whose messages come over the ipc:// endpoint (`local`). A granted worker's gradient names
+a slot instead of carrying frames: its tensors are copied out of the slot here, and the copy is dropped if the slot
+changed meanwhile (`shm_overwritten`); a descriptor from anyone else is dropped (`shm_unexpected`).
+
 `Drops` counts every dropped message by reason in one place: the log (rate-limited), the run's counters
 (reported in summary.json) and Prometheus.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
 import structlog
 from cmemi.services.aggregator.admission import ROLE_OF
-from cmemi.shared import metrics, protocol, transfer
+from cmemi.shared import metrics, protocol, samehost, shm, transfer
 from cmemi.shared.security import Curve
 
 
@@ -47,10 +52,17 @@ class Intake:
     """Turns a ROUTER's multipart messages into validated messages from peers with the right key role."""
 
     def __init__(self, run: str, cap: int, bound: int, checksum: bool, peers: int, curve: Curve,
-                 types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops) -> None:
+                 types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops, slots: bool = False) -> None:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
+        # peers whose last message came over ipc://, the most recent ones (a hello parked until every shard joined
+        # is answered later: its sender is not admitted yet, so this is not kept to the admitted)
+        self.local: OrderedDict[bytes, None] = OrderedDict()
+        self.local_max = 4 * peers + 256
+        self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
+        self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
+                      if slots and shm.available() else None)
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:
         """(sender identity, message or None while a bigger one's parts still come, bytes) — or None: dropped."""
@@ -67,6 +79,13 @@ class Intake:
         except protocol.ProtocolError as exc:
             self.drop(exc.reason, str(exc))
             return None
+        if samehost.came_local(frames[1]):
+            self.local[identity] = None
+            self.local.move_to_end(identity)
+            while len(self.local) > self.local_max:
+                self.local.popitem(last=False)
+        else:
+            self.local.pop(identity, None)
         if msg is None:
             return identity, None, size
         if msg.type not in self.types:
@@ -75,8 +94,27 @@ class Intake:
         if (role := self.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
             self.drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")  # e.g. a worker key fencing
             return None
+        if "shm" in msg.header and msg.type == "grad":
+            try:
+                if self.slots is None or identity not in self.granted:
+                    raise shm.ShmError("shm_unexpected", "a slot descriptor from a peer not granted slots")
+                if msg.tensors:
+                    raise shm.ShmError("shm_bad", "a slot descriptor and frames")
+                msg.tensors = self.slots.copied(msg.header["shm"])
+            except protocol.ProtocolError as exc:
+                self.drop(exc.reason, str(exc))
+                return None
         return identity, msg, size
+
+    def grant(self, identity: bytes, hello: dict[str, Any]) -> bool:
+        """Does the worker just admitted get slots (this server offers them, it asked, it came over ipc://)?"""
+        if self.slots is not None and hello.get("shm") is True and identity in self.local:
+            self.granted.add(identity)
+            return True
+        self.granted.discard(identity)
+        return False
 
     def keep(self, peers: Any) -> None:
         """Forget the unfinished transfers of peers no longer admitted (fenced, departed)."""
         self.parts.keep(peers)
+        self.granted &= set(peers)

@@ -9,6 +9,9 @@ steps the live parameters, never these copies. A copy's buffers are reused for a
 every send that reads them has completed, as ZeroMQ's message trackers report; a slow or
 disconnected worker keeps its buffers alive, and a new set is allocated meanwhile.
 
+Same-host workers that asked for it (shared/shm.py) get no frames: `SlotPublisher` writes each version once into a
+shared-memory slot, in place of the copy above, for all of them, and their `work` carries the slot's descriptor.
+
 Pipelined (`keep_previous`), the version before the current one stays encoded (and its buffers untouched)
 too: a pipelined shard steps its stages before the step is committed, and a microbatch leased again must still
 be computed from it. Otherwise no copy outlives its sends: one copy of the slice in steady state.
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 import zmq
-from cmemi.shared import protocol
+from cmemi.shared import protocol, shm
 from cmemi.shared.layout import Layout
 
 
@@ -111,3 +114,49 @@ class Publisher:
         if len(self._copies) < self.pool:
             self._copies.append(c)
         return c
+
+
+class SlotPublisher:
+    """Each parameter version written once into a shared-memory slot (two, alternating: a worker still reading
+    version v is not overwritten by v + 1; one still reading it at v + 2 sees the sequence change and asks again)."""
+
+    def __init__(self, run: str, role: str, checksum: bool, layout: Layout | None = None) -> None:
+        self.layout = layout if layout is not None and layout.flat else None
+        self.writer = shm.Writer(run, role, shm.checksums(checksum))
+        shm.sweep()  # what SIGKILLed processes left (this run's or an earlier run's), now rather than at a first write
+        self.version = -1
+        self.desc: dict[str, Any] | None = None
+        self.previous: tuple[int, dict[str, Any]] | None = None  # the version before, still whole in the other slot
+
+    def kept(self, version: int) -> dict[str, Any] | None:
+        """The descriptor of `version` if it is the current or the previous one (written earlier), else None."""
+        if self.desc is not None and self.version == version:
+            return self.desc
+        return self.previous[1] if self.previous is not None and self.previous[0] == version else None
+
+    def descriptor(self, params: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """The descriptor of `params` at `version`, written on the first call for that version."""
+        if self.desc is None or self.version != version:
+            self.previous = (self.version, self.desc) if self.desc is not None else None
+            self.desc = None  # a failed write leaves no descriptor of a half-written slot behind
+            if self.layout is not None:  # its flat frames, the parameters copied into their places in them
+                metas = [{"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
+                          "nbytes": n * d.itemsize, "xxh": None} for d, n in self.layout.sizes.items()]
+            else:
+                metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[p.dtype], "shape": list(p.shape),
+                          "nbytes": p.numel() * p.element_size(), "xxh": None} for n, p in params.items()]
+            slot, views = self.writer.begin(metas)
+            targets = dict(zip((m["name"] for m in metas), views, strict=True))
+            if self.layout is not None:
+                targets = self.layout.views(targets)  # the padding between tensors stays zero (never written)
+            with torch.no_grad():
+                for n, p in params.items():
+                    targets[n].copy_(p)
+            self.desc = self.writer.commit(slot, metas, views)
+            self.version = version
+        return self.desc
+
+    def close(self) -> None:
+        """Unlink the slots' segment, and the segments whose owners were SIGKILLed and never replaced."""
+        self.writer.close()
+        shm.sweep()

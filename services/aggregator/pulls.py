@@ -4,23 +4,31 @@ Version s is served while step s collects; pipelined, a stage stepped already is
 version s stays servable (`Publisher.kept`) until the commit, so a microbatch leased again is computed from it.
 Each answer names the version asked for (`asked`): a worker can tell the answer to its pull from a late answer to
 an earlier one (that step is over: its version is the current one, without tensors).
+
+A worker granted shared-memory slots (`slotted`, services/aggregator/intake.py) gets the slot's descriptor instead of
+frames: each stage's version is written once into a slot for every such worker (`SlotPublisher`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from cmemi.services.aggregator.outbox import Encoded
-from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.shared.layout import Layout
 
 
 class SliceServer:
     def __init__(self, stages: list[dict[str, torch.Tensor]], checksum: bool, shard: int,
-                 send: Callable[..., None], pipelined: bool) -> None:
+                 send: Callable[..., None], pipelined: bool, slotted: Callable[[bytes], bool] | None = None,
+                 run: str = "") -> None:
         self.stages, self.shard, self.send = stages, shard, send  # each stage's pieces (live tensors)
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
+        self.slotted = slotted
+        self.slots = [SlotPublisher(run, f"shard{shard}", checksum, Layout(stage)) for stage in stages] \
+            if slotted is not None else []
         self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
 
     def protect(self) -> None:
@@ -35,14 +43,14 @@ class SliceServer:
         """Stage g at `version` (its current pieces), encoded once per version."""
         return self.publishers[g].encoded(self.stages[g], version)
 
-    def _servable(self, g: int, version: int, current: int, applied: set[int]) -> Encoded | None:
-        """Stage g at `version`, encoded, if this shard has it: the current step's version (kept when the stage
-        was stepped already), or the next one once the stage is stepped."""
-        if g not in applied:
-            return self.encoded(g, version) if version == current else None
-        if version == current:
-            return self.publishers[g].kept(version)
-        return self.encoded(g, version) if version == current + 1 else None
+    def _servable(self, g: int, version: int, current: int, applied: set[int], slot: bool) -> Any:
+        """Stage g at `version`, encoded (or its slot's descriptor), if this shard has it: the current step's version
+        (kept when the stage was stepped already), or the next one once the stage is stepped."""
+        if g in applied and version == current:
+            return self.slots[g].kept(version) if slot else self.publishers[g].kept(version)
+        if version != (current + 1 if g in applied else current):
+            return None
+        return self.slots[g].descriptor(self.stages[g], version) if slot else self.encoded(g, version)
 
     def answer(self, current: int, applied: set[int]) -> None:
         """Answer every waiting pull with what is here now (`current`: the step collecting; `applied`: its stages
@@ -53,10 +61,19 @@ class SliceServer:
                 self.send(identity, "slice", (([], []), None), version=current, asked=version, shard=self.shard,
                           stage=-1)  # no tensors, but listed as none: the schema asks for the list
                 continue
+            slot = self.slotted is not None and self.slotted(identity)
             for g in range(len(self.stages)):
-                if g not in sent and (encoded := self._servable(g, version, current, applied)) is not None:
+                if g not in sent and (got := self._servable(g, version, current, applied, slot)) is not None:
                     sent.add(g)
-                    self.send(identity, "slice", encoded, version=version, asked=version, shard=self.shard, stage=g)
+                    if slot:  # no frames: the worker reads the slot
+                        self.send(identity, "slice", (([], []), None), version=version, asked=version,
+                                  shard=self.shard, stage=g, shm=got)
+                    else:
+                        self.send(identity, "slice", got, version=version, asked=version, shard=self.shard, stage=g)
             if len(sent) == len(self.stages):
                 del self.pulls[identity]
 
+
+    def close(self) -> None:
+        for slots in self.slots:
+            slots.close()

@@ -24,7 +24,7 @@ from cmemi.services.aggregator.intake import Drops, Intake
 from cmemi.services.aggregator.leader import ShardRoster
 from cmemi.services.aggregator.leasing import Leasing
 from cmemi.services.aggregator.outbox import Outbox
-from cmemi.services.aggregator.publish import Publisher
+from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.services.aggregator.reporting import Reporter
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
@@ -78,13 +78,17 @@ class Aggregator:
         # slices) only: one partial transfer each, and one for a replacement
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards, ctx.curve, TYPES,
-                             self._admitted, self.drops)
+                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp")
         self.totals = RunTotals()  # restored from the checkpoint
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
         self.publisher = Publisher(cfg.cluster.checksum, self.layout)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.publisher.protect]
+        # same-host workers (cluster.transport auto or shm, over ipc://): parameters in shared-memory slots, written
+        # once per version for all of them, and their gradients read from their own (shared/shm.py)
+        self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
+            if self.intake.slots is not None else None
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -174,6 +178,8 @@ class Aggregator:
         if self.stepper.done:
             self.publisher.release()  # no version goes out again: its copy is not kept for the end's peak
             self.trainer.release_heap()
+            if self.slots is not None:
+                self.slots.close()  # likewise its slots (unlinked; the pages go with the workers' last reads)
             finish.finish(self.ctx, self.trainer, self.stepper, self.evals, self.roster, self.reporter, self.ckpt,
                           self.totals, self.term, self.drops.as_dict(), self._pump)
             for identity, _, _ in self.leasing.waiting():
@@ -207,7 +213,13 @@ class Aggregator:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
         are stale."""
         fields: dict[str, Any] = {}
-        if held_version != self.trainer.step:
+        if held_version != self.trainer.step and self.slots is not None and identity in self.intake.granted \
+                and (wire := self.trainer.wire_state()):
+            fields["shm"] = self.slots.descriptor(wire, self.trainer.step)  # no frames: the worker reads the slot
+            if self.slots.layout is not None:
+                fields["layout"] = self.layout.digest
+            encoded = (([], []), None)
+        elif held_version != self.trainer.step:
             encoded = self.publisher.encoded(self.trainer.wire_state(), self.trainer.step)
             if self.publisher.layout is not None:
                 fields["layout"] = self.layout.digest
@@ -246,8 +258,10 @@ class Aggregator:
         if self.roster is not None:
             self.roster.announce()  # the run's fingerprint, once the first worker set it, before any shard's hello
         self._fenced(info.wid, info.inc - 1, announce=False)  # admission fenced the older incarnations
+        slots = self.intake.grant(identity, h)
         self.outbox.send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                         total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [])
+                         total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [],
+                         shm=slots)
         self.ctx.emit("worker_admitted", worker=info.wid, incarnation=info.inc, host=info.host, term=self.term)
         self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
 
@@ -371,6 +385,8 @@ class Aggregator:
                  "shard_eval": _on_shard_eval, "shard_final": _on_shard_final}
 
     def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
         self.evals.close()
         self.advertised.stop()
         self.reporter.close()

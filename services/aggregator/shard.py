@@ -78,7 +78,7 @@ class ShardServer:
                                    cfg.cluster.require_same_environment, self._send, self.drops, self.log)
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
-                             self.admission.admitted, self.drops)
+                             self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp")
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
@@ -93,7 +93,8 @@ class ShardServer:
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
         self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
-                                  self._send, self.pipelined)
+                                  self._send, self.pipelined, run=ctx.run,
+                                  slotted=(lambda i: i in self.intake.granted) if self.intake.slots is not None else None)
         self.collectors = self._collectors(self.trainer.step)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
@@ -223,7 +224,7 @@ class ShardServer:
                            "term yet; say hello again")
             elif (info := self.admission.hello(identity, h)) is not None:
                 self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                           total_steps=self.total)
+                           total_steps=self.total, shm=self.intake.grant(identity, h))
                 self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
             return
         if self.admission.known(identity, h, self.term) is None:
@@ -335,6 +336,7 @@ class ShardServer:
         self.log.info("shard finished", step=self.trainer.step)
 
     def close(self) -> None:
+        self.slices.close()
         self.watch.stop()
         self.ckpt.close()
         self.member.stop()

@@ -12,6 +12,11 @@ Pipelined (`cluster.pipeline_stages`: S), each shard's slice travels in S stages
 0 of every shard, then stage 1, ..., and a pull is answered stage by stage as each one is stepped, so
 parameters come back while later gradients still go out. The leader then holds no parameters.
 
+Over ipc:// a shard may grant shared-memory slots (shared/shm.py), as the leader does (worker.py): its slices then
+come as slot descriptors, copied from the slot into the model's pieces and used only if the slot did not change
+meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
+segment of its own per shard.
+
 A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
 checkpoint under a new term) raises `Lost`; the worker says hello again.
 """
@@ -24,7 +29,7 @@ from typing import Any
 
 import torch
 import zmq
-from cmemi.shared import limits, protocol, transfer
+from cmemi.shared import limits, protocol, shm, transfer
 from cmemi.shared.config import Config
 from cmemi.shared.layout import Layout, LayoutError
 from cmemi.shared.service import ServiceContext
@@ -54,6 +59,7 @@ class Link:
         self.asked = -1  # version of the last pull sent
         self.got: list[protocol.Message | None] = [None] * len(layouts)  # each stage's newest slice received
         self.over: protocol.Message | None = None  # the newest answer without tensors (that step is over)
+        self.slots = False  # the shard granted shared-memory slots on this connection
 
     def answered(self, version: int) -> bool:
         """Is the pull of `version` answered: every stage of it here, or word that it is over?"""
@@ -69,13 +75,16 @@ class Link:
 
 class ShardLinks:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
-                 ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], None]) -> None:
+                 ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], str]) -> None:
         self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
         self.link = link  # connects a socket to a shard's address by the worker's transport rule (worker._link)
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
         self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
+        self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
+                                 bound=limits.logical_bytes(cfg))
+        self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
         """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
@@ -87,17 +96,22 @@ class ShardLinks:
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
-            self.link(sock, addr, f"shard{k}")
+            asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.available()
             views = self.partition.views(self.params, k)
             staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
             layouts = [Layout(stage) for stage in staged]
             parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
             self.links.append(Link(k, sock, layouts, parts, staged))
+            self.links[-1].slots = asks  # until its welcome says whether it grants them
         for link in self.links:
-            self._send(link, "hello", **hello)
+            self._send(link, "hello", **hello, **({"shm": True} if link.slots else {}))
         welcomed: set[int] = set()
-        self._wait(lambda: len(welcomed) == len(self.links), lambda link, msg: (
-            welcomed.add(link.k) if msg.type == "welcome" and msg.header["term"] == term else None))
+
+        def welcome(link: Link, msg: protocol.Message) -> None:
+            if msg.type == "welcome" and msg.header["term"] == term:
+                welcomed.add(link.k)
+                link.slots = link.slots and msg.header.get("shm") is True
+        self._wait(lambda: len(welcomed) == len(self.links), welcome)
 
     def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
@@ -184,18 +198,27 @@ class ShardLinks:
                 self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
             if answers(link.over, version):
                 return False
-            self._copy(link)
+            if not self._copy(link):  # a slot rewritten while read: pull it again, when the worker asks again
+                link.reset()
+                link.asked = link.have = -1
+                return False
             link.consumed()
             link.have = version
         return True
 
-    def _copy(self, link: Link) -> None:
-        """Every stage of the slice received into the model's pieces of shard k (what landed there already stays)."""
+    def _copy(self, link: Link) -> bool:
+        """Every stage of the slice received into the model's pieces of shard k (what landed there already stays);
+        False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
+        descs = []
         try:
             received: dict[str, torch.Tensor] = {}
             for layout, msg in zip(link.layouts, link.got, strict=True):
                 assert msg is not None
-                received.update(layout.views(msg.tensors) if layout.flat else msg.tensors)
+                tensors = msg.tensors
+                if "shm" in msg.header and link.slots and not tensors:
+                    descs.append(msg.header["shm"])
+                    tensors = self.reader.views(descs[-1])
+                received.update(layout.views(tensors) if layout.flat else tensors)
             targets = {n: v for stage in link.views for n, v in stage.items()}
             if received.keys() != targets.keys():
                 raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
@@ -203,9 +226,14 @@ class ShardLinks:
                 for name, view in targets.items():
                     if received[name] is not view:  # landed elsewhere (not in place): copy
                         view.copy_(received[name])
+        except protocol.ProtocolError as exc:  # a bad descriptor, or a slot rewritten before it was read
+            self.ctx.log.warning("slice slot unusable; asking again", shard=link.k, reason=exc.reason)
+            return False
         except (LayoutError, RuntimeError) as exc:
             self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
                            "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
+        del received
+        return all(self.reader.intact(d) for d in descs)
 
     def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any]) -> None:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
@@ -213,7 +241,14 @@ class ShardLinks:
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
-                self._send(link, "grad", tensors=frames, codec=info, stage=g, **fields)
+                if link.slots:  # into this worker's segment for shard k; only the descriptor goes
+                    if (link.k, g) not in self.writers:  # one per stage: each stage's size is its own
+                        checksum = shm.checksums(self.cfg.cluster.checksum)
+                        self.writers[link.k, g] = shm.Writer(self.ctx.run, "worker", checksum)
+                    self._send(link, "grad", tensors={}, shm=self.writers[link.k, g].write(frames), codec=info,
+                               stage=g, **fields)
+                else:
+                    self._send(link, "grad", tensors=frames, codec=info, stage=g, **fields)
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
@@ -226,3 +261,8 @@ class ShardLinks:
         for link in self.links:
             link.sock.close(linger=0)
         self.links = []
+
+    def close_slots(self) -> None:
+        """Unlink this worker's segments (it exits)."""
+        for writer in self.writers.values():
+            writer.close()

@@ -4,6 +4,11 @@ The worker owns no training state that matters: parameters come from the aggrega
 new version, the data of microbatch (s, m) is a pure function of the config. A worker can be
 killed at any moment; its replacement needs only the aggregator.
 
+Over ipc:// (a same-host leader, `cluster.transport` auto or shm) the worker asks for shared-memory slots
+(shared/shm.py): a welcome that grants them means parameters come as a slot's descriptor, copied from the slot into
+the model and used only if the slot did not change meanwhile, and the leader's slice of each gradient goes into a
+slot of this worker's own segment, with only its descriptor on the socket.
+
 This module is the connection to the leader and the loop; who the worker is and when it exits is
 `lifecycle.py`, where parameters land `inbox.py`, a lease's gradient `block.py`, the other shards `shards.py`.
 """
@@ -26,7 +31,7 @@ from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import limits, protocol, samehost, startup, transfer
+from cmemi.shared import limits, protocol, samehost, shm, startup, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -82,6 +87,10 @@ class Worker:
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
+        self.slots = False  # the leader granted shared-memory slots on this connection
+        # the leader's segment (and a successor's)
+        self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
+        self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
 
     def assume(self, wid: str) -> None:
         """Take identity `wid`: register (new incarnation) and start heartbeating."""
@@ -130,7 +139,8 @@ class Worker:
             self._link(self.sock, addr, "aggregator")
             self.agg_addr = addr
             hello = {"fp": self.fp, "host": self.host, "env": environment(self.device, self.cfg)}
-            self._send("hello", **hello)
+            asks = self.life.links.get("aggregator") == "ipc" and shm.available()
+            self._send("hello", **hello, **({"shm": True} if asks else {}))
             deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
             while time.monotonic() < deadline and not self.ctx.stopping.is_set():
                 msg = self._recv(100)
@@ -138,6 +148,9 @@ class Worker:
                     continue
                 if msg.type == "welcome":
                     self.term = msg.header["term"]
+                    self.slots = asks and msg.header.get("shm") is True
+                    if self.slots:  # status and the joined line say so: ipc:// carries descriptors only
+                        self.life.transport("aggregator", "shm")
                     self.version = -1  # a new term may have rolled back: always take its parameters
                     self.lost_reply = False  # the caller asks for work next anyway
                     try:
@@ -145,6 +158,9 @@ class Worker:
                     except Lost as exc:
                         self.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
                         break
+                    for link in self.shard_links.links:
+                        if link.slots:
+                            self.life.transport(f"shard{link.k}", "shm")
                     self.log.info("joined", aggregator=addr, transport=self.life.links, term=self.term, step=msg.header["step"],
                                   shards=1 + len(self.shard_links.links))
                     self.life.forget_readings()
@@ -152,13 +168,15 @@ class Worker:
                 self._handle_reject_or_stop(msg)
             self.life.check_fenced()
 
-    def _link(self, sock: zmq.Socket, addr: str, peer: str) -> None:
-        """Connect to a server over ipc:// when it is on this host, else CurveZMQ tcp:// (cluster.transport)."""
+    def _link(self, sock: zmq.Socket, addr: str, peer: str) -> str:
+        """Connect to a server over ipc:// when it is on this host, else CurveZMQ tcp:// (cluster.transport); returns
+        the transport taken."""
         try:
             kind = samehost.connect(self.ctx.curve, sock, addr, self.cfg.cluster.transport, peer)
         except samehost.TransportError as exc:
             self.ctx.fatal(f"worker {self.wid}: {exc}")
         self.life.transport(peer, kind)
+        return kind
 
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         assert self.sock is not None
@@ -262,11 +280,37 @@ class Worker:
         if not self.ctx.stopping.is_set():
             self._send("want", term=self.term, version=self.version)
 
+    def _from_slot(self, msg: protocol.Message) -> bool:
+        """The parameters of a `work` whose tensors are in the leader's slot, into the model; False (and the model
+        holds no version) if the slot is bad or was rewritten while copied: the caller asks again."""
+        h = msg.header
+        try:
+            views = self.slot_reader.views(h["shm"])
+        except protocol.ProtocolError as exc:
+            self.log.warning("parameters slot unusable; asking again", reason=exc.reason, detail=str(exc)[:200])
+            return False
+        fits = self.inbox.take(protocol.Message(h, views))
+        del views
+        if not fits:
+            self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
+                           f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/layout.py): "
+                           "use the same model.factory and model.kwargs on every host")
+        if not self.slot_reader.intact(h["shm"]):
+            self.log.info("parameters slot rewritten while read; asking again", version=h["version"])
+            return False
+        self.version = h["version"]
+        return True
+
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         if not msg.tensors and not self.inbox.tensors:  # nothing to receive: a pipelined leader holds no parameters
             self.version = h["version"]
-        if msg.tensors:
+        if "shm" in h and self.slots and not msg.tensors:
+            if not self._from_slot(msg):
+                self.version = -1
+                self._send("want", term=self.term, version=self.version)
+                return
+        elif msg.tensors:
             if not self.inbox.take(msg):  # checksums passed: the aggregator's model is not ours (another config)
                 self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
                                f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/layout.py): "
@@ -297,13 +341,21 @@ class Worker:
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
-        self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
+        if self.slots:  # into this worker's slot; the leader copies it out before it answers
+            if self.slot_writer is None:
+                self.slot_writer = shm.Writer(self.ctx.run, "worker", shm.checksums(self.cfg.cluster.checksum))
+            self._send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s, **fields)
+        else:
+            self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
         if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
             self.runner.loader.guess(h["step"] + 1, range(lo, hi))
 
     def close(self) -> None:
+        if self.slot_writer is not None:
+            self.slot_writer.close()
+        self.shard_links.close_slots()
         if self.runner.loader is not None:
             self.runner.loader.close()
         self.life.close()
