@@ -71,9 +71,21 @@ class ShmError(ProtocolError):
     """A descriptor or a segment that must not be used (its `reason` is the drop label)."""
 
 
+# Slots for models of at most this many parameter bytes. A slot is a second copy of what it carries on each side
+# (the writer's segment, double-buffered, and the reader's mapping of it): for a small model the copies through
+# the socket are the cost and the memory is nothing; for a big one the copies are a small part of a step and the
+# memory is what limits it (issue 34's budgets), so it keeps frames over ipc:// (docs/design.md §8).
+MAX_MODEL_BYTES = 64 << 20
+
+
 def available() -> bool:
     """Can this process make segments (a writable /dev/shm)?"""
     return ROOT.is_dir() and os.access(ROOT, os.W_OK | os.X_OK)
+
+
+def suits(model_bytes: int) -> bool:
+    """Does a model of `model_bytes` parameter bytes travel in slots (MAX_MODEL_BYTES), on a host that has them?"""
+    return model_bytes <= MAX_MODEL_BYTES and available()
 
 
 def run_tag(run: str) -> str:

@@ -88,6 +88,7 @@ class Worker:
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
         self.slots = False  # the leader granted shared-memory slots on this connection
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         # the leader's segment (and a successor's)
         self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
@@ -139,7 +140,7 @@ class Worker:
             self._link(self.sock, addr, "aggregator")
             self.agg_addr = addr
             hello = {"fp": self.fp, "host": self.host, "env": environment(self.device, self.cfg)}
-            asks = self.life.links.get("aggregator") == "ipc" and shm.available()
+            asks = self.life.links.get("aggregator") == "ipc" and shm.suits(self.param_bytes)
             self._send("hello", **hello, **({"shm": True} if asks else {}))
             deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
             while time.monotonic() < deadline and not self.ctx.stopping.is_set():
