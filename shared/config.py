@@ -229,8 +229,9 @@ class ClusterConfig:
     train.clip_grad_norm and no fp16). The same params_sha256 either way."""
     transport: str = "auto"
     """How workers reach the aggregator and its shards. auto: a server on this host over ipc:// (a Unix socket in a
-    0700 directory, same uid and a worker key checked, no encryption), a remote one over CurveZMQ tcp://; tcp:
-    CurveZMQ tcp:// everywhere; shm: same-host servers only (a remote one is refused with one line)."""
+    0700 directory, same uid and a worker key checked, no encryption), with the tensors in shared-memory slots for a
+    model of at most 64 MiB of parameters (only descriptors cross the socket), a remote one over CurveZMQ tcp://;
+    tcp: CurveZMQ tcp:// everywhere; shm: same-host servers only (a remote one is refused with one line)."""
     require_same_environment: bool = True
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""

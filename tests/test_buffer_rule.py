@@ -161,8 +161,8 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
         def fatal(message: str):
             raise SystemExit(message)
 
-        return BlockComputer(SimpleNamespace(), SimpleNamespace(run=run), SimpleNamespace(warning=lambda *a, **k: None),
-                             fatal, lambda: "w0")
+        return BlockComputer(SimpleNamespace(), SimpleNamespace(run=run, params={}),
+                             SimpleNamespace(warning=lambda *a, **k: None), fatal, lambda: "w0")
 
     assert worker([OSError("flaky read"), None]).one(0, 0) == (1.0, {}, None)  # transient: goes on
     with pytest.raises(SystemExit, match=r"ValueError: boom \(raised in run, .*test_buffer_rule.py:\d+\) during "
