@@ -107,13 +107,14 @@ def cmemi(work: Path, wl: str, steps: int, warmup: int, workers: int, tag: str, 
     stats["cpu"] = cpu.per_unit()  # CPU seconds per step of every process of the cluster
     stats["cpu_s_per_step"] = stats["cpu"].get("cpu_s_per_unit")
     stats["bytes_received"], stats["steps_run"] = summ.get("bytes_received"), summ.get("steps")
+    stats["bytes_received_via_slots"] = summ.get("bytes_received_via_slots", 0)
     return stats
 
 
 def socket_share(runs: list[dict[str, Any]], workers: int, grad_bytes: int) -> float | None:
     """Bytes the aggregator received through its socket per gradient byte (each worker sends one per step)."""
-    vals = [r["bytes_received"] / (r["steps_run"] * workers * grad_bytes) for r in runs
-            if r.get("bytes_received") is not None and r.get("steps_run")]
+    vals = [(r["bytes_received"] - r.get("bytes_received_via_slots", 0)) / (r["steps_run"] * workers * grad_bytes)
+            for r in runs if r.get("bytes_received") is not None and r.get("steps_run")]
     return round(C.median(vals), 4) if vals else None
 
 

@@ -78,6 +78,11 @@ class ShmError(ProtocolError):
 MAX_MODEL_BYTES = 64 << 20
 
 
+def payload_bytes(desc: dict[str, Any]) -> int:
+    """The tensor bytes a descriptor of ours names: what moved through the slot (counted as the socket's would be)."""
+    return sum(int(m["nbytes"]) for m in desc["tensors"])
+
+
 def available() -> bool:
     """Can this process make segments (a writable /dev/shm)?"""
     return ROOT.is_dir() and os.access(ROOT, os.W_OK | os.X_OK)

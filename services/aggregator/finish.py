@@ -43,6 +43,9 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
         "samples_per_s": trainer.step * cfg.train.global_batch / wall if wall > 0 else None,
         "workers": cfg.cluster.workers, "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
         "bytes_received": totals.bytes_out + shards_total("bytes_received"),
+        # of those, what moved through shared-memory slots (same-host workers, shared/shm.py), not a socket
+        "bytes_sent_via_slots": totals.slot_in + shards_total("bytes_sent_via_slots"),
+        "bytes_received_via_slots": totals.slot_out + shards_total("bytes_received_via_slots"),
         "duplicate_param_sends": totals.duplicate_param_sends,
         "params_sha256": trainer.params_sha256(others), "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,

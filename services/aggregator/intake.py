@@ -104,6 +104,9 @@ class Intake:
             except protocol.ProtocolError as exc:
                 self.drop(exc.reason, str(exc))
                 return None
+            # the gradient's bytes moved through the slot, not the socket: counted all the same (bytes_sent, the
+            # codecs' ratios), so a summary means the same over any transport
+            size += sum(t.numel() * t.element_size() for t in msg.tensors.values())
         return identity, msg, size
 
     def grant(self, identity: bytes, hello: dict[str, Any]) -> bool:

@@ -162,6 +162,8 @@ class ShardRoster:
         if (info := self.member(identity, h)) is not None and h["step"] == step:
             info.final = tensors
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
+                           **{k: h[f] for k, f in (("bytes_sent_via_slots", "slot_in"),
+                                                   ("bytes_received_via_slots", "slot_out")) if type(h.get(f)) is int},
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
 
     def gather(self, shapes: Mapping[str, torch.Size], pump: Callable[[], None],

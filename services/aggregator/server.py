@@ -30,7 +30,7 @@ from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import limits, protocol, startup, state
+from cmemi.shared import limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -205,8 +205,9 @@ class Aggregator:
             if self.admission.admitted(identity):
                 self.reporter.grad_bytes(size)
             return
-        if msg.type == "grad":  # all gradient bytes workers sent, accepted or not
+        if msg.type == "grad":  # all gradient bytes workers sent, accepted or not (a slot's too: Intake.take)
             self.reporter.grad_bytes(size)
+            self.totals.slot_in += shm.payload_bytes(msg.header["shm"]) if "shm" in msg.header else 0
         self._handlers[msg.type](self, identity, msg)
 
     def _work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int) -> None:
@@ -230,7 +231,9 @@ class Aggregator:
                              **fields)
         self.totals.duplicate_param_sends += self.leasing.sent(identity, self.trainer.step if held_version !=
                                                                 self.trainer.step else None)
-        self.reporter.work_bytes(n)
+        slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0  # counted as the socket's would be
+        self.totals.slot_out += slotted
+        self.reporter.work_bytes(n + slotted)
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
         if self.stepper.done:

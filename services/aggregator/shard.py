@@ -41,7 +41,7 @@ from cmemi.services.aggregator.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import limits, protocol, reduction, startup, transfer
+from cmemi.shared import limits, protocol, reduction, shm, startup, transfer
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.environment import environment
@@ -138,8 +138,10 @@ class ShardServer:
 
     def _send(self, identity: bytes, mtype: str, encoded: Encoded | None = None, **fields: Any) -> None:
         n = self.outbox.send(identity, mtype, encoded, **fields)
-        if mtype == "slice":
-            self.totals.bytes_out += n
+        if mtype == "slice":  # a slot's bytes count as the socket's would (shm.payload_bytes)
+            slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0
+            self.totals.slot_out += slotted
+            self.totals.bytes_out += n + slotted
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -213,8 +215,9 @@ class ShardServer:
         if taken is None:
             return
         identity, msg, size = taken
-        if msg is None or msg.type == "grad":  # all gradient bytes workers sent (a part: of a bigger one)
+        if msg is None or msg.type == "grad":  # all gradient bytes workers sent (a part: of a bigger one; a slot's)
             self.totals.bytes_in += size
+            self.totals.slot_in += shm.payload_bytes(msg.header["shm"]) if msg is not None and "shm" in msg.header else 0
         if msg is None:
             return
         h = msg.header
@@ -331,6 +334,7 @@ class ShardServer:
         snap = self._snapshot()
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
                         step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
+                        slot_in=self.totals.slot_in, slot_out=self.totals.slot_out,
                         drops=self.drops.as_dict())
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)

@@ -12,6 +12,8 @@ class RunTotals:
     final_loss: float = float("nan")
     bytes_in: int = 0  # every gradient byte workers sent, accepted or not
     bytes_out: int = 0  # every work message byte sent to workers
+    slot_in: int = 0  # of bytes_in, those that came through shared-memory slots (shared/shm.py), not the socket
+    slot_out: int = 0  # of bytes_out, likewise
     duplicate_param_sends: int = 0  # parameters of a version sent again to the same worker (services/aggregator/leasing.py)
     wall_before: float = 0.0  # training seconds of earlier terms
     t_start: float | None = None  # when this term handed out its first lease (monotonic)
@@ -29,10 +31,12 @@ class RunTotals:
 
     def state_dict(self) -> dict[str, float | int]:
         return {"final_loss": self.final_loss, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
+                "bytes_sent_via_slots": self.slot_in, "bytes_received_via_slots": self.slot_out,
                 "wall_s": self.wall_s(), "duplicate_param_sends": self.duplicate_param_sends}
 
     def load_state_dict(self, sd: dict[str, float | int]) -> None:
         self.final_loss = float(sd["final_loss"])
         self.bytes_in, self.bytes_out = int(sd["bytes_sent"]), int(sd["bytes_received"])
         self.wall_before = float(sd["wall_s"])
-        self.duplicate_param_sends = int(sd.get("duplicate_param_sends", 0))  # (checkpoints from before it was kept)
+        self.duplicate_param_sends = int(sd.get("duplicate_param_sends", 0))
+        self.slot_in, self.slot_out = int(sd.get("bytes_sent_via_slots", 0)), int(sd.get("bytes_received_via_slots", 0))  # (checkpoints from before it was kept)
