@@ -176,6 +176,27 @@ def test_given_up_and_replaced_slices_delete_their_spools(tmp_path: Path) -> Non
     assert len(store.clean_leftovers()) == 2 and not list(tmp_path.glob(".tmp-*"))
 
 
+def restored(path: Path, fields: dict, cap: int, count: int, **kw) -> tuple[int, list[list[bytes]]]:
+    """The checkpoint at `path` sent by restore.send over real sockets: (bytes sent, the `count` messages received;
+    no more come)."""
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hi")
+        identity, _ = router.recv_multipart()
+        sent = restore.send(router, identity, RUN, fields, path, cap, checksum=True, **kw)
+        got = []
+        while len(got) < count:
+            assert dealer.poll(10_000), "the restore did not arrive"
+            got.append(dealer.recv_multipart())
+        assert not dealer.poll(100)
+        return sent, got
+    finally:
+        ctx.destroy(linger=0)
+
+
 @pytest.mark.parametrize("cap", [CAP, 1 << 30], ids=["parts", "whole"])
 def test_a_restore_read_from_the_files_is_the_message_sent_before(tmp_path: Path, cap: int) -> None:
     tensors = tensors_of_every_dtype()
@@ -184,21 +205,7 @@ def test_a_restore_read_from_the_files_is_the_message_sent_before(tmp_path: Path
     meta, loaded = store.load(path)
     fields = {"step": STEP, "meta": meta}
     before = transfer.messages("restore", RUN, fields, cap, loaded)
-    ctx = zmq.Context()
-    try:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send(b"hi")
-        identity, _ = router.recv_multipart()
-        sent = restore.send(router, identity, RUN, fields, path, cap, checksum=True)
-        got = []
-        while len(got) < len(before):
-            assert dealer.poll(10_000), "the restore did not arrive"
-            got.append(dealer.recv_multipart())
-        assert not dealer.poll(100)
-    finally:
-        ctx.destroy(linger=0)
+    sent, got = restored(path, fields, cap, len(before))
     assert sent == sum(protocol.message_bytes(m) for m in before)
     xfer = re.compile(rb"\xa4xfer\xcf.{8}|\xa4xfer\xd3.{8}", re.S)  # the transfer id is random: compare the rest
     for a, b in zip(got, before, strict=True):
@@ -225,17 +232,7 @@ def test_a_sharded_restore_sends_a_shard_the_model_and_its_own_state_only(tmp_pa
         assert all(restore.wanted(meta, shards, header)(n) for n in tensors), header
     assert all(restore.wanted({"m": 1}, 2, {"shard": 1, "owned": ["w#1"]})(n) for n in tensors)
     path = CheckpointStore(tmp_path).write(STEP, meta, tensors)
-    ctx = zmq.Context()
-    try:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send(b"hi")
-        identity, _ = router.recv_multipart()
-        restore.send(router, identity, RUN, {"step": STEP, "meta": meta}, path, 1 << 30, checksum=True, keep=keep)
-        assert dealer.poll(10_000), "the restore did not arrive"
-        msg = transfer.Assembler(RUN, 1 << 30).decode(b"", dealer.recv_multipart())
-    finally:
-        ctx.destroy(linger=0)
+    _, got = restored(path, {"step": STEP, "meta": meta}, 1 << 30, 1, keep=keep)
+    msg = transfer.Assembler(RUN, 1 << 30).decode(b"", got[0])
     assert msg is not None and sorted(msg.tensors) == ["model.w", "shard1.optimizer.state.#int:0.exp_avg"]
     assert torch.equal(msg.tensors["shard1.optimizer.state.#int:0.exp_avg"], torch.ones(4, 4))

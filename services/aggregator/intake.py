@@ -61,6 +61,7 @@ class Intake:
         self.local: OrderedDict[bytes, None] = OrderedDict()
         self.local_max = 4 * peers + 256
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
+        self.slot_bytes = 0
         self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)
 
@@ -70,6 +71,7 @@ class Intake:
             self.drop("no_identity")
             return None
         identity = frames[0].bytes
+        self.slot_bytes = 0  # of the message taken now, the bytes copied from a slot
         size = protocol.message_bytes(frames[1:])
         if size > self.cap:
             self.drop("too_big", f"{size} bytes")
@@ -94,6 +96,8 @@ class Intake:
         if (role := self.curve.role(frames[1])) is not None and role != ROLE_OF[msg.type]:
             self.drop("wrong_role", f"{msg.type} from a {role or 'unknown'} key")  # e.g. a worker key fencing
             return None
+        if "shm" in msg.header and msg.type == "grad" and not self.admitted(identity):
+            return identity, msg, size  # nothing read from it: the admission check names why (fenced, unknown)
         if "shm" in msg.header and msg.type == "grad":
             try:
                 if self.slots is None or identity not in self.granted:
@@ -105,8 +109,9 @@ class Intake:
                 self.drop(exc.reason, str(exc))
                 return None
             # the gradient's bytes moved through the slot, not the socket: counted all the same (bytes_sent, the
-            # codecs' ratios), so a summary means the same over any transport
-            size += sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            # codecs' ratios), so a summary means the same over any transport; `slot_bytes` says how many
+            self.slot_bytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            size += self.slot_bytes
         return identity, msg, size
 
     def grant(self, identity: bytes, hello: dict[str, Any]) -> bool:

@@ -207,7 +207,7 @@ class Aggregator:
             return
         if msg.type == "grad":  # all gradient bytes workers sent, accepted or not (a slot's too: Intake.take)
             self.reporter.grad_bytes(size)
-            self.totals.slot_in += shm.payload_bytes(msg.header["shm"]) if "shm" in msg.header else 0
+            self.totals.slot_in += self.intake.slot_bytes
         self._handlers[msg.type](self, identity, msg)
 
     def _work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int) -> None:

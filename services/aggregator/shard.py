@@ -217,7 +217,7 @@ class ShardServer:
         identity, msg, size = taken
         if msg is None or msg.type == "grad":  # all gradient bytes workers sent (a part: of a bigger one; a slot's)
             self.totals.bytes_in += size
-            self.totals.slot_in += shm.payload_bytes(msg.header["shm"]) if msg is not None and "shm" in msg.header else 0
+            self.totals.slot_in += self.intake.slot_bytes
         if msg is None:
             return
         h = msg.header
