@@ -221,8 +221,9 @@ def main() -> None:
             "copied into the worker's slot and out of it at the server (2), a parameter byte once into the server's "
             "slot for all W same-host workers and once out of it by each (1/W + 1), and only descriptors cross the "
             "socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
-            "sides), is checksummed on each side, and parameters are first copied into the publisher's copy; "
-            "CurveZMQ adds encryption and its buffers on both sides",
+            "sides) and is checksummed on each side; parameters go out from the live tensors (copy-on-write) for a "
+            "model over 16 MiB, through the publisher's flat copy for a smaller one; CurveZMQ adds encryption and "
+            "its buffers on both sides",
         ]
     except BaseException as exc:
         C.record_error(result, exc)
