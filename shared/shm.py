@@ -88,9 +88,17 @@ def available() -> bool:
     return ROOT.is_dir() and os.access(ROOT, os.W_OK | os.X_OK)
 
 
-def suits(model_bytes: int) -> bool:
-    """Does a model of `model_bytes` parameter bytes travel in slots (MAX_MODEL_BYTES), on a host that has them?"""
-    return model_bytes <= MAX_MODEL_BYTES and available()
+def suits(model_bytes: int, workers: int) -> bool:
+    """Does a model of `model_bytes` parameter bytes travel in slots (MAX_MODEL_BYTES), on a host that has them with
+    room for every segment of `workers` workers and their servers (two slots of the model each)? A tmpfs that fills
+    up under a mapping kills its writer with SIGBUS (a container's /dev/shm is 64 MB by default): frames instead."""
+    if model_bytes > MAX_MODEL_BYTES or not available():
+        return False
+    try:
+        st = os.statvfs(ROOT)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * (workers + 1) * model_bytes
 
 
 def run_tag(run: str) -> str:

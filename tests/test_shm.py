@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -156,3 +157,11 @@ def test_descriptors_are_bounded_by_the_maps_and_go_with_them(run: str) -> None:
     w.close()
     r.maps.clear()  # the last reference to each map: closed now, with its descriptor
     assert shm_fds() == 0 and shm.owned(run) == []
+
+
+def test_slots_only_for_small_models_on_a_tmpfs_with_room(monkeypatch) -> None:
+    """Big models keep frames (a slot is a second copy on each side); so does any model when /dev/shm could not hold
+    every segment (a full tmpfs kills the writer of a mapping with SIGBUS)."""
+    assert shm.suits(21 << 20, 2) and not shm.suits(shm.MAX_MODEL_BYTES + 1, 2)
+    monkeypatch.setattr(shm.os, "statvfs", lambda _p: SimpleNamespace(f_bavail=100, f_frsize=1 << 20))  # 100 MiB
+    assert shm.suits(16 << 20, 2) and not shm.suits(21 << 20, 2)  # 6 × 21 MiB do not fit

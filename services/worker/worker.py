@@ -140,7 +140,7 @@ class Worker:
             self._link(self.sock, addr, "aggregator")
             self.agg_addr = addr
             hello = {"fp": self.fp, "host": self.host, "env": environment(self.device, self.cfg)}
-            asks = self.life.links.get("aggregator") == "ipc" and shm.suits(self.param_bytes)
+            asks = self.life.links.get("aggregator") == "ipc" and shm.suits(self.param_bytes, self.cfg.cluster.workers)
             self._send("hello", **hello, **({"shm": True} if asks else {}))
             deadline = time.monotonic() + max(5.0, 3 * self.cfg.cluster.dead_after)
             while time.monotonic() < deadline and not self.ctx.stopping.is_set():
