@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from cmemi.shared.config import Config
@@ -40,8 +40,13 @@ def _key(cfg: Config) -> str:
     return f"{cfg.model.factory}{sorted(cfg.model.kwargs.items())!r}"
 
 
+def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """The bytes of these tensors' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def tensor_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return nbytes([*model.parameters(), *model.buffers()])
 
 
 def record(cfg: Config, model: torch.nn.Module) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 from cmemi.services.aggregator.admission import ROLE_OF
-from cmemi.shared import metrics, protocol, samehost, shm, transfer
+from cmemi.shared import limits, metrics, protocol, samehost, shm, transfer
 from cmemi.shared.security import Curve
 
 
@@ -110,7 +110,7 @@ class Intake:
                 return None
             # the gradient's bytes moved through the slot, not the socket: counted all the same (bytes_sent, the
             # codecs' ratios), so a summary means the same over any transport; `slot_bytes` says how many
-            self.slot_bytes = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+            self.slot_bytes = limits.nbytes(msg.tensors.values())
             size += self.slot_bytes
         return identity, msg, size
 

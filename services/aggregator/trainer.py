@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 
 import torch
-from cmemi.shared import allocator, initweights
+from cmemi.shared import allocator, initweights, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
@@ -72,7 +72,7 @@ class Trainer:
         # called before an optimizer step changes the live tensors in place: what still sends them (a snapshot's
         # unsent parts, parameters queued zero-copy for a worker) copies or moves them first
         self.before_change: list[Callable[[], None]] = []
-        self._trims = allocator.worth_trimming(sum(p.numel() * p.element_size() for p in self.params.values()))
+        self._trims = allocator.worth_trimming(limits.nbytes(self.params.values()))
 
     def keep_own_rows(self) -> None:
         """Sharded, after start-up (restore, the evaluation probe): keep only this shard's rows. Each owned piece of

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
-from cmemi.shared import allocator
+from cmemi.shared import allocator, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.codecs import all_finite
 from cmemi.shared.config import Config
@@ -30,7 +30,7 @@ class BlockComputer:
         self.cfg, self.runner, self.log, self.fatal, self.who = cfg, runner, log, fatal, who
         # the last block's gradient is gone by the next one (sent, and the step it was part of is over): its pages
         # go back to the kernel first, so that the heap does not grow by a tensor or two (shared/allocator.py)
-        self.trim = allocator.worth_trimming(sum(p.numel() * p.element_size() for p in runner.params.values()))
+        self.trim = allocator.worth_trimming(limits.nbytes(runner.params.values()))
 
     def block(self, step: int, lo: int, hi: int, scale: float) -> Result:
         """The lease [lo, hi) of step `step`: (loss per microbatch, gradient sum, buffer contribution sum or None,

@@ -96,8 +96,8 @@ class ShardLinks:
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
-            asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(
-                sum(p.numel() * p.element_size() for p in self.params.values()), self.cfg.cluster.workers)
+            asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(limits.nbytes(self.params.values()),
+                                                                               self.cfg.cluster.workers)
             views = self.partition.views(self.params, k)
             staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
             layouts = [Layout(stage) for stage in staged]

@@ -88,7 +88,7 @@ class Worker:
         self.sock: zmq.Socket | None = None
         self.agg_addr: str | None = None
         self.slots = False  # the leader granted shared-memory slots on this connection
-        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
+        self.param_bytes = limits.nbytes(self.params.values())
         # the leader's segment (and a successor's)
         self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
