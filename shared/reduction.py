@@ -117,7 +117,10 @@ class TreeAccumulator:
         """No leaf of [lo, hi) has arrived yet (a partial sum covering it would make it a duplicate)."""
         return all(b <= lo or a >= hi for a, b in self._nodes)
 
-    def add(self, lo: int, hi: int, value: T) -> None:
+    def add(self, lo: int, hi: int, value: T, own: Callable[[T], T] | None = None) -> None:
+        """Take the contribution over [lo, hi). `own` given: `value` is borrowed (memory its sender reuses, read-only):
+        it is only read, summed into a waiting sibling's storage (a + b and b + a are the same bits), or, with no
+        sibling waiting, kept as `own(value)`, a copy."""
         if not is_subtree(lo, hi, self.M):
             raise ValueError(f"[{lo}, {hi}) is not a node of the reduction tree over {self.M} microbatches")
         if not self.disjoint(lo, hi):
@@ -132,9 +135,13 @@ class TreeAccumulator:
             if sibling not in self._nodes:
                 break
             other = self._nodes.pop(sibling)
-            value = self._add(value, other) if lo == a else self._add(other, value)
+            if own is not None:  # into the sibling's storage: the borrowed value is read, never written
+                summed = self._add(other, value)
+                value, own = summed, (own if summed is value else None)  # (an overflowed sibling adds nothing)
+            else:
+                value = self._add(value, other) if lo == a else self._add(other, value)
             lo, hi = a, b
-        self._nodes[(lo, hi)] = value
+        self._nodes[(lo, hi)] = value if own is None else own(value)
 
     @property
     def complete(self) -> bool:

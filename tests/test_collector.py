@@ -169,3 +169,17 @@ def test_microbatches_another_shard_lacks_are_leased_again_as_leaves_after_a_gra
     assert c.reopen(list(range(8)), now=20, grace=2) == [] and c.complete
     mean, _ = c.mean()  # the leader's own sum never changed
     assert torch.equal(mean["w"], (grads(0)["w"] + grads(4)["w"]) / 8)
+
+
+def test_spares_are_reused_only_after_reclaim():
+    from cmemi.services.aggregator.gradients import Spares
+    spares = Spares()
+    g = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
+    a = spares.own(g)
+    assert all(torch.equal(a[n], g[n]) and a[n].data_ptr() != g[n].data_ptr() for n in g)
+    b = spares.own(g)  # the first is still lent: a second buffer
+    assert a["w"].data_ptr() != b["w"].data_ptr()
+    spares.reclaim()
+    c = spares.own({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
+    assert c["w"].data_ptr() in (a["w"].data_ptr(), b["w"].data_ptr()) and torch.equal(c["w"], torch.zeros(2, 3))
+    assert spares.own({"w": torch.zeros(4)})["w"].shape == (4,)  # another shape: a new buffer

@@ -48,6 +48,41 @@ def test_accumulator_is_bitwise_the_tree_in_any_order_and_blocking(M):
     assert not torch.equal(in_m_order, expected) or M <= 3  # the bracketing matters (M <= 3: it is m order)
 
 
+@pytest.mark.parametrize("M", [2, 6, 8])
+def test_borrowed_contributions_are_only_read_and_give_the_same_bits(M):
+    """A borrowed contribution (a shared-memory slot's views: services/aggregator/intake.py) is summed into a waiting
+    sibling's storage or copied by `own`, never written; the sum is bitwise the owned path's in any order."""
+    grads = _grads(M)
+    expected = tree_reduce([g.clone() for g in grads], lambda a, b: a.add_(b))
+    rng = random.Random(M)
+    for _ in range(6):
+        order = list(range(M))
+        rng.shuffle(order)
+        lent = {m: grads[m].clone() for m in order if rng.random() < 0.6}  # the rest come owned
+        before = {m: t.clone() for m, t in lent.items()}
+        owned: list[int] = []
+
+        def own(t, owned=owned):
+            owned.append(1)
+            return t.clone()
+
+        acc = TreeAccumulator(M, lambda a, b: a.add_(b))
+        for m in order:
+            acc.add(m, m + 1, lent[m], own) if m in lent else acc.add(m, m + 1, grads[m].clone())
+        assert torch.equal(acc.result(), expected)
+        assert all(torch.equal(lent[m], before[m]) for m in lent)  # read, never written
+        assert len(owned) <= len(lent)
+        assert all(acc.result() is not t for t in lent.values())
+
+
+def test_a_borrowed_contribution_beside_an_overflowed_sibling_is_still_copied():
+    acc = TreeAccumulator(2, lambda a, b: (a.update({k: v + b[k] for k, v in a.items()}) or a) if a and b else a or b)
+    acc.add(0, 1, {})  # fp16 overflow: no tensors
+    lent = {"w": torch.ones(3)}
+    acc.add(1, 2, lent, lambda t: {k: v.clone() for k, v in t.items()})
+    assert acc.result() is not lent and torch.equal(acc.result()["w"], lent["w"])
+
+
 def test_overlapping_or_misaligned_contributions_are_refused():
     acc = TreeAccumulator(8, lambda a, b: a + b)
     acc.add(0, 1, 1.0)

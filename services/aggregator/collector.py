@@ -21,7 +21,7 @@ overlapping copy): `reopen` hands such microbatches out again, as leaves.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -142,11 +142,13 @@ class StepCollector:
         return None
 
     def offer(self, node: int | Node, grads: dict[str, torch.Tensor] | None, losses: float | Sequence[float],
-              holder: tuple[str, int] | None, buffers: dict[str, torch.Tensor] | None = None) -> str | None:
+              holder: tuple[str, int] | None, buffers: dict[str, torch.Tensor] | None = None,
+              own: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> str | None:
         """Accept the tree sum over `node` (a leaf m or (lo, hi)) from `holder` = (wid, inc) (grads None: it
         overflowed under fp16 loss scaling), one loss per microbatch, and its buffer contribution (the tree sum of
         shared.buffers.contribution; None for a model whose buffers do not travel); returns a drop reason instead if
-        it is not wanted. The collector owns accepted tensors."""
+        it is not wanted. The collector owns accepted tensors; with `own`, `grads` are borrowed (a shared-memory slot's
+        views): only read, summed into a waiting sibling or kept as `own(grads)`, a copy (shared/reduction.py)."""
         node = node_of(node)
         if (reason := self.check(node, holder)) is not None:
             return reason
@@ -161,7 +163,7 @@ class StepCollector:
         self._requeue(sorted(overlapping))
         self._losses.update(zip(range(*node), losses, strict=True))
         self.overflow |= grads is None
-        self._tree.add(*node, grads or {})  # received buffers become accumulators: no copy, no allocation
+        self._tree.add(*node, grads or {}, own)  # received buffers become accumulators: no copy, no allocation
         if buffers is not None:
             self._buffers.add(*node, buffers)
         return None

@@ -12,7 +12,11 @@ What a received multipart message passes, in this order, before any handler sees
 Shared-memory slots (shared/shm.py) are granted here too (`grant`, at a worker's admission): only to a worker whose
 hello asks for them and whose messages come over the ipc:// endpoint (`local`). A granted worker's gradient names
 a slot instead of carrying frames: its tensors are copied out of the slot here, and the copy is dropped if the slot
-changed meanwhile (`shm_overwritten`); a descriptor from anyone else is dropped (`shm_unexpected`).
+changed meanwhile (`shm_overwritten`); a descriptor from anyone else is dropped (`shm_unexpected`). An intake that
+`borrows` (the leader's) hands out the slot's views instead: the handler reads them (sums them into a waiting
+sibling, or copies them once, services/aggregator/gradients.py Spares) and then asks `intact()` whether the slot
+stayed the worker's meanwhile. An honest worker writes that slot again only after work sent in answer to this very
+gradient, so only a credentialed peer breaking the protocol can tear it, and the step is then collected again.
 
 `Drops` counts every dropped message by reason in one place: the log (rate-limited), the run's counters
 (reported in summary.json) and Prometheus.
@@ -52,7 +56,8 @@ class Intake:
     """Turns a ROUTER's multipart messages into validated messages from peers with the right key role."""
 
     def __init__(self, run: str, cap: int, bound: int, checksum: bool, peers: int, curve: Curve,
-                 types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops, slots: bool = False) -> None:
+                 types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops, slots: bool = False,
+                 borrows: bool = False) -> None:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
@@ -62,6 +67,8 @@ class Intake:
         self.local_max = 4 * peers + 256
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
         self.slot_bytes = 0
+        self.borrows = borrows
+        self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
         self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)
 
@@ -71,7 +78,7 @@ class Intake:
             self.drop("no_identity")
             return None
         identity = frames[0].bytes
-        self.slot_bytes = 0  # of the message taken now, the bytes copied from a slot
+        self.slot_bytes, self.lent = 0, None  # of the message taken now: the bytes read from a slot, its views
         size = protocol.message_bytes(frames[1:])
         if size > self.cap:
             self.drop("too_big", f"{size} bytes")
@@ -104,7 +111,10 @@ class Intake:
                     raise shm.ShmError("shm_unexpected", "a slot descriptor from a peer not granted slots")
                 if msg.tensors:
                     raise shm.ShmError("shm_bad", "a slot descriptor and frames")
-                msg.tensors = self.slots.copied(msg.header["shm"])
+                if self.borrows:
+                    msg.tensors, self.lent = self.slots.views(msg.header["shm"]), msg.header["shm"]
+                else:
+                    msg.tensors = self.slots.copied(msg.header["shm"])
             except protocol.ProtocolError as exc:
                 self.drop(exc.reason, str(exc))
                 return None
@@ -113,6 +123,10 @@ class Intake:
             self.slot_bytes = limits.nbytes(msg.tensors.values())
             size += self.slot_bytes
         return identity, msg, size
+
+    def intact(self) -> bool:
+        """Did the slot whose views the message taken last holds stay unwritten until now (True if it holds none)?"""
+        return self.lent is None or self.slots is None or self.slots.intact(self.lent)
 
     def grant(self, identity: bytes, hello: dict[str, Any]) -> bool:
         """Does the worker just admitted get slots (this server offers them, it asked, it came over ipc://)?"""

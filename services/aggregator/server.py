@@ -78,7 +78,7 @@ class Aggregator:
         # slices) only: one partial transfer each, and one for a replacement
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards, ctx.curve, TYPES,
-                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp")
+                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp", borrows=True)
         self.totals = RunTotals()  # restored from the checkpoint
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)
@@ -292,7 +292,9 @@ class Aggregator:
     def _take_grad(self, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         collector = self.leasing.collector
         where = f"{info.wid}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
-        produced = {k[len(PREFIX):]: tensors.pop(k) for k in [k for k in tensors if k.startswith(PREFIX)]}
+        borrowed = self.intake.lent is not None  # views of the worker's slot: read, never kept (intake.py)
+        produced = {k[len(PREFIX):]: tensors.pop(k).clone() if borrowed else tensors.pop(k)
+                    for k in [k for k in tensors if k.startswith(PREFIX)]}
         if h["step"] != collector.step or h["version"] != self.trainer.step:
             self.drops("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {collector.step}")
             return
@@ -306,9 +308,13 @@ class Aggregator:
             self.drops(bad, where)
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self.drops("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
-        elif (reason := collector.offer(node, grads, h["losses"], holder,
-                                        produced if self.report_buffers else None)) is not None:
+        elif (reason := collector.offer(node, grads, h["losses"], holder, produced if self.report_buffers else None,
+                                        own=self.leasing.spares.own if borrowed else None)) is not None:
             self.drops(reason, where)
+        elif not self.intake.intact():  # the slot was written while summed: this step's sum is unknown, so again
+            self.drops("shm_overwritten", f"{where}: its slot was written while read; collecting the step again")
+            self.leasing.new_step(collector.step, strict=collector.strict)
+            self._serve_parked()
         else:
             self.reporter.codec_s += seconds + float(h["encode_s"])
             self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
