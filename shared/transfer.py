@@ -331,6 +331,10 @@ class Assembler:
         self.partials: OrderedDict[bytes, _Partial] = OrderedDict()
         self.dead: OrderedDict[bytes, int] = OrderedDict()  # peer -> its last abandoned transfer id
 
+    def receiving(self) -> list[torch.Tensor]:
+        """The tensors of the transfers still arriving (what `into` lent them is not free yet)."""
+        return [t for p in self.partials.values() if isinstance(p.dest, _Tensors) for t in p.dest.tensors]
+
     # -- entry points
     def decode(self, peer: bytes, frames: list[Any], into: Into = None,
                allow_parts: bool = True) -> Message | None:

@@ -171,9 +171,9 @@ def test_microbatches_another_shard_lacks_are_leased_again_as_leaves_after_a_gra
     assert torch.equal(mean["w"], (grads(0)["w"] + grads(4)["w"]) / 8)
 
 
-def test_spares_are_reused_only_after_reclaim():
+def test_spares_are_reused_only_after_reclaim_and_bounded():
     from cmemi.services.aggregator.gradients import Spares
-    spares = Spares()
+    spares = Spares(limit=1 << 20)
     g = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
     a = spares.own(g)
     assert all(torch.equal(a[n], g[n]) and a[n].data_ptr() != g[n].data_ptr() for n in g)
@@ -183,3 +183,14 @@ def test_spares_are_reused_only_after_reclaim():
     c = spares.own({"w": torch.zeros(2, 3), "b": torch.zeros(2)})
     assert c["w"].data_ptr() in (a["w"].data_ptr(), b["w"].data_ptr()) and torch.equal(c["w"], torch.zeros(2, 3))
     assert spares.own({"w": torch.zeros(4)})["w"].shape == (4,)  # another shape: a new buffer
+    # a transfer still arriving keeps its buffers through a reclaim; what the step did not use goes
+    metas = [{"name": "w", "dtype": "float32", "shape": [2, 3], "nbytes": 24, "xxh": None}]
+    arriving = spares.lend(metas)["w"]
+    spares.reclaim(busy=[arriving])
+    assert all(spares.lend(metas)["w"] is not arriving for _ in range(3))
+    assert sum(len(v) for v in spares.free.values()) <= 3
+    # past the limit, buffers are plain allocations, not kept
+    small = Spares(limit=24)
+    small.lend(metas)
+    small.lend(metas)
+    assert len(small.lent) == 1

@@ -29,7 +29,9 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import structlog
+import torch
 from cmemi.services.aggregator.admission import ROLE_OF
+from cmemi.services.aggregator.gradients import Spares
 from cmemi.shared import limits, metrics, protocol, samehost, shm, transfer
 from cmemi.shared.security import Curve
 
@@ -68,6 +70,7 @@ class Intake:
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
         self.slot_bytes = 0
         self.borrows = borrows
+        self.spares = Spares(limit=4 * bound)  # gradients land in the last step's buffers (gradients.py)
         self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
         self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)
@@ -84,7 +87,7 @@ class Intake:
             self.drop("too_big", f"{size} bytes")
             return None
         try:
-            msg = self.parts.decode(identity, frames[1:], allow_parts=self.admitted(identity))
+            msg = self.parts.decode(identity, frames[1:], into=self._into, allow_parts=self.admitted(identity))
         except protocol.ProtocolError as exc:
             self.drop(exc.reason, str(exc))
             return None
@@ -123,6 +126,15 @@ class Intake:
             self.slot_bytes = limits.nbytes(msg.tensors.values())
             size += self.slot_bytes
         return identity, msg, size
+
+    def _into(self, of: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """Where a gradient in parts lands: spares (its header is validated, its bytes within the bound)."""
+        return self.spares.lend(of.get("tensors", [])) if of.get("type") == "grad" else None
+
+    def reclaim(self) -> None:
+        """The step is over (applied, or its collection abandoned): its gradients' buffers are free again, but those of
+        transfers still arriving."""
+        self.spares.reclaim(busy=self.parts.receiving())
 
     def intact(self) -> bool:
         """Did the slot whose views the message taken last holds stay unwritten until now (True if it holds none)?"""

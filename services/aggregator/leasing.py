@@ -23,7 +23,6 @@ from typing import Any
 
 from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.collector import StepCollector
-from cmemi.services.aggregator.gradients import Spares
 from cmemi.shared import reduction
 from cmemi.shared.config import Config
 
@@ -63,7 +62,7 @@ class ReissuePolicy:
 
 class Leasing:
     def __init__(self, cfg: Config, per_microbatch: bool, always_strict: bool, seal: LeaseSeal, term: int,
-                 live_workers: Callable[[], int]) -> None:
+                 live_workers: Callable[[], int], reclaim: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.M, self.seal, self.term = cfg, cfg.train.microbatches, seal, term
         # A stateless lossy codec (fp16/bf16/int8) rounds each microbatch's gradient, as the reference does, so it
         # leases microbatch by microbatch; the lossless and the error-feedback codecs encode a block's sum.
@@ -74,13 +73,13 @@ class Leasing:
         self.in_flight: set[bytes] = set()  # identities sent work that have not answered it yet (grad or want)
         self.params_sent: dict[bytes, int] = {}  # identity -> the last parameter version sent to it
         self.reissue = ReissuePolicy()
-        self.spares = Spares()  # copies of gradients borrowed from shared-memory slots, reused step after step
+        self.reclaim = reclaim  # a step's gradient buffers are free again (Intake.reclaim)
         self.collector = self.new_step(0)
 
     def new_step(self, step: int, strict: bool = False) -> StepCollector:
         """Leases of a step: blocks of the reduction tree, one per worker where M allows. The last step's collection
-        is over (its optimizer step done, or abandoned): its spares are free again."""
-        self.spares.reclaim()
+        is over (its optimizer step done, or abandoned): its gradient buffers are free again."""
+        self.reclaim()
         block = 1 if self.per_microbatch else reduction.block_size(self.M, max(self.cfg.cluster.workers,
                                                                                   self.live_workers()))
         self.collector = StepCollector(step, self.M, block=block, strict=strict or self.always_strict)

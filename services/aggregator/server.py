@@ -112,7 +112,7 @@ class Aggregator:
         # Redis may restart empty: is this leader still advertised? (read off the loop: shared/watch.py)
         self.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
         self.leasing = Leasing(cfg, self.codec.per_microbatch, self.trainer.sharded, self.seal, self.term,
-                               lambda: len(self.admission.workers))
+                               lambda: len(self.admission.workers), self.intake.reclaim)
         self.leasing.new_step(self.trainer.step)
         self.stepper = Stepper(ctx, self.trainer, self.leasing, self.roster, self.evals, self.reporter, self.ckpt,
                                self.totals, self.term, lambda: self.fp, self.drops, lambda: len(self.admission.workers),
@@ -309,7 +309,7 @@ class Aggregator:
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self.drops("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif (reason := collector.offer(node, grads, h["losses"], holder, produced if self.report_buffers else None,
-                                        own=self.leasing.spares.own if borrowed else None)) is not None:
+                                        own=self.intake.spares.own if borrowed else None)) is not None:
             self.drops(reason, where)
         elif not self.intake.intact():  # the slot was written while summed: this step's sum is unknown, so again
             self.drops("shm_overwritten", f"{where}: its slot was written while read; collecting the step again")

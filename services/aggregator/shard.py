@@ -308,6 +308,7 @@ class ShardServer:
                 self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
                                f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
+        self.intake.reclaim()  # the step's gradient buffers take the next step's
         self.collectors = self._collectors(step)
         self.trainer.release_heap()  # the step's gradient sum is gone with its collectors
         self.applied.clear()
