@@ -33,8 +33,8 @@ from cmemi.services.aggregator.trainer import Trainer
 from cmemi.shared import limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
-from cmemi.shared.downlink import DELTA, DENSE
 from cmemi.shared.config import ConfigError
+from cmemi.shared.downlink import DELTA, DENSE
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate

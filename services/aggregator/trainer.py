@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 from cmemi.shared import allocator, initweights, limits
-from cmemi.shared.downlink import Mirror
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
+from cmemi.shared.downlink import Mirror
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 from cmemi.shared.shards import Partition, clip_coefficient
 
