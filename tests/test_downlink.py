@@ -200,12 +200,12 @@ def test_downlink_through_a_killed_worker_and_shard_is_still_the_reference(tmp_p
     powersgd down: SIGKILL a worker (its replacement gets the whole mirror) and a shard (the cluster rolls back to
     the last checkpoint, whose mirror and warm-start Q it restores); the result is the reference's, bitwise."""
     sets = ("train.steps=400", "scheduler.kwargs.T_max=400", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
-            "compression.downlink=powersgd", "model.factory=tests.fixtures:paced_mlp", "model.kwargs.pace=0.004")
+            "compression.downlink=powersgd", "model.factory=tests.fixtures:paced_mlp", "model.kwargs.pace=0.01")
     ref = reference(tmp_path, *sets, "checkpoint.every_steps=0")
     c = Cluster(tmp_path / "run", *sets, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3",
                 "cluster.spare_workers=0")
     try:
-        for target, role, ident in ((120, "worker", "w0"), (230, "aggregator", "1")):
+        for target, role, ident in ((100, "worker", "w0"), (200, "aggregator", "1")):
             c.wait_step(target)
             inc = c.signal(role, ident)
             c.replaced(role, ident, inc)
