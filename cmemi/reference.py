@@ -67,9 +67,10 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
     try:
         while trainer.step < cfg.train.steps and not stopped:
             step = trainer.step
-            with torch.no_grad():  # what a worker receives with version `step`
-                for n, p in runner.params.items():
-                    p.copy_(trainer.params[n])
+            with torch.no_grad():  # what a worker holds at version `step` (compression.downlink: the mirror)
+                wire = trainer.wire_state()
+                for n, p in trainer.partition.views(runner.params).items():
+                    p.copy_(wire[n])
                 for n, b in runner.step_buffers.items():
                     b.copy_(trainer.buffers[n])
             if step in codec_resets:  # a new worker process: no residual, no warm-start Q
@@ -108,6 +109,7 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
         if bg is not None:
             bg.close()
     summary = {"steps": trainer.step, "final_loss": loss, "eval": evaluation, "params_sha256": trainer.params_sha256(),
+               **({"mirror_sha256": trainer.mirror_sha256()} if trainer.mirror is not None else {}),
                "stopped_early": stopped, "skipped_steps": trainer.skipped, "final_lr": trainer.lr,
                "eval_history": bg.history if bg is not None else [], "wall_s": time.monotonic() - t0}
     return trainer, summary

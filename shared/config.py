@@ -313,6 +313,7 @@ class SecurityConfig:
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd")
 
 
 @dataclass
@@ -331,8 +332,14 @@ class CompressionConfig:
     """Global steps < warmup_steps send dense fp32 gradients whatever the codec."""
     error_feedback: bool = True
     """topk and powersgd: keep what was not sent and add it to the next step's gradient (per worker)."""
+    downlink: str = "none"
+    """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
+    topk or powersgd (same options as above); the servers keep what was not sent (docs/design.md §9)."""
 
     def __post_init__(self) -> None:
+        if self.downlink not in DOWNLINKS:
+            _fail("compression.downlink", self.downlink, f"must be one of {', '.join(DOWNLINKS)}",
+                  "use 'none' for dense parameters, or e.g. 'powersgd'")
         if self.codec not in CODECS:
             _fail("compression.codec", self.codec, f"must be one of {', '.join(CODECS)}",
                   "use 'none' for dense fp32 gradients, or e.g. 'topk'")
@@ -384,6 +391,10 @@ class Config:
             if self.precision == "fp16":
                 _fail("precision", self.precision, "skips a step when any gradient overflows, so it cannot be used "
                       "with cluster.pipeline_stages", "use bf16 or fp32, or cluster.pipeline_stages: 0")
+            if self.compression.downlink != "none":
+                _fail("compression.downlink", self.compression.downlink, "sends each version's change once it is "
+                      "whole, so it cannot be used with cluster.pipeline_stages",
+                      "set compression.downlink: none, or cluster.pipeline_stages: 0")
 
 
 # torch.optim classes whose update of an element depends only on that element's gradient and state (and the step,

@@ -48,6 +48,8 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
         "bytes_received_via_slots": totals.slot_out + shards_total("bytes_received_via_slots"),
         "duplicate_param_sends": totals.duplicate_param_sends,
         "params_sha256": trainer.params_sha256(others), "final_lr": trainer.lr,
+        **({"mirror_sha256": trainer.mirror_sha256(roster.mirror_hashes() if roster is not None else None),
+            "downlink": cfg.compression.downlink} if trainer.mirror is not None else {}),
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,
         "stopped_early": stepper.stopped_early, "eval_history": evals.history,

@@ -34,6 +34,7 @@ class ShardInfo:
     ready: tuple[int, list[float], bool] | None = None  # (step, partials, overflow) of its last complete step
     final: dict[str, torch.Tensor] | None = None  # its pieces after the last step
     totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
+    mirror: dict[str, str] | None = None  # and (compression.downlink) its mirror pieces' SHA-256
     eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
 
 
@@ -161,10 +162,16 @@ class ShardRoster:
     def final(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
         if (info := self.member(identity, h)) is not None and h["step"] == step:
             info.final = tensors
+            mirror = h.get("mirror")
+            info.mirror = {str(k): str(v) for k, v in mirror.items()} if isinstance(mirror, dict) else {}
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
                            **{k: h[f] for k, f in (("bytes_sent_via_slots", "slot_in"),
                                                    ("bytes_received_via_slots", "slot_out")) if type(h.get(f)) is int},
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
+
+    def mirror_hashes(self) -> dict[str, str]:
+        """Every other shard's mirror pieces' SHA-256 (compression.downlink), from their final slices."""
+        return {n: h for info in self.shards.values() for n, h in (info.mirror or {}).items()}
 
     def gather(self, shapes: Mapping[str, torch.Size], pump: Callable[[], None],
                timeout: float = 120) -> dict[int, dict[str, torch.Tensor]]:

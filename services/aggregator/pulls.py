@@ -17,27 +17,47 @@ from typing import Any
 import torch
 from cmemi.services.aggregator.outbox import Encoded
 from cmemi.services.aggregator.publish import Publisher, SlotPublisher
+from cmemi.shared import protocol
+from cmemi.shared.downlink import DELTA, DENSE, Mirror
 from cmemi.shared.layout import Layout
 
 
 class SliceServer:
     def __init__(self, stages: list[dict[str, torch.Tensor]], checksum: bool, shard: int,
                  send: Callable[..., None], pipelined: bool, slotted: Callable[[bytes], bool] | None = None,
-                 run: str = "") -> None:
+                 run: str = "", mirror: Mirror | None = None) -> None:
         self.stages, self.shard, self.send = stages, shard, send  # each stage's pieces (live tensors)
+        # compression.downlink (one stage, no slots): the stage is the mirror; a pull from the version before gets the
+        # change (encoded once per version), any other the whole mirror
+        self.mirror, self.checksum = mirror, checksum
+        self._delta: tuple[int, Any] | None = None
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.slotted = slotted
         self.slots = [SlotPublisher(run, f"shard{shard}", checksum, Layout(stage)) for stage in stages] \
             if slotted is not None else []
         self.pulls: dict[bytes, tuple[int, set[int]]] = {}  # identity -> (version it waits for, stages sent)
+        self.have: dict[bytes, int] = {}  # identity -> the version its mirror of this slice is at (downlink)
 
     def protect(self) -> None:
         """Before a step changes the pieces (Publisher.protect)."""
         for publisher in self.publishers:
             publisher.protect()
 
-    def pull(self, identity: bytes, version: int) -> None:
+    def pull(self, identity: bytes, version: int, have: Any = -1) -> None:
         self.pulls[identity] = (version, set())
+        self.have[identity] = have if type(have) is int else -1
+
+    def _downlink(self, identity: bytes, version: int, got: Any) -> tuple[Any, dict[str, Any]]:
+        """What answers a pull of the current `version` with compression.downlink: its change, or the whole mirror."""
+        assert self.mirror is not None
+        have = self.have.pop(identity, -1)
+        if version != self.mirror.version or (change := self.mirror.change(have)) is None:
+            return got, {"downlink": DENSE}
+        if self._delta is None or self._delta[0] != version:
+            info, frames = change
+            self._delta = (version, (info, protocol.encode_tensors(frames, self.checksum)))
+        info, encoded = self._delta[1]
+        return (encoded, None), {"downlink": DELTA, "base": have, "codec": info}
 
     def encoded(self, g: int, version: int) -> Encoded:
         """Stage g at `version` (its current pieces), encoded once per version."""
@@ -58,6 +78,7 @@ class SliceServer:
         for identity, (version, sent) in list(self.pulls.items()):
             if version < current:  # that step is over: the worker's lease is stale
                 del self.pulls[identity]
+                self.have.pop(identity, None)
                 self.send(identity, "slice", (([], []), None), version=current, asked=version, shard=self.shard,
                           stage=-1)  # no tensors, but listed as none: the schema asks for the list
                 continue
@@ -68,6 +89,10 @@ class SliceServer:
                     if slot:  # no frames: the worker reads the slot
                         self.send(identity, "slice", (([], []), None), version=version, asked=version,
                                   shard=self.shard, stage=g, shm=got)
+                    elif self.mirror is not None:
+                        got, fields = self._downlink(identity, version, got)
+                        self.send(identity, "slice", got, version=version, asked=version, shard=self.shard, stage=g,
+                                  **fields)
                     else:
                         self.send(identity, "slice", got, version=version, asked=version, shard=self.shard, stage=g)
             if len(sent) == len(self.stages):

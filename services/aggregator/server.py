@@ -34,6 +34,7 @@ from cmemi.shared import limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
+from cmemi.shared.downlink import DELTA, DENSE
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
@@ -87,8 +88,10 @@ class Aggregator:
         self.trainer.before_change += [self.ckpt.protect, self.publisher.protect]
         # same-host workers (cluster.transport auto or shm, over ipc://): parameters in shared-memory slots, written
         # once per version for all of them, and their gradients read from their own (shared/shm.py)
+        # (not with compression.downlink: a version's change is a few small frames, sent as they are)
         self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
-            if self.intake.slots is not None else None
+            if self.intake.slots is not None and self.trainer.mirror is None else None
+        self._delta: tuple[int, Any] | None = None  # compression.downlink: the current version's change, encoded
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -214,7 +217,9 @@ class Aggregator:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
         are stale."""
         fields: dict[str, Any] = {}
-        if held_version != self.trainer.step and self.slots is not None and identity in self.intake.granted \
+        if held_version != self.trainer.step and self.trainer.mirror is not None:
+            encoded = self._downlink(held_version, fields)
+        elif held_version != self.trainer.step and self.slots is not None and identity in self.intake.granted \
                 and (wire := self.trainer.wire_state()):
             fields["shm"] = self.slots.descriptor(wire, self.trainer.step)  # no frames: the worker reads the slot
             if self.slots.layout is not None:
@@ -234,6 +239,24 @@ class Aggregator:
         slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0  # counted as the socket's would be
         self.totals.slot_out += slotted
         self.reporter.work_bytes(n + slotted)
+
+    def _downlink(self, held_version: int, fields: dict[str, Any]) -> Any:
+        """compression.downlink: the change from the worker's version to the current one when it holds the one before
+        (encoded once per version, with the step's buffers as they are), else the whole mirror (docs/design.md §9)."""
+        mirror, step = self.trainer.mirror, self.trainer.step
+        assert mirror is not None
+        if (change := mirror.change(held_version)) is None:
+            fields["downlink"] = DENSE
+            if self.publisher.layout is not None:
+                fields["layout"] = self.layout.digest
+            return self.publisher.encoded(self.trainer.wire_state(), step)
+        if self._delta is None or self._delta[0] != step:
+            info, frames = change
+            buffers = {k: b.clone() for k, b in self.trainer.wire_buffers().items()}  # folded in place next step
+            self._delta = (step, (info, protocol.encode_tensors({**frames, **buffers}, self.cfg.cluster.checksum)))
+        info, encoded = self._delta[1]
+        fields.update(downlink=DELTA, base=held_version, codec=info)
+        return (encoded, None)
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
         if self.stepper.done:

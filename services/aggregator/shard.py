@@ -92,9 +92,11 @@ class ShardServer:
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
+        mirror = self.trainer.mirror  # compression.downlink: the slice sent is the mirror, without slots
         self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
-                                  self._send, self.pipelined, run=ctx.run,
-                                  slotted=(lambda i: i in self.intake.granted) if self.intake.slots is not None else None)
+                                  self._send, self.pipelined, run=ctx.run, mirror=mirror,
+                                  slotted=(lambda i: i in self.intake.granted)
+                                  if self.intake.slots is not None and mirror is None else None)
         self.collectors = self._collectors(self.trainer.step)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
@@ -115,7 +117,8 @@ class ShardServer:
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
 
     def _stage(self, g: int) -> dict[str, torch.Tensor]:
-        return {n: self.trainer.pieces[n] for n in self.stages[g]}
+        pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
+        return {n: pieces[n] for n in self.stages[g]}
 
     def _collectors(self, step: int) -> list[StepCollector]:
         return [StepCollector(step, self.M, leased=False, strict=True) for _ in self.stages]
@@ -233,7 +236,7 @@ class ShardServer:
         if self.admission.known(identity, h, self.term) is None:
             return
         if msg.type == "pull":
-            self.slices.pull(identity, h["version"])
+            self.slices.pull(identity, h["version"], h.get("have", -1))
             self._answer_pulls()
         else:
             self._on_grad(msg)
@@ -336,7 +339,7 @@ class ShardServer:
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
                         step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
                         slot_in=self.totals.slot_in, slot_out=self.totals.slot_out,
-                        drops=self.drops.as_dict())
+                        drops=self.drops.as_dict(), mirror=self.trainer.mirror_hashes())
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)
 

@@ -49,6 +49,8 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
                        if bg_eval is not None else None),
         # sharded: the pieces this shard owns (who owns what depends on cluster.pipeline_stages too: reshard.py)
         **({"owned": list(t.pieces)} if t.sharded else {}),
+        # compression.downlink: the workers' mirror of these pieces and the downlink codec's state (shared/downlink.py)
+        **({"downlink": t.mirror.state_dict()} if t.mirror is not None else {}),
     }
     meta, tensors = state.flatten(named, copy=False)
     return t.step, meta, tensors
@@ -105,11 +107,30 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
     t.step = int(named["progress"]["step"])
     t.skipped = int(named["progress"]["skipped"])
     totals.load_state_dict(named["progress"])
+    if t.mirror is not None:
+        _restore_mirror(t, named.get("downlink") if not other_k else _merged_mirrors(meta, tensors))
     early = named.get("early_stop")
     if bg_eval is not None and early is not None:
         bg_eval.load_state_dict(early)
         if early["running"] is not None and int(early["running"]) == t.step:  # it was lost with the old term
             bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
+
+
+def _merged_mirrors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """Every old shard's downlink section in one (a checkpoint of another cluster.shards: pieces are K's alike)."""
+    found = [named["downlink"] for named in reshard.old_shards(meta, tensors) if named.get("downlink") is not None]
+    if not found:
+        return None
+    return {part: {n: t for sd in found for n, t in (sd.get(part) or {}).items()} for part in ("mirror", "codec")}
+
+
+def _restore_mirror(t: Trainer, sd: dict[str, Any] | None) -> None:
+    """The workers' mirror as the checkpoint holds it; a checkpoint written without compression.downlink holds none:
+    the mirror starts from the restored parameters, as a fresh run's does."""
+    if sd is None:
+        t.mirror.reset(t.pieces, t.step)  # type: ignore[union-attr]
+    else:
+        t.mirror.load_state_dict(sd, t.step)  # type: ignore[union-attr]
 
 
 class CheckpointerLink:

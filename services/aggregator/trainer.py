@@ -9,6 +9,7 @@ import torch
 from cmemi.shared import allocator, initweights, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
+from cmemi.shared.downlink import Mirror
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
 from cmemi.shared.shards import Partition, clip_coefficient
 
@@ -68,6 +69,8 @@ class Trainer:
         self.shapes = {n: tuple(p.shape) for n, p in self.pieces.items()}  # of the gradients this shard receives
         self.buffers = buffer_rule.travelling(self.model) if shard == 0 else {}  # empty for most MLPs
         self.dropped: dict[str, torch.Size] = {}  # trained tensors whose rows live on other shards (keep_own_rows)
+        # compression.downlink: the workers' mirror of these pieces (shared/downlink.py), moved after every step
+        self.mirror = Mirror(cfg.compression, self.pieces) if cfg.compression.downlink != "none" else None
         self.model.train()  # as on the workers (evaluation switches to eval() and back)
         # called before an optimizer step changes the live tensors in place: what still sends them (a snapshot's
         # unsent parts, parameters queued zero-copy for a worker) copies or moves them first
@@ -219,6 +222,8 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
+        if self.mirror is not None:
+            self.mirror.advance(self.pieces, self.step)
 
     def params_sha256(self, others: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> str:
         """SHA-256 of the parameters' bytes (sorted by name), then the travelling buffers' (sorted by name):
@@ -239,7 +244,28 @@ class Trainer:
         return h.hexdigest()
 
     def wire_state(self) -> dict[str, torch.Tensor]:
-        """What goes out with a new parameter version: this shard's pieces and (shard 0) the step's buffers."""
+        """What goes out with a new parameter version: this shard's pieces — with compression.downlink, their mirror,
+        which is what workers compute on — and (shard 0) the step's buffers."""
+        pieces = self.pieces if self.mirror is None else self.mirror.tensors
         if not self.buffers:
-            return self.pieces
-        return {**self.pieces, **{buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}}
+            return pieces
+        return {**pieces, **self.wire_buffers()}
+
+    def wire_buffers(self) -> dict[str, torch.Tensor]:
+        """The step's buffers as they travel (shard 0; empty elsewhere)."""
+        return {buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}
+
+    def mirror_hashes(self) -> dict[str, str]:
+        """compression.downlink: SHA-256 of each of this shard's mirror pieces (empty without a mirror)."""
+        if self.mirror is None:
+            return {}
+        return {n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                for n, t in self.mirror.tensors.items()}
+
+    def mirror_sha256(self, others: Mapping[str, str] | None = None) -> str | None:
+        """SHA-256 of the workers' mirror (compression.downlink): over every piece's SHA-256 in grid order, the same
+        at any cluster.shards; `others`: the other shards' `mirror_hashes`. None without a mirror."""
+        if self.mirror is None:
+            return None
+        hashes = {**(others or {}), **self.mirror_hashes()}
+        return hashlib.sha256("".join(hashes[p.name] for p in self.partition.pieces).encode()).hexdigest()

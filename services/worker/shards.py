@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 import zmq
-from cmemi.shared import limits, protocol, shm, transfer
+from cmemi.shared import downlink, limits, protocol, shm, transfer
+from cmemi.shared.codecs import CodecError
 from cmemi.shared.config import Config
 from cmemi.shared.layout import Layout, LayoutError
 from cmemi.shared.service import ServiceContext
@@ -85,6 +86,9 @@ class ShardLinks:
         self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
                                  bound=limits.logical_bytes(cfg))
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
+        # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
+        self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
+        self.downlink_dropped = 0
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
         """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
@@ -167,6 +171,7 @@ class ShardLinks:
         hello again)."""
         stage = header.get("stage", 0)
         if (header.get("type") == "slice" and self.fetching is not None and link.have != self.fetching
+                and header.get("downlink") != downlink.DELTA  # a change lands aside, then is added to the pieces
                 and header.get("version") == header.get("asked") == self.fetching
                 and type(stage) is int and 0 <= stage < len(link.views)
                 and all(v.device.type == "cpu" for v in link.views[stage].values())):
@@ -194,7 +199,7 @@ class ShardLinks:
                 # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
                 # one (current version, no tensors), or a newer version asked ahead
                 if link.asked != version:
-                    self._send(link, "pull", term=self.term, version=version)
+                    self._send(link, "pull", term=self.term, version=version, have=link.have)
                     link.asked = version
                 self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
             if answers(link.over, version):
@@ -207,9 +212,27 @@ class ShardLinks:
             link.have = version
         return True
 
+    def _change(self, link: Link, msg: protocol.Message) -> bool:
+        """compression.downlink: shard k's change from the version our pieces hold into them, by the function the
+        shard used on its mirror; False (nothing changed) if it is from another version or malformed (counted)."""
+        h = msg.header
+        if self.downlink is None or link.have < 0 or h.get("base") != link.have or len(link.views) != 1:
+            return False
+        try:
+            downlink.apply(self.downlink, link.views[0], h.get("codec"), msg.tensors,
+                           {n: tuple(v.shape) for n, v in link.views[0].items()})
+        except CodecError as exc:
+            self.downlink_dropped += 1
+            self.ctx.log.warning("parameter change dropped; asking for the whole slice", shard=link.k,
+                                 reason=exc.reason, detail=str(exc)[:200], dropped=self.downlink_dropped)
+            return False
+        return True
+
     def _copy(self, link: Link) -> bool:
         """Every stage of the slice received into the model's pieces of shard k (what landed there already stays);
         False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
+        if link.got[0] is not None and link.got[0].header.get("downlink") == downlink.DELTA:
+            return self._change(link, link.got[0])
         descs = []
         try:
             received: dict[str, torch.Tensor] = {}
@@ -255,7 +278,7 @@ class ShardLinks:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
         for link in self.links:
             if link.asked < version and link.have < version:
-                self._send(link, "pull", term=self.term, version=version)
+                self._send(link, "pull", term=self.term, version=version, have=link.have)
                 link.asked = version
 
     def close(self) -> None:

@@ -31,9 +31,9 @@ from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import limits, protocol, samehost, shm, startup, transfer
+from cmemi.shared import downlink, limits, protocol, samehost, shm, startup, transfer
 from cmemi.shared.buffers import PREFIX
-from cmemi.shared.codecs import make_codec
+from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
@@ -75,6 +75,9 @@ class Worker:
                                       self._link)
         self.device = torch.device("cpu")
         self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
+        # compression.downlink: the model's parameters are the mirror, moved by each version's change (shared/downlink.py)
+        self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
+        self.downlink_dropped = 0  # changes refused as malformed (the whole mirror is asked for instead)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
         self.life = Lifecycle(ctx)
         self.version = -1
@@ -302,11 +305,46 @@ class Worker:
         self.version = h["version"]
         return True
 
+    def _apply_change(self, msg: protocol.Message) -> bool:
+        """compression.downlink: the leader's change from our version (`base`) into the mirror (the model's pieces),
+        by the function the servers use; the step's buffers come with it, dense. False, and nothing changed, when it
+        is not from our version or is malformed (counted)."""
+        h, tensors = msg.header, msg.tensors
+        if self.downlink is None or self.version < 0 or h.get("base") != self.version:
+            self.log.info("a parameter change from another version; asking for the whole mirror", base=h.get("base"),
+                          have=self.version)
+            return False
+        buffers = {n: tensors.get(PREFIX + n) for n in self.runner.step_buffers}
+        try:
+            if any(b is None or b.shape != self.runner.step_buffers[n].shape or b.dtype != self.runner.step_buffers[n].dtype
+                   for n, b in buffers.items()):
+                raise CodecError("bad_buffers", "the step's buffers are missing or do not match the model")
+            pieces = self.partition.views(self.params, 0)
+            downlink.apply(self.downlink, pieces, h.get("codec"),
+                           {k: t for k, t in tensors.items() if not k.startswith(PREFIX)},
+                           {n: tuple(p.shape) for n, p in pieces.items()})
+        except CodecError as exc:
+            self.downlink_dropped += 1
+            self.log.warning("parameter change dropped; asking for the whole mirror", reason=exc.reason,
+                             detail=str(exc)[:200], dropped=self.downlink_dropped)
+            return False
+        with torch.no_grad():
+            for n, b in self.runner.step_buffers.items():
+                if buffers[n] is not b:
+                    b.copy_(buffers[n])
+        self.version = h["version"]
+        return True
+
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         if not msg.tensors and not self.inbox.tensors:  # nothing to receive: a pipelined leader holds no parameters
             self.version = h["version"]
-        if "shm" in h and self.slots and not msg.tensors:
+        if h.get("downlink") == downlink.DELTA:
+            if not self._apply_change(msg):  # not our version's, or malformed: the whole mirror instead
+                self.version = -1
+                self._send("want", term=self.term, version=self.version)
+                return
+        elif "shm" in h and self.slots and not msg.tensors:
             if not self._from_slot(msg):
                 self.version = -1
                 self._send("want", term=self.term, version=self.version)

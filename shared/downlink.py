@@ -1,0 +1,88 @@
+"""Compressed downlink (`compression.downlink`): workers compute on a mirror of the parameters (docs/design.md §9).
+
+Each server keeps, beside its master pieces θ, the mirror m of them that every worker holds. After step t it sends
+the change d = θ_t − m_{t−1} through a codec (bf16, int8, topk, powersgd of shared/codecs.py, without their own
+error feedback: m remembers what was sent, so d already holds everything not sent yet — the residual is implicit)
+and moves its mirror by what the message decodes to: m_t = m_{t−1} + decode(C(d)). A worker at version t−1 applies
+the same message with the same function (`apply`), so every mirror is the same bits; any other worker (new,
+replaced, one that missed a version) is sent the dense mirror m_t once. `cmemi reference` runs the same `Mirror`.
+
+Everything here is per piece of the chunk grid (shared/shards.py), named as the pieces: the same at any
+cluster.shards. PowerSGD's warm-start Q is the codec's only state, kept per piece on the server (`state_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from cmemi.shared.codecs import CodecError, GradientCodec, make_codec
+from cmemi.shared.config import CompressionConfig
+
+DELTA, DENSE = "delta", "dense"  # a work or slice message's `downlink`: the change from `base`, or the mirror whole
+
+
+def codec(cfg: CompressionConfig) -> GradientCodec:
+    """The downlink's codec: `cfg.downlink` with the uplink's options, no error feedback (the mirror is it), no
+    warm-up. Decoding checks that every value is finite (a hostile frame never reaches a mirror)."""
+    return make_codec(dataclasses.replace(cfg, codec=cfg.downlink, error_feedback=False, warmup_steps=0))
+
+
+def apply(decoder: GradientCodec, mirror: Mapping[str, torch.Tensor], info: Any, frames: Any,
+          shapes: Mapping[str, Sequence[int]]) -> None:
+    """m += decode(message), for the server and every worker alike: the one function that makes them equal.
+    A malformed message raises `CodecError` before any piece of the mirror changes."""
+    decoded = decoder.decode(info, frames, shapes=shapes)
+    if decoded.keys() != mirror.keys():
+        raise CodecError("bad_names", "the downlink's pieces are not this mirror's")
+    with torch.no_grad():
+        for name, m in mirror.items():
+            m.add_(decoded[name].to(m.device))
+
+
+class Mirror:
+    """A server's mirror of its pieces, the downlink codec's state, and the newest change sent."""
+
+    def __init__(self, cfg: CompressionConfig, pieces: Mapping[str, torch.Tensor]) -> None:
+        self.codec = codec(cfg)
+        self.reset(pieces, 0)
+
+    def reset(self, pieces: Mapping[str, torch.Tensor], version: int) -> None:
+        """The mirror is the pieces themselves (a fresh run: every worker starts from θ_0), no codec state."""
+        self.tensors = {n: p.detach().clone() for n, p in pieces.items()}
+        self.shapes = {n: tuple(p.shape) for n, p in pieces.items()}
+        self.codec.reset()
+        self.version = version
+        self.delta: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None  # from version − 1 to version
+
+    def advance(self, pieces: Mapping[str, torch.Tensor], version: int) -> None:
+        """After the step to `version`: encode θ − m, and move m by what the message decodes to."""
+        with torch.no_grad():
+            change = {n: pieces[n].detach() - m for n, m in self.tensors.items()}
+        info, frames = self.codec.encode(change, version) if change else ({}, {})
+        apply(self.codec, self.tensors, info, frames, self.shapes)
+        self.delta, self.version = (info, frames), version
+
+    def change(self, base: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """The message that moves a mirror at `base` to the current version, if this server has it."""
+        return self.delta if self.delta is not None and base == self.version - 1 else None
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """For a checkpoint: the mirror and the codec's state (PowerSGD's Q), by piece (the live tensors)."""
+        return {"mirror": dict(self.tensors), "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, sd: Mapping[str, Mapping[str, torch.Tensor]], version: int) -> None:
+        """From a checkpoint (only this server's pieces are taken: a resharded restore passes every old shard's)."""
+        mirror = sd["mirror"]
+        missing = [n for n in self.tensors if n not in mirror]
+        if missing:
+            raise ValueError(f"the checkpoint's downlink mirror lacks pieces {missing[:3]}")
+        for n, m in self.tensors.items():
+            if tuple(mirror[n].shape) != tuple(m.shape):
+                raise ValueError(f"the checkpoint's downlink mirror of {n} has shape {tuple(mirror[n].shape)}")
+            m.copy_(mirror[n])
+        self.codec.load_state_dict({k: v for k, v in sd.get("codec", {}).items()
+                                    if k.partition("/")[2] in self.tensors})
+        self.version, self.delta = version, None

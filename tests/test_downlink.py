@@ -1,0 +1,220 @@
+"""Compressed downlink (compression.downlink): the servers send the change of a mirror of the parameters, every
+worker applies it with the same function, so the mirror and the result are the same bits for any W, any K, any
+fault, and equal to `cmemi reference` (docs/design.md §9)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import structlog
+import torch
+from cmemi.services.worker.worker import Worker
+from cmemi.shared import downlink
+from cmemi.shared.codecs import CodecError
+from cmemi.shared.config import CompressionConfig, ConfigError, config_from_dict
+from cmemi.shared.shards import Partition
+
+from tests.chaos import Cluster
+from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
+
+CODECS = ["bf16", "int8", "topk", "powersgd"]
+
+
+def _pieces(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 48, generator=g), "v": torch.randn(10, 128, generator=g),
+            "b": torch.randn(48, generator=g)}
+
+
+def _cfg(codec: str) -> CompressionConfig:
+    return CompressionConfig(downlink=codec, topk_ratio=0.05, min_compress_numel=100)
+
+
+def _step(theta: dict[str, torch.Tensor], t: int) -> None:
+    g = torch.Generator().manual_seed(100 + t)
+    for p in theta.values():
+        p.add_(torch.randn(p.shape, generator=g), alpha=0.01)
+
+
+def _received(frames: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The frames as a worker gets them: other tensors with the same bytes."""
+    return {k: torch.frombuffer(bytearray(v.contiguous().view(torch.uint8).numpy().tobytes()), dtype=v.dtype).view(v.shape)
+            for k, v in frames.items()}
+
+
+# ---------------------------------------------------------------------------------------------- unit
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_servers_mirror_and_a_workers_are_the_same_function_bitwise(codec: str) -> None:
+    """The server moves its mirror by what its message decodes to; a worker applies the received bytes with the
+    same `apply`: equal bits every step, the mirror follows the parameters (error feedback: m keeps the residual),
+    and the message is smaller than the dense change."""
+    theta = _pieces()
+    server = downlink.Mirror(_cfg(codec), theta)
+    worker = {n: t.clone() for n, t in theta.items()}
+    decoder = downlink.codec(_cfg(codec))
+    shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    for t in range(1, 9):
+        _step(theta, t)
+        server.advance(theta, t)
+        info, frames = server.change(t - 1)
+        assert server.change(t - 2) is None and server.change(t) is None  # only from the version before
+        downlink.apply(decoder, worker, info, _received(frames), shapes)
+        for n in theta:
+            assert torch.equal(worker[n], server.tensors[n]), (codec, t, n)
+        sent = sum(f.numel() * f.element_size() for f in frames.values())
+        assert sent < sum(p.numel() * 4 for p in theta.values())
+    gap = max(float((theta[n] - server.tensors[n]).abs().max()) for n in theta)
+    assert gap < 0.2, gap  # what was not sent is sent later: the mirror stays near the parameters
+
+
+def test_a_mirror_restored_from_its_state_goes_on_bitwise() -> None:
+    """A checkpoint holds the mirror and PowerSGD's warm-start Q: restored, it sends the same messages."""
+    theta = _pieces()
+    a = downlink.Mirror(_cfg("powersgd"), theta)
+    for t in range(1, 4):
+        _step(theta, t)
+        a.advance(theta, t)
+    b = downlink.Mirror(_cfg("powersgd"), _pieces(seed=1))
+    b.load_state_dict({k: {n: v.clone() for n, v in part.items()} for k, part in a.state_dict().items()}, 3)
+    assert b.change(2) is None  # a restored server sends the whole mirror first
+    for t in range(4, 7):
+        _step(theta, t)
+        a.advance(theta, t)
+        b.advance(theta, t)
+        for k in a.delta[1]:
+            assert torch.equal(a.delta[1][k], b.delta[1][k]), (t, k)
+    assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in theta)
+
+
+def _hostile(info: dict, frames: dict[str, torch.Tensor]) -> list[tuple[str, dict, dict]]:
+    name = next(n for n, m in info.items() if m["codec"] == "int8")
+    bad_dtype = {**frames, f"{name}#q": frames[f"{name}#q"].float()}
+    missing = {k: v for k, v in frames.items() if k != f"{name}#s"}
+    nan = {**frames, f"{name}#s": torch.full_like(frames[f"{name}#s"], float("nan"))}
+    wrong_shape = {**info, name: {**info[name], "shape": [3, 3]}}
+    return [("bad_dtype", info, bad_dtype), ("missing_frame", info, missing), ("nonfinite", info, nan),
+            ("bad_shape", wrong_shape, frames), ("bad_info", "nonsense", frames),
+            ("extra_frame", info, {**frames, "x#v": torch.zeros(1)})]
+
+
+def test_malformed_changes_raise_codec_errors_and_leave_the_mirror_as_it_was() -> None:
+    theta = _pieces()
+    server = downlink.Mirror(_cfg("int8"), theta)
+    _step(theta, 1)
+    server.advance(theta, 1)
+    info, frames = server.change(0)
+    worker = {n: t.clone() for n, t in _pieces().items()}
+    before = {n: t.clone() for n, t in worker.items()}
+    for reason, i, f in _hostile(info, frames):
+        with pytest.raises(CodecError) as exc:
+            downlink.apply(downlink.codec(_cfg("int8")), worker, i, f, {n: tuple(t.shape) for n, t in worker.items()})
+        assert exc.value.reason == reason
+        assert all(torch.equal(worker[n], before[n]) for n in worker), reason
+
+
+def test_a_worker_counts_a_malformed_change_and_asks_for_the_whole_mirror() -> None:
+    """Worker._apply_change: a malformed change, or one from another version, changes nothing and returns False
+    (the worker then asks again with no version: the leader sends the whole mirror); a good one moves the model."""
+    theta = _pieces()
+    server = downlink.Mirror(_cfg("int8"), theta)
+    _step(theta, 1)
+    server.advance(theta, 1)
+    info, frames = server.change(0)
+    params = {n: t.clone() for n, t in _pieces().items()}
+    w = SimpleNamespace(downlink=downlink.codec(_cfg("int8")), version=0, downlink_dropped=0, params=params,
+                        partition=Partition(params), runner=SimpleNamespace(step_buffers={}),
+                        log=structlog.get_logger())
+    msg = SimpleNamespace(header={"downlink": "delta", "base": 0, "version": 1}, tensors=dict(frames))
+    for reason, i, f in _hostile(info, frames):
+        assert not Worker._apply_change(w, SimpleNamespace(header={**msg.header, "codec": i}, tensors=f)), reason
+    assert w.downlink_dropped == 6 and w.version == 0
+    assert not Worker._apply_change(w, SimpleNamespace(header={**msg.header, "base": 5, "codec": info},
+                                                       tensors=frames))
+    assert all(torch.equal(params[n], t) for n, t in _pieces().items())
+    assert Worker._apply_change(w, SimpleNamespace(header={**msg.header, "codec": info}, tensors=_received(frames)))
+    assert w.version == 1 and all(torch.equal(params[n], server.tensors[n]) for n in params)
+
+
+def test_config_names_the_field_and_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"compression.downlink' = 'fp16'.*none, bf16, int8, topk, powersgd"):
+        CompressionConfig(downlink="fp16")
+    with pytest.raises(ConfigError, match=r"compression.downlink.*cluster.pipeline_stages"):
+        config_from_dict({"model": {"factory": "cmemi.examples.digits:make_model"},
+                          "data": {"factory": "cmemi.examples.digits:make_dataset"},
+                          "cluster": {"shards": 2, "pipeline_stages": 2}, "compression": {"downlink": "int8"}})
+
+
+# ---------------------------------------------------------------------------------------------- real runs
+
+SHORT = (*FAST[2:], "train.steps=30", "scheduler.kwargs.T_max=30")
+
+
+def reference(tmp_path: Path, *sets: str) -> dict:
+    out = tmp_path / "reference.json"
+    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("codec", "runs"), [("powersgd", [(1, 1), (2, 1), (3, 1), (2, 3), (3, 3)]),
+                                             ("int8", [(2, 1), (3, 3), (1, 3)])])
+def test_the_mirror_and_the_result_are_the_same_bits_for_any_w_and_k(tmp_path: Path, codec: str,
+                                                                     runs: list[tuple[int, int]]) -> None:
+    sets = (*SHORT, f"compression.downlink={codec}")
+    ref = reference(tmp_path, *sets)
+    assert ref["params_sha256"] != reference(tmp_path, *SHORT)["params_sha256"]  # the downlink changes the result
+    for w, k in runs:
+        r = run_up(tmp_path / f"w{w}k{k}", *sets, f"cluster.workers={w}", f"cluster.shards={k}")
+        assert r.rc == 0, r.stderr[-3000:]
+        s = r.summary
+        assert s["downlink"] == codec and s["steps"] == 30
+        assert (s["params_sha256"], s["mirror_sha256"]) == (ref["params_sha256"], ref["mirror_sha256"]), (w, k)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_powersgd_downlink_sends_far_fewer_parameter_bytes(tmp_path: Path) -> None:
+    """Parameter bytes the leader sent (summary bytes_received: what workers received), per step, one worker:
+    every version but the first goes as a change."""
+    sent = {}
+    for codec in ("none", "powersgd"):
+        r = run_up(tmp_path / codec, *SHORT, "cluster.workers=1", f"compression.downlink={codec}")
+        assert r.rc == 0, r.stderr[-3000:]
+        sent[codec] = r.summary["bytes_received"] / r.summary["steps"]
+    assert sent["none"] / sent["powersgd"] >= 8, sent
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+def test_downlink_through_a_killed_worker_and_shard_is_still_the_reference(tmp_path: Path) -> None:
+    """K = 3, W = 2, powersgd both ways off (dense uplink: its result does not depend on who computed what) and
+    powersgd down: SIGKILL a worker (its replacement gets the whole mirror) and a shard (the cluster rolls back to
+    the last checkpoint, whose mirror and warm-start Q it restores); the result is the reference's, bitwise."""
+    sets = ("train.steps=400", "scheduler.kwargs.T_max=400", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
+            "compression.downlink=powersgd", "model.factory=tests.fixtures:paced_mlp", "model.kwargs.pace=0.01")
+    ref = reference(tmp_path, *sets, "checkpoint.every_steps=0")
+    c = Cluster(tmp_path / "run", *sets, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3",
+                "cluster.spare_workers=0")
+    try:
+        for target, role, ident in ((100, "worker", "w0"), (200, "aggregator", "1")):
+            c.wait_step(target)
+            inc = c.signal(role, ident)
+            c.replaced(role, ident, inc)
+    finally:
+        rc = c.wait(timeout=400)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == 400
+    assert (s["params_sha256"], s["mirror_sha256"]) == (ref["params_sha256"], ref["mirror_sha256"])
+    events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
+    assert restored and all(step % 50 == 0 and step > 0 for step in restored), restored
