@@ -1,8 +1,8 @@
 """The end of a run on the leader: the whole model's result, the final checkpoint, then the final evaluation.
 
-Sharded, every shard's pieces after the last step are gathered first: the result's hash is taken over them
-piece by piece, and the whole model is built only for a final evaluation, once the final checkpoint is written
-(docs/design.md §8). The final checkpoint is written before the final evaluation, so a crash there loses
+Sharded, the final checkpoint is written first and the optimizer's state dropped; then every shard's pieces after
+the last step are gathered: the result's hash is taken over them piece by piece, and the whole model is built only
+for a final evaluation (docs/design.md §8). The final checkpoint is written before the final evaluation, so a crash there loses
 nothing. `summary.json` holds the result (`params_sha256`: the same bits for any worker count, shard count and
 faults); the run's state becomes `completed` in Redis, and workers that ask in the next moment are told to stop.
 """
@@ -35,34 +35,42 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary."""
     cfg = ctx.cfg
     wall = totals.wall_s()
-    others = roster.gather(trainer.whole_shapes, pump) if roster is not None else None
     evals.finish()
-    shards_total = roster.total if roster is not None else (lambda _field: 0)
     summary: dict[str, Any] = {
         "steps": trainer.step, "final_loss": totals.final_loss, "eval": {}, "wall_s": wall,
         "samples_per_s": trainer.step * cfg.train.global_batch / wall if wall > 0 else None,
-        "workers": cfg.cluster.workers, "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
-        "bytes_received": totals.bytes_out + shards_total("bytes_received"),
-        # of those, what moved through shared-memory slots (same-host workers, shared/shm.py), not a socket
-        "bytes_sent_via_slots": totals.slot_in + shards_total("bytes_sent_via_slots"),
-        "bytes_received_via_slots": totals.slot_out + shards_total("bytes_received_via_slots"),
-        "duplicate_param_sends": totals.duplicate_param_sends,
-        "params_sha256": trainer.params_sha256(others), "final_lr": trainer.lr,
-        **({"mirror_sha256": trainer.mirror_sha256(roster.mirror_hashes() if roster is not None else None),
-            "downlink": cfg.compression.downlink} if trainer.mirror is not None else {}),
+        "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends, "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,
         "stopped_early": stepper.stopped_early, "eval_history": evals.history,
     }
+    others = None
+    if roster is not None:
+        # sharded, the final checkpoint goes first (its summary is the leader's: the other shards' totals and the
+        # result's hash come with their pieces), then the optimizer's state, and only then come the other shards'
+        # pieces: a whole model beside the state would pass the leader's memory budget (docs/design.md §8)
+        summary["final_checkpoint"] = _save_final(stepper, ckpt, summary)
+        trainer.drop_optimizer_state()
+        trainer.release_heap()
+        others = roster.gather(trainer.whole_shapes, pump)
+    shards_total = roster.total if roster is not None else (lambda _field: 0)
+    summary.update({
+        "bytes_sent": totals.bytes_in + shards_total("bytes_sent"),
+        "bytes_received": totals.bytes_out + shards_total("bytes_received"),
+        # of those, what moved through shared-memory slots (same-host workers, shared/shm.py), not a socket
+        "bytes_sent_via_slots": totals.slot_in + shards_total("bytes_sent_via_slots"),
+        "bytes_received_via_slots": totals.slot_out + shards_total("bytes_received_via_slots"),
+        "params_sha256": trainer.params_sha256(others),
+        **({"mirror_sha256": trainer.mirror_sha256(roster.mirror_hashes() if roster is not None else None),
+            "downlink": cfg.compression.downlink} if trainer.mirror is not None else {}),
+    })
     if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
         summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},
                              *roster.summary()]
-    step, meta, tensors = stepper.snapshot()
-    meta["summary"] = dict(summary)  # (its "eval" is empty: the final checkpoint is written before the final
-    summary["final_checkpoint"] = ckpt.save_final((step, meta, tensors))  # evaluation, so a crash there loses nothing)
+    else:
+        summary["final_checkpoint"] = _save_final(stepper, ckpt, summary)
     if evals.fn:
         if others is not None:  # the final evaluation runs on the whole model: built now, after the final checkpoint
-            trainer.drop_optimizer_state()
             trainer.materialize(others)
         try:
             summary["eval"] = run_eval(evals.fn, trainer.model, str(cfg.eval.fn))
@@ -77,6 +85,14 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     ctx.emit("run_completed", steps=trainer.step, params_sha256=summary["params_sha256"])
     ctx.log.info("run completed", **{k: summary[k] for k in ("steps", "final_loss", "eval", "wall_s")})
     return summary
+
+
+def _save_final(stepper: Stepper, ckpt: CheckpointerLink, summary: dict[str, Any]) -> str:
+    """The final checkpoint, with the summary as far as it is known (its "eval" is empty: the final checkpoint is
+    written before the final evaluation, so a crash there loses nothing); its path."""
+    step, meta, tensors = stepper.snapshot()
+    meta["summary"] = dict(summary)
+    return ckpt.save_final((step, meta, tensors))
 
 
 def _checkpointer_drops(ctx: ServiceContext) -> dict[str, int]:

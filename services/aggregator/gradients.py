@@ -83,3 +83,7 @@ class Spares:
             (lent.append((key, t)) if id(t) in held else free.setdefault(key, []).append(t))
         self.free, self.lent = free, lent
         self.lent_bytes = sum(t.numel() * t.element_size() for _, t in lent)
+
+    def clear(self) -> None:
+        """No gradient comes any more: the spares go (what is lent goes with its last user)."""
+        self.free, self.lent, self.lent_bytes = {}, [], 0

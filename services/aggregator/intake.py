@@ -136,6 +136,10 @@ class Intake:
         transfers still arriving."""
         self.spares.reclaim(busy=self.parts.receiving())
 
+    def release(self) -> None:
+        """The run's steps are done: the kept gradient buffers go."""
+        self.spares.clear()
+
     def intact(self) -> bool:
         """Did the slot whose views the message taken last holds stay unwritten until now (True if it holds none)?"""
         return self.lent is None or self.slots is None or self.slots.intact(self.lent)

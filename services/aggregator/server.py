@@ -180,6 +180,7 @@ class Aggregator:
                     self.log.warning("redis unavailable", error=str(exc))
         if self.stepper.done:
             self.publisher.release()  # no version goes out again: its copy is not kept for the end's peak
+            self.intake.release()  # nor does a gradient come: the step's buffers kept for the next go too
             self.trainer.release_heap()
             if self.slots is not None:
                 self.slots.close()  # likewise its slots (unlinked; the pages go with the workers' last reads)

@@ -335,6 +335,8 @@ class ShardServer:
     def _finish(self) -> None:
         """The last step: the final snapshot (the checkpointer writes it with the others' slices), and the slice
         to the leader, which reports the run's result over the whole model."""
+        self.intake.release()  # no gradient comes any more: the buffers kept for the next step go
+        self.trainer.release_heap()
         snap = self._snapshot()
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
                         step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
