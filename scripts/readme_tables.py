@@ -371,7 +371,13 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_kn_nocurve": "CMEMI, K = N shards on the worker hosts, dense, CurveZMQ off",
                 "cmemi_kn_powersgd": "CMEMI, K = N shards on the worker hosts, `powersgd` (rank 2)",
                 "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
-                "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)"}
+                "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)",
+                "cmemi_kn_powersgd2": "CMEMI, K = N shards on the worker hosts, `powersgd` both ways (rank 2)",
+                "cmemi_kn_dedicated_powersgd2": "CMEMI, K = N shards on dedicated hosts, `powersgd` both ways (rank 2)",
+                "cmemi_k1_powersgd2": "CMEMI K = 1, `powersgd` both ways (rank 2)",
+                "cmemi_kn_topk2": "CMEMI, K = N shards on the worker hosts, `topk` both ways (1 %)",
+                "cmemi_k1_topk2": "CMEMI K = 1, `topk` both ways (1 %)"}
+BOTH_WAYS_GOALS = {"powersgd": 1.0, "topk": 1.5}  # issue 32: × DDP + PowerSGD hook, at N = 4 and 8
 
 
 def cluster() -> str:
@@ -455,6 +461,13 @@ def cluster() -> str:
             + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
+    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith("2")
+            if (r := x["ratios"].get(f"{key}_vs_ddp_powersgd")) is not None]
+    if both:
+        lines += ["", "Compressed both ways (`compression.downlink` = `compression.codec`), against DDP + PowerSGD hook: "
+                  + "; ".join(f"N = {n} {CLUSTER_ROWS[key]}: {r:.2f}×" for n, key, r in both)
+                  + ". The goals were ≤ " + " and ≤ ".join(f"{g}× with `{c}`" for c, g in BOTH_WAYS_GOALS.items())
+                  + " at N = 4 and 8."]
     return "\n".join([*lines, *cluster_profile(d), "", measured("cluster")])
 
 
