@@ -217,15 +217,16 @@ def benchmark() -> str:
 
 def compression() -> str:
     d = load("compression")
-    lines = ["| example | codec | microbatches per lease | gradients / step | bytes/step | × fewer than `none` | eval | "
-             "codec ms/step |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| example | codec | downlink | microbatches per lease | gradients / step | bytes/step | × fewer than "
+             "`none` | bytes/step down | eval | codec ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for example, rows in d["examples"].items():
         for x in rows:
             ev = (f"accuracy {x['eval_accuracy']:.4f}" if "eval_accuracy" in x
                   else f"loss {x['eval_loss']:.3f}" if "eval_loss" in x else "-")
             lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
-            lines.append(f"| {example} | `{x['codec']}` | {' | '.join(lease)} | {x['bytes_sent_per_step']:,.0f} | "
-                         f"{x['ratio_vs_none']:.1f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
+            lines.append(f"| {example} | `{x['codec']}` | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
+                         f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
+                         f"{x['bytes_received_per_step']:,.0f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
     return "\n".join([*lines, "", measured("compression")])
 
 
