@@ -399,7 +399,7 @@ def cluster() -> str:
              "run; ms/step = median after warm-up. Bound = communication at the link rate plus the emulated compute "
              "(ring all-reduce for DDP; a single server receiving N gradients, then sending N parameter sets, for "
              "CMEMI K = 1; each host's N−1 slices out and in for K = N co-located shards; one gradient out and one parameter "
-             "set in, overlapped, for K = N dedicated servers; with a codec the N dense parameter sets alone, since parameters go back uncompressed). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
+             "set in, overlapped, for K = N dedicated servers; with a codec the N dense parameter sets alone, since parameters go back uncompressed; none for rows compressed both ways). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
              "steps.", "",
              "| N | system | ms/step | samples/s | × DDP dense | bound | CPU idle / used |", "|---|---|---|---|---|---|---|"]
     for n, x in d["by_n"].items():
