@@ -24,7 +24,9 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
   (K = N + 1): each server steps each stage of its slice as soon as it is in and sends it back while later
   stages still arrive;
 - `cmemi_kn_nocurve`: `cmemi_kn` with `security.curve: false` (gloo encrypts nothing: what encryption costs);
-- `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense).
+- `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense);
+- `cmemi_kn_powersgd2`, `cmemi_k1_powersgd2`, `cmemi_kn_dedicated_powersgd2`, `cmemi_kn_topk2`, `cmemi_k1_topk2`:
+  compressed both ways, `compression.downlink` the same codec as `compression.codec` (docs/design.md §9).
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
@@ -76,7 +78,8 @@ POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets 
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
 SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipelined", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
-           "cmemi_kn_powersgd", "cmemi_k1_topk")
+           "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
+           "cmemi_kn_topk2", "cmemi_k1_topk2")
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -270,18 +273,20 @@ class Cluster:
                 "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
-              curve: bool = True, stages: int = 0) -> dict[str, Any]:
+              curve: bool = True, stages: int = 0, downlink: str = "none") -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
-        (pipelined, dedicated): the leader on the server host, shard k on server host k - 1."""
+        (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
+        compression.downlink."""
         from cmemi.shared.config import dump_config, load_config
 
-        name = f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}-{secrets.token_hex(3)}"
+        down = "" if downlink == "none" else f"-down{downlink}"
+        name = f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}{down}-{secrets.token_hex(3)}"
         logs = self.work / name
         logs.mkdir()
         run_dir = logs / "run"
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
                              steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
-        cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK}
+        cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
@@ -396,6 +401,7 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_kn_powersgd_vs_ddp": C.ratio(med.get("cmemi_kn_powersgd"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
+            **{f"{k}_vs_ddp_powersgd": C.ratio(med.get(k), med.get("ddp_powersgd")) for k in SYSTEMS if k.endswith("2")},
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
             "cmemi_k1_vs_single_server_sequential_bound": C.ratio(med.get("cmemi_k1"),
@@ -410,10 +416,12 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
+    codec = next((c for c in ("powersgd", "topk") if c in system), "none")
+    downlink = codec if system.endswith("2") else "none"  # "...2": the same codec both ways
     if system.startswith("cmemi_kn"):
-        return cluster.cmemi(n, steps, warmup, "powersgd" if "powersgd" in system else "none", shards=n,
-                             dedicated=system == "cmemi_kn_dedicated", curve=system != "cmemi_kn_nocurve")
-    return cluster.cmemi(n, steps, warmup, system.removeprefix("cmemi_k1").lstrip("_") or "none")
+        return cluster.cmemi(n, steps, warmup, codec, shards=n, dedicated="dedicated" in system,
+                             curve=system != "cmemi_kn_nocurve", downlink=downlink)
+    return cluster.cmemi(n, steps, warmup, codec, downlink=downlink)
 
 
 def main() -> None:
@@ -488,6 +496,11 @@ def main() -> None:
             "cmemi_kn_powersgd": f"cmemi_kn with compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_powersgd": f"CMEMI K = 1, compression.codec powersgd (rank {POWERSGD_RANK})",
             "cmemi_k1_topk": "CMEMI K = 1, compression.codec topk (topk_ratio 0.01)",
+            "cmemi_kn_powersgd2": f"cmemi_kn with powersgd both ways (codec and downlink, rank {POWERSGD_RANK})",
+            "cmemi_k1_powersgd2": f"CMEMI K = 1, powersgd both ways (codec and downlink, rank {POWERSGD_RANK})",
+            "cmemi_kn_dedicated_powersgd2": f"cmemi_kn_dedicated with powersgd both ways (rank {POWERSGD_RANK})",
+            "cmemi_kn_topk2": "cmemi_kn with topk both ways (codec and downlink, topk_ratio 0.01)",
+            "cmemi_k1_topk2": "CMEMI K = 1, topk both ways (codec and downlink, topk_ratio 0.01)",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
@@ -500,7 +513,7 @@ def main() -> None:
         server = lab.host("srv", 2)
         hosts = [lab.host(f"h{i}", 10 + i) for i in range(max(ns_))]
         servers = ([lab.host(f"s{i}", 40 + i) for i in range(max(ns_))]
-                   if {"cmemi_kn_dedicated", "cmemi_kn_pipelined"} & set(systems) else [])
+                   if any("dedicated" in s or "pipelined" in s for s in systems) else [])
         shaped = [server, *hosts, *servers]
         allow_congestion_control(args.tcp_cc)
         for h in shaped:

@@ -1,12 +1,15 @@
 """Every gradient codec on the digits example (and the char-level LM), same steps: bytes vs accuracy.
 
-    .venv/bin/python bench/compression.py [--quick] [--examples digits,charlm]
+    .venv/bin/python bench/compression.py [--quick] [--examples digits,charlm] [--rows powersgd/powersgd,none]
 
 Prints one JSON object: per example, per codec: bytes sent per step, ratio to `none`, final eval
 metric, median encode+decode seconds per step (workers' encode + aggregator's decode), and the lease shape the
 aggregator used: `lease_microbatches` (a lease is a block of the reduction tree, docs/design.md §2; a stateless
 lossy codec leases single microbatches) and `gradients_per_step`. The baseline `none` is what the code sends
 today: one gradient per block lease (2 per step for digits' M = 4 on 2 workers), not one per microbatch.
+Rows with `compression.downlink` on (ROWS, "codec/downlink") compress the parameters too (docs/design.md §9): their
+`downlink` field names it, `ratio_received_vs_none` is what it saves, and `eval_vs_dense` is the eval metric minus
+that of `none` both ways at the same steps (issue 32: within 1 point of accuracy, 2 % of the loss).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from cmemi.shared.config import load_config  # noqa: E402
 from bench import common as C  # noqa: E402
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+ROWS = (*((c, "none") for c in CODECS),  # (codec, downlink): every codec up, then both ways
+        ("int8", "int8"), ("topk", "topk"), ("powersgd", "powersgd"), ("none", "powersgd"))
 EXAMPLES = {
     "digits": {"config": "examples/digits.yaml", "metric": "accuracy", "sets": []},
     "charlm": {"config": "examples/charlm.yaml", "metric": "loss", "sets": []},
@@ -46,21 +51,22 @@ def leases(config: str, sets: list[str]) -> dict:
             "gradients_per_step": len(list(reduction.blocks(M, block)))}
 
 
-def run(example: str, codec: str, workdir: Path, extra: list[str]) -> dict:
+def run(example: str, codec: str, downlink: str, workdir: Path, extra: list[str]) -> dict:
     spec = EXAMPLES[example]
-    run_dir = workdir / f"{example}-{codec}"
-    sets = [f"compression.codec={codec}", "cluster.spare_workers=0", "checkpoint.every_steps=0", *spec["sets"],
-            *extra]
+    tag = codec if downlink == "none" else f"{codec}-down{downlink}"
+    run_dir = workdir / f"{example}-{tag}"
+    sets = [f"compression.codec={codec}", f"compression.downlink={downlink}", "cluster.spare_workers=0",
+            "checkpoint.every_steps=0", *spec["sets"], *extra]
     cmd = [sys.executable, "-m", "cmemi", "up", spec["config"], "--set", f"run.dir={run_dir}",
-           "--set", f"run.name=bench-{example}-{codec}", *(a for x in sets for a in ("--set", x))]
+           "--set", f"run.name=bench-{example}-{tag}", *(a for x in sets for a in ("--set", x))]
     shape = leases(spec["config"], sets)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        return {"codec": codec, **shape, "error": proc.stderr.strip().splitlines()[-1:]}
+        return {"codec": codec, "downlink": downlink, **shape, "error": proc.stderr.strip().splitlines()[-1:]}
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {
-        "codec": codec, **shape,
+        "codec": codec, "downlink": downlink, **shape,
         "bytes_sent_per_step": summary["bytes_sent"] / summary["steps"],
         "bytes_sent_per_gradient": summary["bytes_sent"] / summary["steps"] / shape["gradients_per_step"],
         "bytes_received_per_step": summary["bytes_received"] / summary["steps"],
@@ -76,23 +82,36 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="digits only")
     ap.add_argument("--examples", default=None, help="comma-separated: digits,charlm")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--rows", default=None, help="comma-separated CODEC or CODEC/DOWNLINK, a subset of "
+                    + ",".join(f"{c}/{d}" for c, d in ROWS) + " (default all; ratios need none/none)")
     args = ap.parse_args()
+    rows_ = ROWS
+    if args.rows:
+        rows_ = tuple((c, d or "none") for c, _, d in (x.partition("/") for x in args.rows.split(",")))
+        if unknown := sorted(f"{c}/{d}" for c, d in set(rows_) - set(ROWS)):
+            ap.error(f"--rows: unknown {unknown}; choose from {','.join(f'{c}/{d}' for c, d in ROWS)}")
     examples = args.examples.split(",") if args.examples else (["digits"] if args.quick else list(EXAMPLES))
     command = " ".join([".venv/bin/python", "bench/compression.py", *sys.argv[1:]])
     out: dict = {"bench": "compression", **C.provenance(), "machine": C.machine(), "command": command,
                  "bytes_note": "bytes_sent = every byte workers sent the aggregator (headers, wants and hellos "
-                               "included); ratio_vs_none = none's bytes_sent_per_step / this codec's",
+                               "included); ratio_vs_none = none's bytes_sent_per_step / this codec's; "
+                               "bytes_received = every byte workers received (parameters), "
+                               "ratio_received_vs_none the same ratio of them",
                  "examples": {}}
     with tempfile.TemporaryDirectory(prefix="cmemi-bench-") as tmp:
         for ex in examples:
             rows = []
-            for codec in CODECS:
-                print(f"[compression] {ex} {codec}", file=sys.stderr, flush=True)
-                rows.append(run(ex, codec, Path(tmp), args.set))
-            base = next((r for r in rows if r["codec"] == "none" and "error" not in r), None)
+            for codec, downlink in rows_:
+                print(f"[compression] {ex} {codec} (downlink {downlink})", file=sys.stderr, flush=True)
+                rows.append(run(ex, codec, downlink, Path(tmp), args.set))
+            base = next((r for r in rows if r["codec"] == r["downlink"] == "none" and "error" not in r), None)
+            metric = f"eval_{EXAMPLES[ex]['metric']}"
             for r in rows:
                 if base and "error" not in r:
                     r["ratio_vs_none"] = base["bytes_sent_per_step"] / r["bytes_sent_per_step"]
+                    r["ratio_received_vs_none"] = base["bytes_received_per_step"] / r["bytes_received_per_step"]
+                    if r[metric] is not None and base[metric] is not None:
+                        r["eval_vs_dense"] = r[metric] - base[metric]
             out["examples"][ex] = rows
     C.emit_result(out)
 

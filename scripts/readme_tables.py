@@ -217,15 +217,16 @@ def benchmark() -> str:
 
 def compression() -> str:
     d = load("compression")
-    lines = ["| example | codec | microbatches per lease | gradients / step | bytes/step | × fewer than `none` | eval | "
-             "codec ms/step |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| example | codec | downlink | microbatches per lease | gradients / step | bytes/step | × fewer than "
+             "`none` | bytes/step down | eval | codec ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for example, rows in d["examples"].items():
         for x in rows:
             ev = (f"accuracy {x['eval_accuracy']:.4f}" if "eval_accuracy" in x
                   else f"loss {x['eval_loss']:.3f}" if "eval_loss" in x else "-")
             lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
-            lines.append(f"| {example} | `{x['codec']}` | {' | '.join(lease)} | {x['bytes_sent_per_step']:,.0f} | "
-                         f"{x['ratio_vs_none']:.1f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
+            lines.append(f"| {example} | `{x['codec']}` | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
+                         f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
+                         f"{x['bytes_received_per_step']:,.0f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
     return "\n".join([*lines, "", measured("compression")])
 
 
@@ -371,7 +372,13 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_kn_nocurve": "CMEMI, K = N shards on the worker hosts, dense, CurveZMQ off",
                 "cmemi_kn_powersgd": "CMEMI, K = N shards on the worker hosts, `powersgd` (rank 2)",
                 "cmemi_k1_powersgd": "CMEMI K = 1, `powersgd` (rank 2)",
-                "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)"}
+                "cmemi_k1_topk": "CMEMI K = 1, `topk` (1 %)",
+                "cmemi_kn_powersgd2": "CMEMI, K = N shards on the worker hosts, `powersgd` both ways (rank 2)",
+                "cmemi_kn_dedicated_powersgd2": "CMEMI, K = N shards on dedicated hosts, `powersgd` both ways (rank 2)",
+                "cmemi_k1_powersgd2": "CMEMI K = 1, `powersgd` both ways (rank 2)",
+                "cmemi_kn_topk2": "CMEMI, K = N shards on the worker hosts, `topk` both ways (1 %)",
+                "cmemi_k1_topk2": "CMEMI K = 1, `topk` both ways (1 %)"}
+BOTH_WAYS_GOALS = {"powersgd": 1.0, "topk": 1.5}  # issue 32: × DDP + PowerSGD hook, at N = 4 and 8
 
 
 def cluster() -> str:
@@ -392,7 +399,7 @@ def cluster() -> str:
              "run; ms/step = median after warm-up. Bound = communication at the link rate plus the emulated compute "
              "(ring all-reduce for DDP; a single server receiving N gradients, then sending N parameter sets, for "
              "CMEMI K = 1; each host's N−1 slices out and in for K = N co-located shards; one gradient out and one parameter "
-             "set in, overlapped, for K = N dedicated servers; with a codec the N dense parameter sets alone, since parameters go back uncompressed). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
+             "set in, overlapped, for K = N dedicated servers; with a codec the N dense parameter sets alone, since parameters go back uncompressed; none for rows compressed both ways). CPU = the machine's idle cores / cores busy in the run's own processes, over its measured "
              "steps.", "",
              "| N | system | ms/step | samples/s | × DDP dense | bound | CPU idle / used |", "|---|---|---|---|---|---|---|"]
     for n, x in d["by_n"].items():
@@ -455,6 +462,13 @@ def cluster() -> str:
             + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
+    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith("2")
+            if (r := x["ratios"].get(f"{key}_vs_ddp_powersgd")) is not None]
+    if both:
+        lines += ["", "Compressed both ways (`compression.downlink` = `compression.codec`), against DDP + PowerSGD hook: "
+                  + "; ".join(f"N = {n} {CLUSTER_ROWS[key]}: {r:.2f}×" for n, key, r in both)
+                  + ". The goals were ≤ " + " and ≤ ".join(f"{g}× with `{c}`" for c, g in BOTH_WAYS_GOALS.items())
+                  + " at N = 4 and 8."]
     return "\n".join([*lines, *cluster_profile(d), "", measured("cluster")])
 
 
