@@ -118,10 +118,11 @@ class ShardLinks:
                 link.slots = link.slots and msg.header.get("shm") is True
         self._wait(lambda: len(welcomed) == len(self.links), welcome)
 
-    def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+    def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
+              trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
         msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
                                  tensors, self.cfg.cluster.checksum, part=transfer.PART)
-        transfer.send(link.sock, msgs)
+        transfer.send(link.sock, msgs, trackers=trackers)
 
     def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
         """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message."""
@@ -259,9 +260,11 @@ class ShardLinks:
         del received
         return all(self.reader.intact(d) for d in descs)
 
-    def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any]) -> None:
+    def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any],
+             trackers: list[zmq.MessageTracker] | None = None) -> None:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
-        shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order."""
+        shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
+        the frames' trackers go there (services/worker/inflight.py)."""
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
@@ -272,7 +275,7 @@ class ShardLinks:
                     self._send(link, "grad", tensors={}, shm=self.writers[link.k, g].write(frames), codec=info,
                                stage=g, **fields)
                 else:
-                    self._send(link, "grad", tensors=frames, codec=info, stage=g, **fields)
+                    self._send(link, "grad", tensors=frames, trackers=trackers, codec=info, stage=g, **fields)
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

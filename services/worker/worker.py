@@ -27,6 +27,7 @@ from cmemi.services.worker.block import BlockComputer
 from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
 from cmemi.services.worker.inbox import Inbox
+from cmemi.services.worker.inflight import InFlight
 from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.patience import Patience
@@ -79,6 +80,7 @@ class Worker:
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0  # changes refused as malformed (the whole mirror is asked for instead)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
+        self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
         self.life = Lifecycle(ctx)
         self.version = -1
         self.term = -1
@@ -182,7 +184,8 @@ class Worker:
         self.life.transport(peer, kind)
         return kind
 
-    def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+    def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
+              trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
         assert self.sock is not None
         try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
             msgs = transfer.messages(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields},
@@ -190,7 +193,7 @@ class Worker:
                                      part=transfer.PART)  # a server queues two per worker (serve_router)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"worker {self.wid}: {exc}")
-        transfer.send(self.sock, msgs)
+        transfer.send(self.sock, msgs, trackers=trackers)
         self.patience.heard()
 
     def _recv(self, timeout_ms: int) -> protocol.Message | None:
@@ -364,6 +367,7 @@ class Worker:
             self._send("want", term=self.term, version=self.version)  # they are past it: this lease is stale
             return
         lo, hi = h["lo"], h["hi"]
+        self.sends.settle()  # a big model's last gradient is out of ZeroMQ's queues before the next one exists
         losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches),
@@ -376,7 +380,7 @@ class Worker:
         # the next version asked for first: behind the gradient on the same connection, a pull would reach a shard
         # only once this worker's whole slice had, too late to take a pipelined shard's first stages
         links.ask_ahead(self.version + 1)
-        links.push(encoded[1:], {**fields, "encode_s": encode_s})  # every shard's slice at once, the leader's too
+        links.push(encoded[1:], {**fields, "encode_s": encode_s}, self.sends.trackers)  # every shard's slice at once, the leader's too
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
@@ -385,7 +389,7 @@ class Worker:
                 self.slot_writer = shm.Writer(self.ctx.run, "worker", shm.checksums(self.cfg.cluster.checksum))
             self._send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s, **fields)
         else:
-            self._send("grad", tensors=frames, codec=info, encode_s=encode_s, **fields)
+            self._send("grad", tensors=frames, trackers=self.sends.trackers, codec=info, encode_s=encode_s, **fields)
         if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
