@@ -328,12 +328,15 @@ class Aggregator:
             return
         codec = self.checking_codec if collector.strict else self.codec
         grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors)
+        # a borrowed gradient is copied where it is kept, but the one microbatch of M = 1 under an optimizer that only
+        # reads it: stepped from the slot (its worker writes that slot again only after work sent past this step)
+        own = self.intake.spares.own if borrowed and not (collector.M == 1 and self.trainer.reads_grads_only) else None
         if bad is not None:
             self.drops(bad, where)
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
             self.drops("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif (reason := collector.offer(node, grads, h["losses"], holder, produced if self.report_buffers else None,
-                                        own=self.intake.spares.own if borrowed else None)) is not None:
+                                        own=own)) is not None:
             self.drops(reason, where)
         elif not self.intake.intact():  # the slot was written while summed: this step's sum is unknown, so again
             self.drops("shm_overwritten", f"{where}: its slot was written while read; collecting the step again")

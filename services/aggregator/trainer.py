@@ -126,6 +126,13 @@ class Trainer:
                     view.copy_(piece)
                     piece.data = view
 
+    @property
+    def reads_grads_only(self) -> bool:
+        """Does a step only read the gradients it is given (no clipping, no loss scaling, one of torch's own optimizers,
+        which compute out of place)? Then a single microbatch's gradient may be stepped from where it lies."""
+        return (self.cfg.train.clip_grad_norm is None and not self.scaler.enabled
+                and type(self.optimizer).__module__.startswith("torch.optim."))
+
     def drop_optimizer_state(self) -> None:
         """The run is over and its final checkpoint written: the optimizer's state is not needed any more."""
         self.optimizer.state.clear()
