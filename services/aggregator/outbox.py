@@ -1,5 +1,6 @@
 """What a parameter server sends through its ROUTER, for the leader and every shard alike: one logical message
-(in parts when it is over `cluster.max_message_bytes`), frames already encoded by a `Publisher` going out
+(in parts of two chunks, `transfer.PART`, when it is bigger: a receiver that bounds its queue, RCVHWM, then holds
+that much per queued part), frames already encoded by a `Publisher` going out
 zero-copy under its trackers. Returns the bytes sent; a send that fails (a peer gone) is logged, not raised."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class Outbox:
     def send(self, identity: bytes, mtype: str, encoded: Encoded | None = None, **fields: Any) -> int:
         frames, trackers = encoded if encoded is not None else (None, None)
         try:  # parameters over the cap go in parts
-            msgs = transfer.messages(mtype, self.run, fields, self.cap, encoded=frames)
+            msgs = transfer.messages(mtype, self.run, fields, self.cap, encoded=frames, part=transfer.PART)
         except transfer.TooBig as exc:
             self.fatal(f"aggregator: {exc}")
         try:

@@ -100,6 +100,9 @@ class ShardLinks:
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            # a slice asked ahead (ask_ahead) arrives before the worker fetches it: at most two of its parts queue
+            # here, the rest waits in the shard's queue (zero-copy, its live pieces), not a copy of P here meanwhile
+            sock.setsockopt(zmq.RCVHWM, 2)
             asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(limits.nbytes(self.params.values()),
                                                                                self.cfg.cluster.workers)
             views = self.partition.views(self.params, k)

@@ -14,14 +14,14 @@ if _spec:
     _from_stage = _rest[0] if _rest else 0
     _push = _shards.ShardLinks.push
 
-    def push(self, encoded, fields):  # type: ignore[no-untyped-def]
+    def push(self, encoded, fields, trackers=None):  # type: ignore[no-untyped-def]
         if fields["step"] != _step or getattr(self, "skipped", False):
-            return _push(self, encoded, fields)
+            return _push(self, encoded, fields, trackers)
         self.skipped = True
         for link, stages in zip(self.links, encoded, strict=True):
             for g, (info, frames) in enumerate(stages):
                 if link.k != _shard or g < _from_stage:
-                    self._send(link, "grad", tensors=frames, codec=info, stage=g, **fields)
+                    self._send(link, "grad", tensors=frames, trackers=trackers, codec=info, stage=g, **fields)
         for link in self.links:
             link.have, link.asked = -1, -1
             link.reset()
