@@ -218,7 +218,8 @@ def main() -> None:
             "cpu_s_per_step: CPU seconds per step summed over all processes of the variant (for CMEMI: every process of "
             "the cluster, Redis included); less sensitive to the shared machine's load than wall time",
             "copies per byte, by the code paths (not measured): with slots (`auto`, same host) a gradient byte is "
-            "copied into the worker's slot and out of it at the server (2), a parameter byte once into the server's "
+            "copied into the worker's slot (1) and read there by the server (summed into a waiting partial sum, or "
+            "copied once into a kept buffer; at M = 1 stepped where it lies), a parameter byte once into the server's "
             "slot for all W same-host workers and once out of it by each (1/W + 1), and only descriptors cross the "
             "socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
             "sides) and is checksummed on each side; parameters go out from the live tensors (copy-on-write) for a "
