@@ -102,12 +102,17 @@ def _hostile(info: dict, frames: dict[str, torch.Tensor]) -> list[tuple[str, dic
             ("extra_frame", info, {**frames, "x#v": torch.zeros(1)})]
 
 
-def test_malformed_changes_raise_codec_errors_and_leave_the_mirror_as_it_was() -> None:
+def _first_change(name: str) -> tuple[downlink.Mirror, dict, dict]:
+    """A server's mirror after its first step, and the change it sends."""
     theta = _pieces()
-    server = downlink.Mirror(_cfg("int8"), theta)
+    server = downlink.Mirror(_cfg(name), theta)
     _step(theta, 1)
     server.advance(theta, 1)
-    info, frames = server.change(0)
+    return (server, *server.change(0))
+
+
+def test_malformed_changes_raise_codec_errors_and_leave_the_mirror_as_it_was() -> None:
+    server, info, frames = _first_change("int8")
     worker = {n: t.clone() for n, t in _pieces().items()}
     before = {n: t.clone() for n, t in worker.items()}
     for reason, i, f in _hostile(info, frames):
@@ -120,11 +125,7 @@ def test_malformed_changes_raise_codec_errors_and_leave_the_mirror_as_it_was() -
 def test_a_worker_counts_a_malformed_change_and_asks_for_the_whole_mirror() -> None:
     """Worker._apply_change: a malformed change, or one from another version, changes nothing and returns False
     (the worker then asks again with no version: the leader sends the whole mirror); a good one moves the model."""
-    theta = _pieces()
-    server = downlink.Mirror(_cfg("int8"), theta)
-    _step(theta, 1)
-    server.advance(theta, 1)
-    info, frames = server.change(0)
+    server, info, frames = _first_change("int8")
     params = {n: t.clone() for n, t in _pieces().items()}
     w = SimpleNamespace(downlink=downlink.codec(_cfg("int8")), version=0, downlink_dropped=0, params=params,
                         partition=Partition(params), runner=SimpleNamespace(step_buffers={}),
