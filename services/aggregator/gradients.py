@@ -39,8 +39,9 @@ class Spares:
     must fault in again on every step (113 M parameters: ~0.4 s per gradient on this machine; a freed tensor that big
     goes straight back to the kernel). What `take` hands out is the step's until its optimizer step is done (or its
     collection abandoned): `reclaim` then frees all of it but `busy` (a transfer still arriving), and keeps only as
-    many spares as the step used. At most `limit` bytes are lent in a step (duplicates, a hostile flood): past it a
-    buffer is a plain allocation, freed as soon as its message is done with, as before."""
+    many spares as the step used. At most `limit` bytes are lent in a step (the server's two gradients' worth): past
+    it (a duplicate, a stale gradient, a third worker, a hostile flood) a buffer is a plain allocation, freed as soon
+    as its message is done with, as before."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -59,7 +59,7 @@ class Intake:
 
     def __init__(self, run: str, cap: int, bound: int, checksum: bool, peers: int, curve: Curve,
                  types: Collection[str], admitted: Callable[[bytes], bool], drops: Drops, slots: bool = False,
-                 borrows: bool = False) -> None:
+                 borrows: bool = False, spare_bytes: int = 0) -> None:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
         self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
@@ -70,7 +70,9 @@ class Intake:
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
         self.slot_bytes = 0
         self.borrows = borrows
-        self.spares = Spares(limit=4 * bound)  # gradients land in the last step's buffers (gradients.py)
+        # gradients land in the last step's buffers (gradients.py): two gradients' worth, what an honest step of two
+        # workers brings; a third (a duplicate, a stale one, a third worker) is a plain allocation, freed with it
+        self.spares = Spares(limit=spare_bytes)
         self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
         self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)

@@ -79,7 +79,8 @@ class Aggregator:
         # slices) only: one partial transfer each, and one for a replacement
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards, ctx.curve, TYPES,
-                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp", borrows=True)
+                             self._admitted, self.drops, slots=cfg.cluster.transport != "tcp", borrows=True,
+                             spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
         self.totals = RunTotals()  # restored from the checkpoint
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.layout = Layout(self.trainer.wire_state())  # of the parameters sent out (shared/layout.py)

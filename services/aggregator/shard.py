@@ -78,7 +78,8 @@ class ShardServer:
                                    cfg.cluster.require_same_environment, self._send, self.drops, self.log)
         self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
-                             self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp")
+                             self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp",
+                             spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
