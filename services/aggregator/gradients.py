@@ -52,12 +52,9 @@ class Spares:
     def take(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         key = (name, dtype, tuple(shape))
         kept = self.free.get(key)
-        if kept:
-            t = kept.pop()
-        elif self.lent_bytes >= self.limit:
-            return torch.empty(shape, dtype=dtype)
-        else:
-            t = torch.empty(shape, dtype=dtype)
+        if not kept and self.lent_bytes >= self.limit:
+            return torch.empty(shape, dtype=dtype)  # not kept: freed with its message
+        t = kept.pop() if kept else torch.empty(shape, dtype=dtype)
         self.lent.append((key, t))
         self.lent_bytes += t.numel() * t.element_size()
         return t
