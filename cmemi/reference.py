@@ -32,8 +32,10 @@ from cmemi.services.aggregator.evaluation import BackgroundEval, EvalError, run_
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.services.worker.device import make_deterministic, pick_device
+from cmemi.services.worker.local import LocalRound
 from cmemi.shared.codecs import all_finite, make_codec
 from cmemi.shared.config import Config
+from cmemi.shared.innerstate import through_wire
 from cmemi.shared.plugins import build_model, resolve
 from cmemi.shared.reduction import TreeAccumulator, add_into, block_size
 
@@ -64,8 +66,9 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
     # a stateful codec's result depends on what is encoded together: one worker's whole-step leases
     block = block_size(M, 1) if encoder.stateful else 1
     loss, stopped = float("nan"), False
+    local = LocalRound(cfg, runner) if cfg.train.local_steps else None
     try:
-        while trainer.step < cfg.train.steps and not stopped:
+        while trainer.step < cfg.train.rounds and not stopped:
             step = trainer.step
             with torch.no_grad():  # what a worker holds at version `step` (compression.downlink: the mirror)
                 wire = trainer.wire_state()
@@ -73,6 +76,10 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
                     p.copy_(wire[n])
                 for n, b in runner.step_buffers.items():
                     b.copy_(trainer.buffers[n])
+            if local is not None:
+                loss = local_round(local, trainer, encoder, decoder, step, report)
+                stopped = evaluate(bg, cfg, trainer)
+                continue
             if step in codec_resets:  # a new worker process: no residual, no warm-start Q
                 encoder.reset()
             collector = StepCollector(step, M, block=codec_resets.get(step, block))
@@ -96,10 +103,7 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
             if grads is not None and not all_finite(grads.values()):
                 raise ReferenceError(f"the summed gradient of step {step + 1} is not finite: the run diverged")
             trainer.apply(grads, collector.buffer_sum())
-            done = trainer.step
-            if bg is not None and done % cfg.eval.every_steps == 0 and done < cfg.train.steps:
-                bg.start(done, {k: v.clone() for k, v in trainer.model.state_dict().items()})
-                stopped = bg.should_stop
+            stopped = evaluate(bg, cfg, trainer)
         if bg is not None:
             bg.collect(wait=True)
         evaluation = run_eval(eval_fn, trainer.model, str(cfg.eval.fn)) if eval_fn else {}
@@ -113,6 +117,35 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
                "stopped_early": stopped, "skipped_steps": trainer.skipped, "final_lr": trainer.lr,
                "eval_history": bg.history if bg is not None else [], "wall_s": time.monotonic() - t0}
     return trainer, summary
+
+
+def evaluate(bg: BackgroundEval | None, cfg: Config, trainer: Trainer) -> bool:
+    """After a step: an evaluation in the background at eval.every_steps, as the aggregator's; True: stop early."""
+    done = trainer.step
+    if bg is not None and done % cfg.eval.every_steps == 0 and done < cfg.train.rounds:
+        bg.start(done, {k: v.clone() for k, v in trainer.model.state_dict().items()})
+        return bg.should_stop
+    return False
+
+
+def local_round(local: LocalRound, trainer: Trainer, encoder: Any, decoder: Any, rnd: int, report: bool) -> float:
+    """A round of local steps (train.local_steps), as the cluster runs it: each replica's round from the round's
+    parameters and its inner state as the leader keeps it (through the wire), its change through the codec, the
+    changes by the reduction tree, the outer step; returns the round's mean loss."""
+    inner = trainer.inner
+    assert inner is not None
+    collector = StepCollector(rnd, inner.R, block=1)
+    while (node := collector.lease(*HOLDER, now=0.0, timeout=math.inf)) is not None:
+        r = node[0]
+        loss, delta, contribution, state = local.run(rnd, r, inner.current[r])
+        delta = trainer.partition.views(delta)
+        info, frames = encoder.encode(delta, rnd)
+        decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)
+        inner.keep(r, through_wire(state))
+        collector.offer(r, decoded, loss, HOLDER, contribution if report else None)
+    grads, loss = collector.mean()
+    trainer.apply(grads, collector.buffer_sum())
+    return loss
 
 
 def offer_block(cfg: Config, runner: MicrobatchRunner, trainer: Trainer, encoder: Any, decoder: Any,
@@ -165,7 +198,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(config_path(args.config), args.set)
         check_plugins(cfg)
         trainer, summary = train(cfg, resets)
-    except (ConfigError, ReferenceError) as exc:
+    except (ConfigError, ReferenceError, FloatingPointError) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
     except UserCodeError as exc:

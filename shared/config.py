@@ -132,7 +132,7 @@ class SchedulerConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
-    """Number of global optimizer steps."""
+    """Number of global optimizer steps (with local_steps: inner steps of every replica, a multiple of local_steps)."""
     global_batch: int = 64
     """Samples per global step, over all microbatches."""
     microbatches: int = 4
@@ -142,9 +142,26 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics.jsonl line every this many steps."""
     clip_grad_norm: float | None = None
-    """Clip the averaged gradient to this global L2 norm on the aggregator (torch.nn.utils.clip_grad_norm_)."""
+    """Clip the averaged gradient to this global L2 norm on the aggregator (torch.nn.utils.clip_grad_norm_); with
+    local_steps, each replica's gradient at each inner step, on the worker."""
+    local_steps: int = 0
+    """H: local steps (DiLoCo). 0: synchronous, one optimizer step of the servers per global batch. H > 0: every
+    round, each of train.replicas replicas takes H inner steps (optimizer, scheduler) from the round's parameters on
+    its own data, and the servers apply outer_optimizer to the mean of their changes (docs/design.md §10)."""
+    replicas: int = 0
+    """R (with local_steps): logical replicas, fixed for the run and independent of the worker count; a lease is one
+    replica's round, and each inner step of a replica takes global_batch / R samples. 0: train.microbatches."""
 
     def __post_init__(self) -> None:
+        if self.local_steps < 0:
+            _fail("train.local_steps", self.local_steps, "must be >= 0", "use 0 for synchronous steps, or e.g. 50")
+        if self.replicas < 0:
+            _fail("train.replicas", self.replicas, "must be >= 0", "use e.g. 4, or 0 for train.microbatches")
+        if self.replicas and not self.local_steps:
+            _fail("train.replicas", self.replicas, "counts the replicas of local steps, but train.local_steps is 0",
+                  "set train.local_steps (e.g. 50), or leave train.replicas out")
+        if self.local_steps and self.replicas:  # a replica's round is one lease: one leaf of the reduction tree
+            self.microbatches = self.replicas
         _positive("train.steps", self.steps, "set train.steps to the number of optimizer steps, e.g. 100")
         _positive("train.global_batch", self.global_batch, "set train.global_batch to e.g. 64")
         _positive("train.microbatches", self.microbatches, "set train.microbatches to e.g. 4")
@@ -156,6 +173,14 @@ class TrainConfig:
                   f"must be divisible by train.microbatches={self.microbatches}",
                   f"use a multiple of {self.microbatches}, e.g. {self.microbatches * max(1, self.global_batch // self.microbatches)}")
         _import_path("train.loss", self.loss)
+        if self.local_steps and self.steps % self.local_steps:
+            _fail("train.steps", self.steps, f"must be a multiple of train.local_steps={self.local_steps} (whole rounds)",
+                  f"use e.g. {self.local_steps * max(1, round(self.steps / self.local_steps))}")
+
+    @property
+    def rounds(self) -> int:
+        """The servers' steps: train.steps, or with local_steps the rounds (train.steps / local_steps)."""
+        return self.steps // self.local_steps if self.local_steps else self.steps
 
 
 @dataclass
@@ -362,6 +387,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    outer_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        name="SGD", kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True}))
+    """With train.local_steps: the servers' optimizer, stepped once a round on the mean change of the replicas'
+    parameters (DiLoCo's outer step; default SGD with Nesterov momentum 0.9 and lr 0.7, as the paper); `optimizer`
+    and `scheduler` are then each replica's inner ones. Unused without local steps."""
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -379,11 +409,13 @@ class Config:
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             _fail("device", self.device, "must be auto, cpu, cuda or cuda:N", "use auto")
-        if self.cluster.shards > 1:
+        if self.cluster.shards > 1 and not self.train.local_steps:  # (local steps: the outer one, _check_local)
             if self.optimizer.name not in ELEMENTWISE_OPTIMIZERS:
                 _fail("optimizer.name", self.optimizer.name, "is not known to update each element on its own, so "
                       f"cluster.shards: {self.cluster.shards} could change its result",
                       f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
+        if self.train.local_steps:
+            self._check_local()
         if self.cluster.pipeline_stages:  # a pipelined stage is stepped before the step's global quantities exist
             if self.train.clip_grad_norm is not None:
                 _fail("train.clip_grad_norm", self.train.clip_grad_norm, "needs the whole step's gradient norm, "
@@ -395,6 +427,26 @@ class Config:
                 _fail("compression.downlink", self.compression.downlink, "sends each version's change once it is "
                       "whole, so it cannot be used with cluster.pipeline_stages",
                       "set compression.downlink: none, or cluster.pipeline_stages: 0")
+
+    def _check_local(self) -> None:
+        """What local steps (train.local_steps) cannot be combined with."""
+        if self.precision == "fp16":
+            _fail("precision", self.precision, "skips a step on overflow with a loss scale the servers keep, which "
+                  "replicas stepping on their own do not have", "use bf16 or fp32 with train.local_steps")
+        if self.cluster.pipeline_stages:
+            _fail("cluster.pipeline_stages", self.cluster.pipeline_stages, "pipelines steps of the servers, of which "
+                  "local steps take one a round", "set cluster.pipeline_stages: 0 with train.local_steps")
+        if self.compression.downlink != "none":
+            _fail("compression.downlink", self.compression.downlink, "is not built for local steps yet",
+                  "set compression.downlink: none with train.local_steps")
+        if self.compression.codec in ("topk", "powersgd") and self.compression.error_feedback:
+            _fail("compression.codec", self.compression.codec, "keeps a residual per worker, but a replica's round "
+                  "may go to any worker", "use none, bf16 or int8 for the replicas' changes, or "
+                  "compression.error_feedback: false")
+        if self.outer_optimizer.name not in ELEMENTWISE_OPTIMIZERS and self.cluster.shards > 1:
+            _fail("outer_optimizer.name", self.outer_optimizer.name, "is not known to update each element on its own, "
+                  f"so cluster.shards: {self.cluster.shards} could change its result",
+                  f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
 
 
 # torch.optim classes whose update of an element depends only on that element's gradient and state (and the step,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from cmemi.shared import initweights, limits
-from cmemi.shared.config import Config, ConfigError
+from cmemi.shared.config import Config, ConfigError, OptimizerConfig
 from cmemi.shared.usercode import describe
 
 
@@ -76,14 +76,15 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-def param_groups(cfg: Config, named: dict[str, torch.nn.Parameter]) -> list[dict[str, Any]]:
-    """Split parameters by the first optimizer.param_groups regex matching their name; the rest: default group."""
+def param_groups(spec: OptimizerConfig, named: dict[str, torch.nn.Parameter]) -> list[dict[str, Any]]:
+    """Split parameters by the first param_groups regex of `spec` (an optimizer section) matching their name; the
+    rest: default group."""
     groups: list[dict[str, Any]] = [{**{k: v for k, v in g.items() if k != "match"}, "params": []}
-                                    for g in cfg.optimizer.param_groups]
+                                    for g in spec.param_groups]
     default: list[torch.nn.Parameter] = []
     for name, p in named.items():
-        for spec, group in zip(cfg.optimizer.param_groups, groups, strict=True):
-            if re.search(spec["match"], name):
+        for spec_group, group in zip(spec.param_groups, groups, strict=True):
+            if re.search(spec_group["match"], name):
                 group["params"].append(p)
                 break
         else:
@@ -91,12 +92,14 @@ def param_groups(cfg: Config, named: dict[str, torch.nn.Parameter]) -> list[dict
     return [g for g in [{"params": default}, *groups] if g["params"]]
 
 
-def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
-    """`params`: a dict name -> parameter (param_groups apply) or any iterable torch.optim accepts."""
-    cls = _class_in(torch.optim, torch.optim.Optimizer, cfg.optimizer.name, "optimizer.name")
+def build_optimizer(cfg: Config, params: Any, section: str = "optimizer") -> torch.optim.Optimizer:
+    """`params`: a dict name -> parameter (param_groups apply) or any iterable torch.optim accepts. `section`: which
+    of the config's optimizers (`outer_optimizer`: the servers' with train.local_steps)."""
+    spec: OptimizerConfig = getattr(cfg, section)
+    cls = _class_in(torch.optim, torch.optim.Optimizer, spec.name, f"{section}.name")
     if isinstance(params, dict):
-        params = param_groups(cfg, params) if cfg.optimizer.param_groups else list(params.values())
-    kwargs = dict(cfg.optimizer.kwargs)
+        params = param_groups(spec, params) if spec.param_groups else list(params.values())
+    kwargs = dict(spec.kwargs)
     accepted = inspect.signature(cls).parameters
     if not {"foreach", "fused"} & kwargs.keys():
         params = list(params)  # used twice when the fused kernel is refused
@@ -110,7 +113,7 @@ def build_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config field 'optimizer.kwargs' = {cfg.optimizer.kwargs!r} rejected by "
+        raise ConfigError(f"config field '{section}.kwargs' = {spec.kwargs!r} rejected by "
                           f"{cls.__name__}: {exc}") from None
 
 
@@ -139,6 +142,8 @@ def check_plugins(cfg: Config) -> None:
                                                                            cfg.model.init_strict))
     opt = build_optimizer(cfg, dict(model.named_parameters()))
     build_scheduler(cfg, opt)
+    if cfg.train.local_steps:
+        build_optimizer(cfg, dict(model.named_parameters()), "outer_optimizer")
     dry_run_schedule(cfg)
 
 

@@ -53,6 +53,9 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
     "stop": {"reason": _STR},
     "reject": {"reason": _STR, "fatal": _BOOL},
+    # a replica's inner state at the start of a round (train.local_steps), ahead of that replica's `work` to a
+    # worker that does not hold it (meta: shared/state.py's, tensors named inner.…; empty: a fresh state)
+    "inner": {"replica": _INT, "round": _INT, "meta": _MAP, "tensors": _LIST},
     "pending": {"reask": _INT},  # re-ask n came while the work last sent is unanswered (services/aggregator/leasing.py)
     # coordinator -> aggregator
     "fence": {"wid": _STR, "inc": _INT},

@@ -21,7 +21,7 @@ overlapping copy): `reopen` hands such microbatches out again, as leaves.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +68,15 @@ class StepCollector:
     def _covered(self, node: Node) -> bool:
         return any(m in self.received for m in range(*node))
 
-    def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None) -> Node | None:
-        """The next node for worker (wid, inc): from the queue, else (with `reissue_after`, seconds per microbatch)
-        an outstanding lease held at least that long by another worker; None if there is nothing to hand out.
+    def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None,
+              prefer: Collection[int] = ()) -> Node | None:
+        """The next node for worker (wid, inc): from the queue (a leaf in `prefer` first: with local steps, a replica
+        whose inner state the worker holds), else (with `reissue_after`, seconds per microbatch) an outstanding lease
+        held at least that long by another worker; None if there is nothing to hand out.
         A lease of n microbatches expires after n × `timeout`."""
         if self.pending:
-            node = self.pending.popleft()
+            node = next((n for n in self.pending if n[1] - n[0] == 1 and n[0] in prefer), self.pending[0])
+            self.pending.remove(node)
         elif reissue_after is None or (node := self._reissuable(wid, inc, now, reissue_after)) is None:
             return None
         self.leases[node] = Lease(wid, inc, now + timeout * (node[1] - node[0]))

@@ -23,7 +23,7 @@ from cmemi.shared.usercode import describe
 def eval_boundary(cfg: Config, step: int) -> bool:
     """Is `step` one where the whole model is evaluated during training (eval.every_steps; not the last step,
     whose evaluation is the final one)?"""
-    return bool(cfg.eval.fn and cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step < cfg.train.steps
+    return bool(cfg.eval.fn and cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step < cfg.train.rounds
 
 
 class EvalError(RuntimeError):

@@ -33,6 +33,7 @@ import torch
 from cmemi.services.aggregator.admission import ROLE_OF
 from cmemi.services.aggregator.gradients import Spares
 from cmemi.shared import limits, metrics, protocol, samehost, shm, transfer
+from cmemi.shared.innerstate import PREFIX as INNER
 from cmemi.shared.security import Curve
 
 
@@ -130,8 +131,11 @@ class Intake:
         return identity, msg, size
 
     def _into(self, of: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """Where a gradient in parts lands: spares (its header is validated, its bytes within the bound)."""
-        return self.spares.lend(of.get("tensors", [])) if of.get("type") == "grad" else None
+        """Where a gradient in parts lands: spares (its header is validated, its bytes within the bound). Not a
+        replica's inner state (train.local_steps): the leader keeps it past the step, when the spares are lent again."""
+        if of.get("type") != "grad":
+            return None
+        return self.spares.lend([m for m in of.get("tensors", []) if not str(m["name"]).startswith(INNER + ".")])
 
     def reclaim(self) -> None:
         """The step is over (applied, or its collection abandoned): its gradients' buffers are free again, but those of

@@ -18,7 +18,7 @@ one parameter set per lease, never a queue of copies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
@@ -89,11 +89,15 @@ class Leasing:
         after = self.reissue.after
         return after is not None and self.collector.reissuable(time.monotonic(), after)
 
-    def lease(self, identity: bytes, info: WorkerInfo, held_version: int) -> tuple[int, int, bytes] | None:
-        """The next node for this worker and its seal, or None: the worker is parked until there is one."""
+    def lease(self, identity: bytes, info: WorkerInfo, held_version: int,
+              prefer: Collection[int] = ()) -> tuple[int, int, bytes] | None:
+        """The next node for this worker (a leaf in `prefer` first) and its seal, or None: the worker is parked until
+        there is one."""
         now = time.monotonic()
         self.reissue.leased(info, now)
-        node = self.collector.lease(info.wid, info.inc, now, self.cfg.cluster.lease_timeout, self.reissue.after)
+        # (a replica's round of local steps is H microbatches' work)
+        timeout = self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)
+        node = self.collector.lease(info.wid, info.inc, now, timeout, self.reissue.after, prefer)
         if node is None:
             self.parked[identity] = (info, held_version)
             return None

@@ -58,7 +58,7 @@ class Reporter:
         metrics.STEP_SECONDS.observe(dt)
         metrics.LIVE_WORKERS.set(live_workers)
         line = None
-        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps:
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
             line = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt,
                     **({"loss_scale": scaler.scale, "skipped": skipped} if scaler.enabled else {}),
                     "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
@@ -86,7 +86,7 @@ class Reporter:
     def publish(self, step: int, loss: float, lr: float, bytes_s: float, live_workers: int, done: bool) -> None:
         """Progress for `cmemi up`'s bar and `cmemi status`, written off the loop."""
         self.progress.put({
-            "step": step, "total": self.cfg.train.steps, "loss": f"{loss:.6g}", "lr": f"{lr:.6g}",
+            "step": step, "total": self.cfg.train.rounds, "loss": f"{loss:.6g}", "lr": f"{lr:.6g}",
             "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=done):.1f}",
             "bytes_s": f"{bytes_s:.0f}", "live_workers": live_workers, "term": self.term, "t": time.time()},
             self.unpublished_mb)

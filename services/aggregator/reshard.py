@@ -42,7 +42,8 @@ def old_shards(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[d
 def _numbering(trainer: Trainer, names: list[str]) -> list[str]:
     """Piece names in the order an optimizer over these pieces numbers its parameters (build_optimizer's groups;
     without optimizer.param_groups, one group in the given order)."""
-    return [n for group in param_groups(trainer.cfg, {n: n for n in names}) for n in group["params"]]
+    spec = getattr(trainer.cfg, trainer.optimizer_section)
+    return [n for group in param_groups(spec, {n: n for n in names}) for n in group["params"]]
 
 
 def _piece_states(trainer: Trainer, olds: list[dict[str, Any]], pieces: dict[str, list] | None) -> dict[str, Any]:

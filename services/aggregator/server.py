@@ -30,7 +30,7 @@ from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import limits, protocol, shm, startup, state
+from cmemi.shared import innerstate, limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
@@ -53,6 +53,9 @@ class Aggregator:
         torch.set_num_threads(cfg.cluster.threads_per_worker)
         try:
             self.trainer = Trainer(cfg)
+            if self.trainer.inner is not None:  # train.local_steps: what a replica's inner state must look like
+                self.trainer.inner.expect(innerstate.layout_of(cfg, {n: (s, self.trainer.params[n].dtype)
+                                                                  for n, s in self.trainer.whole_shapes.items()}))
             startup.mark("model_built")
             eval_fn = resolve(cfg.eval.fn, "eval.fn") if cfg.eval.fn else None
         except ConfigError as exc:
@@ -113,9 +116,11 @@ class Aggregator:
                                   "pieces": self.trainer.partition.describe()}
         self._advertise()
         self._contributed: set[tuple[str, int]] = set()
+        self.holds: dict[bytes, set[tuple[int, int]]] = {}  # local steps: (replica, round) inner states a worker holds
         # Redis may restart empty: is this leader still advertised? (read off the loop: shared/watch.py)
         self.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
-        self.leasing = Leasing(cfg, self.codec.per_microbatch, self.trainer.sharded, self.seal, self.term,
+        # (local steps: a lease is one replica's round)
+        self.leasing = Leasing(cfg, self.codec.per_microbatch or self.trainer.local, self.trainer.sharded, self.seal, self.term,
                                lambda: len(self.admission.workers), self.intake.reclaim)
         self.leasing.new_step(self.trainer.step)
         self.stepper = Stepper(ctx, self.trainer, self.leasing, self.roster, self.evals, self.reporter, self.ckpt,
@@ -233,6 +238,8 @@ class Aggregator:
                 fields["layout"] = self.layout.digest
         else:
             encoded = (([], []), None)  # a work message always lists its tensors, here none
+        if self.trainer.inner is not None:
+            self._inner(identity, node[0])
         n = self.outbox.send(identity, "work", encoded, term=self.term, step=self.leasing.collector.step, lo=node[0],
                              hi=node[1], lease=node[2], version=self.trainer.step, scale=self.trainer.scaler.scale,
                              **fields)
@@ -241,6 +248,26 @@ class Aggregator:
         slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0  # counted as the socket's would be
         self.totals.slot_out += slotted
         self.reporter.work_bytes(n + slotted)
+
+    def _inner(self, identity: bytes, r: int) -> None:
+        """Local steps: replica r's inner state at the start of this round, ahead of its work, unless the worker holds it
+        (it computed the replica's last round: docs/design.md §10)."""
+        step = self.trainer.step
+        if (r, step) in self.holds.get(identity, ()):
+            return
+        assert self.trainer.inner is not None
+        meta, tensors = self.trainer.inner.wire(r)
+        n = self.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, self.cfg.cluster.checksum), None),
+                             replica=r, round=step, meta=meta)
+        self.reporter.work_bytes(n)
+
+    def _note_holds(self, identity: bytes, h: dict[str, Any]) -> None:
+        """Local steps: the (replica, round) inner states a worker says it holds (a `want` or `grad`)."""
+        held = h.get("holds")
+        if self.trainer.inner is None or not isinstance(held, list):
+            return
+        self.holds[identity] = {(int(x[0]), int(x[1])) for x in held[:self.trainer.inner.R]
+                                if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
 
     def _downlink(self, held_version: int, fields: dict[str, Any]) -> Any:
         """compression.downlink: the change from the worker's version to the current one when it holds the one before
@@ -265,7 +292,9 @@ class Aggregator:
             self._tell_stop(identity)
             return
         self.reporter.started(time.monotonic())
-        if (node := self.leasing.lease(identity, info, held_version)) is not None:
+        step = self.leasing.collector.step
+        prefer = {r for r, t in self.holds.get(identity, ()) if t == step}
+        if (node := self.leasing.lease(identity, info, held_version, prefer)) is not None:
             self._work(identity, node, held_version)
 
     def _serve_parked(self) -> None:
@@ -288,7 +317,7 @@ class Aggregator:
         self._fenced(info.wid, info.inc - 1, announce=False)  # admission fenced the older incarnations
         slots = self.intake.grant(identity, h)
         self.outbox.send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                         total_steps=self.cfg.train.steps, shards=self.roster.addrs() if self.roster else [],
+                         total_steps=self.cfg.train.rounds, shards=self.roster.addrs() if self.roster else [],
                          shm=slots)
         self.ctx.emit("worker_admitted", worker=info.wid, incarnation=info.inc, host=info.host, term=self.term)
         self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
@@ -303,6 +332,7 @@ class Aggregator:
             # lease still on its name was lost on the way (its work or its grad); it goes back to the queue now.
             if self.leasing.release(info.wid, info.inc):
                 self._serve_parked()
+            self._note_holds(identity, msg.header)
             self._serve(identity, info, msg.header["version"])
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
@@ -312,6 +342,7 @@ class Aggregator:
         h = msg.header
         self.leasing.answered(identity, None)
         self._take_grad(info, h, msg.tensors)
+        self._note_holds(identity, h)
         self._serve(identity, info, h["version"])
 
     def _take_grad(self, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -320,12 +351,20 @@ class Aggregator:
         borrowed = self.intake.lent is not None  # views of the worker's slot: read, never kept (intake.py)
         produced = {k[len(PREFIX):]: tensors.pop(k).clone() if borrowed else tensors.pop(k)
                     for k in [k for k in tensors if k.startswith(PREFIX)]}
+        inner_tensors = {k: tensors.pop(k).clone() if borrowed else tensors.pop(k)
+                         for k in [k for k in tensors if k.startswith(innerstate.PREFIX + ".")]}
         if h["step"] != collector.step or h["version"] != self.trainer.step:
             self.drops("stale_step", f"{info.wid}: step {h['step']} v{h['version']}, current {collector.step}")
             return
         holder, node = (info.wid, info.inc), (h["lo"], h["hi"])
         if (reason := collector.check(node, holder)) is not None:  # before decoding: injection costs little
             self.drops(reason, where)
+            return
+        inner, bad = None, None
+        if self.trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
+            inner, bad = self.trainer.inner.parse(h["lo"], h.get("inner"), inner_tensors)
+        if bad is not None:
+            self.drops(bad, where)
             return
         codec = self.checking_codec if collector.strict else self.codec
         grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors)
@@ -344,6 +383,8 @@ class Aggregator:
             self.leasing.new_step(collector.step, strict=collector.strict)
             self._serve_parked()
         else:
+            if self.trainer.inner is not None:
+                self.trainer.inner.keep(h["lo"], inner)
             self.reporter.codec_s += seconds + float(h["encode_s"])
             self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
             self.reporter.accepted(info.wid, info.inc, node[1] - node[0])

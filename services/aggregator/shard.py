@@ -64,7 +64,7 @@ class ShardServer:
         except ConfigError as exc:
             ctx.fatal(str(exc))
         startup.mark("model_built")
-        self.M, self.total = cfg.train.microbatches, cfg.train.steps
+        self.M, self.total = cfg.train.microbatches, cfg.train.rounds
         self.codec = make_codec(cfg.compression)  # a NaN or inf is dropped as codec_nonfinite
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)

@@ -40,7 +40,7 @@ class Stepper:
         self.ctx, self.cfg, self.trainer, self.leasing, self.roster = ctx, ctx.cfg, trainer, leasing, roster
         self.evals, self.reporter, self.ckpt, self.totals, self.term = evals, reporter, ckpt, totals, term
         self.fingerprint, self.drop, self.live_workers, self.serve_parked = fingerprint, drop, live_workers, serve_parked
-        self.total = self.cfg.train.steps
+        self.total = self.cfg.train.rounds
         self.done = trainer.step >= self.total
         self.stopped_early = False
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied

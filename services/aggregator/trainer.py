@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Callable, Mapping
 
 import torch
+from cmemi.services.aggregator.replicas import InnerStates
 from cmemi.shared import allocator, initweights, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.config import Config
@@ -59,9 +60,15 @@ class Trainer:
         owned = self.partition.views(self.params, shard)
         # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
         self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
-        # a shard that owns no piece (more shards than pieces) still keeps the LR schedule, on an empty tensor
-        self.optimizer = build_optimizer(cfg, self.pieces or [torch.nn.Parameter(torch.zeros(0))])
-        self.scheduler = build_scheduler(cfg, self.optimizer)
+        # a shard that owns no piece (more shards than pieces) still keeps the LR schedule, on an empty tensor.
+        # With train.local_steps the servers' optimizer is the outer one, stepped once a round (no schedule), and the
+        # leader keeps the replicas' inner states (services/aggregator/replicas.py)
+        self.local = bool(cfg.train.local_steps)
+        self.optimizer_section = "outer_optimizer" if self.local else "optimizer"
+        self.optimizer = build_optimizer(cfg, self.pieces or [torch.nn.Parameter(torch.zeros(0))],
+                                         self.optimizer_section)
+        self.scheduler = None if self.local else build_scheduler(cfg, self.optimizer)
+        self.inner = InnerStates(cfg.train.microbatches) if self.local and shard == 0 else None
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
@@ -130,7 +137,7 @@ class Trainer:
     def reads_grads_only(self) -> bool:
         """Does a step only read the gradients it is given (no clipping, no loss scaling, one of torch's own optimizers,
         which compute out of place)? Then a single microbatch's gradient may be stepped from where it lies."""
-        return (self.cfg.train.clip_grad_norm is None and not self.scaler.enabled
+        return ((self.cfg.train.clip_grad_norm is None or self.local) and not self.scaler.enabled
                 and type(self.optimizer).__module__.startswith("torch.optim."))
 
     def drop_optimizer_state(self) -> None:
@@ -180,7 +187,7 @@ class Trainer:
     def partials(self, mean_grads: dict[str, torch.Tensor] | None) -> list[float]:
         """This shard's share of the global gradient norm: one squared norm per owned piece, in grid order
         (empty without train.clip_grad_norm, or for a skipped step)."""
-        if mean_grads is None or self.cfg.train.clip_grad_norm is None:
+        if mean_grads is None or self.cfg.train.clip_grad_norm is None or self.local:
             return []
         return self.partition.partials(mean_grads, self.shard)
 
@@ -199,7 +206,7 @@ class Trainer:
         if mean_grads is not None:
             for n, p in self.pieces.items():
                 p.grad = mean_grads[n]
-            if (max_norm := self.cfg.train.clip_grad_norm) is not None:  # of the summed (averaged) gradient
+            if (max_norm := self.cfg.train.clip_grad_norm) is not None and not self.local:  # of the summed gradient
                 self.last_grad_norm, coef = clip_coefficient(self.partials(mean_grads) if partials is None
                                                              else partials, max_norm)
                 for g in mean_grads.values():
@@ -229,6 +236,8 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
+        if self.inner is not None:
+            self.inner.advance()
         if self.mirror is not None:
             self.mirror.advance(self.pieces, self.step)
 

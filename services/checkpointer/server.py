@@ -178,7 +178,7 @@ class Checkpointer:
             return "unexpected_type", msg.type
         if not self.terms.current(msg.header["term"]):
             return "stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}"
-        if msg.type == "snapshot" and (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.steps)
+        if msg.type == "snapshot" and (problem := meta_problem(msg.header, msg.tensors, self.cfg.train.rounds)
                                        or sharding_problem(msg.header)) is not None:
             return "bad_meta", problem
         return None

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
+from cmemi.services.worker.local import LocalRound
 from cmemi.shared import allocator, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.codecs import all_finite
 from cmemi.shared.config import Config
+from cmemi.shared.innerstate import InnerState
 from cmemi.shared.reduction import TreeAccumulator, add_into
 from cmemi.shared.usercode import describe
 
@@ -109,19 +111,33 @@ class BlockComputer:
 
     def one(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
                                                                   dict[str, torch.Tensor] | None]:
-        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py).
+        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py)."""
+        return self._twice(lambda: self.runner.run(step, m, scale))
 
-        User code that raises is run once more, at once, from the same seeds and buffers: failing the
-        same way again, the error is deterministic (restarting or moving the microbatch would repeat it)
-        and the run stops with one line; succeeding, it was transient and training goes on."""
+    def local_round(self, local: LocalRound, rnd: int, r: int, state: InnerState | None) -> tuple[
+            list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
+        """Replica r's round `rnd` of local steps (services/worker/local.py): (its mean inner loss as the lease's one
+        loss, Δ_r, its buffer contribution or None, its new inner state). A change that is not finite stops the run."""
+        if self.trim:
+            allocator.trim()
         try:
-            return self.runner.run(step, m, scale)
+            loss, delta, buffers, new = self._twice(lambda: local.run(rnd, r, state))
+        except FloatingPointError as exc:
+            self.fatal(str(exc))
+        return [loss], delta, buffers, new
+
+    def _twice(self, compute: Callable[[], Any]) -> Any:
+        """User code that raises is run once more, at once, from the same seeds, buffers (and inner state): failing
+        the same way again, the error is deterministic (restarting or moving the work would repeat it) and the run
+        stops with one line; succeeding, it was transient and training goes on."""
+        try:
+            return compute()
         except UserCodeError as first:
             seen = describe(first.cause)
             self.log.warning("user code failed; retrying once to tell a bug from a transient error",
                              error=seen.line(), where=first.phase)
             try:
-                return self.runner.run(step, m, scale)
+                return compute()
             except UserCodeError as again:
                 if describe(again.cause) == seen:
                     self.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.who()}: "

@@ -78,10 +78,19 @@ class MicrobatchRunner:
                                                                   dict[str, torch.Tensor] | None]:
         """(loss, gradient unscaled, buffers produced or None) of microbatch (step, m); fp16: the loss is
         multiplied by `scale` first. Raises UserCodeError when user code raises."""
+        self.reset_buffers()
+        return self.run_on(step, m, scale)
+
+    def reset_buffers(self) -> None:
+        """The model's buffers back to the step's (every microbatch, and every replica's round, starts from them)."""
         if self.buffers:
             with torch.no_grad():
                 for n, b in self.buffers.items():
                     b.copy_(self.step_buffers[n])
+
+    def run_on(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
+                                                                      dict[str, torch.Tensor] | None]:
+        """`run` from the model's buffers as they are (a replica's inner steps carry them on, services/worker/local.py)."""
         batch, release = self._read(step, m)
         try:
             return self._compute(step, m, scale, batch)

@@ -30,14 +30,16 @@ from cmemi.services.worker.inbox import Inbox
 from cmemi.services.worker.inflight import InFlight
 from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
+from cmemi.services.worker.local import LocalRound
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import downlink, limits, protocol, samehost, shm, startup, transfer
+from cmemi.shared import downlink, innerstate, limits, protocol, samehost, shm, startup, transfer
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
 from cmemi.shared.data import data_error, fingerprint
 from cmemi.shared.environment import environment
+from cmemi.shared.innerstate import InnerState
 from cmemi.shared.plugins import build_model, resolve
 from cmemi.shared.service import ServiceContext
 from cmemi.shared.shards import Partition
@@ -80,6 +82,11 @@ class Worker:
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0  # changes refused as malformed (the whole mirror is asked for instead)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
+        # train.local_steps: a lease is a replica's round (services/worker/local.py); the inner states this worker
+        # holds, replica -> (the round it starts, the state), the last few it computed or was sent
+        self.local = LocalRound(cfg, self.runner) if cfg.train.local_steps else None
+        self.held: dict[int, tuple[int, InnerState | None]] = {}
+        self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
         self.life = Lifecycle(ctx)
         self.version = -1
@@ -187,6 +194,8 @@ class Worker:
     def _send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
               trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
         assert self.sock is not None
+        if self.local is not None and mtype in ("want", "grad"):  # which replicas' next rounds need no state sent
+            fields["holds"] = [[r, t] for r, (t, _) in self.held.items()]
         try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
             msgs = transfer.messages(mtype, self.ctx.run, {"wid": self.wid, "inc": self.inc, **fields},
                                      self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum,
@@ -250,6 +259,9 @@ class Worker:
                     if self.patience.lost(msg.header["reask"]):
                         self.log.info("work or gradient lost on the way; asking again", reask=msg.header["reask"])
                         self._send("want", term=self.term, version=self.version)
+                    continue
+                if msg.type == "inner":
+                    self._hold(msg)
                     continue
                 if msg.type == "work" and msg.header["term"] == self.term:
                     self.patience.work_arrived()
@@ -338,6 +350,21 @@ class Worker:
         self.version = h["version"]
         return True
 
+    def _hold(self, msg: protocol.Message) -> None:
+        """Local steps: a replica's inner state from the leader, for the work that follows."""
+        h = msg.header
+        try:
+            inner = innerstate.from_wire(h["meta"], msg.tensors)
+        except ValueError as exc:  # the leader checked it: a bug or another config, not a transient fault
+            self.ctx.fatal(f"worker {self.wid}: replica {h['replica']}'s inner state from the aggregator cannot be "
+                           f"read ({exc}); use the same optimizer and model on every host")
+        self._keep(h["replica"], h["round"], inner)
+
+    def _keep(self, r: int, rnd: int, inner: InnerState | None) -> None:
+        self.held[r] = (rnd, inner)
+        while len(self.held) > self.hold_at_most:  # the oldest round goes, never the one just kept
+            del self.held[min((x for x in self.held if x != r), key=lambda x: self.held[x][0])]
+
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         if not msg.tensors and not self.inbox.tensors:  # nothing to receive: a pipelined leader holds no parameters
@@ -368,10 +395,23 @@ class Worker:
             return
         lo, hi = h["lo"], h["hi"]
         self.sends.settle()  # a big model's last gradient is out of ZeroMQ's queues before the next one exists
-        losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
+        inner: dict[str, torch.Tensor] = {}
+        extra: dict[str, Any] = {}
+        if self.local is not None:
+            if (held := self.held.get(lo)) is None or held[0] != h["step"]:  # its `inner` did not come: ask again
+                self.log.info("no inner state for this replica's round; asking again", replica=lo, round=h["step"])
+                self.held.pop(lo, None)
+                self._send("want", term=self.term, version=self.version)
+                return
+            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1])
+            finite = True
+            self._keep(lo, h["step"] + 1, state)
+            extra["inner"], inner = innerstate.to_wire(state)
+        else:
+            losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
+        samples = (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches) * max(1, self.cfg.train.local_steps)
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
-                  "losses": losses, "n": (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches),
-                  "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
+                  "losses": losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
         views = self.partition.views(grads) if finite else {}  # (an fp16 overflow sends no tensors)
         encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
@@ -384,13 +424,16 @@ class Worker:
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in buffers.items()}}
+        frames = {**frames, **inner}
         if self.slots:  # into this worker's slot; the leader copies it out before it answers
             if self.slot_writer is None:
                 self.slot_writer = shm.Writer(self.ctx.run, "worker", shm.checksums(self.cfg.cluster.checksum))
-            self._send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s, **fields)
+            self._send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s, **fields,
+                       **extra)
         else:
-            self._send("grad", tensors=frames, trackers=self.sends.trackers, codec=info, encode_s=encode_s, **fields)
-        if self.runner.loader is not None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
+            self._send("grad", tensors=frames, trackers=self.sends.trackers, codec=info, encode_s=encode_s, **fields,
+                       **extra)
+        if self.runner.loader is not None and self.local is None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
             self.runner.loader.guess(h["step"] + 1, range(lo, hi))

@@ -1,0 +1,106 @@
+"""One replica's round of local steps (`train.local_steps`, DiLoCo): the worker's computation of a lease when the run
+takes local steps, shared with `cmemi reference` so both compute the same bits (docs/design.md §10).
+
+Replica r of round t starts from the round's parameters θ_t and buffers, loads its inner optimizer and scheduler state
+(the state it ended round t − 1 with; round 0: fresh), and takes H inner steps: step h reads microbatch r of the
+virtual step t·H + h with M = R microbatches (shared/data.py: a pure function of the seed, so any worker reads the same
+samples), computes its gradient as a synchronous microbatch is computed (services/worker/compute.py: the same seeding,
+the same user-code errors), clips it (train.clip_grad_norm), and steps the inner optimizer and scheduler. Its buffers
+carry on from one inner step to the next. The result is Δ_r = θ_t − θ_r, the buffers it ended with (as a contribution
+to the round's buffer sum, shared/buffers.py), the mean of its inner losses, and its new inner state. The model is
+left holding θ_t again, so another replica of the same round needs no new parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from cmemi.services.worker.compute import MicrobatchRunner
+from cmemi.shared import buffers as buffer_rule
+from cmemi.shared.codecs import all_finite
+from cmemi.shared.config import Config
+from cmemi.shared.innerstate import InnerState
+from cmemi.shared.plugins import build_optimizer, build_scheduler
+
+READ_AHEAD = 4  # inner steps whose batches a loader reads ahead (data.workers > 0)
+
+
+class InnerStateError(ValueError):
+    """A replica's inner state does not fit this model's optimizer (another config, or a malformed message)."""
+
+
+class LocalRound:
+    def __init__(self, cfg: Config, runner: MicrobatchRunner) -> None:
+        self.cfg, self.runner = cfg, runner
+        self.optimizer = build_optimizer(cfg, runner.params)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.fresh = copy.deepcopy(self.state())  # round 0's: before any inner step
+
+    def state(self) -> InnerState:
+        """The inner optimizer's and scheduler's state as they are (their live tensors: the next `load` replaces them,
+        so what is handed out is never written again)."""
+        return {"optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load(self, state: InnerState | None) -> None:
+        """A replica's state (None: a fresh one, round 0), copied: the one given stays as it is (kept by the leader or
+        the reference, or tried again after user code raised)."""
+        state = copy.deepcopy(self.fresh if state is None else state)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            raise InnerStateError(f"a replica's inner state does not fit {self.cfg.optimizer.name} over this model "
+                                  f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    def run(self, rnd: int, r: int, state: InnerState | None) -> tuple[float, dict[str, torch.Tensor],
+                                                                       dict[str, torch.Tensor] | None, InnerState]:
+        """Replica r's round `rnd` from the model's parameters (θ) and the step buffers: (mean inner loss, Δ = θ − θ_r,
+        buffer contribution or None, the replica's new inner state). Raises UserCodeError as a microbatch does."""
+        cfg, runner = self.cfg, self.runner
+        H, clip = cfg.train.local_steps, cfg.train.clip_grad_norm
+        self.load(state)
+        params = runner.params
+        start = {n: p.detach().clone() for n, p in params.items()}
+        runner.reset_buffers()
+        loader = runner.loader
+        if loader is not None:
+            loader.want(rnd * H, [r])
+            for v in range(rnd * H + 1, rnd * H + min(H, READ_AHEAD)):
+                loader.guess(v, [r])
+        losses = []
+        try:
+            for h in range(H):
+                v = rnd * H + h
+                if loader is not None and h + READ_AHEAD < H:
+                    loader.guess(v + READ_AHEAD, [r])
+                loss, grads, _ = runner.run_on(v, r)
+                for n, p in params.items():
+                    p.grad = grads[n]
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+                self.optimizer.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(loss)
+            with torch.no_grad():
+                delta = {n: start[n].sub(p) for n, p in params.items()}
+                for n, p in params.items():  # θ again, for the next replica of this round
+                    p.copy_(start[n])
+        except BaseException:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(start[n])
+            raise
+        produced = ({n: b.detach().to("cpu", copy=True) for n, b in runner.buffers.items()}
+                    if runner.report_buffers else None)
+        contribution = buffer_rule.contribution(runner.step_buffers, produced) if produced is not None else None
+        runner.reset_buffers()
+        loss = sum(losses) / len(losses)
+        if not all_finite(delta.values()):
+            raise FloatingPointError(f"replica {r}'s change in round {rnd} is not finite (mean inner loss {loss}); the "
+                                     "run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
+        return loss, delta, contribution, self.state()

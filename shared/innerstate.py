@@ -1,0 +1,71 @@
+"""A replica's inner optimizer and scheduler state (`train.local_steps`) on the wire: shared by the worker that computes
+a round, the leader that keeps it between rounds (services/aggregator/replicas.py) and `cmemi reference`.
+
+On the wire a state is shared/state.py's (metadata in a header, tensors as frames named `inner.…`); `layout_of` says
+which tensors a state of this model and optimizer has, so a malformed one is refused before anyone loads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import torch
+from cmemi.shared import state
+from cmemi.shared.config import Config
+from cmemi.shared.plugins import build_optimizer, build_scheduler
+
+InnerState = dict[str, Any]  # {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() or None}
+
+PREFIX = "inner"  # the tensors' wire names start with "inner."
+
+Signature = frozenset[tuple[str, str, tuple[int, ...]]]
+
+
+def signature(tensors: dict[str, torch.Tensor]) -> Signature:
+    return frozenset((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+
+
+def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> Signature:
+    """The tensors of a replica's state after a round, for this model (`shapes`: each trained tensor's shape and
+    dtype): one inner step of zeros on a stand-in, the optimizer's and scheduler's state then taken as a worker's."""
+    stand_in = {n: torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for n, (shape, dtype) in shapes.items()}
+    opt = build_optimizer(cfg, stand_in)
+    sched = build_scheduler(cfg, opt)
+    for p in stand_in.values():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    return signature(to_wire({"optimizer": opt.state_dict(),
+                              "scheduler": sched.state_dict() if sched is not None else None})[1])
+
+
+def to_wire(inner: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(metadata for a header, tensors named inner.…) of a replica's state; None (fresh) is an empty map."""
+    if inner is None:
+        return {}, {}
+    meta, tensors = state.flatten({PREFIX: inner}, copy=False)
+    return meta, tensors
+
+
+def from_wire(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The state `to_wire` sent (raises state.StateError when it does not hold together)."""
+    if not meta:
+        if tensors:
+            raise state.StateError("tensors without the state they belong to")
+        return None
+    if set(meta) != {PREFIX}:
+        raise state.StateError(f"an inner state's metadata has sections {sorted(meta)[:4]}")
+    out = state.unflatten(meta, tensors)[PREFIX]
+    if not isinstance(out, dict) or set(out) != {"optimizer", "scheduler"}:
+        raise state.StateError("an inner state is {optimizer, scheduler}")
+    return out
+
+
+def through_wire(inner: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the receiver of `inner` holds: its metadata through msgpack as a header carries it (tuples become
+    lists...), its tensors copied. `cmemi reference` keeps its replicas' states this way, as the cluster does."""
+    meta, tensors = to_wire(inner)
+    return from_wire(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False),
+                     {n: t.clone() for n, t in tensors.items()})
