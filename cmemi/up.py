@@ -72,8 +72,9 @@ def clear_run_keys(client: redis.Redis, keys: Keys) -> None:
 class Progress:
     """One line: a bar on a terminal, a periodic log line otherwise."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, local_steps: int = 0) -> None:
         self.total = total
+        self.H = local_steps  # train.local_steps: a step of the servers is a round of H inner steps
         self.tty = sys.stdout.isatty()
         self.last_print = 0.0
         self.last_step = -1
@@ -86,7 +87,9 @@ class Progress:
         self.last_step, self.last_print = step, now
         width = 24
         filled = int(width * step / max(1, self.total))
-        line = (f"step {step:>6}/{self.total} [{'#' * filled}{'.' * (width - filled)}] "
+        where = (f"round {step:>4}/{self.total} (inner step {step * self.H}/{self.total * self.H})" if self.H
+                 else f"step {step:>6}/{self.total}")
+        line = (f"{where} [{'#' * filled}{'.' * (width - filled)}] "
                 f"loss {p.get('loss', '-'):>9}  lr {p.get('lr', '-'):>8}  {p.get('samples_s', '-'):>8} samples/s  "
                 f"workers {p.get('live_workers', '-')}")
         if self.tty:
@@ -143,7 +146,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
               f"(redis {'embedded' if embedded else url.split('@')[-1]}, "
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
               f"service logs: cmemi logs {run_dir})", flush=True)
-        progress = Progress(cfg.train.rounds)
+        progress = Progress(cfg.train.rounds, cfg.train.local_steps)
         report: StartupReport | None = None
 
         def show_startup() -> None:
@@ -200,7 +203,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             pass
         if rc == 0 and state == "completed":
             summary = json.loads((run_dir / "summary.json").read_text())
-            print(f"cmemi: completed {summary['steps']} steps in {summary['wall_s']:.1f}s "
+            print(f"cmemi: completed {summary['steps']} {'rounds' if cfg.train.local_steps else 'steps'} in {summary['wall_s']:.1f}s "
                   f"({summary['samples_per_s'] or 0:.0f} samples/s), final loss "
                   f"{summary['final_loss']:.4f}, eval {summary['eval']}; summary: {run_dir / 'summary.json'}")
             return 0

@@ -182,6 +182,11 @@ class TrainConfig:
         """The servers' steps: train.steps, or with local_steps the rounds (train.steps / local_steps)."""
         return self.steps // self.local_steps if self.local_steps else self.steps
 
+    @property
+    def samples_per_round(self) -> int:
+        """Samples trained per step of the servers: global_batch, or with local_steps H × global_batch a round."""
+        return self.global_batch * max(1, self.local_steps)
+
 
 @dataclass
 class EvalConfig:

@@ -38,7 +38,7 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     evals.finish()
     summary: dict[str, Any] = {
         "steps": trainer.step, "final_loss": totals.final_loss, "eval": {}, "wall_s": wall,
-        "samples_per_s": trainer.step * cfg.train.global_batch / wall if wall > 0 else None,
+        "samples_per_s": trainer.step * cfg.train.samples_per_round / wall if wall > 0 else None,
         "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends, "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,

@@ -22,7 +22,7 @@ class Reporter:
         self.ctx, self.cfg, self.totals, self.term = ctx, cfg, totals, term
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
         self.progress = ProgressWriter(ctx.redis, ctx.keys)
-        self.throughput = Throughput(cfg.train.global_batch)  # the progress line's samples/s
+        self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
         self.unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
         self.bytes_in = self.bytes_out = 0  # this step's
         self.codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
@@ -61,7 +61,7 @@ class Reporter:
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
             line = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt,
                     **({"loss_scale": scaler.scale, "skipped": skipped} if scaler.enabled else {}),
-                    "samples_per_s": self.cfg.train.global_batch / dt if dt > 0 else None,
+                    "samples_per_s": self.cfg.train.samples_per_round / dt if dt > 0 else None,
                     "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "codec_s": self.codec_s,
                     "live_workers": live_workers, "t": time.time()}
         nbytes = self.bytes_in + self.bytes_out

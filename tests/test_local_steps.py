@@ -1,0 +1,228 @@
+"""Local steps (train.local_steps, DiLoCo; docs/design.md §10): the config's refusals, a replica's round against a
+synchronous step, the leader's check of a replica's inner state, and real clusters bitwise equal to `cmemi reference`
+for any W and K, with a codec, a BatchNorm model, and every role SIGKILLed mid-round."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from cmemi.services.aggregator.collector import StepCollector
+from cmemi.services.aggregator.replicas import InnerStates
+from cmemi.services.aggregator.trainer import Trainer
+from cmemi.services.worker.compute import MicrobatchRunner
+from cmemi.services.worker.local import LocalRound
+from cmemi.shared import innerstate
+from cmemi.shared.config import ConfigError, config_from_dict, load_config
+from cmemi.shared.plugins import build_model, resolve
+
+from tests.chaos import Cluster
+from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up
+from tests.test_supervision import redis_pid
+
+LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
+         "cluster.spare_workers=0", "checkpoint.every_steps=0")
+
+
+def reference(tmp_path: Path, *sets: str, config: str = DIGITS) -> dict:
+    out = tmp_path / f"reference-{abs(hash(sets)) % 10**8}.json"
+    proc = subprocess.run(cmemi_cmd("reference", config, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def digits(*sets: str):
+    return load_config(DIGITS, list(sets))
+
+
+# ---------------------------------------------------------------------------------------------- config (unit)
+
+@pytest.mark.parametrize("sets, field", [
+    (("train.local_steps=5", "train.steps=12"), "train.steps"),
+    (("train.replicas=4",), "train.replicas"),
+    (("train.local_steps=-1",), "train.local_steps"),
+    (("train.local_steps=5", "precision=fp16"), "precision"),
+    (("train.local_steps=5", "cluster.shards=2", "cluster.pipeline_stages=2"), "cluster.pipeline_stages"),
+    (("train.local_steps=5", "compression.downlink=int8"), "compression.downlink"),
+    (("train.local_steps=5", "compression.codec=topk"), "compression.codec"),
+    (("train.local_steps=5", "cluster.shards=2", "outer_optimizer.name=LBFGS"), "outer_optimizer.name"),
+])
+def test_local_steps_refuse_what_they_cannot_keep_exact(sets: tuple[str, ...], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"config field '{field}'"):
+        digits("train.steps=300", *sets) if "train.steps=12" not in sets else digits(*sets)
+
+
+def test_a_replica_is_a_lease_and_rounds_count_the_servers_steps() -> None:
+    cfg = digits("train.local_steps=10", "train.replicas=8", "train.steps=300")
+    assert cfg.train.microbatches == 8 and cfg.train.rounds == 30 and cfg.train.samples_per_round == 640
+    assert cfg.outer_optimizer.name == "SGD" and cfg.outer_optimizer.kwargs == {"lr": 0.7, "momentum": 0.9,
+                                                                                "nesterov": True}
+    sync = digits()
+    assert sync.train.rounds == sync.train.steps and sync.train.samples_per_round == sync.train.global_batch
+    # the servers step the outer optimizer, with no schedule; a sharded inner optimizer need not be elementwise
+    t = Trainer(cfg)
+    assert t.scheduler is None and type(t.optimizer).__name__ == "SGD" and t.optimizer.defaults["lr"] == 0.7
+    config_from_dict({**_raw(), "train": {**_raw()["train"], "local_steps": 5, "steps": 300},
+                      "optimizer": {"name": "LBFGS", "kwargs": {"lr": 1.0}}, "cluster": {"shards": 2}})
+
+
+def _raw() -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(DIGITS).read_text())
+
+
+# ---------------------------------------------------------------------------------------------- a round (unit)
+
+def _runner(cfg) -> MicrobatchRunner:
+    return MicrobatchRunner(cfg, build_model(cfg), resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs),
+                            resolve(cfg.train.loss, "train.loss"))
+
+
+def test_one_replica_one_local_step_and_a_plain_outer_step_is_a_synchronous_step() -> None:
+    """H = 1, R = 1, outer SGD with lr 1 and no momentum: θ − (θ − θ_r) = θ_r, a synchronous step on microbatch (s, 0)
+    of M = 1 (equal up to the rounding of the subtraction)."""
+    sets = ("train.microbatches=1", "model.kwargs.dropout=0.0", "scheduler.name=null")
+    local = digits(*sets, "train.local_steps=1", "train.steps=3", "outer_optimizer.kwargs={lr: 1.0}")
+    sync = digits(*sets, "train.steps=3")
+    runner = _runner(local)
+    rnd = LocalRound(local, runner)
+    theta = {n: p.detach().clone() for n, p in runner.params.items()}
+    loss, delta, _, state = rnd.run(0, 0, None)
+    assert all(torch.equal(p, theta[n]) for n, p in runner.params.items())  # θ again, for the next replica
+    assert state["optimizer"]["state"] and state["scheduler"] is None  # momentum buffers, after one step
+    t = Trainer(sync)
+    srunner = _runner(sync)
+    _, grads, _ = srunner.run(0, 0)
+    t.apply(grads)
+    outer = Trainer(local)
+    outer.apply(delta)
+    for n, p in outer.params.items():
+        torch.testing.assert_close(p, t.params[n], rtol=0, atol=1e-6)
+
+
+def test_a_round_reads_its_replicas_data_and_carries_state_to_the_next() -> None:
+    """Replicas differ (their own data), a replica's round is the same bits wherever it is computed, and its second
+    round starts from the state its first ended with."""
+    cfg = digits("train.local_steps=3", "train.replicas=2", "train.steps=30", "optimizer.name=AdamW",
+                 "optimizer.kwargs={lr: 0.001}")
+    a, b = LocalRound(cfg, _runner(cfg)), LocalRound(cfg, _runner(cfg))
+    _, d0, _, s0 = a.run(0, 0, None)
+    _, d1, _, _ = a.run(0, 1, None)
+    _, again, _, s0b = b.run(0, 0, None)
+    assert any(not torch.equal(d0[n], d1[n]) for n in d0)
+    assert all(torch.equal(d0[n], again[n]) for n in d0)
+    wired = innerstate.through_wire(s0)
+    _, next_a, _, _ = a.run(1, 0, wired)
+    _, next_b, _, _ = b.run(1, 0, s0b)
+    _, fresh, _, _ = b.run(1, 0, None)
+    assert all(torch.equal(next_a[n], next_b[n]) for n in next_a)
+    assert any(not torch.equal(next_a[n], fresh[n]) for n in next_a)
+    assert int(wired["optimizer"]["state"][0]["step"]) == 3  # three inner steps, kept
+
+
+def test_the_leader_keeps_only_a_well_formed_inner_state() -> None:
+    """A replica's state is checked against this model's layout before it is kept; what is malformed is a drop."""
+    cfg = digits("train.local_steps=2", "train.replicas=2", "train.steps=20")
+    runner = _runner(cfg)
+    _, _, _, state = LocalRound(cfg, runner).run(0, 1, None)
+    store = InnerStates(2)
+    store.expect(innerstate.layout_of(cfg, {n: (p.shape, p.dtype) for n, p in runner.params.items()}))
+    meta, tensors = innerstate.to_wire(state)
+    good, reason = store.parse(1, meta, tensors)
+    assert reason is None
+    name = next(iter(tensors))
+    nan = {**tensors, name: torch.full_like(tensors[name], float("nan"))}
+    wrong = {**tensors, name: tensors[name][:1].clone()}
+    for r, m, t in ((2, meta, tensors), (1, {}, tensors), (1, {"x": 1}, tensors), (1, meta, nan), (1, meta, wrong),
+                    (1, meta, {**tensors, "model.w": tensors[name]}), (1, meta, {})):
+        assert store.parse(r, m, t) == (None, "bad_inner")
+    store.keep(1, good)
+    assert store.current[1] is None
+    store.advance()  # the round applied: replica 1's next round starts from it; replica 0's is still fresh
+    assert store.current[0] is None and store.current[1] is good and list(store.state_dict()) == [1]
+    fresh = InnerStates(2)
+    fresh.load_state_dict(store.state_dict())
+    assert fresh.current[1] is good and fresh.wire(0) == ({}, {})
+
+
+def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_held_replicas_first() -> None:
+    c = StepCollector(0, 4, block=1)
+    assert c.lease("w0", 1, 0.0, 10.0, prefer={2}) == (2, 3)
+    assert c.lease("w1", 1, 0.0, 10.0, prefer={2}) == (0, 1)  # taken already: the queue's order
+
+
+# ---------------------------------------------------------------------------------------------- clusters
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batchnorm_model(tmp_path: Path) -> None:
+    """W = 1, 3 at K = 1 and W = 2 at K = 2, 3 over 12 rounds of 5 inner steps of 4 replicas (digits, dropout, SGD with
+    Nesterov inside, the default outer step): one params_sha256, the reference's. int8 changes at W = 2: the int8
+    reference's. The ResNet example (BatchNorm statistics carried through a replica's inner steps and averaged,
+    augmentation) with AdamW inside at K = 2, W = 2: its reference's."""
+    want = reference(tmp_path, *LOCAL)["params_sha256"]
+    got = {}
+    for k, w in ((1, 1), (1, 3), (2, 2), (3, 2)):
+        r = run_up(tmp_path / f"k{k}w{w}", *LOCAL, f"cluster.shards={k}", f"cluster.workers={w}")
+        assert r.rc == 0, r.stderr[-3000:]
+        got[(k, w)] = r.summary["params_sha256"]
+        assert r.summary["steps"] == 12
+        assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
+        assert "round   12/12 (inner step 60/60)" in r.stdout, r.stdout[-500:]
+    assert set(got.values()) == {want}, got
+    int8 = (*LOCAL, "compression.codec=int8")
+    r = run_up(tmp_path / "int8", *int8, "cluster.workers=2")
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["params_sha256"] == reference(tmp_path, *int8)["params_sha256"] != want
+    resnet = str(ROOT / "examples" / "resnet.yaml")
+    rsets = ("train.local_steps=3", "train.replicas=2", "train.steps=12", "scheduler.kwargs.T_max=12",
+             "optimizer.name=AdamW", "optimizer.kwargs={lr: 0.001}", "cluster.spare_workers=0",
+             "checkpoint.every_steps=0", "eval.fn=null")
+    r = run_up(tmp_path / "resnet", *rsets, "cluster.shards=2", "cluster.workers=2", config=resnet)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary["params_sha256"] == reference(tmp_path, *rsets, config=resnet)["params_sha256"]
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+def test_every_role_killed_mid_round_leaves_the_reference(tmp_path: Path) -> None:
+    """K = 2, W = 2, 4 replicas of AdamW, a checkpoint every 3 rounds, a paced model so each round takes a while:
+    SIGKILL a worker, shard 1, the leader, the checkpointer, the coordinator and redis-server, each mid-round. Each
+    death costs at most the rounds since the last checkpoint (a shard's or the leader's) or the replica's round (a
+    worker's); the result is bitwise the reference's, and the resumed rounds started from the checkpointed inner
+    states."""
+    sets = ("train.local_steps=5", "train.replicas=4", "train.steps=200", "scheduler.kwargs.T_max=200",
+            "optimizer.name=AdamW", "optimizer.kwargs={lr: 0.002}", "checkpoint.every_steps=3",
+            "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
+    want = reference(tmp_path, *sets)["params_sha256"]
+    c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1",
+                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
+    try:
+        for at, (role, ident) in ((4, ("worker", "w0")), (9, ("aggregator", "1")), (16, ("aggregator", "0")),
+                                  (22, ("checkpointer", "0")), (26, ("coordinator", "0")), (30, ("redis", "0"))):
+            c.wait_step(at, timeout=180)
+            if role == "redis":
+                import os
+                import signal
+
+                pid = redis_pid(c)
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+                continue
+            inc = c.signal(role, ident)
+            if role != "coordinator":
+                c.replaced(role, ident, inc, timeout=90)
+    finally:
+        rc = c.wait(timeout=400)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == 40 and s["params_sha256"] == want, (s["params_sha256"], want)
+    events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
+    assert restored and all(step % 3 == 0 and step > 0 for step in restored), restored
