@@ -79,7 +79,8 @@ REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
 SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipelined", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
-           "cmemi_kn_topk2", "cmemi_k1_topk2")
+           "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_local")
+LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -273,19 +274,23 @@ class Cluster:
                 "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
-              curve: bool = True, stages: int = 0, downlink: str = "none") -> dict[str, Any]:
+              curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
-        compression.downlink."""
+        compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds;
+        a step's figures are then a round's, and a round trains H times the samples."""
         from cmemi.shared.config import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
-        name = f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}{down}-{secrets.token_hex(3)}"
+        name = (f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}{down}{f'-h{local_steps}' if local_steps else ''}"
+                f"-{secrets.token_hex(3)}")
         logs = self.work / name
         logs.mkdir()
         run_dir = logs / "run"
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
-                             steps=steps, microbatches=n, workers=n, spares=0, ckpt_every=0)
+                             steps=steps * max(1, local_steps), microbatches=n, workers=n, spares=0, ckpt_every=0)
+        if local_steps:
+            cfg["train"].update(local_steps=local_steps, replicas=n)
         cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
@@ -326,8 +331,12 @@ class Cluster:
         median = C.median(m["step_time_s"] for m in measured)
         at = {m["step"]: m["t"] for m in rows}
         summary = json.loads((run_dir / "summary.json").read_text())
+        samples = BATCH * n * max(1, local_steps)  # per step (a round: H inner steps of every replica)
+        moved = summary["bytes_sent"] + summary["bytes_received"]
         return {"steps": steps, "steps_measured": len(measured), "first_measured_step": first + 1,
-                "step_time_median_s": C.rnd(median, 5), "samples_per_s": round(BATCH * n / median, 1),
+                **({"local_steps": local_steps, "replicas": n} if local_steps else {}),
+                "step_time_median_s": C.rnd(median, 5), "samples_per_s": round(samples / median, 1),
+                "bytes_per_sample": round(moved / (summary["steps"] * samples), 1),
                 "wall_per_step_s": C.rnd((measured[-1]["t"] - at[first]) / len(measured), 5),
                 "bytes_from_workers_per_step": round(summary["bytes_sent"] / summary["steps"]),
                 "bytes_to_workers_per_step": round(summary["bytes_received"] / summary["steps"]),
@@ -389,6 +398,7 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     b = comm_bounds_s(n, pbytes, rate)
     sleep = (SLEEP_MS + MODEL["kwargs"].get("backward_ms", 0.0)) / 1000  # emulated compute per step
     med = {k: r.get("step_time_median_s") for k, r in runs.items()}
+    per_sample = {k: 1 / r["samples_per_s"] for k, r in runs.items() if r.get("samples_per_s")}
     return {
         "bounds_comm_only_s": C.rnd(b, 4),
         "bounds_with_compute_s": C.rnd({k: v + sleep for k, v in b.items()}, 4),
@@ -403,6 +413,12 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
             **{f"{k}_vs_ddp_powersgd": C.ratio(med.get(k), med.get("ddp_powersgd")) for k in SYSTEMS if k.endswith("2")},
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
+            # local steps: per sample (a round trains H times a step's samples)
+            "cmemi_kn_bytes_per_sample_vs_cmemi_local": C.ratio(runs.get("cmemi_kn", {}).get("bytes_per_sample"),
+                                                                runs.get("cmemi_local", {}).get("bytes_per_sample")),
+            "cmemi_local_time_per_sample_vs_ddp": C.ratio(per_sample.get("cmemi_local"), per_sample.get("ddp")),
+            "cmemi_local_time_per_sample_vs_ddp_powersgd": C.ratio(per_sample.get("cmemi_local"),
+                                                                   per_sample.get("ddp_powersgd")),
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
             "cmemi_k1_vs_single_server_sequential_bound": C.ratio(med.get("cmemi_k1"),
                                                                    b["single_server_sequential_s"] + sleep),
@@ -411,9 +427,12 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     }
 
 
-def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int) -> dict[str, Any]:
+def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
+               local_steps: int = LOCAL_STEPS) -> dict[str, Any]:
     if system.startswith("ddp"):
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+    if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
+        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     codec = next((c for c in ("powersgd", "topk") if c in system), "none")
@@ -434,6 +453,7 @@ def main() -> None:
                    f"per N (default {RATES}: the CPU stays partly idle at every N, so the links are the limit)")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
     p.add_argument("--stages", type=int, default=8, help="cluster.pipeline_stages of cmemi_kn_pipelined")
+    p.add_argument("--local-steps", type=int, default=LOCAL_STEPS, help="train.local_steps of cmemi_local")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
@@ -501,6 +521,9 @@ def main() -> None:
             "cmemi_kn_dedicated_powersgd2": f"cmemi_kn_dedicated with powersgd both ways (rank {POWERSGD_RANK})",
             "cmemi_kn_topk2": "cmemi_kn with topk both ways (codec and downlink, topk_ratio 0.01)",
             "cmemi_k1_topk2": "CMEMI K = 1, topk both ways (codec and downlink, topk_ratio 0.01)",
+            "cmemi_local": f"cmemi_kn with local steps: train.local_steps {args.local_steps} (--local-steps), N replicas, "
+                           "the default outer step (SGD, Nesterov 0.9, lr 0.7); steps and warm-up in rounds (a quarter of "
+                           "--steps, at least 6); a step's time is a round's",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
@@ -539,7 +562,7 @@ def main() -> None:
                 for _attempt in range(2):  # a gloo rank sometimes aborts in its rendezvous ("terminate called"): once more
                     try:
                         before = tbf_drops(lab, shaped)
-                        runs[system] = run_system(cluster, system, n, steps, warmup, args.stages)
+                        runs[system] = run_system(cluster, system, n, steps, warmup, args.stages, args.local_steps)
                         after = tbf_drops(lab, shaped)
                         runs[system]["link_drops"] = drops_between(before, after)
                     except Exception as exc:  # one failed system does not lose the others' figures

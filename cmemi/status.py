@@ -84,6 +84,15 @@ def _config_value(run_dir: Path, section: str, key: str) -> Any:
         return None
 
 
+def _schedule(run_dir: Path | None) -> tuple[int | None, int]:
+    """(the servers' steps, train.local_steps) from RUN_DIR/config.yaml: with local steps a step is a round."""
+    if run_dir is None:
+        return None, 0
+    steps, local = _num(_config_value(run_dir, "train", "steps"), int), _num(_config_value(run_dir, "train",
+                                                                                          "local_steps"), int) or 0
+    return (steps // local if steps is not None and local else steps), local
+
+
 def _has_files(run_dir: Path) -> bool:
     return any((run_dir / n).is_file() for n in ("summary.json", "metrics.jsonl", "events.jsonl"))
 
@@ -238,8 +247,8 @@ def from_redis(client: redis.Redis, keys: Keys, run_dir: Path | None = None, n_e
     report: dict[str, Any] = {
         "source": "redis", "time": now, "state": state or "starting", "error": error,
         "step": _num(progress.get("step"), int) or 0,
-        "total": _num(progress.get("total"), int)
-        or (_num(_config_value(run_dir, "train", "steps"), int) if run_dir is not None else None),
+        "total": _num(progress.get("total"), int) or _schedule(run_dir)[0],
+        "local_steps": _num(progress.get("local_steps"), int) or _schedule(run_dir)[1],
         "loss": _num(progress.get("loss")), "lr": _num(progress.get("lr")),
         "samples_per_s": _num(progress.get("samples_s")), "bytes_per_s": _num(progress.get("bytes_s")),
         "live_workers": _num(progress.get("live_workers"), int),
@@ -309,7 +318,8 @@ def from_files(run_dir: Path, n_events: int = 8) -> dict[str, Any]:
         "source": "files", "time": time.time(), "state": state,
         "error": next((e.get("error") for e in reversed(events) if e["kind"] == "run_failed"), None),
         "step": _num(last.get("step"), int) or 0,
-        "total": _num(_config_value(run_dir, "train", "steps"), int),
+        "total": _schedule(run_dir)[0],
+        "local_steps": _schedule(run_dir)[1],
         "loss": _num(last.get("loss")), "lr": _num(last.get("lr")),
         "samples_per_s": samples_s, "bytes_per_s": bytes_s,
         "live_workers": _num(last.get("live_workers"), int),
@@ -469,7 +479,10 @@ def render(report: dict[str, Any], width: int = 24) -> str:
     step, total = report.get("step") or 0, report.get("total")
     filled = int(width * step / total) if total else 0
     pct = f"{100 * step / total:3.0f}%" if total else ""
-    lines.append(f"step {step}/{_fmt(total)} [{'#' * filled}{'.' * (width - filled)}] {pct}".rstrip())
+    H = report.get("local_steps") or 0  # train.local_steps: a step of the servers is a round of H inner steps
+    where = (f"round {step}/{_fmt(total)} (inner step {step * H}/{_fmt(total * H if total else None)})" if H
+             else f"step {step}/{_fmt(total)}")
+    lines.append(f"{where} [{'#' * filled}{'.' * (width - filled)}] {pct}".rstrip())
     lines.append(f"loss {_fmt(report.get('loss'), '.4g')}   lr {_fmt(report.get('lr'), '.4g')}   "
                  f"samples/s {_fmt(report.get('samples_per_s'), '.0f')}   "
                  f"bytes/s {human_bytes(report.get('bytes_per_s'))}   "
