@@ -614,9 +614,60 @@ def resnet_accuracy() -> str:
             + measured(paths=(RESNET,)))
 
 
+def wall(samples: float | None, per_s: float | None) -> str:
+    return f"{samples / per_s:.0f} s" if samples is not None and per_s else "—"
+
+
+def local_steps() -> str:
+    """Local steps (DiLoCo): quality at equal samples (bench/local_steps.py), and per sample on the emulated cluster
+    (bench/cluster.py's cmemi_local), with the wall-clock to the synchronous run's final loss they imply."""
+    d = load("local_steps")
+    sync = d["sync"]
+    lines = [f"charlm ({d['steps']} inner steps of {d['config']}'s global batch, {d['replicas']} replicas; eval loss on "
+             "its held-out split):", "",
+             "| train.local_steps (H) | outer step | eval loss | vs synchronous | samples to the synchronous final loss |",
+             "|---|---|---|---|---|",
+             f"| 0 (synchronous) | — | {sync['eval_loss']:.3f} | — | {sync['curve'][-1]['samples']:,} |"]
+    for r in d["runs"]:
+        reach = r["samples_to_sync_final"]
+        lines.append(f"| {r['local_steps']} | {r['outer']} | {r['eval_loss']:.3f} | {r['eval_vs_sync']:+.1%} | "
+                     f"{f'{reach:,}' if reach is not None else 'not reached in ' + format(d['sync_samples'], ',')} |")
+    lines += ["", measured("local_steps")]
+    c = load("cluster")
+    rows = [(n, x["runs"]) for n, x in c["by_n"].items() if "samples_per_s" in x["runs"].get("cmemi_local", {})]
+    if not rows:
+        return "\n".join([*lines, "", "The emulated cluster's `cmemi_local` row is not in `bench/results/cluster.json` yet."])
+    lines += ["", "| N | H | bytes/sample, synchronous `cmemi_kn` | bytes/sample, `cmemi_local` | × fewer | samples/s: DDP "
+              "| DDP + PowerSGD | `cmemi_local` | wall-clock to the synchronous final loss (DDP / DDP + PowerSGD / "
+              "`cmemi_local`) |", "|---|---|---|---|---|---|---|---|---|"]
+    for n, runs in rows:
+        loc, kn = runs["cmemi_local"], runs.get("cmemi_kn", {})
+        H = loc["local_steps"]
+        paper = next((r for r in d["runs"] if r["local_steps"] == H and r["outer"] == "paper"), None)
+        need = paper["samples_to_sync_final"] if paper is not None else None
+
+        rates = {k: r.get("samples_per_s") for k, r in runs.items()}
+
+        def rate(k: str, rates: dict[str, Any] = rates) -> float | None:
+            return rates.get(k)
+
+        local_wall = (wall(need, rate("cmemi_local")) if need is not None else
+                      "not reached" if paper is not None else "H not in the quality table")
+        fewer = (f"{kn['bytes_per_sample'] / loc['bytes_per_sample']:.0f}" if kn.get("bytes_per_sample") else "—")
+        lines.append(f"| {n} | {H} | {kn.get('bytes_per_sample', '—')} | {loc['bytes_per_sample']} | {fewer} | "
+                     f"{rate('ddp') or '—'} | {rate('ddp_powersgd') or '—'} | {rate('cmemi_local')} | "
+                     f"{wall(d['sync_samples'], rate('ddp'))} / {wall(d['sync_samples'], rate('ddp_powersgd'))} / "
+                     f"{local_wall} |")
+    lines += ["", "Wall-clock = the samples each needs on charlm (DDP and DDP + PowerSGD taken as synchronous training: "
+              "PowerSGD's own loss is not measured, which favours it) ÷ its samples/s on the emulated cluster (the "
+              "sleepy MLP of the other rows, `--local-steps` H, the paper's outer step).", "", measured("cluster")]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {"bench-table": benchmark, "compression-table": compression,
                                         "scaling-table": scaling, "memory-table": memory, "small-table": small, "cluster-table": cluster,
-                                        "cluster-notes": cluster_notes, "resnet-accuracy": resnet_accuracy}
+                                        "cluster-notes": cluster_notes, "resnet-accuracy": resnet_accuracy,
+                                        "local-steps-table": local_steps}
 
 
 def block_bounds(text: str, name: str) -> tuple[int, int]:
