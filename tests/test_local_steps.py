@@ -24,7 +24,7 @@ from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up
 from tests.test_supervision import redis_pid
 
 LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
-         "cluster.spare_workers=0", "checkpoint.every_steps=0")
+         "cluster.spare_workers=0", "checkpoint.every_steps=0", "eval.every_steps=4")
 
 
 def reference(tmp_path: Path, *sets: str, config: str = DIGITS) -> dict:
@@ -162,10 +162,13 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
 @pytest.mark.timeout(600)
 def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batchnorm_model(tmp_path: Path) -> None:
     """W = 1, 3 at K = 1 and W = 2 at K = 2, 3 over 12 rounds of 5 inner steps of 4 replicas (digits, dropout, SGD with
-    Nesterov inside, the default outer step): one params_sha256, the reference's. int8 changes at W = 2: the int8
+    Nesterov inside, the default outer step): one params_sha256, the reference's, and its evaluations (every 4 rounds),
+    and `cmemi status` counts rounds. int8 changes at W = 2: the int8
     reference's. The ResNet example (BatchNorm statistics carried through a replica's inner steps and averaged,
     augmentation) with AdamW inside at K = 2, W = 2: its reference's."""
-    want = reference(tmp_path, *LOCAL)["params_sha256"]
+    ref = reference(tmp_path, *LOCAL)
+    want = ref["params_sha256"]
+    assert [e["step"] for e in ref["eval_history"]] == [4, 8]
     got = {}
     for k, w in ((1, 1), (1, 3), (2, 2), (3, 2)):
         r = run_up(tmp_path / f"k{k}w{w}", *LOCAL, f"cluster.shards={k}", f"cluster.workers={w}")
@@ -174,7 +177,11 @@ def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batch
         assert r.summary["steps"] == 12
         assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
         assert "round   12/12 (inner step 60/60)" in r.stdout, r.stdout[-500:]
+        assert r.summary["eval_history"] == ref["eval_history"]
     assert set(got.values()) == {want}, got
+    status = subprocess.run(cmemi_cmd("status", str(tmp_path / "k3w2")), cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert "round 12/12 (inner step 60/60)" in status.stdout, status.stdout + status.stderr
     int8 = (*LOCAL, "compression.codec=int8")
     r = run_up(tmp_path / "int8", *int8, "cluster.workers=2")
     assert r.rc == 0, r.stderr[-3000:]
