@@ -161,7 +161,7 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batchnorm_model(tmp_path: Path) -> None:
-    """W = 1, 3 at K = 1 and W = 2 at K = 2, 3 over 12 rounds of 5 inner steps of 4 replicas (digits, dropout, SGD with
+    """W = 1, 4 at K = 1 and W = 2 at K = 2, 3 over 12 rounds of 5 inner steps of 4 replicas (digits, dropout, SGD with
     Nesterov inside, the default outer step): one params_sha256, the reference's, and its evaluations (every 4 rounds),
     and `cmemi status` counts rounds. int8 changes at W = 2: the int8
     reference's. The ResNet example (BatchNorm statistics carried through a replica's inner steps and averaged,
@@ -170,7 +170,7 @@ def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batch
     want = ref["params_sha256"]
     assert [e["step"] for e in ref["eval_history"]] == [4, 8]
     got = {}
-    for k, w in ((1, 1), (1, 3), (2, 2), (3, 2)):
+    for k, w in ((1, 1), (1, 4), (2, 2), (3, 2)):
         r = run_up(tmp_path / f"k{k}w{w}", *LOCAL, f"cluster.shards={k}", f"cluster.workers={w}")
         assert r.rc == 0, r.stderr[-3000:]
         got[(k, w)] = r.summary["params_sha256"]

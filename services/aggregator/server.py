@@ -266,6 +266,8 @@ class Aggregator:
         held = h.get("holds")
         if self.trainer.inner is None or not isinstance(held, list):
             return
+        for gone in [i for i in self.holds if i != identity and not self.admission.admitted(i)]:
+            del self.holds[gone]  # a departed, fenced or replaced incarnation's
         self.holds[identity] = {(int(x[0]), int(x[1])) for x in held[:self.trainer.inner.R]
                                 if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
 
