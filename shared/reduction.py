@@ -147,6 +147,10 @@ class TreeAccumulator:
     def complete(self) -> bool:
         return (0, self.M) in self._nodes
 
+    def partial_sums(self) -> list[T]:
+        """What waits now: the contributions and partial sums not yet combined (the root, once complete)."""
+        return list(self._nodes.values())
+
     def result(self) -> T:
         if not self.complete:
             raise RuntimeError(f"{self.covered}/{self.M} microbatches summed")

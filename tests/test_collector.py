@@ -194,3 +194,43 @@ def test_spares_are_reused_only_after_reclaim_and_bounded():
     small.lend(metas)
     small.lend(metas)
     assert len(small.lent) == 1
+
+
+def test_a_gradient_no_sum_keeps_is_lent_again_in_its_step():
+    """A duplicate (a lease handed out again) or the right operand of an add gives its spares back for the step's next
+    gradient: a step of two leaves and a duplicate lands in two buffers, not three, and both stay kept."""
+    from cmemi.services.aggregator.gradients import Spares
+    metas = [{"name": "w", "dtype": "float32", "shape": [2, 3], "nbytes": 24, "xxh": None}]
+    spares = Spares(limit=3 * 24)
+    c = StepCollector(0, 2, leased=False)
+    first = spares.lend(metas)
+    first["w"].fill_(1.0)
+    assert c.offer(0, first, 0.0, holder=None) is None
+    spares.give_back(c.holds())
+    assert spares.lent_bytes == 24  # the waiting leaf keeps its buffer
+    dup = spares.lend(metas)
+    dup["w"].fill_(7.0)
+    assert c.offer(0, dup, 0.0, holder=None) == "duplicate"
+    spares.give_back(c.holds())
+    assert spares.lent_bytes == 24  # the duplicate's buffer is free again...
+    second = spares.lend(metas)
+    assert second["w"].data_ptr() == dup["w"].data_ptr()  # ...and the step's last gradient lands in it
+    second["w"].fill_(2.0)
+    arriving = spares.lend(metas)  # (a transfer of the next gradient, still arriving: kept lent)
+    assert c.offer(1, second, 0.0, holder=None) is None and c.complete
+    spares.give_back([*c.holds(), *arriving.values()])
+    assert [t.data_ptr() for _, t in spares.lent] == [first["w"].data_ptr(), arriving["w"].data_ptr()]
+    mean, _ = c.mean()
+    assert torch.equal(mean["w"], torch.full((2, 3), 1.5)) and mean["w"].data_ptr() == first["w"].data_ptr()
+    spares.reclaim(busy=list(arriving.values()))  # the buffer given back mid-step was used: it stays kept
+    assert sum(len(v) for v in spares.free.values()) == 2 and spares.lent_bytes == 24
+    spares.reclaim()  # a step that lent nothing but the transfer that was arriving: the others go
+    assert [t.data_ptr() for v in spares.free.values() for t in v] == [arriving["w"].data_ptr()]
+
+
+def test_a_decoded_view_of_a_spare_keeps_it_lent():
+    from cmemi.services.aggregator.gradients import Spares
+    spares = Spares(limit=1 << 20)
+    lent = spares.lend([{"name": "w", "dtype": "float32", "shape": [6], "nbytes": 24, "xxh": None}])["w"]
+    spares.give_back([lent.view(2, 3)])  # the same bytes under another tensor object
+    assert spares.lent_bytes == 24 and not spares.free

@@ -171,6 +171,11 @@ class StepCollector:
             self._buffers.add(*node, buffers)
         return None
 
+    def holds(self) -> list[torch.Tensor]:
+        """The tensors the step's partial sums keep (received buffers become the accumulators; the right operand of
+        an add, a dropped gradient are not among them)."""
+        return [t for tree in (self._tree, self._buffers) for node in tree.partial_sums() for t in node.values()]
+
     def buffer_sum(self) -> dict[str, torch.Tensor] | None:
         """The tree sum of the step's buffer contributions (same tree as the gradients); None if none came."""
         return self._buffers.result() if self._buffers.complete else None

@@ -5,6 +5,7 @@ leader and every shard; what is wrong is the drop reason."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -37,17 +38,21 @@ class Spares:
     """Gradient buffers kept from step to step: a server receives (or copies out of a worker's shared-memory slot)
     each step's gradients into the buffers of the step before, instead of fresh allocations, whose pages the kernel
     must fault in again on every step (113 M parameters: ~0.4 s per gradient on this machine; a freed tensor that big
-    goes straight back to the kernel). What `take` hands out is the step's until its optimizer step is done (or its
-    collection abandoned): `reclaim` then frees all of it but `busy` (a transfer still arriving), and keeps only as
-    many spares as the step used. At most `limit` bytes are lent in a step (the server's two gradients' worth): past
-    it (a duplicate, a stale gradient, a third worker, a hostile flood) a buffer is a plain allocation, freed as soon
-    as its message is done with, as before."""
+    goes straight back to the kernel). What `take` hands out is lent until nothing needs it any more: `give_back`
+    (after each gradient message) frees again, for the step's next gradient, what no partial sum holds and no transfer
+    is still arriving in (a gradient dropped as a duplicate or stale, the right operand of an add), so a reissued
+    lease's duplicate does not make the step's last gradient land in a third buffer; `reclaim` (the step's optimizer
+    step done, or its collection abandoned) frees all of it but `busy`, and keeps as many spares as the step used. At
+    most `limit` bytes are lent at once (the server's two gradients' worth): past it (a duplicate arriving beside the
+    others, a third worker, a hostile flood) a buffer is a plain allocation, freed as soon as its message is done
+    with, as before."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.free: dict[tuple[str, torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
         self.lent: list[tuple[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor]] = []
         self.lent_bytes = 0
+        self.used: set[int] = set()  # ids of the kept buffers lent in this step (those given back stay kept)
 
     def take(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         key = (name, dtype, tuple(shape))
@@ -57,6 +62,7 @@ class Spares:
         t = kept.pop() if kept else torch.empty(shape, dtype=dtype)
         self.lent.append((key, t))
         self.lent_bytes += t.numel() * t.element_size()
+        self.used.add(id(t))
         return t
 
     def own(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -72,16 +78,39 @@ class Spares:
             out[m["name"]] = self.take(m["name"], dtype, tuple(shape))
         return out
 
-    def reclaim(self, busy: list[torch.Tensor] = ()) -> None:
-        """The step is over: what was lent is free again, but `busy`; spares the step did not use go."""
-        held = {id(t) for t in busy}
-        free: dict[tuple[str, torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+    def give_back(self, needed: Iterable[torch.Tensor]) -> None:
+        """Mid-step, after a gradient message was handled: what was lent and shares no storage with `needed` (the
+        step's partial sums, the transfers still arriving) is free again for the step's next gradient."""
+        held = {_storage(t) for t in needed}
         lent = []
         for key, t in self.lent:
-            (lent.append((key, t)) if id(t) in held else free.setdefault(key, []).append(t))
+            if _storage(t) in held:
+                lent.append((key, t))
+            else:
+                self.free.setdefault(key, []).append(t)
+                self.lent_bytes -= t.numel() * t.element_size()
+        self.lent = lent
+
+    def reclaim(self, busy: Iterable[torch.Tensor] = ()) -> None:
+        """The step is over: what was lent is free again, but `busy`; spares the step did not use go."""
+        held = {_storage(t) for t in busy}
+        free: dict[tuple[str, torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        for key, kept in self.free.items():  # given back in this step: used, kept
+            for t in kept:
+                if id(t) in self.used:
+                    free.setdefault(key, []).append(t)
+        lent = []
+        for key, t in self.lent:
+            (lent.append((key, t)) if _storage(t) in held else free.setdefault(key, []).append(t))
         self.free, self.lent = free, lent
         self.lent_bytes = sum(t.numel() * t.element_size() for _, t in lent)
+        self.used = {id(t) for _, t in lent}
 
     def clear(self) -> None:
         """No gradient comes any more: the spares go (what is lent goes with its last user)."""
-        self.free, self.lent, self.lent_bytes = {}, [], 0
+        self.free, self.lent, self.lent_bytes, self.used = {}, [], 0, set()
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's bytes live: a view of a buffer (a decoded gradient) is the buffer."""
+    return t.untyped_storage().data_ptr()

@@ -71,8 +71,9 @@ class Intake:
         self.granted: set[bytes] = set()  # admitted workers told to use slots (their welcome's "shm")
         self.slot_bytes = 0
         self.borrows = borrows
-        # gradients land in the last step's buffers (gradients.py): two gradients' worth, what an honest step of two
-        # workers brings; a third (a duplicate, a stale one, a third worker) is a plain allocation, freed with it
+        # gradients land in the last step's buffers (gradients.py): two gradients' worth lent at once, what an honest
+        # step of two workers brings; a gradient dropped (a duplicate, a stale one) or added into another gives its
+        # buffers back once handled (`settle`); past two lent, a buffer is a plain allocation, freed with its message
         self.spares = Spares(limit=spare_bytes)
         self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
         self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
@@ -141,6 +142,12 @@ class Intake:
         """The step is over (applied, or its collection abandoned): its gradients' buffers are free again, but those of
         transfers still arriving."""
         self.spares.reclaim(busy=self.parts.receiving())
+
+    def settle(self, held: list[torch.Tensor]) -> None:
+        """A gradient message was handled: the spares no partial sum of the step holds (`held`) and no transfer is
+        still arriving in are free again for its next gradient (one dropped as a duplicate or stale, the right operand
+        of an add)."""
+        self.spares.give_back([*held, *self.parts.receiving()])
 
     def release(self) -> None:
         """The run's steps are done: the kept gradient buffers go."""

@@ -219,6 +219,8 @@ class Aggregator:
             self.reporter.grad_bytes(size)
             self.totals.slot_in += self.intake.slot_bytes
         self._handlers[msg.type](self, identity, msg)
+        if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
+            self.intake.settle(self.leasing.collector.holds())
 
     def _work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int) -> None:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's

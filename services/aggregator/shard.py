@@ -235,12 +235,14 @@ class ShardServer:
                 self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
             return
         if self.admission.known(identity, h, self.term) is None:
-            return
-        if msg.type == "pull":
+            pass
+        elif msg.type == "pull":
             self.slices.pull(identity, h["version"], h.get("have", -1))
             self._answer_pulls()
         else:
             self._on_grad(msg)
+        if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
+            self.intake.settle([t for c in self.collectors for t in c.holds()])
 
     def _on_grad(self, msg: protocol.Message) -> None:
         h = msg.header
