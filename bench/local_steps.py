@@ -12,6 +12,9 @@ momentum 0.9, lr 0.7: the default) and with plain averaging (SGD lr 1.0, no mome
 charlm's `evaluate` on its held-out split, at the end and every `--every` inner steps' worth of samples (a round's
 boundary, so every max(1, every / H) rounds).
 
+`--reach H:OUTER:FACTOR,...` also trains local runs FACTOR times as long (the schedule over the longer run) and records
+the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
+
 Prints one JSON object; `--out PATH` saves it too. The bytes each sends per sample are measured on the emulated cluster
 (bench/cluster.py, system cmemi_local) and the README table combines the two.
 """
@@ -68,6 +71,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="inner steps (default 1000; --quick 400)")
     p.add_argument("--local", default=None, help="H values (default 10,50,200; --quick 10,50)")
     p.add_argument("--every", type=int, default=50, help="evaluate every this many inner steps' samples")
+    p.add_argument("--reach", default="", help="H:OUTER:FACTOR,... longer local runs (e.g. 200:average:4)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     steps = args.steps or (400 if args.quick else 1000)
@@ -93,6 +97,14 @@ def main() -> None:
                 r["samples_to_sync_final"] = samples_to(r["curve"], sync["eval_loss"])
                 result["runs"].append(r)
         result["sync_samples"] = sync["curve"][-1]["samples"]
+        result["reach"] = []
+        for spec in filter(None, args.reach.split(",")):
+            h, outer, factor = spec.split(":")
+            C.log(f"H = {h}, outer {outer}, {factor} x the samples")
+            r = run(steps * int(factor), int(h), outer, args.every)
+            r["factor"] = int(factor)
+            r["samples_to_sync_final"] = samples_to(r["curve"], sync["eval_loss"])
+            result["reach"].append(r)
     except BaseException as exc:
         C.record_error(result, exc)
         raise

@@ -620,7 +620,8 @@ def wall(samples: float | None, per_s: float | None) -> str:
 
 def local_steps() -> str:
     """Local steps (DiLoCo): quality at equal samples (bench/local_steps.py), and per sample on the emulated cluster
-    (bench/cluster.py's cmemi_local), with the wall-clock to the synchronous run's final loss they imply."""
+    (bench/cluster.py's cmemi_local, with DDP, DDP + PowerSGD and synchronous cmemi_kn in the same run:
+    bench/results/cluster_local.json), with the wall-clock to the synchronous run's final loss they imply."""
     d = load("local_steps")
     sync = d["sync"]
     lines = [f"charlm ({d['steps']} inner steps of {d['config']}'s global batch, {d['replicas']} replicas; eval loss on "
@@ -632,27 +633,31 @@ def local_steps() -> str:
         reach = r["samples_to_sync_final"]
         lines.append(f"| {r['local_steps']} | {r['outer']} | {r['eval_loss']:.3f} | {r['eval_vs_sync']:+.1%} | "
                      f"{f'{reach:,}' if reach is not None else 'not reached in ' + format(d['sync_samples'], ',')} |")
+    for r in d.get("reach", []):
+        reach = r["samples_to_sync_final"]
+        lines.append(f"| {r['local_steps']} | {r['outer']}, {r['factor']}× the samples | {r['eval_loss']:.3f} | "
+                     f"{r['eval_loss'] / sync['eval_loss'] - 1:+.1%} | "
+                     f"{f'{reach:,}' if reach is not None else 'not reached in ' + format(r['curve'][-1]['samples'], ',')} |")
     lines += ["", measured("local_steps")]
-    c = load("cluster")
+    c = load("cluster_local")
     rows = [(n, x["runs"]) for n, x in c["by_n"].items() if "samples_per_s" in x["runs"].get("cmemi_local", {})]
-    if not rows:
-        return "\n".join([*lines, "", "The emulated cluster's `cmemi_local` row is not in `bench/results/cluster.json` yet."])
     lines += ["", "| N | H | bytes/sample, synchronous `cmemi_kn` | bytes/sample, `cmemi_local` | × fewer | samples/s: DDP "
               "| DDP + PowerSGD | `cmemi_local` | wall-clock to the synchronous final loss (DDP / DDP + PowerSGD / "
               "`cmemi_local`) |", "|---|---|---|---|---|---|---|---|---|"]
     for n, runs in rows:
         loc, kn = runs["cmemi_local"], runs.get("cmemi_kn", {})
         H = loc["local_steps"]
-        paper = next((r for r in d["runs"] if r["local_steps"] == H and r["outer"] == "paper"), None)
-        need = paper["samples_to_sync_final"] if paper is not None else None
+        tried = [r for r in [*d["runs"], *d.get("reach", [])] if r["local_steps"] == H]
+        reached = sorted((r["samples_to_sync_final"], r["outer"]) for r in tried if r["samples_to_sync_final"])
+        need, outer = reached[0] if reached else (None, None)
 
         rates = {k: r.get("samples_per_s") for k, r in runs.items()}
 
         def rate(k: str, rates: dict[str, Any] = rates) -> float | None:
             return rates.get(k)
 
-        local_wall = (wall(need, rate("cmemi_local")) if need is not None else
-                      "not reached" if paper is not None else "H not in the quality table")
+        local_wall = (f"{wall(need, rate('cmemi_local'))} ({outer})" if need is not None else
+                      "not reached" if tried else "H not in the quality table")
         fewer = (f"{kn['bytes_per_sample'] / loc['bytes_per_sample']:.0f}" if kn.get("bytes_per_sample") else "—")
         lines.append(f"| {n} | {H} | {kn.get('bytes_per_sample', '—')} | {loc['bytes_per_sample']} | {fewer} | "
                      f"{rate('ddp') or '—'} | {rate('ddp_powersgd') or '—'} | {rate('cmemi_local')} | "
@@ -660,7 +665,9 @@ def local_steps() -> str:
                      f"{local_wall} |")
     lines += ["", "Wall-clock = the samples each needs on charlm (DDP and DDP + PowerSGD taken as synchronous training: "
               "PowerSGD's own loss is not measured, which favours it) ÷ its samples/s on the emulated cluster (the "
-              "sleepy MLP of the other rows, `--local-steps` H, the paper's outer step).", "", measured("cluster")]
+              "sleepy MLP of the other rows, `--local-steps` H); for local steps, the fewest samples at which a run with "
+              "that H reached the synchronous run's final loss, and its outer step (the outer step costs no time).",
+              "", measured("cluster_local")]
     return "\n".join(lines)
 
 
