@@ -137,7 +137,7 @@ def local_round(local: LocalRound, trainer: Trainer, encoder: Any, decoder: Any,
     collector = StepCollector(rnd, inner.R, block=1)
     while (node := collector.lease(*HOLDER, now=0.0, timeout=math.inf)) is not None:
         r = node[0]
-        loss, delta, contribution, state = local.run(rnd, r, inner.current[r])
+        loss, delta, contribution, state = local.run(rnd, r, inner.start(r))
         delta = trainer.partition.views(delta)
         info, frames = encoder.encode(delta, rnd)
         decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)

@@ -659,8 +659,12 @@ def local_steps() -> str:
         local_wall = (f"{wall(need, rate('cmemi_local'))} ({outer})" if need is not None else
                       "not reached" if tried else "H not in the quality table")
         fewer = (f"{kn['bytes_per_sample'] / loc['bytes_per_sample']:.0f}" if kn.get("bytes_per_sample") else "—")
-        lines.append(f"| {n} | {H} | {kn.get('bytes_per_sample', '—')} | {loc['bytes_per_sample']} | {fewer} | "
-                     f"{rate('ddp') or '—'} | {rate('ddp_powersgd') or '—'} | {rate('cmemi_local')} | "
+
+        def num(x: float | None) -> str:
+            return "—" if x is None else f"{x:,.0f}"
+
+        lines.append(f"| {n} | {H} | {num(kn.get('bytes_per_sample'))} | {num(loc['bytes_per_sample'])} | {fewer} | "
+                     f"{num(rate('ddp'))} | {num(rate('ddp_powersgd'))} | {num(rate('cmemi_local'))} | "
                      f"{wall(d['sync_samples'], rate('ddp'))} / {wall(d['sync_samples'], rate('ddp_powersgd'))} / "
                      f"{local_wall} |")
     lines += ["", "Wall-clock = the samples each needs on charlm (DDP and DDP + PowerSGD taken as synchronous training: "

@@ -163,7 +163,7 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
 def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batchnorm_model(tmp_path: Path) -> None:
     """W = 1, 4 at K = 1 and W = 2 at K = 2, 3 over 12 rounds of 5 inner steps of 4 replicas (digits, dropout, SGD with
     Nesterov inside, the default outer step): one params_sha256, the reference's, and its evaluations (every 4 rounds),
-    and `cmemi status` counts rounds. int8 changes at W = 2: the int8
+    and `cmemi status` counts rounds; one worker is never sent a replica's state (it keeps them all). int8 changes at W = 2: the int8
     reference's. The ResNet example (BatchNorm statistics carried through a replica's inner steps and averaged,
     augmentation) with AdamW inside at K = 2, W = 2: its reference's."""
     ref = reference(tmp_path, *LOCAL)
@@ -178,6 +178,8 @@ def test_local_steps_give_the_reference_for_any_workers_shards_codec_and_a_batch
         assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
         assert "round   12/12 (inner step 60/60)" in r.stdout, r.stdout[-500:]
         assert r.summary["eval_history"] == ref["eval_history"]
+        if w == 1:  # one worker holds every replica's state from round to round: none is ever sent down
+            assert r.summary["inner_states_sent"] == 0, r.summary
     assert set(got.values()) == {want}, got
     status = subprocess.run(cmemi_cmd("status", str(tmp_path / "k3w2")), cwd=ROOT, capture_output=True, text=True,
                             timeout=60)

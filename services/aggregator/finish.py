@@ -39,7 +39,8 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
     summary: dict[str, Any] = {
         "steps": trainer.step, "final_loss": totals.final_loss, "eval": {}, "wall_s": wall,
         "samples_per_s": trainer.step * cfg.train.samples_per_round / wall if wall > 0 else None,
-        "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends, "final_lr": trainer.lr,
+        "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends,
+        **({"inner_states_sent": totals.inner_states_sent} if cfg.train.local_steps else {}), "final_lr": trainer.lr,
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,
         "stopped_early": stepper.stopped_early, "eval_history": evals.history,

@@ -5,17 +5,19 @@ A replica's round ends with its inner optimizer's and scheduler's state, which t
 from. The worker that computed it keeps it too (so the same worker's next round needs none sent), but the leader's
 copy is what makes a worker's death cost at most the replica's current round: whoever takes the round again gets the
 state it started from. It travels beside Δ_r in the `grad` message (header `inner`: the state's metadata, tensors
-named `inner.…`, shared/state.py) and back in an `inner` message before the `work` of a worker that does not hold it.
+named `inner.…`: shared/innerstate.py) and back in an `inner` message before the `work` of a worker that does not hold
+it (`Holdings`: what each worker says it holds).
 
 `current[r]`: replica r's state at the start of the round being collected (None: fresh, round 0); `next[r]`: what
-its accepted round ended with, which becomes current when the round is applied. Both are in every checkpoint of the
-leader (`state_dict`: current; a snapshot is taken after a round is applied). A received state is checked against
+its accepted round ended with, which becomes current when the round is applied. `current` is in every checkpoint of
+the leader (a snapshot is taken after a round is applied, when `next` has become current). A received state is checked against
 the layout of a real one (tensor names, dtypes, shapes: `signature`) before it is kept, so a malformed one is a drop,
 never a worker that cannot load it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,6 +60,10 @@ class InnerStates:
         self.current.update(self.next)
         self.next = {}
 
+    def start(self, r: int) -> dict[str, Any] | None:
+        """Replica r's state at the start of the current round (None: fresh)."""
+        return self.current.get(r)
+
     def wire(self, r: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Replica r's state at the start of the current round, for an `inner` message."""
         return to_wire(self.current.get(r))
@@ -68,3 +74,29 @@ class InnerStates:
     def load_state_dict(self, sd: dict[Any, Any] | None) -> None:
         self.current = {r: (sd or {}).get(r) for r in range(self.R)}
         self.next = {}
+
+
+class Holdings:
+    """Which (replica, round) inner states each worker connection holds, as its last `want` or `grad` said (`holds`):
+    the leader leases a worker the replicas it holds first, and sends a state only to one that lacks it."""
+
+    def __init__(self, replicas: int) -> None:
+        self.R = replicas
+        self.by: dict[bytes, set[tuple[int, int]]] = {}
+
+    def note(self, identity: bytes, held: Any, admitted: Callable[[bytes], bool]) -> None:
+        """`held`: the header's `holds` (a list of [replica, round]; anything else is ignored). The entries of
+        connections no longer admitted (departed, fenced, replaced) go."""
+        if not isinstance(held, list):
+            return
+        for gone in [i for i in self.by if i != identity and not admitted(i)]:
+            del self.by[gone]
+        self.by[identity] = {(int(x[0]), int(x[1])) for x in held[:self.R]
+                             if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
+
+    def prefer(self, identity: bytes, rnd: int) -> set[int]:
+        """The replicas whose round `rnd` this worker can start without a state sent."""
+        return {r for r, t in self.by.get(identity, ()) if t == rnd}
+
+    def has(self, identity: bytes, r: int, rnd: int) -> bool:
+        return (r, rnd) in self.by.get(identity, ())

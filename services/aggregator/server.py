@@ -25,6 +25,7 @@ from cmemi.services.aggregator.leader import ShardRoster
 from cmemi.services.aggregator.leasing import Leasing
 from cmemi.services.aggregator.outbox import Outbox
 from cmemi.services.aggregator.publish import Publisher, SlotPublisher
+from cmemi.services.aggregator.replicas import Holdings
 from cmemi.services.aggregator.reporting import Reporter
 from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
@@ -116,7 +117,8 @@ class Aggregator:
                                   "pieces": self.trainer.partition.describe()}
         self._advertise()
         self._contributed: set[tuple[str, int]] = set()
-        self.holds: dict[bytes, set[tuple[int, int]]] = {}  # local steps: (replica, round) inner states a worker holds
+        # local steps: the (replica, round) inner states each worker holds (services/aggregator/replicas.py)
+        self.holdings = Holdings(self.trainer.inner.R) if self.trainer.inner is not None else None
         # Redis may restart empty: is this leader still advertised? (read off the loop: shared/watch.py)
         self.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
         # (local steps: a lease is one replica's round)
@@ -255,23 +257,19 @@ class Aggregator:
         """Local steps: replica r's inner state at the start of this round, ahead of its work, unless the worker holds it
         (it computed the replica's last round: docs/design.md §10)."""
         step = self.trainer.step
-        if (r, step) in self.holds.get(identity, ()):
+        assert self.trainer.inner is not None and self.holdings is not None
+        if self.holdings.has(identity, r, step):
             return
-        assert self.trainer.inner is not None
         meta, tensors = self.trainer.inner.wire(r)
+        self.totals.inner_states_sent += bool(meta)  # (a fresh one, round 0's, is an empty map)
         n = self.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, self.cfg.cluster.checksum), None),
                              replica=r, round=step, meta=meta)
         self.reporter.work_bytes(n)
 
     def _note_holds(self, identity: bytes, h: dict[str, Any]) -> None:
         """Local steps: the (replica, round) inner states a worker says it holds (a `want` or `grad`)."""
-        held = h.get("holds")
-        if self.trainer.inner is None or not isinstance(held, list):
-            return
-        for gone in [i for i in self.holds if i != identity and not self.admission.admitted(i)]:
-            del self.holds[gone]  # a departed, fenced or replaced incarnation's
-        self.holds[identity] = {(int(x[0]), int(x[1])) for x in held[:self.trainer.inner.R]
-                                if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
+        if self.holdings is not None:
+            self.holdings.note(identity, h.get("holds"), self.admission.admitted)
 
     def _downlink(self, held_version: int, fields: dict[str, Any]) -> Any:
         """compression.downlink: the change from the worker's version to the current one when it holds the one before
@@ -296,8 +294,7 @@ class Aggregator:
             self._tell_stop(identity)
             return
         self.reporter.started(time.monotonic())
-        step = self.leasing.collector.step
-        prefer = {r for r, t in self.holds.get(identity, ()) if t == step}
+        prefer = self.holdings.prefer(identity, self.leasing.collector.step) if self.holdings is not None else set()
         if (node := self.leasing.lease(identity, info, held_version, prefer)) is not None:
             self._work(identity, node, held_version)
 

@@ -15,6 +15,7 @@ class RunTotals:
     slot_in: int = 0  # of bytes_in, those that came through shared-memory slots (shared/shm.py), not the socket
     slot_out: int = 0  # of bytes_out, likewise
     duplicate_param_sends: int = 0  # parameters of a version sent again to the same worker (services/aggregator/leasing.py)
+    inner_states_sent: int = 0  # local steps: replicas' inner states sent to a worker that did not hold them (moved)
     wall_before: float = 0.0  # training seconds of earlier terms
     t_start: float | None = None  # when this term handed out its first lease (monotonic)
 
@@ -32,11 +33,13 @@ class RunTotals:
     def state_dict(self) -> dict[str, float | int]:
         return {"final_loss": self.final_loss, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
                 "bytes_sent_via_slots": self.slot_in, "bytes_received_via_slots": self.slot_out,
-                "wall_s": self.wall_s(), "duplicate_param_sends": self.duplicate_param_sends}
+                "wall_s": self.wall_s(), "duplicate_param_sends": self.duplicate_param_sends,
+                "inner_states_sent": self.inner_states_sent}
 
     def load_state_dict(self, sd: dict[str, float | int]) -> None:
         self.final_loss = float(sd["final_loss"])
         self.bytes_in, self.bytes_out = int(sd["bytes_sent"]), int(sd["bytes_received"])
         self.wall_before = float(sd["wall_s"])
         self.duplicate_param_sends = int(sd.get("duplicate_param_sends", 0))
+        self.inner_states_sent = int(sd.get("inner_states_sent", 0))
         self.slot_in, self.slot_out = int(sd.get("bytes_sent_via_slots", 0)), int(sd.get("bytes_received_via_slots", 0))  # (checkpoints from before it was kept)
