@@ -19,16 +19,34 @@ InnerState = dict[str, Any]  # {"optimizer": optimizer.state_dict(), "scheduler"
 
 PREFIX = "inner"  # the tensors' wire names start with "inner."
 
-Signature = frozenset[tuple[str, str, tuple[int, ...]]]
+Signature = tuple[frozenset[tuple[str, str, tuple[int, ...]]], Any]  # tensors (name, dtype, shape); `skeleton`
 
 
-def signature(tensors: dict[str, torch.Tensor]) -> Signature:
-    return frozenset((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items())
+def signature(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Signature:
+    """What a state of one model and optimizer always has: its tensors' names, dtypes and shapes, and its metadata's
+    skeleton."""
+    return frozenset((n, str(t.dtype), tuple(t.shape)) for n, t in tensors.items()), skeleton(meta)
+
+
+def skeleton(x: Any) -> Any:
+    """Metadata with every number a placeholder (learning rates, step counts change), everything else as it is: keys,
+    strings, list lengths, tensor names, and the parameter indices of each param group (which `load_state_dict`
+    maps by)."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, (int, float)):
+        return "<number>"
+    if isinstance(x, dict):
+        return {str(k): (list(v) if k == "params" and isinstance(v, (list, tuple)) else skeleton(v)) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [skeleton(v) for v in x]
+    return f"<{type(x).__name__}>"
 
 
 def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> Signature:
-    """The tensors of a replica's state after a round, for this model (`shapes`: each trained tensor's shape and
-    dtype): one inner step of zeros on a stand-in, the optimizer's and scheduler's state then taken as a worker's."""
+    """The signature of a replica's state after a round, for this model (`shapes`: each trained tensor's shape and
+    dtype): one inner step of zeros on a stand-in, the optimizer's and scheduler's state then taken as a worker's
+    sends it (through msgpack: tuples become lists)."""
     stand_in = {n: torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for n, (shape, dtype) in shapes.items()}
     opt = build_optimizer(cfg, stand_in)
     sched = build_scheduler(cfg, opt)
@@ -37,8 +55,8 @@ def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) ->
     opt.step()
     if sched is not None:
         sched.step()
-    return signature(to_wire({"optimizer": opt.state_dict(),
-                              "scheduler": sched.state_dict() if sched is not None else None})[1])
+    meta, tensors = to_wire({"optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else None})
+    return signature(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False), tensors)
 
 
 def to_wire(inner: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

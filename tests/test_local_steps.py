@@ -138,8 +138,11 @@ def test_the_leader_keeps_only_a_well_formed_inner_state() -> None:
     name = next(iter(tensors))
     nan = {**tensors, name: torch.full_like(tensors[name], float("nan"))}
     wrong = {**tensors, name: tensors[name][:1].clone()}
+    regrouped = innerstate.through_wire(state)  # a param group naming other parameters: would load wrongly
+    regrouped["optimizer"]["param_groups"][0]["params"] = [1, 0, *regrouped["optimizer"]["param_groups"][0]["params"][2:]]
+    other = innerstate.to_wire(regrouped)[0]
     for r, m, t in ((2, meta, tensors), (1, {}, tensors), (1, {"x": 1}, tensors), (1, meta, nan), (1, meta, wrong),
-                    (1, meta, {**tensors, "model.w": tensors[name]}), (1, meta, {})):
+                    (1, meta, {**tensors, "model.w": tensors[name]}), (1, meta, {}), (1, other, tensors)):
         assert store.parse(r, m, t) == (None, "bad_inner")
     store.keep(1, good)
     assert store.current[1] is None

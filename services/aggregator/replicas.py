@@ -11,7 +11,7 @@ it (`Holdings`: what each worker says it holds).
 `current[r]`: replica r's state at the start of the round being collected (None: fresh, round 0); `next[r]`: what
 its accepted round ended with, which becomes current when the round is applied. `current` is in every checkpoint of
 the leader (a snapshot is taken after a round is applied, when `next` has become current). A received state is checked against
-the layout of a real one (tensor names, dtypes, shapes: `signature`) before it is kept, so a malformed one is a drop,
+the layout of a real one (tensor names, dtypes, shapes and the metadata's skeleton: `signature`) before it is kept, so a malformed one is a drop,
 never a worker that cannot load it.
 """
 
@@ -42,7 +42,7 @@ class InnerStates:
             return None, "bad_inner"
         if not all(n.startswith(PREFIX + ".") for n in tensors):
             return None, "bad_inner"
-        if self.layout is not None and signature(tensors) != self.layout:
+        if self.layout is not None and signature(meta, tensors) != self.layout:
             return None, "bad_inner"
         if not all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point()):
             return None, "bad_inner"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
-from cmemi.services.worker.local import LocalRound
+from cmemi.services.worker.local import InnerStateError, LocalRound
 from cmemi.shared import allocator, limits
 from cmemi.shared import buffers as buffer_rule
 from cmemi.shared.codecs import all_finite
@@ -122,8 +122,8 @@ class BlockComputer:
             allocator.trim()
         try:
             loss, delta, buffers, new = self._twice(lambda: local.run(rnd, r, state))
-        except FloatingPointError as exc:
-            self.fatal(str(exc))
+        except (FloatingPointError, InnerStateError) as exc:  # diverged; or a state from another config (the leader
+            self.fatal(f"worker {self.who()}: {exc}")  # checks each against this model's: not a transient fault)
         return [loss], delta, buffers, new
 
     def _twice(self, compute: Callable[[], Any]) -> Any:
