@@ -63,8 +63,9 @@ def plain(work: Path, wl: str, steps: int, warmup: int, tag: str) -> dict[str, A
     return {k: r[k] for k in ("step_time_median_s", "wall_per_step_s", "cpu_s_per_step")}
 
 
-def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2, attempts: int = 2) -> dict[str, Any]:
-    """torchrun --standalone now and then fails to start its group here (1 run in ~20); one retry, counted."""
+def ddp(work: Path, wl: str, steps: int, warmup: int, tag: str, nproc: int = 2, attempts: int = 4) -> dict[str, Any]:
+    """torchrun --standalone now and then fails to start its group here (1 run in ~20, twice in a row once); up to
+    three retries, counted."""
     out = work / f"ddp-{tag}.json"
     argv = [C.PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), str(SCRIPT),
             "--workload", wl, "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)]
