@@ -31,7 +31,8 @@ def rows() -> list[tuple[str, object, str]]:
         if dataclasses.is_dataclass(tp):
             for g in dataclasses.fields(tp):
                 default = g.default if g.default is not dataclasses.MISSING else g.default_factory()
-                out.append((f"{f.name}.{g.name}", default, docs.get((tp.__name__, g.name), "")))
+                doc = next((docs[(c.__name__, g.name)] for c in tp.__mro__ if (c.__name__, g.name) in docs), "")
+                out.append((f"{f.name}.{g.name}", default, doc))
         else:
             out.append((f.name, f.default, docs.get(("Config", f.name), "")))
     return out

@@ -101,6 +101,7 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
+    SECTION: typing.ClassVar[str] = "optimizer"
     name: str = "SGD"
     """Any torch.optim class name (SGD, AdamW, ...) or an import path 'module:Class' for a custom optimizer."""
     kwargs: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
@@ -112,13 +113,33 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         for i, group in enumerate(self.param_groups):
             if not isinstance(group, dict) or not isinstance(group.get("match"), str):
-                _fail(f"optimizer.param_groups[{i}]", group, "must be a mapping with a 'match' regex",
+                _fail(f"{self.SECTION}.param_groups[{i}]", group, "must be a mapping with a 'match' regex",
                       "write e.g. {match: 'bias$', weight_decay: 0.0}")
             try:
                 re.compile(group["match"])
             except re.error as exc:
-                _fail(f"optimizer.param_groups[{i}].match", group["match"], f"is not a valid regex ({exc})",
+                _fail(f"{self.SECTION}.param_groups[{i}].match", group["match"], f"is not a valid regex ({exc})",
                       "fix the regular expression")
+
+
+@dataclass
+class OuterOptimizerConfig(OptimizerConfig):
+    """With train.local_steps, the servers' optimizer: its defaults are DiLoCo's outer step."""
+
+    SECTION: typing.ClassVar[str] = "outer_optimizer"
+
+    kwargs: dict[str, Any] = field(default_factory=lambda: dict(OUTER_DEFAULT_KWARGS))
+    """Keyword arguments for the outer optimizer (default DiLoCo's: SGD with lr 0.7 and Nesterov momentum 0.9);
+    set them whenever you change the name."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name != "SGD" and self.kwargs == OUTER_DEFAULT_KWARGS:
+            _fail("outer_optimizer.kwargs", self.kwargs, f"are the defaults for SGD, not for {self.name}",
+                  f"set outer_optimizer.kwargs for {self.name}, e.g. {{lr: 0.7}}")
+
+
+OUTER_DEFAULT_KWARGS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 @dataclass
@@ -392,8 +413,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    outer_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        name="SGD", kwargs={"lr": 0.7, "momentum": 0.9, "nesterov": True}))
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=OuterOptimizerConfig)
     """With train.local_steps: the servers' optimizer, stepped once a round on the mean change of the replicas'
     parameters (DiLoCo's outer step; default SGD with Nesterov momentum 0.9 and lr 0.7, as the paper); `optimizer`
     and `scheduler` are then each replica's inner ones. Unused without local steps."""

@@ -49,7 +49,10 @@ def digits(*sets: str):
     (("train.local_steps=5", "cluster.shards=2", "cluster.pipeline_stages=2"), "cluster.pipeline_stages"),
     (("train.local_steps=5", "compression.downlink=int8"), "compression.downlink"),
     (("train.local_steps=5", "compression.codec=topk"), "compression.codec"),
-    (("train.local_steps=5", "cluster.shards=2", "outer_optimizer.name=LBFGS"), "outer_optimizer.name"),
+    (("train.local_steps=5", "cluster.shards=2", "outer_optimizer.name=LBFGS", "outer_optimizer.kwargs={lr: 1.0}"),
+     "outer_optimizer.name"),
+    (("train.local_steps=5", "outer_optimizer.name=AdamW"), "outer_optimizer.kwargs"),  # SGD's momentum is no AdamW's
+    (("train.local_steps=5", "outer_optimizer.param_groups=[{lr: 1.0}]"), "outer_optimizer.param_groups\\[0\\]"),
 ])
 def test_local_steps_refuse_what_they_cannot_keep_exact(sets: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError, match=f"config field '{field}'"):
@@ -61,6 +64,8 @@ def test_a_replica_is_a_lease_and_rounds_count_the_servers_steps() -> None:
     assert cfg.train.microbatches == 8 and cfg.train.rounds == 30 and cfg.train.samples_per_round == 640
     assert cfg.outer_optimizer.name == "SGD" and cfg.outer_optimizer.kwargs == {"lr": 0.7, "momentum": 0.9,
                                                                                 "nesterov": True}
+    named = config_from_dict({**_raw(), "outer_optimizer": {"name": "SGD"}})  # a section naming SGD keeps the paper's
+    assert named.outer_optimizer.kwargs == cfg.outer_optimizer.kwargs
     sync = digits()
     assert sync.train.rounds == sync.train.steps and sync.train.samples_per_round == sync.train.global_batch
     # the servers step the outer optimizer, with no schedule; a sharded inner optimizer need not be elementwise
