@@ -318,9 +318,11 @@ class Reader:
         if _SEQ.unpack_from(mm, base)[0] != desc["seq"]:
             raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: a newer write, or one unfinished")
         out: dict[str, torch.Tensor] = {}
+        # every view shares one storage, the slot's: a run of adjacent tensors can be viewed as one (worker/inbox.py)
+        whole = _view(mm, base + HEAD, torch.uint8, [len(mm) // SLOTS - HEAD], len(mm) // SLOTS - HEAD)
         for x, a in zip(metas, at, strict=True):
             dtype, shape, n = protocol.tensor_spec(x)
-            v = _view(mm, base + HEAD + a, dtype, shape, n)
+            v = whole[a:a + n].view(dtype).view(shape)
             if self.checksum and x["xxh"] is not None and xxhash.xxh3_64_intdigest(
                     protocol.tensor_bytes(v) if n else b"") != x["xxh"]:
                 raise ShmError("bad_checksum", repr(x["name"])[:60])

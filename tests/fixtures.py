@@ -134,3 +134,21 @@ def many_tensors_mlp(n: int = 1500, size: int = 1, **kwargs) -> torch.nn.Module:
     """The digits MLP plus `n` parameters of `size` elements. With size 3,000 (18 MB, more than a flat buffer
     takes: shared/layout.py) the gradient travels tensor by tensor, and its header alone is over 64 KiB."""
     return _ManyTensors(n, size, **kwargs)
+
+
+def clamping_mlp(bound: float = 0.05, **kwargs) -> torch.nn.Module:
+    """The digits MLP whose forward pass first clips its first layer's weights in place (a model that writes its own
+    parameters: a same-host worker must copy them out of the leader's slot, never compute on read-only views)."""
+    from cmemi.examples.digits import make_model
+
+    model = make_model(**kwargs)
+    first = next(model.parameters())
+    inner = model.forward
+
+    def forward(x):
+        with torch.no_grad():
+            first.clamp_(-bound, bound)
+        return inner(x)
+
+    model.forward = forward
+    return model

@@ -21,6 +21,11 @@ from cmemi.shared.usercode import describe
 Result = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]
 
 
+class StaleParameters(Exception):
+    """The parameters computed on were rewritten meanwhile (a slot read in place, services/worker/inbox.py `lend`):
+    what came out is not a gradient of any version, so nothing about it (not even a NaN) is the user's."""
+
+
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a += b in a's storage: `add_into`'s step, for one tensor."""
     return a.add_(b)
@@ -33,6 +38,8 @@ class BlockComputer:
         # the last block's gradient is gone by the next one (sent, and the step it was part of is over): its pages
         # go back to the kernel first, so that the heap does not grow by a tensor or two (shared/allocator.py)
         self.trim = allocator.worth_trimming(limits.nbytes(runner.params.values()))
+        # are the parameters still those of the lease? (false only when a slot read in place was rewritten)
+        self.valid: Callable[[], bool] = lambda: True
 
     def block(self, step: int, lo: int, hi: int, scale: float) -> Result:
         """The lease [lo, hi) of step `step`: (loss per microbatch, gradient sum, buffer contribution sum or None,
@@ -106,6 +113,8 @@ class BlockComputer:
 
     def _check(self, step: int, lo: int, hi: int, total: dict[str, torch.Tensor], losses: list[float]) -> None:
         if not all_finite(total.values()):  # one pass over the sum: NaN/inf in any microbatch shows
+            if not self.valid():
+                raise StaleParameters(f"step {step}")
             self.fatal(f"the gradient of microbatches {lo}..{hi - 1} of step {step} is not finite (losses "
                        f"{losses}); the run diverged: lower optimizer.kwargs.lr, clip, or check the data")
 
@@ -139,6 +148,8 @@ class BlockComputer:
             try:
                 return compute()
             except UserCodeError as again:
+                if not self.valid():
+                    raise StaleParameters(first.phase) from None
                 if describe(again.cause) == seen:
                     self.fatal(f"{seen.line()} during {first.phase}, the same way twice on worker {self.who()}: "
                                "a bug in user code, not retried; fix it and run again")

@@ -23,11 +23,12 @@ import redis
 import structlog
 import torch
 import zmq
-from cmemi.services.worker.block import BlockComputer
+from cmemi.services.worker.block import BlockComputer, StaleParameters
 from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
 from cmemi.services.worker.inbox import Inbox
 from cmemi.services.worker.inflight import InFlight
+from cmemi.services.worker.lending import SlotLending
 from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.loader import Loader
 from cmemi.services.worker.local import LocalRound
@@ -104,6 +105,10 @@ class Worker:
         # the leader's segment (and a successor's)
         self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
+        # the leader's slot read in place where nothing else writes the parameters (services/worker/lending.py)
+        self.lending = SlotLending(self.inbox, self.slot_reader, self.params, cfg.cluster.shards == 1
+                                   and self.downlink is None and self.local is None, ctx.log)
+        self.compute.valid = self.lending.valid
 
     def assume(self, wid: str) -> None:
         """Take identity `wid`: register (new incarnation) and start heartbeating."""
@@ -117,6 +122,8 @@ class Worker:
             make_deterministic(self.device)
             self.runner.to(self.device)
             self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
+            self.lending = SlotLending(self.inbox, self.slot_reader, self.params, False, self.log)
+            self.compute.valid = self.lending.valid
         self.inc = self.life.register(wid)
         startup.mark("registered")
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
@@ -308,7 +315,7 @@ class Worker:
         except protocol.ProtocolError as exc:
             self.log.warning("parameters slot unusable; asking again", reason=exc.reason, detail=str(exc)[:200])
             return False
-        fits = self.inbox.take(protocol.Message(h, views))
+        fits = self.lending.load(protocol.Message(h, views))
         del views
         if not fits:
             self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
@@ -408,7 +415,17 @@ class Worker:
             self._keep(lo, h["step"] + 1, state)
             extra["inner"], inner = innerstate.to_wire(state)
         else:
-            losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
+            try:
+                losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
+                stale = not self.lending.valid()
+            except StaleParameters:
+                stale = True
+            if stale:  # a slot read in place was rewritten meanwhile: this lease is stale
+                self.log.info("parameters slot rewritten while computed on; asking again", version=self.version)
+                self.version = -1
+                self._send("want", term=self.term, version=self.version)
+                return
+            self.lending.computed()
         samples = (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches) * max(1, self.cfg.train.local_steps)
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
