@@ -205,6 +205,8 @@ def main() -> None:
             "compute_bound_cmemi_2w_vs_ddp_2p_le_1.00": (cb.get("cmemi_2w_vs_ddp_2p") or 99) <= 1.00,
             "comm_bound_cmemi_2w_k2_vs_ddp_2p_le_1.00":
                 (ratios.get("comm_bound", {}).get("cmemi_2w_k2_vs_ddp_2p") or 99) <= 1.00,
+            "comm_bound_cmemi_2w_vs_ddp_2p_le_1.00": (ratios.get("comm_bound", {}).get("cmemi_2w_vs_ddp_2p") or 99) <= 1.00,
+            "comm_bound_cmemi_1w_vs_plain_le_2.00": (ratios.get("comm_bound", {}).get("cmemi_1w_vs_plain") or 99) <= 2.00,
         }
         result["notes"] = [
             f"{C.machine()['cpus']} CPU cores, shared with other jobs: CMEMI with 2 workers runs 3 busy processes "
@@ -221,8 +223,8 @@ def main() -> None:
             "copies per byte, by the code paths (not measured): with slots (`auto`, same host) a gradient byte is "
             "copied into the worker's slot (1) and read there by the server (summed into a waiting partial sum, or "
             "copied once into a kept buffer; at M = 1 stepped where it lies), a parameter byte once into the server's "
-            "slot for all W same-host workers and once out of it by each (1/W + 1), and only descriptors cross the "
-            "socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
+            "slot for all W same-host workers, read there in place by each (services/worker/lending.py: 1/W; 1/W + 1 "
+            "for a model whose forward pass writes its parameters), and only descriptors cross the socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
             "sides) and is checksummed on each side; parameters go out from the live tensors (copy-on-write) for a "
             "model over 16 MiB, through the publisher's flat copy for a smaller one; CurveZMQ adds encryption and "
             "its buffers on both sides",

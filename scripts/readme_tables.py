@@ -150,9 +150,10 @@ def benchmark() -> str:
          "CMEMI 1 worker / plain",
          f"{mb['cmemi_1w_vs_plain']:.2f}× ({sec(mst['cmemi_1w'])} vs {sec(mst['plain'])}: every step ships the "
          f"gradients ({o['model_params']['comm_bound'] * 4 / 1e6:.0f} MB) and the parameters through the aggregator, "
-         "which a single process never does)", "—"),
+         "which a single process never does)", "≤ 2.00" + ok[mb["cmemi_1w_vs_plain"] <= 2.00]),
         ("step time, comm-bound: CMEMI 2 workers / DDP 2 processes (CMEMI with CurveZMQ on, the default)",
-         f"{mb['cmemi_2w_vs_ddp_2p']:.2f}× ({sec(mst['cmemi_2w'])} vs {sec(mst['ddp_2p'])})", "—"),
+         f"{mb['cmemi_2w_vs_ddp_2p']:.2f}× ({sec(mst['cmemi_2w'])} vs {sec(mst['ddp_2p'])})",
+         "≤ 1.00" + ok[mb["cmemi_2w_vs_ddp_2p"] <= 1.00]),
         *([("step time, comm-bound: CMEMI 2 workers and 2 shards (`cluster.shards: 2`) / DDP 2 processes",
             f"{mb['cmemi_2w_k2_vs_ddp_2p']:.2f}× ({sec(mst['cmemi_2w_k2'])} vs {sec(mst['ddp_2p'])}; one more busy "
             "process on the 2 shared cores, and on loopback there is no link to split: shards pay off across hosts, "
