@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,14 @@ def lab():
     finally:
         left = lab.close()
         assert not left, f"network namespaces left behind: {left}"
+
+
+@pytest.fixture
+def shm_run() -> Iterator[str]:
+    """A run id of its own for shared-memory segments (shared/shm.py); what the test left under /dev/shm is removed."""
+    from cmemi.shared import shm
+
+    run = f"shm-test-{secrets.token_hex(4)}"
+    yield run
+    for path in shm.owned(run):
+        path.unlink()

@@ -6,8 +6,6 @@ Units on real segments; then real clusters, bitwise against `cmemi reference` (o
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,14 +23,6 @@ from tests.conftest import DIGITS, FAST, run_up
 from tests.test_shards import reference_sha
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
-
-
-@pytest.fixture
-def run() -> Iterator[str]:
-    run = f"lend-test-{secrets.token_hex(4)}"
-    yield run
-    for path in shm.owned(run):
-        path.unlink()
 
 
 class _Log:
@@ -55,15 +45,15 @@ def _version(params: dict[str, torch.Tensor], partition: Partition, k: float) ->
 
 
 @pytest.mark.parametrize("rows, lends", [(64, True), (63, False)])
-def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(run: str, rows: int, lends: bool) -> None:
+def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(shm_run: str, rows: int, lends: bool) -> None:
     """Pieces of 64 floats a row lie back to back in the slot (each a multiple of its 64-byte alignment): the model's
     parameters become views of the slot, and `valid` holds until the slot is written again. Rows of 63 floats leave
     gaps: the version is copied, and the run copies from then on."""
     params = _model(rows)
     partition = Partition(params)
     assert partition.split  # "w" is in several pieces
-    inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(run, "agg", False), \
-        shm.Reader(run, False), _Log()
+    inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(shm_run, "agg", False), \
+        shm.Reader(shm_run, False), _Log()
     own = params["w"].data_ptr()
     lending = SlotLending(inbox, reader, params, True, log)
     lending.lending = True  # (as after a first version that left the parameters unchanged: see the next test)
@@ -84,12 +74,12 @@ def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(run: str,
     writer.close()
 
 
-def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_never_lent(run: str) -> None:
+def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_never_lent(shm_run: str) -> None:
     for writes in (False, True):
         params = _model(64)
         partition = Partition(params)
-        inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(run, "agg", False), \
-            shm.Reader(run, False), _Log()
+        inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(shm_run, "agg", False), \
+            shm.Reader(shm_run, False), _Log()
         lending = SlotLending(inbox, reader, params, True, log)
         desc = writer.write(_version(params, partition, 1.0))
         assert lending.load(protocol.Message({"shm": desc}, reader.views(desc))) and not inbox.lent  # copied

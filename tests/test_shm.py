@@ -5,11 +5,9 @@ Real segments under /dev/shm and real processes; each test uses a run id of its 
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -23,11 +21,8 @@ pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /d
 
 
 @pytest.fixture
-def run() -> Iterator[str]:
-    run = f"shm-test-{secrets.token_hex(4)}"
-    yield run
-    for path in shm.owned(run):
-        path.unlink()
+def run(shm_run: str) -> str:
+    return shm_run
 
 
 def tensors(k: float = 1.0) -> dict[str, torch.Tensor]:
