@@ -119,6 +119,31 @@ def socket_share(runs: list[dict[str, Any]], workers: int, grad_bytes: int) -> f
     return round(C.median(vals), 4) if vals else None
 
 
+def copy_floor(nbytes: int, copies: int, reps: int = 15) -> dict[str, Any]:
+    """What `copies` memory copies of `nbytes` each cost here (torch `copy_` between two buffers, one thread), warm
+    (the source just written) and cold (64 MiB touched in between): the floor under a step that must copy that
+    much, measured in the same run as the steps."""
+    import torch
+
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    evict = torch.empty(16 << 20)
+    out: dict[str, Any] = {"bytes_per_copy": nbytes, "copies_per_step": copies}
+    for kind in ("warm", "cold"):
+        times = []
+        for _ in range(reps):
+            if kind == "warm":
+                src.add_(0.0)
+            else:
+                evict.fill_(1.0)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        s = C.median(times)
+        out[f"{kind}_GB_per_s"] = round(nbytes / s / 1e9, 2)
+        out[f"{kind}_ms_per_step"] = round(copies * s * 1e3, 2)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer steps (for make bench)")
@@ -199,6 +224,12 @@ def main() -> None:
                 for k, v in by.items() if k.startswith("cmemi") and "_k2" not in k}
         result["ratios"] = ratios
         result["step_times"] = step_times
+        if "comm_bound" in step_times:  # over slots a step copies a gradient into the worker's slot and a version into
+            # the leader's (read in place on the other side): two copies of the parameters' bytes at least
+            med = step_times["comm_bound"]["median_step_time_s"]
+            floor = copy_floor(4 * result["model_params"]["comm_bound"], 2)
+            floor["cmemi_1w_over_plain_ms"] = round((med["cmemi_1w"] - med["plain"]) * 1e3, 2)
+            result["copy_floor"] = {"comm_bound": floor}
         cb = ratios.get("compute_bound", {})
         result["targets"] = {
             "compute_bound_cmemi_1w_vs_plain_le_1.10": (cb.get("cmemi_1w_vs_plain") or 99) <= 1.10,

@@ -127,6 +127,8 @@ def benchmark() -> str:
     mw = o["step_times"]["comm_bound"]["workload"]
     ok = {True: " ✓", False: " ✗"}
     tgt = o["targets"]
+    sb = o["step_times"]["comm_bound"].get("socket_bytes_per_grad_byte", {})
+    cf = o.get("copy_floor", {}).get("comm_bound")
     ratio = t["ratio_protocol_vs_raw"]
     vs_sum = [v["protocol_vs_raw_sum"] for v in t["ratios"].values()]
     sizes = list(ratio)
@@ -163,6 +165,19 @@ def benchmark() -> str:
             "nothing)", f"{mb['cmemi_2w_nocurve_vs_ddp_2p']:.2f}× ({sec(mst['cmemi_2w_nocurve'])} vs "
             f"{sec(mst['ddp_2p'])}: what is left without encryption)", "—")]
           if "cmemi_2w_nocurve_vs_ddp_2p" in mb else []),
+        *([("step time, comm-bound: CMEMI 1 worker / plain, per transport: shared-memory slots (the default on one "
+            "host) / tcp:// without Curve / CurveZMQ tcp://",
+            f"{mb['cmemi_1w_vs_plain']:.2f}× / {mb['cmemi_1w_nocurve_vs_plain']:.2f}× / "
+            f"{mb['cmemi_1w_tcp_vs_plain']:.2f}×; bytes through the aggregator's socket per gradient byte "
+            f"{sb['cmemi_1w']} / {sb['cmemi_1w_nocurve']} / {sb['cmemi_1w_tcp']}", "")]
+          if "cmemi_1w_tcp_vs_plain" in mb else []),
+        *([("comm-bound, CMEMI 1 worker over slots: time over the plain loop per step, against the copies it cannot "
+            "avoid",
+            f"{cf['cmemi_1w_over_plain_ms']} ms; two copies of the parameters' bytes ({cf['bytes_per_copy'] / 1e6:.0f} "
+            f"MB each: a gradient into the worker's slot, a version into the leader's; each side reads the other's in "
+            f"place) take {cf['warm_ms_per_step']}–{cf['cold_ms_per_step']} ms here ({cf['warm_GB_per_s']} / "
+            f"{cf['cold_GB_per_s']} GB/s warm / cold, same run); the rest is a NaN/inf pass over the gradient on each "
+            "side, cold reads of what the other process wrote, and the messages", "")] if cf else []),
         ("aggregator ingest (receive + header + xxh3 checksum + decode + ordered sum + NaN/inf check) / raw ZeroMQ "
          "PUSH/PULL of the same buffers",
          f"{span(list(ratio.values()), '{:.2f}')} ({sizes[0]}–{sizes[-1]} messages); against a raw receiver that "

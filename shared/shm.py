@@ -203,7 +203,8 @@ class Writer:
         base = slot * (HEAD + self.capacity)
         self.seqs[slot] += 1
         _SEQ.pack_into(self.mm, base, self.seqs[slot])
-        views = [_view(self.mm, base + HEAD + a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
+        whole = _view(self.mm, base + HEAD, torch.uint8, [self.capacity], self.capacity)  # one map of the slot
+        views = [whole[a:a + m["nbytes"]].view(protocol.DTYPES[m["dtype"]]).view(m["shape"])
                  for m, a in zip(metas, at, strict=True)]
         return slot, views
 
