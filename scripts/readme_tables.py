@@ -176,7 +176,7 @@ def benchmark() -> str:
             f"{cf['cmemi_1w_over_plain_ms']} ms; two copies of the parameters' bytes ({cf['bytes_per_copy'] / 1e6:.0f} "
             f"MB each: a gradient into the worker's slot, a version into the leader's; each side reads the other's in "
             f"place) take {cf['warm_ms_per_step']}–{cf['cold_ms_per_step']} ms here ({cf['warm_GB_per_s']} / "
-            f"{cf['cold_GB_per_s']} GB/s warm / cold, same run); the rest is a NaN/inf pass over the gradient on each "
+            f"{cf['cold_GB_per_s']} GB/s warm / cold, same run); in py-spy profiles the rest is a NaN/inf pass over the gradient on each "
             "side, cold reads of what the other process wrote, and the messages", "")] if cf else []),
         ("aggregator ingest (receive + header + xxh3 checksum + decode + ordered sum + NaN/inf check) / raw ZeroMQ "
          "PUSH/PULL of the same buffers",
