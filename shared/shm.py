@@ -144,12 +144,16 @@ def _place(metas: list[dict[str, Any]]) -> tuple[list[int], int]:
     return at, end
 
 
-def _view(mm: mmap.mmap, start: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+def _slot_bytes(mm: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
+    """The `nbytes` of a slot's tensors as one byte tensor on the map: every tensor is a view of it (`_tensor_at`),
+    so a run of adjacent ones can be viewed as one (services/worker/inbox.py)."""
     with warnings.catch_warnings():  # a reader's map is read-only on purpose: torch warns that it is
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mm, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(shape)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def _tensor_at(slot: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
+    return slot[at:at + nbytes].view(dtype).view(shape)
 
 
 class Writer:
@@ -203,8 +207,8 @@ class Writer:
         base = slot * (HEAD + self.capacity)
         self.seqs[slot] += 1
         _SEQ.pack_into(self.mm, base, self.seqs[slot])
-        whole = _view(self.mm, base + HEAD, torch.uint8, [self.capacity], self.capacity)  # one map of the slot
-        views = [whole[a:a + m["nbytes"]].view(protocol.DTYPES[m["dtype"]]).view(m["shape"])
+        whole = _slot_bytes(self.mm, base + HEAD, self.capacity)
+        views = [_tensor_at(whole, a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
                  for m, a in zip(metas, at, strict=True)]
         return slot, views
 
@@ -319,11 +323,10 @@ class Reader:
         if _SEQ.unpack_from(mm, base)[0] != desc["seq"]:
             raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: a newer write, or one unfinished")
         out: dict[str, torch.Tensor] = {}
-        # every view shares one storage, the slot's: a run of adjacent tensors can be viewed as one (worker/inbox.py)
-        whole = _view(mm, base + HEAD, torch.uint8, [len(mm) // SLOTS - HEAD], len(mm) // SLOTS - HEAD)
+        whole = _slot_bytes(mm, base + HEAD, len(mm) // SLOTS - HEAD)
         for x, a in zip(metas, at, strict=True):
             dtype, shape, n = protocol.tensor_spec(x)
-            v = whole[a:a + n].view(dtype).view(shape)
+            v = _tensor_at(whole, a, dtype, shape, n)
             if self.checksum and x["xxh"] is not None and xxhash.xxh3_64_intdigest(
                     protocol.tensor_bytes(v) if n else b"") != x["xxh"]:
                 raise ShmError("bad_checksum", repr(x["name"])[:60])

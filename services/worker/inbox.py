@@ -45,13 +45,13 @@ class Inbox:
                             step_buffers[name[len(PREFIX):]] = view
                         else:
                             params[name].data = view
-            self.owned = {n: p.data for n, p in params.items()}
-            return
-        # One frame per piece: on a CPU each lands straight in its rows of the model (a piece is a contiguous run of
-        # rows, shared/shards.py), at any cluster.shards; no second copy of the leader's slice is kept.
-        self.bound = cpu
-        landing = pieces if cpu else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for n, p in pieces.items()}
-        self.tensors = {**landing, **{PREFIX + n: b for n, b in step_buffers.items()}}
+        else:
+            # One frame per piece: on a CPU each lands straight in its rows of the model (a piece is a contiguous run
+            # of rows, shared/shards.py), at any cluster.shards; no second copy of the leader's slice is kept.
+            self.bound = cpu
+            landing = pieces if cpu else {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                                          for n, p in pieces.items()}
+            self.tensors = {**landing, **{PREFIX + n: b for n, b in step_buffers.items()}}
         self.owned = {n: p.data for n, p in params.items()}  # the parameters' own storage (see `own`)
 
     def take(self, msg: protocol.Message) -> bool:

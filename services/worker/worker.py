@@ -105,9 +105,13 @@ class Worker:
         # the leader's segment (and a successor's)
         self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
-        # the leader's slot read in place where nothing else writes the parameters (services/worker/lending.py)
-        self.lending = SlotLending(self.inbox, self.slot_reader, self.params, cfg.cluster.shards == 1
-                                   and self.downlink is None and self.local is None, ctx.log)
+        self._lend_from(self.inbox)
+
+    def _lend_from(self, inbox: Inbox) -> None:
+        """The leader's slot read in place where nothing but the slot writes the parameters (services/worker/lending.py;
+        the inbox rules out shards' rows and a GPU)."""
+        self.lending = SlotLending(inbox, self.slot_reader, self.params, self.downlink is None and self.local is None,
+                                   self.ctx.log)
         self.compute.valid = self.lending.valid
 
     def assume(self, wid: str) -> None:
@@ -122,8 +126,7 @@ class Worker:
             make_deterministic(self.device)
             self.runner.to(self.device)
             self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
-            self.lending = SlotLending(self.inbox, self.slot_reader, self.params, False, self.log)
-            self.compute.valid = self.lending.valid
+            self._lend_from(self.inbox)
         self.inc = self.life.register(wid)
         startup.mark("registered")
         structlog.contextvars.bind_contextvars(worker_id=wid, incarnation=self.inc)
