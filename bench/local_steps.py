@@ -1,16 +1,19 @@
 """Local steps (train.local_steps, DiLoCo) against synchronous training at equal samples: eval loss and the samples
 each needs to reach the synchronous run's final eval loss.
 
-    .venv/bin/python bench/local_steps.py [--quick] [--steps 1000] [--local 10,50,200] [--out bench/results/local_steps.json]
+    .venv/bin/python bench/local_steps.py [--quick] [--steps 1000] [--local 10,50,200] [--jobs 2] [--out FILE]
 
 Every run is `cmemi reference` in this process (cmemi/reference.py: the algorithm the cluster runs, bitwise — tested
 in tests/test_local_steps.py), on `examples/charlm.yaml` (the char-level transformer, AdamW with a OneCycle schedule
 over train.steps), train.steps inner steps of global_batch samples each: the synchronous run takes train.steps steps
 of the whole batch; a local run takes train.steps / H rounds of R = 4 replicas, each inner step of global_batch / R
-samples. So every run trains on the same number of samples. Each H is run with the paper's outer step (SGD, Nesterov
-momentum 0.9, lr 0.7: the default) and with plain averaging (SGD lr 1.0, no momentum: θ ← mean θ_r). The eval loss is
-charlm's `evaluate` on its held-out split, at the end and every `--every` inner steps' worth of samples (a round's
-boundary, so every max(1, every / H) rounds).
+samples. So every run trains on the same number of samples. Each H is run with three outer steps: the paper's (SGD,
+Nesterov momentum 0.9, lr 0.7: the default), a milder Nesterov one (lr 1.0, momentum 0.7: better in a run of few
+rounds) and plain averaging (SGD lr 1.0, no momentum: θ ← mean θ_r). The eval loss is charlm's `evaluate` on its
+held-out split, at the end and every `--every` inner steps' worth of samples (a round's boundary, so every
+max(1, every / H) rounds). The target of "samples to the synchronous loss" is the synchronous run's final eval loss;
+the synchronous run's own samples to it are the first evaluation at or below it (a small model on a small corpus
+overfits late in a long run: its final loss is then reached before its last step).
 
 `--reach H:OUTER:FACTOR,...` also trains local runs FACTOR times as long (the schedule over the longer run) and records
 the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +40,12 @@ from bench import common as C  # noqa: E402
 
 CONFIG = "examples/charlm.yaml"
 REPLICAS = 4
-OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "average": "{lr: 1.0, momentum: 0.0}"}
+OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0, momentum: 0.7, nesterov: true}",
+          "average": "{lr: 1.0, momentum: 0.0}"}
 
 
 def run(steps: int, local: int, outer: str | None, every: int) -> dict[str, Any]:
+    C.pin_threads(1)  # (also in a --jobs process)
     from cmemi.shared.config import load_config
 
     from cmemi.reference import train
@@ -70,41 +77,46 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="400 steps, H = 10 and 50 (to debug)")
     p.add_argument("--steps", type=int, default=None, help="inner steps (default 1000; --quick 400)")
     p.add_argument("--local", default=None, help="H values (default 10,50,200; --quick 10,50)")
+    p.add_argument("--outers", default=",".join(OUTERS), help=f"outer steps to run, of {','.join(OUTERS)}")
     p.add_argument("--every", type=int, default=50, help="evaluate every this many inner steps' samples")
     p.add_argument("--reach", default="", help="H:OUTER:FACTOR,... longer local runs (e.g. 200:average:4)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each in a process of its own (one thread "
+                   "each; the losses are the same bits at any --jobs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     steps = args.steps or (400 if args.quick else 1000)
     hs = [int(x) for x in (args.local or ("10,50" if args.quick else "10,50,200")).split(",")]
     if bad := [h for h in hs if steps % h]:
-        print(f"--local: train.steps={steps} is not a multiple of {bad}", file=sys.stderr)
-        sys.exit(2)
+        p.error(f"--local: train.steps={steps} is not a multiple of {bad}")
+    outers = args.outers.split(",")
+    if unknown := [o for o in outers if o not in OUTERS]:
+        p.error(f"--outers: unknown {unknown}; choose from {','.join(OUTERS)}")
+    reach = [(int(h), o, int(f)) for h, o, f in (x.split(":") for x in filter(None, args.reach.split(",")))]
     C.setup(threads=1)
     result: dict[str, Any] = {"bench": "local_steps", **C.provenance(),
                               "command": " ".join(["python bench/local_steps.py", *sys.argv[1:]]),
                               "machine": C.machine(), "config": CONFIG, "steps": steps, "replicas": REPLICAS,
-                              "outer_optimizers": OUTERS, "runs": []}
+                              "outer_optimizers": {o: OUTERS[o] for o in outers}, "runs": []}
     t_start = time.monotonic()
+    specs = [(steps, 0, None), *((steps, h, o) for h in hs for o in outers), *((steps * f, h, o) for h, o, f in reach)]
     try:
-        C.log(f"synchronous, {steps} steps")
-        sync = run(steps, 0, None, args.every)
+        C.log(f"{len(specs)} runs of charlm ({steps} inner steps), {args.jobs} at a time")
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(run, *zip(*specs, strict=True), [args.every] * len(specs)))
+        sync, runs, longer = done[0], done[1:1 + len(hs) * len(outers)], done[1 + len(hs) * len(outers):]
+        target = sync["eval_loss"]
+        sync["samples_to_final"] = samples_to(sync["curve"], target)
+        sync["best_loss"] = min(p["loss"] for p in sync["curve"])
         result["sync"] = sync
-        for h in hs:
-            for outer in OUTERS:
-                C.log(f"H = {h}, outer {outer}")
-                r = run(steps, h, outer, args.every)
-                r["eval_vs_sync"] = round(r["eval_loss"] / sync["eval_loss"] - 1, 4)  # relative, + is worse
-                r["samples_to_sync_final"] = samples_to(r["curve"], sync["eval_loss"])
-                result["runs"].append(r)
+        for r in runs:
+            r["eval_vs_sync"] = round(r["eval_loss"] / target - 1, 4)  # relative, + is worse
+            r["samples_to_sync_final"] = samples_to(r["curve"], target)
+        result["runs"] = runs
         result["sync_samples"] = sync["curve"][-1]["samples"]
-        result["reach"] = []
-        for spec in filter(None, args.reach.split(",")):
-            h, outer, factor = spec.split(":")
-            C.log(f"H = {h}, outer {outer}, {factor} x the samples")
-            r = run(steps * int(factor), int(h), outer, args.every)
-            r["factor"] = int(factor)
-            r["samples_to_sync_final"] = samples_to(r["curve"], sync["eval_loss"])
-            result["reach"].append(r)
+        for r, (_, _, f) in zip(longer, reach, strict=True):
+            r["factor"] = f
+            r["samples_to_sync_final"] = samples_to(r["curve"], target)
+        result["reach"] = longer
     except BaseException as exc:
         C.record_error(result, exc)
         raise

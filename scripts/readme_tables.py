@@ -640,11 +640,12 @@ def local_steps() -> str:
     bench/results/cluster_local.json), with the wall-clock to the synchronous run's final loss they imply."""
     d = load("local_steps")
     sync = d["sync"]
+    sync_need = sync.get("samples_to_final", d["sync_samples"])  # its first evaluation at or below its final loss
     lines = [f"charlm ({d['steps']} inner steps of {d['config']}'s global batch, {d['replicas']} replicas; eval loss on "
              "its held-out split):", "",
              "| train.local_steps (H) | outer step | eval loss | vs synchronous | samples to the synchronous final loss |",
              "|---|---|---|---|---|",
-             f"| 0 (synchronous) | — | {sync['eval_loss']:.3f} | — | {sync['curve'][-1]['samples']:,} |"]
+             f"| 0 (synchronous) | — | {sync['eval_loss']:.3f} | — | {sync_need:,} |"]
     for r in d["runs"]:
         reach = r["samples_to_sync_final"]
         lines.append(f"| {r['local_steps']} | {r['outer']} | {r['eval_loss']:.3f} | {r['eval_vs_sync']:+.1%} | "
@@ -681,8 +682,12 @@ def local_steps() -> str:
 
         lines.append(f"| {n} | {H} | {num(kn.get('bytes_per_sample'))} | {num(loc['bytes_per_sample'])} | {fewer} | "
                      f"{num(rate('ddp'))} | {num(rate('ddp_powersgd'))} | {num(rate('cmemi_local'))} | "
-                     f"{wall(d['sync_samples'], rate('ddp'))} / {wall(d['sync_samples'], rate('ddp_powersgd'))} / "
+                     f"{wall(sync_need, rate('ddp'))} / {wall(sync_need, rate('ddp_powersgd'))} / "
                      f"{local_wall} |")
+    if "best_loss" in sync:
+        lines += ["", f"The synchronous run's best eval loss was {sync['best_loss']:.3f}; it first reached its final "
+                  f"loss at {sync_need:,} samples of {d['sync_samples']:,} (a small model on a small corpus overfits late "
+                  "in a long run), and that is the sample count its wall-clock below is taken at."]
     lines += ["", "Wall-clock = the samples each needs on charlm (DDP and DDP + PowerSGD taken as synchronous training: "
               "PowerSGD's own loss is not measured, which favours it) ÷ its samples/s on the emulated cluster (the "
               "sleepy MLP of the other rows, `--local-steps` H); for local steps, the fewest samples at which a run with "

@@ -25,9 +25,11 @@ DELTA, DENSE = "delta", "dense"  # a work or slice message's `downlink`: the cha
 
 
 def codec(cfg: CompressionConfig) -> GradientCodec:
-    """The downlink's codec: `cfg.downlink` with the uplink's options, no error feedback (the mirror is it), no
-    warm-up. Decoding checks that every value is finite (a hostile frame never reaches a mirror)."""
-    return make_codec(dataclasses.replace(cfg, codec=cfg.downlink, error_feedback=False, warmup_steps=0))
+    """The downlink's codec: `cfg.downlink` with the uplink's options, no error feedback (the mirror is it). Its
+    warm-up is the uplink's (`compression.warmup_steps`): the changes to versions below it go raw fp32, like DDP's
+    PowerSGD hook's `start_powerSGD_iter` (early steps are the ones a compressed exchange hurts most). Decoding checks
+    that every value is finite (a hostile frame never reaches a mirror)."""
+    return make_codec(dataclasses.replace(cfg, codec=cfg.downlink, error_feedback=False))
 
 
 def apply(decoder: GradientCodec, mirror: Mapping[str, torch.Tensor], info: Any, frames: Any,
@@ -61,7 +63,8 @@ class Mirror:
         """After the step to `version`: encode θ − m, and move m by what the message decodes to."""
         with torch.no_grad():
             change = {n: pieces[n].detach() - m for n, m in self.tensors.items()}
-        info, frames = self.codec.encode(change, version) if change else ({}, {})
+        # the change is step (version − 1)'s: warm-up counts steps, as the uplink's does
+        info, frames = self.codec.encode(change, version - 1) if change else ({}, {})
         apply(self.codec, self.tensors, info, frames, self.shapes)
         self.delta, self.version = (info, frames), version
 

@@ -4,6 +4,7 @@ fault, and equal to `cmemi reference` (docs/design.md §9)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -70,6 +71,22 @@ def test_the_servers_mirror_and_a_workers_are_the_same_function_bitwise(codec: s
         assert sent < sum(p.numel() * 4 for p in theta.values())
     gap = max(float((theta[n] - server.tensors[n]).abs().max()) for n in theta)
     assert gap < 0.2, gap  # what was not sent is sent later: the mirror stays near the parameters
+
+
+def test_the_downlink_warms_up_with_the_uplink_raw_changes_then_the_codec() -> None:
+    """compression.warmup_steps holds for the downlink too (DDP's start_powerSGD_iter): the changes of the first
+    steps go raw fp32, so the mirror is the parameters then; after them the codec's own messages."""
+    theta = _pieces()
+    server = downlink.Mirror(dataclasses.replace(_cfg("powersgd"), warmup_steps=3), theta)
+    for t in range(1, 6):
+        _step(theta, t)
+        server.advance(theta, t)
+        info, _ = server.change(t - 1)
+        tags = {m["codec"] for m in info.values()}
+        assert tags == ({"raw"} if t <= 3 else {"raw", "powersgd"}), (t, tags)  # (b: too small to compress)
+        if t <= 3:
+            for n in theta:
+                torch.testing.assert_close(server.tensors[n], theta[n], rtol=0, atol=1e-6)
 
 
 def test_a_mirror_restored_from_its_state_goes_on_bitwise() -> None:
@@ -169,7 +186,7 @@ def reference(tmp_path: Path, *sets: str) -> dict:
                                              ("int8", [(2, 1), (3, 3), (1, 3)])])
 def test_the_mirror_and_the_result_are_the_same_bits_for_any_w_and_k(tmp_path: Path, codec: str,
                                                                      runs: list[tuple[int, int]]) -> None:
-    sets = (*SHORT, f"compression.downlink={codec}")
+    sets = (*SHORT, f"compression.downlink={codec}", "compression.warmup_steps=3")  # (raw changes, then the codec)
     ref = reference(tmp_path, *sets)
     assert ref["params_sha256"] != reference(tmp_path, *SHORT)["params_sha256"]  # the downlink changes the result
     for w, k in runs:
