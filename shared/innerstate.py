@@ -17,7 +17,10 @@ from cmemi.shared.plugins import build_optimizer, build_scheduler
 
 InnerState = dict[str, Any]  # {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() or None}
 
-PREFIX = "inner"  # the tensors' wire names start with "inner."
+# The tensors' wire names start with ".inner.": beside a gradient's frames, which are named by the model's parameters,
+# and no parameter's name starts with "." (torch refuses "." in a module's or parameter's own name). A model with a
+# submodule called `inner` sends frames named "inner.…", which must stay gradients.
+PREFIX = ".inner"
 
 Signature = tuple[frozenset[tuple[str, str, tuple[int, ...]]], Any]  # tensors (name, dtype, shape); `skeleton`
 

@@ -152,3 +152,20 @@ def clamping_mlp(bound: float = 0.05, **kwargs) -> torch.nn.Module:
 
     model.forward = forward
     return model
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        from cmemi.examples.digits import make_model
+
+        self.inner = make_model(**kwargs)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def wrapped_digits(**kwargs) -> torch.nn.Module:
+    """The digits MLP as the submodule `inner` of a wrapper: parameters named "inner.…", as a user's wrapper names
+    them (the wire's own tensors, such as a replica's inner state, must not take these frames for theirs)."""
+    return _Wrapped(**kwargs)

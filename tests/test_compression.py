@@ -52,6 +52,24 @@ def test_a_codec_ships_10x_fewer_bytes_within_one_point_of_accuracy(tmp_path: Pa
     assert max(accuracy.values()) >= dense.summary["eval"]["accuracy"] - 0.01, (dense.summary["eval"], accuracy)
 
 
+@pytest.mark.timeout(400)
+def test_a_model_whose_parameters_are_named_inner_trains_with_every_codec_like_the_reference(tmp_path: Path) -> None:
+    """Parameters named "inner.…" (a wrapper's submodule `inner`) are sent per tensor by a compressing codec, beside
+    the wire's own tensors: every frame stays the gradient's (they were once taken for a replica's inner state, and
+    the run hung re-sending a gradient the leader dropped). One worker: the result is `cmemi reference`'s, bitwise."""
+    sets = (*FAST, "train.steps=6", "scheduler.kwargs.T_max=6", "cluster.workers=1",
+            "model.factory=tests.fixtures:wrapped_digits")
+    for codec in ("powersgd", "int8"):
+        run = (*sets, f"compression.codec={codec}", "compression.downlink=int8")
+        r = run_up(tmp_path / codec, *run)
+        assert r.rc == 0, r.stderr[-3000:]
+        assert r.summary["steps"] == 6
+        ref = subprocess.run(cmemi_cmd("reference", DIGITS, *(a for s in run for a in ("--set", s))),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        assert json.loads(ref.stdout)["params_sha256"] == r.summary["params_sha256"], codec
+
+
 def test_error_feedback_state_dies_with_its_worker_and_the_run_still_converges(tmp_path: Path) -> None:
     """topk's residual belongs to the worker: a killed worker's residual is lost (bounded: < one step of
     its gradients), its replacement starts with none, and training still reaches the target accuracy.
