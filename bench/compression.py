@@ -1,6 +1,7 @@
 """Every gradient codec on the digits example (and the char-level LM), same steps: bytes vs accuracy.
 
     .venv/bin/python bench/compression.py [--quick] [--examples digits,charlm] [--rows powersgd/powersgd,none]
+        [--warmup 0.1] [--repeats 3]
 
 Prints one JSON object: per example, per codec: bytes sent per step, ratio to `none`, final eval
 metric, median encode+decode seconds per step (workers' encode + aggregator's decode), and the lease shape the
@@ -10,6 +11,12 @@ today: one gradient per block lease (2 per step for digits' M = 4 on 2 workers),
 Rows with `compression.downlink` on (ROWS, "codec/downlink") compress the parameters too (docs/design.md §9): their
 `downlink` field names it, `ratio_received_vs_none` is what it saves, and `eval_vs_dense` is the eval metric minus
 that of `none` both ways at the same steps (issue 32: within 1 point of accuracy, 2 % of the loss).
+
+Every run sends its first `--warmup` fraction of the example's train.steps dense (`compression.warmup_steps`, both
+ways): the practice DDP's PowerSGD hook recommends (`start_powerSGD_iter` ~10 % of training), since the first steps
+are the ones a compressed exchange hurts most. An error-feedback codec's result depends on which worker computed which
+lease (each worker keeps its own residual), so a row's eval metric varies between runs: `--repeats N` runs every row N
+times and reports the run with the median metric (`eval_repeats` lists them all).
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def leases(config: str, sets: list[str]) -> dict:
 def run(example: str, codec: str, downlink: str, workdir: Path, extra: list[str]) -> dict:
     spec = EXAMPLES[example]
     tag = codec if downlink == "none" else f"{codec}-down{downlink}"
-    run_dir = workdir / f"{example}-{tag}"
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{example}-{tag}-", dir=workdir))
     sets = [f"compression.codec={codec}", f"compression.downlink={downlink}", "cluster.spare_workers=0",
             "checkpoint.every_steps=0", *spec["sets"], *extra]
     cmd = [sys.executable, "-m", "cmemi", "up", spec["config"], "--set", f"run.dir={run_dir}",
@@ -77,11 +84,22 @@ def run(example: str, codec: str, downlink: str, workdir: Path, extra: list[str]
     }
 
 
+def median_run(runs: list[dict], metric: str, sets: list[str]) -> dict:
+    """The run with the median `metric` (the lower middle one of an even count), with every run's metric."""
+    ok = [r for r in runs if "error" not in r and r.get(metric) is not None]
+    if not ok:
+        return runs[0]
+    row = sorted(ok, key=lambda r: r[metric])[(len(ok) - 1) // 2]
+    return {**row, "sets": sets, "eval_repeats": [r[metric] for r in ok]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="digits only")
     ap.add_argument("--examples", default=None, help="comma-separated: digits,charlm")
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
+    ap.add_argument("--warmup", type=float, default=0.1, help="fraction of train.steps sent dense first (default 0.1)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per row; the row is the median one (default 1)")
     ap.add_argument("--rows", default=None, help="comma-separated CODEC or CODEC/DOWNLINK, a subset of "
                     + ",".join(f"{c}/{d}" for c, d in ROWS) + " (default all; ratios need none/none)")
     args = ap.parse_args()
@@ -100,12 +118,15 @@ def main() -> None:
                  "examples": {}}
     with tempfile.TemporaryDirectory(prefix="cmemi-bench-") as tmp:
         for ex in examples:
+            metric = f"eval_{EXAMPLES[ex]['metric']}"
+            steps = load_config(str(ROOT / EXAMPLES[ex]["config"]), args.set).train.steps
+            sets = [f"compression.warmup_steps={round(args.warmup * steps)}", *args.set]
             rows = []
             for codec, downlink in rows_:
-                print(f"[compression] {ex} {codec} (downlink {downlink})", file=sys.stderr, flush=True)
-                rows.append(run(ex, codec, downlink, Path(tmp), args.set))
+                print(f"[compression] {ex} {codec} (downlink {downlink}) x {args.repeats}", file=sys.stderr, flush=True)
+                rows.append(median_run([run(ex, codec, downlink, Path(tmp), sets) for _ in range(args.repeats)],
+                                       metric, sets))
             base = next((r for r in rows if r["codec"] == r["downlink"] == "none" and "error" not in r), None)
-            metric = f"eval_{EXAMPLES[ex]['metric']}"
             for r in rows:
                 if base and "error" not in r:
                     r["ratio_vs_none"] = base["bytes_sent_per_step"] / r["bytes_sent_per_step"]

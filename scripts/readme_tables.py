@@ -234,15 +234,24 @@ def benchmark() -> str:
 def compression() -> str:
     d = load("compression")
     lines = ["| example | codec | downlink | microbatches per lease | gradients / step | bytes/step | × fewer than "
-             "`none` | bytes/step down | eval | codec ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "`none` | bytes/step down | eval | vs dense both ways | codec ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for example, rows in d["examples"].items():
+        base = next((x for x in rows if x["codec"] == x.get("downlink", "none") == "none"), None)
         for x in rows:
             ev = (f"accuracy {x['eval_accuracy']:.4f}" if "eval_accuracy" in x
                   else f"loss {x['eval_loss']:.3f}" if "eval_loss" in x else "-")
+            reps = x.get("eval_repeats", [])
+            if len(set(reps)) > 1:
+                ev += f" ({min(reps):.3f}–{max(reps):.3f})"
+            gap = x.get("eval_vs_dense")
+            vs = ("–" if gap is None or base is None else f"{gap * 100:+.2f} points" if "eval_accuracy" in x
+                  else f"{gap / base['eval_loss']:+.1%}")
             lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
             lines.append(f"| {example} | `{x['codec']}` | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
                          f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
-                         f"{x['bytes_received_per_step']:,.0f} | {ev} | {x['codec_s_per_step_median'] * 1000:.2f} |")
+                         f"{x['bytes_received_per_step']:,.0f} | {ev} | {vs} | "
+                         f"{x['codec_s_per_step_median'] * 1000:.2f} |")
     return "\n".join([*lines, "", measured("compression")])
 
 
