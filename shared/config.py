@@ -387,6 +387,11 @@ class CompressionConfig:
     """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
     topk or powersgd (same options as above); the servers keep what was not sent (docs/design.md §9)."""
 
+    @property
+    def whole_pieces(self) -> bool:
+        """A low-rank codec either way: the chunk grid's pieces are whole tensors up to 4 MiB (shared/shards.py)."""
+        return "powersgd" in (self.codec, self.downlink)
+
     def __post_init__(self) -> None:
         if self.downlink not in DOWNLINKS:
             _fail("compression.downlink", self.downlink, f"must be one of {', '.join(DOWNLINKS)}",

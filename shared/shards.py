@@ -7,6 +7,12 @@ whose rows fit is one piece, named as the tensor; the pieces of a bigger one are
 ...). Gradients are summed, averaged, clipped and stepped piece by piece, at every K and in the
 single-process reference, so vectorised and tail arithmetic cover the same elements whoever owns a piece.
 
+A low-rank codec (`powersgd`, either way) factors each piece on its own, and a thin piece factors badly: rank r of a
+piece of `rows` rows costs r·(rows + columns) numbers, so 20-row pieces of a 784-column matrix send ~10× fewer bytes
+than dense where the whole matrix sends ~150× fewer. With one (`Partition(..., whole=True)`) every piece is as big as
+CHUNK allows: whole tensors up to 4 MiB, the same grid at any K still (its bytes are few, so K shards' balance
+matters less than the factors' size).
+
 Shard k of K owns a contiguous run of pieces, the runs balanced by bytes; shard 0 (the leader) also
 owns the travelling buffers and hands out the leases. A shard may own no piece (more shards than
 pieces): it still takes part in every step, its optimizer holding one empty tensor for the schedule.
@@ -37,10 +43,11 @@ class Piece:
     nbytes: int
 
 
-def grid(shapes: Mapping[str, tuple[tuple[int, ...], int]]) -> list[Piece]:
-    """The pieces of tensors given as name -> (shape, element size), in order."""
+def grid(shapes: Mapping[str, tuple[tuple[int, ...], int]], whole: bool = False) -> list[Piece]:
+    """The pieces of tensors given as name -> (shape, element size), in order; `whole`: pieces of CHUNK bytes."""
     out = []
-    chunk = chunk_bytes(sum(int(torch.Size(shape).numel()) * itemsize for shape, itemsize in shapes.values()))
+    chunk = CHUNK if whole else chunk_bytes(sum(int(torch.Size(shape).numel()) * itemsize
+                                               for shape, itemsize in shapes.values()))
     for name, (shape, itemsize) in shapes.items():
         rows = shape[0] if shape else 1
         row_bytes = max(1, (int(torch.Size(shape).numel()) // rows if rows else 0) * itemsize)
@@ -78,12 +85,14 @@ def cut(pieces: list[Piece], stages: int) -> list[list[Piece]]:
 class Partition:
     """The grid of a model's trainable tensors and which shard owns what. `stages` (cluster.pipeline_stages, K > 1):
     the leader owns no piece, shards 1..K-1 share them all, and each one's run is cut into that many stages
-    (docs/design.md §4, "Pipelined steps")."""
+    (docs/design.md §4, "Pipelined steps"). `whole`: the coarse grid of a low-rank codec (`whole_pieces`)."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], shards: int = 1, stages: int = 0) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], shards: int = 1, stages: int = 0,
+                 whole: bool = False) -> None:
         self.shards = shards
         self.stages = stages if shards > 1 else 0
-        self.pieces = grid({n: (tuple(p.shape), p.element_size()) for n, p in params.items()})
+        self.whole = whole
+        self.pieces = grid({n: (tuple(p.shape), p.element_size()) for n, p in params.items()}, whole)
         owners = assign(self.pieces, shards, first=1 if self.stages else 0)
         self.owner = dict(zip((p.name for p in self.pieces), owners, strict=True))
         self.split = any(p.name != p.param for p in self.pieces)  # some tensor is cut into several pieces

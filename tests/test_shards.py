@@ -28,6 +28,28 @@ def reference_sha(tmp_path: Path, *sets: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- the grid (unit)
 
+def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_depend_on_k() -> None:
+    """compression powersgd (either way): pieces as big as CHUNK, so a matrix is factored whole, not as thin
+    slices of rows whose factors cost nearly as much as the slice (shared/shards.py)."""
+    from cmemi.shared.codecs import make_codec, wire_bytes
+    from cmemi.shared.config import CompressionConfig
+
+    params = {"w": torch.randn(512, 784), "v": torch.randn(512, 512), "b": torch.zeros(512),
+              "huge": torch.zeros(3000, 600)}  # 7.2 MB: still cut, into pieces of at most CHUNK
+    fine, coarse = Partition(params, 8), Partition(params, 8, whole=True)
+    assert CompressionConfig(codec="powersgd").whole_pieces and CompressionConfig(downlink="powersgd").whole_pieces
+    assert not CompressionConfig(codec="topk").whole_pieces
+    assert [p.name for p in coarse.pieces] == [p.name for p in Partition(params, 1, whole=True).pieces]
+    assert [p.name for p in coarse.pieces][:3] == ["w", "v", "b"] and all(p.nbytes <= CHUNK for p in coarse.pieces)
+    assert sum(p.param == "huge" for p in coarse.pieces) == 2 and sum(p.param == "w" for p in fine.pieces) > 8
+    sent = {}
+    for name, part in (("fine", fine), ("coarse", coarse)):
+        views = {n: v for n, v in part.views(params).items() if not n.startswith("huge")}
+        _, frames = make_codec(CompressionConfig(codec="powersgd")).encode(views, 0)
+        sent[name] = wire_bytes(frames)
+    assert sent["fine"] > 5 * sent["coarse"], sent
+
+
 def test_grid_cuts_big_tensors_by_rows_balances_bytes_and_joins_back() -> None:
     params = {"small": torch.zeros(10, 3), "big": torch.arange(1_200_000, dtype=torch.float32),
               "wide": torch.zeros(3000, 600), "bias": torch.zeros(7)}

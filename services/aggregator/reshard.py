@@ -25,6 +25,9 @@ from cmemi.shared import state
 from cmemi.shared.plugins import param_groups
 from cmemi.shared.shards import Partition
 
+OTHER_GRID = ("the checkpoint's chunk grid is not this run's (another model.factory or model.kwargs, or powersgd turned "
+              "on or off in compression.codec or compression.downlink); resume with the settings it was trained with")
+
 
 def old_shards(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     """The named sections (optimizer, scheduler, progress, ...) of every shard that wrote the checkpoint, in shard
@@ -48,10 +51,9 @@ def _numbering(trainer: Trainer, names: list[str]) -> list[str]:
 
 def _piece_states(trainer: Trainer, olds: list[dict[str, Any]], pieces: dict[str, list] | None) -> dict[str, Any]:
     """Piece name -> its optimizer state (a dict of tensors and numbers) in the checkpoint."""
-    before = Partition(trainer.params, len(olds))
+    before = Partition(trainer.params, len(olds), whole=trainer.partition.whole)
     if pieces is not None and pieces != before.describe():
-        raise state.StateError("the checkpoint's chunk grid is not this model's (another model.factory or "
-                               "model.kwargs); resume with the model it was trained with")
+        raise state.StateError(OTHER_GRID)
     found: dict[str, Any] = {}
     for k, named in enumerate(olds):  # what each old shard owned (recorded since cluster.pipeline_stages)
         numbered = _numbering(trainer, named["owned"] if "owned" in named else [p.name for p in before.owned(k)])

@@ -77,6 +77,9 @@ def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.T
     model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     if "per_shard" not in meta:  # written by one aggregator
         named = state.unflatten(meta, tensors)
+        groups = named.get("optimizer", {}).get("param_groups", [])
+        if not trainer.sharded and sum(len(g.get("params", [])) for g in groups) not in (0, len(trainer.pieces)):
+            raise state.StateError(reshard.OTHER_GRID)  # pieces stepped then are not this run's
         return named, named["model"], trainer.sharded
     if int(meta["shards"]) != trainer.partition.shards:
         return {}, model, True

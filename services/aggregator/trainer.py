@@ -56,7 +56,7 @@ class Trainer:
             initweights.load_into(self.model, cfg.model.init_from, cfg.model.init_strict)
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards,
-                                   cfg.cluster.pipeline_stages)
+                                   cfg.cluster.pipeline_stages, cfg.compression.whole_pieces)
         owned = self.partition.views(self.params, shard)
         # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
         self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}

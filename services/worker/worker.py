@@ -74,7 +74,8 @@ class Worker:
         if cfg.data.workers:  # forked now, before ZeroMQ's and Redis's threads exist
             self.runner.loader = Loader(cfg, self.dataset, cfg.data.workers, log=ctx.log)
         self.params = self.runner.params
-        self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages)  # the leader's slice, and the other shards'
+        self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages,  # the leader's slice,
+                                   cfg.compression.whole_pieces)  # and the other shards'
         self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: {"wid": self.wid, "inc": self.inc},
                                       self._link)
         self.device = torch.device("cpu")
