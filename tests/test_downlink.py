@@ -193,8 +193,29 @@ def test_the_mirror_and_the_result_are_the_same_bits_for_any_w_and_k(tmp_path: P
         r = run_up(tmp_path / f"w{w}k{k}", *sets, f"cluster.workers={w}", f"cluster.shards={k}")
         assert r.rc == 0, r.stderr[-3000:]
         s = r.summary
-        assert s["downlink"] == codec and s["steps"] == 30
+        assert s["downlink"] == codec and s["steps"] == 30 and s["duplicate_param_sends"] == 0
         assert (s["params_sha256"], s["mirror_sha256"]) == (ref["params_sha256"], ref["mirror_sha256"]), (w, k)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_leader_that_owns_no_piece_sends_changes_workers_apply(tmp_path: Path) -> None:
+    """powersgd's grid is whole tensors, so with K = 3 shards of an MLP whose first matrix is most of it the leader
+    owns no piece: its `work` carries an empty change, which workers apply from their version like any other (they
+    once moved their version first, took the change for another version's and asked for the whole mirror every
+    step). No parameters are sent twice, and the result is the reference's."""
+    from bench.cluster_models import sleepy_mlp
+
+    kwargs = {"in_dim": 64, "hidden": 512, "depth": 2, "classes": 10, "sleep_ms": 0.0}  # digits' 64 features
+    assert Partition(dict(sleepy_mlp(**kwargs).named_parameters()), 3, whole=True).owned(0) == []  # the case
+    sets = (*SHORT, "compression.downlink=powersgd", "model.factory=bench.cluster_models:sleepy_mlp",
+            "model.kwargs={" + ", ".join(f"{k}: {v}" for k, v in kwargs.items()) + "}")
+    ref = reference(tmp_path, *sets)
+    r = run_up(tmp_path / "k3", *sets, "cluster.workers=2", "cluster.shards=3")
+    assert r.rc == 0, r.stderr[-3000:]
+    s = r.summary
+    assert s["duplicate_param_sends"] == 0 and s["steps"] == 30
+    assert (s["params_sha256"], s["mirror_sha256"]) == (ref["params_sha256"], ref["mirror_sha256"])
 
 
 @pytest.mark.integration

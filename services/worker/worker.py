@@ -378,9 +378,10 @@ class Worker:
 
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
-        if not msg.tensors and not self.inbox.tensors:  # nothing to receive: a pipelined leader holds no parameters
-            self.version = h["version"]
-        if h.get("downlink") == downlink.DELTA:
+        delta = h.get("downlink") == downlink.DELTA  # (a change is from `base`: checked before the version moves)
+        if not msg.tensors and not self.inbox.tensors and not delta:  # nothing to receive: a leader without pieces
+            self.version = h["version"]  # (pipelined, or more shards than a low-rank codec's whole-tensor pieces)
+        if delta:
             if not self._apply_change(msg):  # not our version's, or malformed: the whole mirror instead
                 self.version = -1
                 self._send("want", term=self.term, version=self.version)
