@@ -618,10 +618,14 @@ def cluster_notes() -> str:
             send = by[n]["bounds_comm_only_s"]["single_server_full_duplex_s"]
             out.append(f"- **K = 1 at N = {n} failed** (the table's row; one server needs {send:.1f} s to send {n} "
                        f"parameter sets at {by[n]['link']['rate']}): {failed['error'].splitlines()[0][:200]}")
-    out.append("- The `powersgd` goal (≤ 0.3× DDP dense) is out of reach by design: only the gradients shrink, and the "
-               "dense parameters each worker pulls back alone take longer than 0.3× DDP's step at this link rate (the "
-               "`≥` bound of that row); DDP's PowerSGD hook has no parameters to send because every rank steps its own "
-               "replica.")
+    out.append("- `powersgd` up only cannot reach 0.3× DDP dense: only the gradients shrink, and the dense parameters "
+               "each worker pulls back alone take longer than 0.3× DDP's step at this link rate (the `≥` bound of that "
+               "row); DDP's PowerSGD hook has no parameters to send because every rank steps its own replica.")
+    both = [(n, a["step_time_median_s"] / b["step_time_median_s"]) for n in ns
+            if (a := run(n, "cmemi_kn_powersgd2")).get("step_time_median_s") and (b := run(n, "ddp")).get("step_time_median_s")]
+    if both:
+        out.append("- `powersgd` both ways (`compression.downlink: powersgd`, whole tensors factored: docs/design.md §9), "
+                   "K = N, against DDP dense: " + "; ".join(f"N = {n}: {r:.2f}×" for n, r in both) + ".")
     return "\n".join(out)
 
 

@@ -389,8 +389,9 @@ class CompressionConfig:
 
     @property
     def whole_pieces(self) -> bool:
-        """A low-rank codec either way: the chunk grid's pieces are whole tensors up to 4 MiB (shared/shards.py)."""
-        return "powersgd" in (self.codec, self.downlink)
+        """powersgd down: the chunk grid's pieces are whole tensors up to 4 MiB (shared/shards.py). Not for powersgd up
+        only: the dense parameters still go down, and K shards must share those bytes evenly."""
+        return self.downlink == "powersgd"
 
     def __post_init__(self) -> None:
         if self.downlink not in DOWNLINKS:

@@ -7,11 +7,12 @@ whose rows fit is one piece, named as the tensor; the pieces of a bigger one are
 ...). Gradients are summed, averaged, clipped and stepped piece by piece, at every K and in the
 single-process reference, so vectorised and tail arithmetic cover the same elements whoever owns a piece.
 
-A low-rank codec (`powersgd`, either way) factors each piece on its own, and a thin piece factors badly: rank r of a
-piece of `rows` rows costs r·(rows + columns) numbers, so 20-row pieces of a 784-column matrix send ~10× fewer bytes
-than dense where the whole matrix sends ~150× fewer. With one (`Partition(..., whole=True)`) every piece is as big as
-CHUNK allows: whole tensors up to 4 MiB, the same grid at any K still (its bytes are few, so K shards' balance
-matters less than the factors' size).
+A low-rank codec (`powersgd`) factors each piece on its own, and a thin piece factors badly: rank r of a piece of
+`rows` rows costs r·(rows + columns) numbers, so 20-row pieces of a 784-column matrix send ~10× fewer bytes than dense
+where the whole matrix sends ~150× fewer. With it both ways (`compression.downlink: powersgd`, `Partition(...,
+whole=True)`) every piece is as big as CHUNK allows: whole tensors up to 4 MiB, the same grid at any K still (every
+byte either way is then few, so K shards' balance matters less than the factors' size). With it up only the dense
+parameters still go down, and the fine grid spreads those bytes evenly over K shards' links.
 
 Shard k of K owns a contiguous run of pieces, the runs balanced by bytes; shard 0 (the leader) also
 owns the travelling buffers and hands out the leases. A shard may own no piece (more shards than

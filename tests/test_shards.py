@@ -29,7 +29,7 @@ def reference_sha(tmp_path: Path, *sets: str) -> str:
 # ---------------------------------------------------------------------------------------------- the grid (unit)
 
 def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_depend_on_k() -> None:
-    """compression powersgd (either way): pieces as big as CHUNK, so a matrix is factored whole, not as thin
+    """compression.downlink powersgd: pieces as big as CHUNK, so a matrix is factored whole, not as thin
     slices of rows whose factors cost nearly as much as the slice (shared/shards.py)."""
     from cmemi.shared.codecs import make_codec, wire_bytes
     from cmemi.shared.config import CompressionConfig
@@ -37,8 +37,9 @@ def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_de
     params = {"w": torch.randn(512, 784), "v": torch.randn(512, 512), "b": torch.zeros(512),
               "huge": torch.zeros(3000, 600)}  # 7.2 MB: still cut, into pieces of at most CHUNK
     fine, coarse = Partition(params, 8), Partition(params, 8, whole=True)
-    assert CompressionConfig(codec="powersgd").whole_pieces and CompressionConfig(downlink="powersgd").whole_pieces
-    assert not CompressionConfig(codec="topk").whole_pieces
+    assert CompressionConfig(codec="powersgd", downlink="powersgd").whole_pieces
+    assert not CompressionConfig(codec="powersgd").whole_pieces, "dense parameters down: K shards share them evenly"
+    assert not CompressionConfig(codec="topk", downlink="topk").whole_pieces
     assert [p.name for p in coarse.pieces] == [p.name for p in Partition(params, 1, whole=True).pieces]
     assert [p.name for p in coarse.pieces][:3] == ["w", "v", "b"] and all(p.nbytes <= CHUNK for p in coarse.pieces)
     assert sum(p.param == "huge" for p in coarse.pieces) == 2 and sum(p.param == "w" for p in fine.pieces) > 8

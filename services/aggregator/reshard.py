@@ -25,8 +25,8 @@ from cmemi.shared import state
 from cmemi.shared.plugins import param_groups
 from cmemi.shared.shards import Partition
 
-OTHER_GRID = ("the checkpoint's chunk grid is not this run's (another model.factory or model.kwargs, or powersgd turned "
-              "on or off in compression.codec or compression.downlink); resume with the settings it was trained with")
+OTHER_GRID = ("the checkpoint's chunk grid is not this run's (another model.factory or model.kwargs, or "
+              "compression.downlink changed to or from powersgd); resume with the settings it was trained with")
 
 
 def old_shards(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
