@@ -380,7 +380,8 @@ class CompressionConfig:
     min_compress_numel: int = 1024
     """Tensors with fewer elements (biases, norms) are sent dense fp32."""
     warmup_steps: int = 0
-    """Global steps < warmup_steps send dense fp32 gradients whatever the codec."""
+    """Global steps < warmup_steps send dense fp32 gradients whatever the codec, and (with downlink) their parameter
+    changes raw fp32 too."""
     error_feedback: bool = True
     """topk and powersgd: keep what was not sent and add it to the next step's gradient (per worker)."""
     downlink: str = "none"
