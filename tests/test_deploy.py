@@ -100,6 +100,14 @@ def role_of(command: list[str]) -> str:
     return command[0]
 
 
+def volume_mount(entry: str | dict) -> dict:
+    """A compose service's volume entry, short (`vol:/path[:ro]`) or long syntax, as the long syntax's fields."""
+    if isinstance(entry, dict):
+        return {"read_only": False, **entry, "nocopy": entry.get("volume", {}).get("nocopy", False)}
+    source, target, *mode = entry.split(":")
+    return {"source": source, "target": target, "read_only": mode == ["ro"], "nocopy": False}
+
+
 def compose_services(*files: str) -> dict[str, dict]:
     """The services of compose files merged as `docker compose -f A -f B` does for what this test reads."""
     services: dict[str, dict] = {}
@@ -134,11 +142,15 @@ def test_every_compose_service_sees_only_its_own_roles_secret_keys(tmp_path: Pat
     assert {"coordinator", "aggregator", "checkpointer", "worker"} <= set(cmemi_services)
     for svc, spec in cmemi_services.items():
         role = role_of(spec["command"])
-        keys_dir = [v for v in spec["volumes"] if v.split(":")[1] == "/keys"]
-        assert len(keys_dir) == 1 and keys_dir[0].endswith(":ro"), (svc, spec["volumes"])
-        volume = keys_dir[0].split(":")[0]
+        mounts = [volume_mount(v) for v in spec["volumes"]]
+        keys_dir = [m for m in mounts if m["target"] == "/keys"]
+        assert len(keys_dir) == 1 and keys_dir[0]["read_only"], (svc, spec["volumes"])
+        # nocopy: compose creates every container at once, and two (two workers, the aggregator and a shard) that
+        # copy the image's /keys subdirectories into one fresh volume race ("mkdir .../_data/all: file exists")
+        assert keys_dir[0]["nocopy"], (svc, spec["volumes"])
+        volume = keys_dir[0]["source"]
         assert volume == f"keys-{role}", (svc, volume)
-        assert not any(v.split(":")[0] == "keys" for v in spec["volumes"]), svc  # never the volume of all secrets
+        assert not any(m["source"] == "keys" for m in mounts), svc  # never the volume of all secrets
         seen = {p.name for p in host[volume].iterdir()}
         assert seen == public | OWN_SECRETS[role], (svc, seen)
         curve_from_config(SecurityConfig(curve=True, keys_dir=str(host[volume])), role)  # all it needs is there
