@@ -26,7 +26,9 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 - `cmemi_kn_nocurve`: `cmemi_kn` with `security.curve: false` (gloo encrypts nothing: what encryption costs);
 - `cmemi_kn_powersgd`: `cmemi_kn` with `compression.codec: powersgd` (the parameters still go back dense);
 - `cmemi_kn_powersgd2`, `cmemi_k1_powersgd2`, `cmemi_kn_dedicated_powersgd2`, `cmemi_kn_topk2`, `cmemi_k1_topk2`:
-  compressed both ways, `compression.downlink` the same codec as `compression.codec` (docs/design.md §9).
+  compressed both ways, `compression.downlink` the same codec as `compression.codec` (docs/design.md §9);
+- `cmemi_kn_powersgd_sign`, `cmemi_k1_powersgd_sign`, `cmemi_kn_dedicated_powersgd_sign`: `powersgd` up and
+  `compression.downlink: sign` (the parameters' changes as scaled signs, 1 bit each).
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
@@ -79,7 +81,9 @@ REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
 SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipelined", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
-           "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_local")
+           "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
+           "cmemi_kn_dedicated_powersgd_sign", "cmemi_local")
+BOTH_WAYS = tuple(k for k in SYSTEMS if k.endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 
 
@@ -411,7 +415,7 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_kn_powersgd_vs_ddp": C.ratio(med.get("cmemi_kn_powersgd"), med.get("ddp")),
             "cmemi_k1_powersgd_vs_ddp": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp")),
             "cmemi_k1_topk_vs_ddp": C.ratio(med.get("cmemi_k1_topk"), med.get("ddp")),
-            **{f"{k}_vs_ddp_powersgd": C.ratio(med.get(k), med.get("ddp_powersgd")) for k in SYSTEMS if k.endswith("2")},
+            **{f"{k}_vs_ddp_powersgd": C.ratio(med.get(k), med.get("ddp_powersgd")) for k in BOTH_WAYS},
             "cmemi_k1_powersgd_vs_ddp_powersgd": C.ratio(med.get("cmemi_k1_powersgd"), med.get("ddp_powersgd")),
             # local steps: per sample (a round trains H times a step's samples)
             "cmemi_kn_bytes_per_sample_vs_cmemi_local": C.ratio(runs.get("cmemi_kn", {}).get("bytes_per_sample"),
@@ -436,7 +440,8 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     codec = next((c for c in ("powersgd", "topk") if c in system), "none")
-    downlink = codec if system.endswith("2") else "none"  # "...2": the same codec both ways
+    # "...2": the same codec both ways; "..._sign": the parameters' changes as scaled signs (1 bit each)
+    downlink = codec if system.endswith("2") else "sign" if system.endswith("_sign") else "none"
     if system.startswith("cmemi_kn"):
         return cluster.cmemi(n, steps, warmup, codec, shards=n, dedicated="dedicated" in system,
                              curve=system != "cmemi_kn_nocurve", downlink=downlink)

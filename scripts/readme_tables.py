@@ -241,12 +241,19 @@ def compression() -> str:
         for x in rows:
             ev = (f"accuracy {x['eval_accuracy']:.4f}" if "eval_accuracy" in x
                   else f"loss {x['eval_loss']:.3f}" if "eval_loss" in x else "-")
-            reps = x.get("eval_repeats", [])
+            reps = x.get("eval_by_seed") or x.get("eval_repeats", [])
             if len(set(reps)) > 1:
                 ev += f" ({min(reps):.3f}–{max(reps):.3f})"
-            gap = x.get("eval_vs_dense")
-            vs = ("–" if gap is None or base is None else f"{gap * 100:+.2f} points" if "eval_accuracy" in x
-                  else f"{gap / base['eval_loss']:+.1%}")
+            gap, seeds = x.get("eval_vs_dense"), x.get("eval_vs_dense_by_seed", [])
+            if gap is None or base is None:
+                vs = "–"
+            elif "eval_accuracy" in x:
+                vs = f"{gap * 100:+.2f} points" + (
+                    f" ({min(seeds) * 100:+.2f} to {max(seeds) * 100:+.2f})" if len(set(seeds)) > 1 else "")
+            else:
+                rel = [g / b for g, b in zip(seeds, base.get("eval_by_seed", []), strict=False)]
+                vs = f"{x.get('eval_vs_dense_rel', gap / base['eval_loss']):+.1%}" + (
+                    f" ({min(rel):+.1%} to {max(rel):+.1%})" if len(set(rel)) > 1 else "")
             lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
             lines.append(f"| {example} | `{x['codec']}` | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
                          f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
@@ -402,7 +409,11 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_kn_dedicated_powersgd2": "CMEMI, K = N shards on dedicated hosts, `powersgd` both ways (rank 2)",
                 "cmemi_k1_powersgd2": "CMEMI K = 1, `powersgd` both ways (rank 2)",
                 "cmemi_kn_topk2": "CMEMI, K = N shards on the worker hosts, `topk` both ways (1 %)",
-                "cmemi_k1_topk2": "CMEMI K = 1, `topk` both ways (1 %)"}
+                "cmemi_k1_topk2": "CMEMI K = 1, `topk` both ways (1 %)",
+                "cmemi_kn_powersgd_sign": "CMEMI, K = N shards on the worker hosts, `powersgd` up (rank 2), `sign` down",
+                "cmemi_kn_dedicated_powersgd_sign": "CMEMI, K = N shards on dedicated hosts, `powersgd` up (rank 2), "
+                                                    "`sign` down",
+                "cmemi_k1_powersgd_sign": "CMEMI K = 1, `powersgd` up (rank 2), `sign` down"}
 BOTH_WAYS_GOALS = {"powersgd": 1.0, "topk": 1.5}  # issue 32: × DDP + PowerSGD hook, at N = 4 and 8
 
 
@@ -487,7 +498,7 @@ def cluster() -> str:
             + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
-    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith("2")
+    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith(("2", "_sign"))
             if (r := x["ratios"].get(f"{key}_vs_ddp_powersgd")) is not None]
     if both:
         lines += ["", "Compressed both ways (`compression.downlink` = `compression.codec`), against DDP + PowerSGD hook: "

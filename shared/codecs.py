@@ -15,8 +15,11 @@ Codecs (per tensor; small, empty and, for powersgd, 1-D tensors always go dense 
             indices; ties go to the lowest index), with error feedback.
 - powersgd  rank-r P @ Q^T of the gradient viewed as (shape[0], -1), one power iteration per step
             warm-started from the previous step's Q, with error feedback.
+- sign      scaled sign, 1 bit per element (EF-signSGD, Karimireddy et al. 2019; 1-bit Adam): per chunk of
+            `int8_chunk` elements the signs (packed 8 to a byte) and one fp32 scale, the chunk's mean magnitude
+            (the scale with the least squared error); with error feedback.
 
-Error feedback (topk, powersgd) keeps per-worker state: what was not sent this step is added to the
+Error feedback (topk, powersgd, sign) keeps per-worker state: what was not sent this step is added to the
 next step's gradient of the same tensor. Such codecs are not `deterministic`: what a worker sends for
 a microbatch depends on that worker's history, not only on the microbatch.
 
@@ -243,8 +246,24 @@ def _dec_powersgd(name: str, meta: dict, shape: tuple[int, ...], numel: int, rd:
     return _outer(p, qt).view(shape)
 
 
+_BIT = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)  # sign: bit j of a byte is element 8i + j
+
+
+def _dec_sign(name: str, meta: dict, shape: tuple[int, ...], numel: int, rd: _Reader) -> torch.Tensor:
+    c = _int(meta, "chunk", name, 1, MAX_NUMEL)
+    nf, rem = divmod(numel, c)
+    b = rd.take(name, "b", torch.uint8, ((numel + 7) // 8,))
+    s = rd.take(name, "s", torch.float32, (nf + (rem > 0),))
+    out = (b[:, None] & _BIT).ne_(0).view(-1)[:numel].float().mul_(2.0).sub_(1.0)  # the bits as +-1
+    if nf:
+        out[: nf * c].view(nf, c).mul_(s[:nf, None])
+    if rem:
+        out[nf * c:].mul_(s[nf])
+    return out.view(shape)
+
+
 _DECODERS = {"raw": _dec_raw, "fp16": _dec_cast(torch.float16), "bf16": _dec_cast(torch.bfloat16),
-             "int8": _dec_int8, "topk": _dec_topk, "powersgd": _dec_powersgd}
+             "int8": _dec_int8, "topk": _dec_topk, "powersgd": _dec_powersgd, "sign": _dec_sign}
 
 
 def _shape(name: str, meta: dict, expected: Mapping[str, Sequence[int]] | None, max_numel: int) -> tuple[int, ...]:
@@ -568,6 +587,40 @@ class PowerSGDCodec(_EFCodec):
         return True
 
 
+class SignCodec(_EFCodec):
+    """The sign of grad (+ residual), 1 bit per element, times one fp32 scale per chunk: the chunk's mean magnitude.
+    A chunk of zeros decodes to zeros (its scale is 0), so a frozen tensor sends nothing that moves it."""
+
+    name = tag = "sign"
+
+    def __init__(self, cfg: CompressionConfig | None = None, **kw: Any) -> None:
+        super().__init__(cfg, **kw)
+        self.deterministic = not self.cfg.error_feedback
+
+    def _encode(self, name: str, g: torch.Tensor, info: dict, frames: dict) -> bool:
+        n, c, ef = g.numel(), self.cfg.int8_chunk, self.cfg.error_feedback
+        m = self._residual(name, g, (n,)) if ef else g.reshape(-1).float()
+        if not _finite(m):
+            self._drop(name)
+            return False
+        nf, rem = divmod(n, c)
+        s = torch.empty(nf + (rem > 0), dtype=torch.float32, device=m.device)
+        if nf:
+            torch.mean(m[: nf * c].view(nf, c).abs(), 1, out=s[:nf])
+        if rem:
+            s[nf:] = m[nf * c:].abs().mean()
+        pos = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=m.device)
+        torch.ge(m, 0, out=pos[:n].view(torch.bool))
+        b = (pos.view(-1, 8) * _BIT.to(m.device)).sum(1, dtype=torch.uint8)  # 8 signs to a byte, disjoint bits
+        info[name] = self._meta(self.tag, g, chunk=c)
+        if ef:  # the residual: what the scaled signs did not carry (decoded where m is)
+            m.sub_(_dec_sign(name, info[name], (n,), n, _Reader({f"{name}#b": b, f"{name}#s": s})))
+            self._bufs["err"][name] = m
+        frames[f"{name}#b"] = _cpu(b)
+        frames[f"{name}#s"] = _cpu(s)
+        return True
+
+
 def make_codec(cfg: CompressionConfig, **kw: Any) -> GradientCodec:
     """The codec `cfg.codec` names. Keyword arguments: check_finite (default True), max_numel; for `none`, flat
     (default True: a small model's gradient as one flat frame)."""
@@ -581,4 +634,6 @@ def make_codec(cfg: CompressionConfig, **kw: Any) -> GradientCodec:
         return TopKCodec(cfg, **kw)
     if cfg.codec == "powersgd":
         return PowerSGDCodec(cfg, **kw)
+    if cfg.codec == "sign":
+        return SignCodec(cfg, **kw)
     _fail("compression.codec", cfg.codec, f"must be one of {', '.join(CODECS)}", "use e.g. 'topk'")

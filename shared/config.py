@@ -363,30 +363,30 @@ class SecurityConfig:
     """Key directory from `cmemi keys DIR` (a host needs its role's *.key_secret and the public *.key files); null: `cmemi up` makes RUN_DIR/keys."""
 
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
-DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd")
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")
+DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
 
 
 @dataclass
 class CompressionConfig:
     codec: str = "none"
-    """Gradient codec: none, fp16, bf16, int8, topk or powersgd (worker encodes, aggregator decodes)."""
+    """Gradient codec: none, fp16, bf16, int8, topk, powersgd or sign (worker encodes, aggregator decodes)."""
     topk_ratio: float = 0.01
     """topk: fraction of each tensor's entries sent, k = max(1, ceil(ratio * numel)); 0 < ratio <= 1."""
     powersgd_rank: int = 2
     """powersgd: rank of the per-tensor low-rank approximation P @ Q^T."""
     int8_chunk: int = 1024
-    """int8: elements per fp32 absmax scale."""
+    """int8 and sign: elements per fp32 scale (int8: the chunk's absmax, sign: its mean magnitude)."""
     min_compress_numel: int = 1024
     """Tensors with fewer elements (biases, norms) are sent dense fp32."""
     warmup_steps: int = 0
     """Global steps < warmup_steps send dense fp32 gradients whatever the codec, and (with downlink) their parameter
     changes raw fp32 too."""
     error_feedback: bool = True
-    """topk and powersgd: keep what was not sent and add it to the next step's gradient (per worker)."""
+    """topk, powersgd and sign: keep what was not sent and add it to the next step's gradient (per worker)."""
     downlink: str = "none"
     """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
-    topk or powersgd (same options as above); the servers keep what was not sent (docs/design.md §9)."""
+    topk, powersgd or sign (same options as above); the servers keep what was not sent (docs/design.md §9)."""
 
     @property
     def whole_pieces(self) -> bool:
@@ -471,7 +471,7 @@ class Config:
         if self.compression.downlink != "none":
             _fail("compression.downlink", self.compression.downlink, "is not built for local steps yet",
                   "set compression.downlink: none with train.local_steps")
-        if self.compression.codec in ("topk", "powersgd") and self.compression.error_feedback:
+        if self.compression.codec in ("topk", "powersgd", "sign") and self.compression.error_feedback:
             _fail("compression.codec", self.compression.codec, "keeps a residual per worker, but a replica's round "
                   "may go to any worker", "use none, bf16 or int8 for the replicas' changes, or "
                   "compression.error_feedback: false")

@@ -22,7 +22,7 @@ from cmemi.shared.shards import Partition
 from tests.chaos import Cluster
 from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
 
-CODECS = ["bf16", "int8", "topk", "powersgd"]
+CODECS = ["bf16", "int8", "topk", "powersgd", "sign"]
 
 
 def _pieces(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -183,7 +183,7 @@ def reference(tmp_path: Path, *sets: str) -> dict:
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("codec", "runs"), [("powersgd", [(1, 1), (2, 1), (3, 1), (2, 3), (3, 3)]),
-                                             ("int8", [(2, 1), (3, 3), (1, 3)])])
+                                             ("int8", [(2, 1), (3, 3), (1, 3)]), ("sign", [(2, 1), (3, 2)])])
 def test_the_mirror_and_the_result_are_the_same_bits_for_any_w_and_k(tmp_path: Path, codec: str,
                                                                      runs: list[tuple[int, int]]) -> None:
     sets = (*SHORT, f"compression.downlink={codec}", "compression.warmup_steps=3")  # (raw changes, then the codec)
