@@ -63,7 +63,8 @@ def test_the_servers_mirror_and_a_workers_are_the_same_function_bitwise(codec: s
         _step(theta, t)
         server.advance(theta, t)
         info, frames = server.change(t - 1)
-        assert server.change(t - 2) is None and server.change(t) is None  # only from the version before
+        assert server.change(t) is None  # from a version before: the change, or a chain of them (below)
+        assert t < 2 or (codec == "bf16") == (server.change(t - 2) is None)  # (two bf16 changes: the mirror's size)
         downlink.apply(decoder, worker, info, _received(frames), shapes)
         for n in theta:
             assert torch.equal(worker[n], server.tensors[n]), (codec, t, n)
@@ -103,9 +104,65 @@ def test_a_mirror_restored_from_its_state_goes_on_bitwise() -> None:
         _step(theta, t)
         a.advance(theta, t)
         b.advance(theta, t)
-        for k in a.delta[1]:
-            assert torch.equal(a.delta[1][k], b.delta[1][k]), (t, k)
+        for k in a.deltas[t][1]:
+            assert torch.equal(a.deltas[t][1][k], b.deltas[t][1][k]), (t, k)
     assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in theta)
+
+
+@pytest.mark.parametrize(("codec", "period"), [("int8", 2), ("powersgd", 4), ("sign", 4)])  # (4 int8 changes: the
+def test_a_worker_versions_behind_gets_the_chain_of_changes_and_the_same_bits(codec: str, period: int) -> None:  # mirror's size)
+    """A worker that sat out steps (no lease came its way) gets the changes since its version, oldest first, applied
+    one by one as the server did: the same bits as the server's mirror and as a worker that took every change. Too
+    far behind (more than KEPT versions), or a chain bigger than the mirror: None, the server sends it whole."""
+    theta = _pieces()
+    server = downlink.Mirror(_cfg(codec), theta)
+    decoder, shapes = downlink.codec(_cfg(codec)), {n: tuple(t.shape) for n, t in theta.items()}
+    every, lagging = {n: t.clone() for n, t in theta.items()}, {n: t.clone() for n, t in theta.items()}
+    behind = 0
+    for t in range(1, 3 * downlink.KEPT):
+        _step(theta, t)
+        server.advance(theta, t)
+        downlink.apply(decoder, every, *(lambda c: (c[0], _received(c[1])))(server.change(t - 1)), shapes)
+        if t % period == 0:  # every period-th version the lagging worker comes back: a chain of `period` changes
+            info, frames = server.change(behind)
+            assert isinstance(info, list) and len(info) == t - behind
+            assert all(k.split(downlink.LINK)[0] in {str(i) for i in range(len(info))} for k in frames)
+            downlink.apply(decoder, lagging, info, _received(frames), shapes)
+            behind = t
+            assert all(torch.equal(lagging[n], server.tensors[n]) for n in theta), (codec, t)
+        assert all(torch.equal(every[n], server.tensors[n]) for n in theta), (codec, t)
+    last = server.version
+    assert (server.change(last - downlink.KEPT) is None) == (codec == "int8")  # (8 int8 changes: twice the mirror)
+    assert server.change(last - downlink.KEPT - 1) is None
+    assert server.change(last) is None and server.change(-1) is None and server.change(True) is None
+    dense = downlink.Mirror(CompressionConfig(downlink="bf16", min_compress_numel=10 ** 9), _pieces())
+    for t in range(1, 4):  # every piece below min_compress_numel: each change is raw fp32, as big as the mirror
+        dense.advance(_pieces(seed=t), t)
+    assert dense.change(2) is not None and dense.change(1) is None  # one change always, a chain only when smaller
+
+
+def test_a_malformed_chain_raises_before_any_piece_changes() -> None:
+    theta = _pieces()
+    server = downlink.Mirror(_cfg("int8"), theta)
+    for t in (1, 2, 3):
+        _step(theta, t)
+        server.advance(theta, t)
+    info, frames = server.change(0)
+    worker = {n: t.clone() for n, t in _pieces().items()}
+    before = {n: t.clone() for n, t in worker.items()}
+    shapes = {n: tuple(t.shape) for n, t in worker.items()}
+    last = max(k for k in frames if k.startswith("2|"))
+    cases = [("bad_chain", [], {}), ("bad_chain", info * 3, frames), ("bad_chain", info, [1, 2]),
+             ("extra_frame", info, {**frames, "3|w#q": torch.zeros(1)}),
+             ("extra_frame", info, {**frames, "w#q": torch.zeros(1)}),
+             ("extra_frame", info, {**frames, "x|w#q": torch.zeros(1)}),
+             ("missing_frame", info, {k: v for k, v in frames.items() if k != last}),
+             ("bad_info", [*info[:2], "nonsense"], frames)]
+    for reason, i, f in cases:
+        with pytest.raises(CodecError) as exc:
+            downlink.apply(downlink.codec(_cfg("int8")), worker, i, f, shapes)
+        assert exc.value.reason == reason, (reason, str(exc.value))
+        assert all(torch.equal(worker[n], before[n]) for n in worker), reason
 
 
 def _hostile(info: dict, frames: dict[str, torch.Tensor]) -> list[tuple[str, dict, dict]]:
@@ -156,6 +213,15 @@ def test_a_worker_counts_a_malformed_change_and_asks_for_the_whole_mirror() -> N
     assert all(torch.equal(params[n], t) for n, t in _pieces().items())
     assert Worker._apply_change(w, SimpleNamespace(header={**msg.header, "codec": info}, tensors=_received(frames)))
     assert w.version == 1 and all(torch.equal(params[n], server.tensors[n]) for n in params)
+    theta = {n: t.clone() for n, t in server.tensors.items()}
+    for t in (2, 3, 4):  # the worker sits out three steps, then gets their chain
+        _step(theta, t)
+        server.advance(theta, t)
+    info, frames = server.change(1)
+    assert isinstance(info, list)
+    assert Worker._apply_change(w, SimpleNamespace(header={"downlink": "delta", "base": 1, "version": 4, "codec": info},
+                                                   tensors=_received(frames)))
+    assert w.version == 4 and all(torch.equal(params[n], server.tensors[n]) for n in params)
 
 
 def test_config_names_the_field_and_the_fix() -> None:
@@ -194,6 +260,9 @@ def test_the_mirror_and_the_result_are_the_same_bits_for_any_w_and_k(tmp_path: P
         assert r.rc == 0, r.stderr[-3000:]
         s = r.summary
         assert s["downlink"] == codec and s["steps"] == 30 and s["duplicate_param_sends"] == 0
+        # one whole mirror per worker and server at its first pull; after it changes, or chains of them, unless a worker
+        # sat out more than downlink.KEPT steps in a row
+        assert w * k <= s["mirrors_sent"] < s["changes_sent"], (s["mirrors_sent"], s["changes_sent"])
         assert (s["params_sha256"], s["mirror_sha256"]) == (ref["params_sha256"], ref["mirror_sha256"]), (w, k)
 
 

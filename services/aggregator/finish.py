@@ -63,7 +63,10 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
         "bytes_received_via_slots": totals.slot_out + shards_total("bytes_received_via_slots"),
         "params_sha256": trainer.params_sha256(others),
         **({"mirror_sha256": trainer.mirror_sha256(roster.mirror_hashes() if roster is not None else None),
-            "downlink": cfg.compression.downlink} if trainer.mirror is not None else {}),
+            "downlink": cfg.compression.downlink,
+            # parameter messages by server: changes (or chains of them), and whole mirrors (docs/design.md §9)
+            "changes_sent": totals.changes_sent + shards_total("changes_sent"),
+            "mirrors_sent": totals.mirrors_sent + shards_total("mirrors_sent")} if trainer.mirror is not None else {}),
     })
     if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
         summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},

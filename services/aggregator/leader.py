@@ -166,7 +166,8 @@ class ShardRoster:
             info.mirror = {str(k): str(v) for k, v in mirror.items()} if isinstance(mirror, dict) else {}
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
                            **{k: h[f] for k, f in (("bytes_sent_via_slots", "slot_in"),
-                                                   ("bytes_received_via_slots", "slot_out")) if type(h.get(f)) is int},
+                                                   ("bytes_received_via_slots", "slot_out"), ("changes_sent",) * 2,
+                                                   ("mirrors_sent",) * 2) if type(h.get(f)) is int},
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
 
     def mirror_hashes(self) -> dict[str, str]:

@@ -27,10 +27,10 @@ class SliceServer:
                  send: Callable[..., None], pipelined: bool, slotted: Callable[[bytes], bool] | None = None,
                  run: str = "", mirror: Mirror | None = None) -> None:
         self.stages, self.shard, self.send = stages, shard, send  # each stage's pieces (live tensors)
-        # compression.downlink (one stage, no slots): the stage is the mirror; a pull from the version before gets the
-        # change (encoded once per version), any other the whole mirror
+        # compression.downlink (one stage, no slots): the stage is the mirror; a pull from one of the versions before
+        # gets the change or the chain of them (encoded once per version and base), any other the whole mirror
         self.mirror, self.checksum = mirror, checksum
-        self._delta: tuple[int, Any] | None = None
+        self._deltas: tuple[int, dict[int, Any]] = (-1, {})  # version -> {base: (info, encoded)}
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.slotted = slotted
         self.slots = [SlotPublisher(run, f"shard{shard}", checksum, Layout(stage)) for stage in stages] \
@@ -53,10 +53,12 @@ class SliceServer:
         have = self.have.pop(identity, -1)
         if version != self.mirror.version or (change := self.mirror.change(have)) is None:
             return got, {"downlink": DENSE}
-        if self._delta is None or self._delta[0] != version:
+        if self._deltas[0] != version:
+            self._deltas = (version, {})
+        if have not in self._deltas[1]:
             info, frames = change
-            self._delta = (version, (info, protocol.encode_tensors(frames, self.checksum)))
-        info, encoded = self._delta[1]
+            self._deltas[1][have] = (info, protocol.encode_tensors(frames, self.checksum))
+        info, encoded = self._deltas[1][have]
         return (encoded, None), {"downlink": DELTA, "base": have, "codec": info}
 
     def encoded(self, g: int, version: int) -> Encoded:

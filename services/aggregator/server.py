@@ -96,7 +96,7 @@ class Aggregator:
         # (not with compression.downlink: a version's change is a few small frames, sent as they are)
         self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
             if self.intake.slots is not None and self.trainer.mirror is None else None
-        self._delta: tuple[int, Any] | None = None  # compression.downlink: the current version's change, encoded
+        self._deltas: tuple[int, dict[int, Any]] = (-1, {})  # compression.downlink: version -> {base: change, encoded}
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -249,6 +249,7 @@ class Aggregator:
                              **fields)
         self.totals.duplicate_param_sends += self.leasing.sent(identity, self.trainer.step if held_version !=
                                                                 self.trainer.step else None)
+        self.totals.sent(fields)
         slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0  # counted as the socket's would be
         self.totals.slot_out += slotted
         self.reporter.work_bytes(n + slotted)
@@ -272,8 +273,9 @@ class Aggregator:
             self.holdings.note(identity, h.get("holds"), self.admission.admitted)
 
     def _downlink(self, held_version: int, fields: dict[str, Any]) -> Any:
-        """compression.downlink: the change from the worker's version to the current one when it holds the one before
-        (encoded once per version, with the step's buffers as they are), else the whole mirror (docs/design.md §9)."""
+        """compression.downlink: the change (or the chain of them) from the worker's version to the current one when
+        the mirror kept them (encoded once per version and base, with the step's buffers as they are), else the whole
+        mirror (docs/design.md §9)."""
         mirror, step = self.trainer.mirror, self.trainer.step
         assert mirror is not None
         if (change := mirror.change(held_version)) is None:
@@ -281,11 +283,14 @@ class Aggregator:
             if self.publisher.layout is not None:
                 fields["layout"] = self.layout.digest
             return self.publisher.encoded(self.trainer.wire_state(), step)
-        if self._delta is None or self._delta[0] != step:
+        if self._deltas[0] != step:
+            self._deltas = (step, {})
+        if held_version not in self._deltas[1]:
             info, frames = change
             buffers = {k: b.clone() for k, b in self.trainer.wire_buffers().items()}  # folded in place next step
-            self._delta = (step, (info, protocol.encode_tensors({**frames, **buffers}, self.cfg.cluster.checksum)))
-        info, encoded = self._delta[1]
+            self._deltas[1][held_version] = (info, protocol.encode_tensors({**frames, **buffers},
+                                                                           self.cfg.cluster.checksum))
+        info, encoded = self._deltas[1][held_version]
         fields.update(downlink=DELTA, base=held_version, codec=info)
         return (encoded, None)
 

@@ -146,6 +146,7 @@ class ShardServer:
             slotted = shm.payload_bytes(fields["shm"]) if "shm" in fields else 0
             self.totals.slot_out += slotted
             self.totals.bytes_out += n + slotted
+            self.totals.sent(fields)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
@@ -344,6 +345,7 @@ class ShardServer:
         self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
                         step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
                         slot_in=self.totals.slot_in, slot_out=self.totals.slot_out,
+                        changes_sent=self.totals.changes_sent, mirrors_sent=self.totals.mirrors_sent,
                         drops=self.drops.as_dict(), mirror=self.trainer.mirror_hashes())
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)
