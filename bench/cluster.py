@@ -526,6 +526,10 @@ def main() -> None:
             "cmemi_kn_dedicated_powersgd2": f"cmemi_kn_dedicated with powersgd both ways (rank {POWERSGD_RANK})",
             "cmemi_kn_topk2": "cmemi_kn with topk both ways (codec and downlink, topk_ratio 0.01)",
             "cmemi_k1_topk2": "CMEMI K = 1, topk both ways (codec and downlink, topk_ratio 0.01)",
+            "cmemi_kn_powersgd_sign": f"cmemi_kn with powersgd up (rank {POWERSGD_RANK}) and downlink sign (1 bit per "
+                                      "parameter change)",
+            "cmemi_k1_powersgd_sign": f"CMEMI K = 1, powersgd up (rank {POWERSGD_RANK}), downlink sign",
+            "cmemi_kn_dedicated_powersgd_sign": f"cmemi_kn_dedicated with powersgd up (rank {POWERSGD_RANK}), downlink sign",
             "cmemi_local": f"cmemi_kn with local steps: train.local_steps {args.local_steps} (--local-steps), N replicas, "
                            "the default outer step (SGD, Nesterov 0.9, lr 0.7); steps and warm-up in rounds (a quarter of "
                            "--steps, at least 6); a step's time is a round's",
