@@ -8,6 +8,7 @@ import os
 
 from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.leasing import Leasing
+from cmemi.services.aggregator.misfits import CAP, LIMIT, Misfits
 from cmemi.services.worker.patience import Patience
 from cmemi.shared.config import load_config
 
@@ -67,3 +68,22 @@ def test_reasks_back_off_while_no_work_comes() -> None:
     assert waits == [9, 17, 33, 65, 65, 65]  # 8, 16, 32, 64 s, then no longer (just over each)
     p.work_arrived()
     assert p.due(p.last_heard + 4.1) is not None
+
+
+def test_misfits_count_a_workers_unfit_gradients_in_a_row_not_races() -> None:
+    """services/aggregator/misfits.py: the LIMIT-th gradient in a row that does not fit is the reject; a taken one,
+    or a race (stale, not leased, duplicate), does not count; the identities tracked are capped."""
+    m = Misfits()
+    assert [m.dropped(W0, "codec_bad_shape") for _ in range(LIMIT)] == [False] * (LIMIT - 1) + [True]
+    for race in ("stale_step", "not_leased", "duplicate", "forged_lease", "shm_overwritten"):
+        assert not m.dropped(W1, race)
+    assert W1 not in m.runs
+    for _ in range(LIMIT - 1):
+        assert not m.dropped(W1, "bad_inner")
+    m.taken(W1)
+    assert not m.dropped(W1, "grad_names")  # the run starts over after a taken gradient
+    for i in range(2 * CAP):
+        m.dropped(f"w{i}".encode(), "bad_losses")
+    assert len(m.runs) <= CAP
+    reason = Misfits.message("w7", "codec_bad_shape", "w7: step 3 microbatches [0, 2)", "the aggregator")
+    assert reason.startswith("the aggregator dropped 3 gradients in a row of worker w7 as codec_bad_shape")

@@ -23,6 +23,7 @@ from cmemi.services.aggregator.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.intake import Drops, Intake
 from cmemi.services.aggregator.leader import ShardRoster
 from cmemi.services.aggregator.leasing import Leasing
+from cmemi.services.aggregator.misfits import Misfits
 from cmemi.services.aggregator.outbox import Outbox
 from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.services.aggregator.replicas import Holdings
@@ -69,6 +70,7 @@ class Aggregator:
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops = Drops(self.log)
+        self.misfits = Misfits()  # admitted workers' gradients in a row that do not fit (misfits.py)
         self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.max_message_bytes, self.log, ctx.fatal)
         self.term = allocate(ctx.redis, ctx.keys.term)
         self.seal = LeaseSeal(os.urandom(32))  # this term's: given to the shards when they join
@@ -347,11 +349,19 @@ class Aggregator:
             return
         h = msg.header
         self.leasing.answered(identity, None)
-        self._take_grad(info, h, msg.tensors)
+        self._take_grad(identity, info, h, msg.tensors)
         self._note_holds(identity, h)
         self._serve(identity, info, h["version"])
 
-    def _take_grad(self, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def _misfit(self, identity: bytes, info: WorkerInfo, reason: str, detail: str) -> None:
+        """Drop a gradient that does not fit (misfits.py); the worker's LIMIT-th in a row gets a fatal reject."""
+        self.drops(reason, detail)
+        if self.misfits.dropped(identity, reason):
+            self.misfits.forget(identity)
+            self.outbox.send(identity, "reject", fatal=True,
+                             reason=Misfits.message(info.wid, reason, detail, "the aggregator"))
+
+    def _take_grad(self, identity: bytes, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         collector = self.leasing.collector
         where = f"{info.wid}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
         borrowed = self.intake.lent is not None  # views of the worker's slot: read, never kept (intake.py)
@@ -370,7 +380,7 @@ class Aggregator:
         if self.trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
             inner, bad = self.trainer.inner.parse(h["lo"], h.get("inner"), inner_tensors)
         if bad is not None:
-            self.drops(bad, where)
+            self._misfit(identity, info, bad, where)
             return
         codec = self.checking_codec if collector.strict else self.codec
         grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors)
@@ -378,9 +388,9 @@ class Aggregator:
         # reads it: stepped from the slot (its worker writes that slot again only after work sent past this step)
         own = self.intake.spares.own if borrowed and not (collector.M == 1 and self.trainer.reads_grads_only) else None
         if bad is not None:
-            self.drops(bad, where)
+            self._misfit(identity, info, bad, where)
         elif self.report_buffers and not self.trainer.valid_buffers(produced):  # model.buffers: mean
-            self.drops("bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
+            self._misfit(identity, info, "bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif (reason := collector.offer(node, grads, h["losses"], holder, produced if self.report_buffers else None,
                                         own=own)) is not None:
             self.drops(reason, where)
@@ -389,6 +399,7 @@ class Aggregator:
             self.leasing.new_step(collector.step, strict=collector.strict)
             self._serve_parked()
         else:
+            self.misfits.taken(identity)
             if self.trainer.inner is not None:
                 self.trainer.inner.keep(h["lo"], inner)
             self.reporter.codec_s += seconds + float(h["encode_s"])
@@ -404,6 +415,7 @@ class Aggregator:
     def _on_leave(self, identity: bytes, msg: protocol.Message) -> None:
         info = self.admission.leave(identity)
         self.leasing.forget(identity)
+        self.misfits.forget(identity)
         if info is not None:
             freed = self.leasing.release(info.wid, info.inc)
             self.ctx.emit("worker_left", worker=info.wid, incarnation=info.inc, freed=freed)

@@ -36,6 +36,7 @@ from cmemi.services.aggregator.admission import Admission, EnvironmentCheck, Lea
 from cmemi.services.aggregator.collector import StepCollector
 from cmemi.services.aggregator.evaluation import eval_boundary
 from cmemi.services.aggregator.intake import Drops, Intake
+from cmemi.services.aggregator.misfits import Misfits
 from cmemi.services.aggregator.outbox import Encoded, Outbox
 from cmemi.services.aggregator.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import CheckpointerLink
@@ -69,6 +70,7 @@ class ShardServer:
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops = Drops(self.log)
+        self.misfits = Misfits()  # admitted workers' gradients in a row that do not fit (misfits.py)
         self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.max_message_bytes, self.log, ctx.fatal)
         # the run's fingerprint and the lease seal come with the leader's welcome (shard_welcome)
         self.fp: dict[str, Any] | None = None
@@ -241,11 +243,11 @@ class ShardServer:
             self.slices.pull(identity, h["version"], h.get("have", -1))
             self._answer_pulls()
         else:
-            self._on_grad(msg)
+            self._on_grad(identity, msg)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
             self.intake.settle([t for c in self.collectors for t in c.holds()])
 
-    def _on_grad(self, msg: protocol.Message) -> None:
+    def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
         node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
         # the seal first: a forgery is one whatever its step (and a stale honest gradient has a valid seal)
@@ -268,7 +270,13 @@ class ShardServer:
         grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.stages[g])
         if bad is not None:
             self.drops(bad, where)
-        elif (reason := collector.offer(node, grads, h["losses"], None)) is not None:
+            if self.misfits.dropped(identity, bad):  # its LIMIT-th in a row (misfits.py)
+                self.misfits.forget(identity)
+                self._send(identity, "reject", fatal=True,
+                           reason=Misfits.message(h["wid"], bad, where, f"parameter-server shard {self.shard}"))
+            return
+        self.misfits.taken(identity)
+        if (reason := collector.offer(node, grads, h["losses"], None)) is not None:
             self.drops(reason, where)
         elif collector.complete and self.pipelined:
             self._step_stage(g)
