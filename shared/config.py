@@ -390,9 +390,10 @@ class CompressionConfig:
 
     @property
     def whole_pieces(self) -> bool:
-        """powersgd down: the chunk grid's pieces are whole tensors up to 4 MiB (shared/shards.py). Not for powersgd up
-        only: the dense parameters still go down, and K shards must share those bytes evenly."""
-        return self.downlink == "powersgd"
+        """powersgd either way with a downlink that sends a few percent of the parameters (powersgd, sign or topk): the
+        chunk grid's pieces are whole tensors up to 4 MiB (shared/shards.py), so matrices are factored whole. Not with
+        dense, bf16 or int8 parameters down: K shards must share those bytes evenly."""
+        return "powersgd" in (self.codec, self.downlink) and self.downlink in ("powersgd", "sign", "topk")
 
     def __post_init__(self) -> None:
         if self.downlink not in DOWNLINKS:

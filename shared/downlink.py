@@ -104,7 +104,7 @@ class Mirror:
     def change(self, base: int) -> tuple[Any, dict[str, torch.Tensor]] | None:
         """The message that moves a mirror at `base` to the current version: the change, or the chain of them, if this
         server kept them all and they are smaller than the mirror; else None (send the mirror whole)."""
-        if type(base) is not int or not self.version - KEPT <= base < self.version:
+        if type(base) is not int or base < 0 or not self.version - KEPT <= base < self.version:
             return None
         changes = [self.deltas.get(v) for v in range(base + 1, self.version + 1)]
         if any(c is None for c in changes):
