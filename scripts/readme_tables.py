@@ -259,7 +259,33 @@ def compression() -> str:
                          f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
                          f"{x['bytes_received_per_step']:,.0f} | {ev} | {vs} | "
                          f"{x['codec_s_per_step_median'] * 1000:.2f} |")
-    return "\n".join([*lines, "", measured("compression")])
+    return "\n".join([*lines, "", *compression_goal(d), measured("compression")])
+
+
+ACCURACY_GOAL = {"eval_accuracy": 0.01, "eval_loss": 0.02}  # issue 32: within 1 point / 2 % of dense both ways
+
+
+def compression_goal(d: dict[str, Any]) -> list[str]:
+    """Which rows compressed both ways (or down only) keep issue 32's accuracy goal, from the rows' mean gaps."""
+    out = []
+    for example, rows in d["examples"].items():
+        parts = []
+        base = next((x for x in rows if x["codec"] == x.get("downlink", "none") == "none"), None)
+        for x in rows:
+            if x.get("downlink", "none") == "none" or x.get("eval_vs_dense") is None or base is None:
+                continue
+            metric = "eval_accuracy" if "eval_accuracy" in x else "eval_loss"
+            gap = (-x["eval_vs_dense"] if metric == "eval_accuracy"
+                   else x.get("eval_vs_dense_rel", x["eval_vs_dense"] / base["eval_loss"]))
+            ok = "✓" if gap <= ACCURACY_GOAL[metric] else "✗"
+            shown = f"{-gap * 100:+.2f} points" if metric == "eval_accuracy" else f"{gap:+.1%}"
+            parts.append(f"`{x['codec']}`/`{x['downlink']}` {shown} {ok}")
+        if parts:
+            seeds = len(next((x["eval_by_seed"] for x in rows if "eval_by_seed" in x), [None]))
+            goal = "1 point of accuracy" if "eval_accuracy" in rows[0] else "2 % of the eval loss"
+            out.append(f"{example} (goal: within {goal} of dense both ways"
+                       + (f", the mean over {seeds} seeds" if seeds > 1 else "") + "): " + "; ".join(parts) + ".")
+    return [*out, ""] if out else []
 
 
 def scaling() -> str:
