@@ -527,7 +527,7 @@ def cluster() -> str:
     both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith(("2", "_sign"))
             if (r := x["ratios"].get(f"{key}_vs_ddp_powersgd")) is not None]
     if both:
-        lines += ["", "Compressed both ways (`compression.downlink` = `compression.codec`), against DDP + PowerSGD hook: "
+        lines += ["", "Compressed both ways (`compression.downlink` on), against DDP + PowerSGD hook: "
                   + "; ".join(f"N = {n} {CLUSTER_ROWS[key]}: {r:.2f}×" for n, key, r in both)
                   + ". The goals were ≤ " + " and ≤ ".join(f"{g}× with `{c}`" for c, g in BOTH_WAYS_GOALS.items())
                   + " at N = 4 and 8."]
