@@ -63,6 +63,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
     "saved": {"step": _INT, "path": _STR},
     "skipped": {"step": _INT},  # a shard's snapshot of a step that will never be complete (a newer one came)
+    # a snapshot the checkpointer could not check, its term unknown (Redis restarted empty, or away): send it again
+    "retry": {"step": _INT},
     "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard", "owned" (its piece names)
     "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
     "no_checkpoint": {"term": _INT},

@@ -162,6 +162,7 @@ class CheckpointerLink:
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
+        self._retry_at: float | None = None  # when to send the in-flight snapshot again (the checkpointer's "retry")
         self._polled: zmq.Socket | None = None  # registered for POLLOUT (`wake_for_room`)
         key = ctx.keys.checkpointer
         self.where = Watch(ctx.redis, 0.5, lambda r: r.hmget(key, ["addr", "incarnation"]), "checkpointer").start()
@@ -278,10 +279,20 @@ class CheckpointerLink:
         saved = []
         for msg in self._replies(0):
             # "skipped": another shard sent a newer step first; this one will never be complete
-            if msg.type in ("saved", "skipped") and self.in_flight is not None and msg.header["step"] == self.in_flight.step:
+            if self.in_flight is None or msg.header.get("step") != self.in_flight.step:
+                continue
+            if msg.type in ("saved", "skipped"):
                 saved.append(msg.header["step"])
                 if msg.type == "saved":
                     self.saved_path[msg.header["step"]] = str(msg.header["path"])
+                self.in_flight = None
+            elif msg.type == "retry":  # the checkpointer could not check our term yet (Redis restarted): again, soon
+                self._retry_at = time.monotonic() + 0.5
+        if self.in_flight is not None and self._retry_at is not None and time.monotonic() > self._retry_at:
+            self._retry_at = None
+            if not self.in_flight.restart():
+                self.ctx.log.warning("checkpoint given up: the checkpointer asked for it again after the state had "
+                                     "moved on; the next one is written", step=self.in_flight.step)
                 self.in_flight = None
         if self.in_flight is not None and time.monotonic() > self._next_check:
             self._next_check = time.monotonic() + 0.5

@@ -30,6 +30,7 @@ class TermWatch:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client, self.keys = client, keys
         self.term: int | None = None
+        self.unsure = False  # the last check could not read the term (Redis away, or restarted empty)
 
     def current(self, claimed: int) -> bool:
         """Is `claimed` the current aggregator term?"""
@@ -38,8 +39,10 @@ class TermWatch:
         try:  # Redis restarted empty: the running aggregator re-advertises its term within a second
             value = self.client.get(self.keys.term) or self.client.hget(self.keys.aggregator, "term")
         except redis.RedisError:
+            self.unsure = True
             return False  # Redis away: only the cached term counts
         self.term = int(value) if value is not None else None
+        self.unsure = self.term is None
         return claimed == self.term
 
 

@@ -155,6 +155,10 @@ class Checkpointer:
         if (problem := self._refused(msg)) is not None:
             spool.discard(msg.tensors)
             self._drop(*problem)
+            if problem[0] == "stale_term" and self.terms.unsure and msg.type == "snapshot":
+                # no term to check it against (Redis restarted empty, or is away): the aggregator re-advertises its
+                # term within a second, so its snapshot is asked for again rather than lost (it waits for an answer)
+                self._reply(identity, "retry", {"step": msg.header["step"]})
             return
         if msg.type == "snapshot":
             if "shards" in msg.header:
