@@ -17,7 +17,7 @@ cluster.shards. PowerSGD's warm-start Q is the codec's only state, kept per piec
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,6 +72,20 @@ def chain(changes: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> 
 
 def _nbytes(frames: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in frames.values())
+
+
+class SentChanges:
+    """A server's changes of the current version as sent, by base: each encoded once (a chain per base)."""
+
+    def __init__(self) -> None:
+        self.version, self.by_base = -1, {}
+
+    def get(self, version: int, base: int, encode: Callable[[], Any]) -> Any:
+        if version != self.version:
+            self.version, self.by_base = version, {}
+        if base not in self.by_base:
+            self.by_base[base] = encode()
+        return self.by_base[base]
 
 
 class Mirror:

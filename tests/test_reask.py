@@ -80,10 +80,13 @@ def test_misfits_count_a_workers_unfit_gradients_in_a_row_not_races() -> None:
     assert W1 not in m.runs
     for _ in range(LIMIT - 1):
         assert not m.dropped(W1, "bad_inner")
-    m.taken(W1)
+    m.forget(W1)  # a taken gradient
     assert not m.dropped(W1, "grad_names")  # the run starts over after a taken gradient
     for i in range(2 * CAP):
         m.dropped(f"w{i}".encode(), "bad_losses")
     assert len(m.runs) <= CAP
-    reason = Misfits.message("w7", "codec_bad_shape", "w7: step 3 microbatches [0, 2)", "the aggregator")
-    assert reason.startswith("the aggregator dropped 3 gradients in a row of worker w7 as codec_bad_shape")
+    w7 = b"w7/1/1"
+    m = Misfits()
+    reasons = [m.reject(w7, "w7", "codec_bad_shape", "w7: step 3", "the aggregator") for _ in range(LIMIT + 1)]
+    assert reasons[:LIMIT - 1] == [None] * (LIMIT - 1) and reasons[LIMIT] is None  # (the count starts over)
+    assert reasons[LIMIT - 1].startswith("the aggregator dropped 3 gradients in a row of worker w7 as codec_bad_shape")

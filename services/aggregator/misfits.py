@@ -33,15 +33,16 @@ class Misfits:
         self.runs[identity] = n
         return n >= LIMIT
 
-    def taken(self, identity: bytes) -> None:
-        """One of its gradients was taken: the run of misfits is over."""
-        self.runs.pop(identity, None)
-
-    def forget(self, identity: bytes) -> None:
-        self.runs.pop(identity, None)
-
-    @staticmethod
-    def message(wid: str, reason: str, detail: str, server: str) -> str:
+    def reject(self, identity: bytes, wid: str, reason: str, detail: str, server: str) -> str | None:
+        """Count a dropped gradient; the fatal reject's reason when it is this worker's LIMIT-th misfit in a row (its
+        count then starts over), else None."""
+        if not self.dropped(identity, reason):
+            return None
+        self.forget(identity)
         return (f"{server} dropped {LIMIT} gradients in a row of worker {wid} as {reason} ({detail[:160]}): its "
                 "gradients do not fit this run's model or compression; run the same CMEMI version, model code and "
                 "config on every host")
+
+    def forget(self, identity: bytes) -> None:
+        """One of its gradients was taken (the run of misfits is over), or it left."""
+        self.runs.pop(identity, None)

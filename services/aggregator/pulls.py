@@ -18,7 +18,7 @@ import torch
 from cmemi.services.aggregator.outbox import Encoded
 from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.shared import protocol
-from cmemi.shared.downlink import DELTA, DENSE, Mirror
+from cmemi.shared.downlink import DELTA, DENSE, Mirror, SentChanges
 from cmemi.shared.layout import Layout
 
 
@@ -30,7 +30,7 @@ class SliceServer:
         # compression.downlink (one stage, no slots): the stage is the mirror; a pull from one of the versions before
         # gets the change or the chain of them (encoded once per version and base), any other the whole mirror
         self.mirror, self.checksum = mirror, checksum
-        self._deltas: tuple[int, dict[int, Any]] = (-1, {})  # version -> {base: (info, encoded)}
+        self._deltas = SentChanges()
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.slotted = slotted
         self.slots = [SlotPublisher(run, f"shard{shard}", checksum, Layout(stage)) for stage in stages] \
@@ -53,12 +53,8 @@ class SliceServer:
         have = self.have.pop(identity, -1)
         if version != self.mirror.version or (change := self.mirror.change(have)) is None:
             return got, {"downlink": DENSE}
-        if self._deltas[0] != version:
-            self._deltas = (version, {})
-        if have not in self._deltas[1]:
-            info, frames = change
-            self._deltas[1][have] = (info, protocol.encode_tensors(frames, self.checksum))
-        info, encoded = self._deltas[1][have]
+        info, encoded = self._deltas.get(version, have,
+                                         lambda: (change[0], protocol.encode_tensors(change[1], self.checksum)))
         return (encoded, None), {"downlink": DELTA, "base": have, "codec": info}
 
     def encoded(self, g: int, version: int) -> Encoded:

@@ -36,7 +36,7 @@ from cmemi.shared import innerstate, limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
 from cmemi.shared.config import ConfigError
-from cmemi.shared.downlink import DELTA, DENSE
+from cmemi.shared.downlink import DELTA, DENSE, SentChanges
 from cmemi.shared.environment import environment
 from cmemi.shared.layout import Layout
 from cmemi.shared.membership import Member, allocate
@@ -98,7 +98,7 @@ class Aggregator:
         # (not with compression.downlink: a version's change is a few small frames, sent as they are)
         self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
             if self.intake.slots is not None and self.trainer.mirror is None else None
-        self._deltas: tuple[int, dict[int, Any]] = (-1, {})  # compression.downlink: version -> {base: change, encoded}
+        self._deltas = SentChanges()  # compression.downlink: the current version's changes, encoded, by base
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -285,14 +285,10 @@ class Aggregator:
             if self.publisher.layout is not None:
                 fields["layout"] = self.layout.digest
             return self.publisher.encoded(self.trainer.wire_state(), step)
-        if self._deltas[0] != step:
-            self._deltas = (step, {})
-        if held_version not in self._deltas[1]:
-            info, frames = change
+        def encode() -> tuple[Any, Any]:
             buffers = {k: b.clone() for k, b in self.trainer.wire_buffers().items()}  # folded in place next step
-            self._deltas[1][held_version] = (info, protocol.encode_tensors({**frames, **buffers},
-                                                                           self.cfg.cluster.checksum))
-        info, encoded = self._deltas[1][held_version]
+            return change[0], protocol.encode_tensors({**change[1], **buffers}, self.cfg.cluster.checksum)
+        info, encoded = self._deltas.get(step, held_version, encode)
         fields.update(downlink=DELTA, base=held_version, codec=info)
         return (encoded, None)
 
@@ -356,10 +352,8 @@ class Aggregator:
     def _misfit(self, identity: bytes, info: WorkerInfo, reason: str, detail: str) -> None:
         """Drop a gradient that does not fit (misfits.py); the worker's LIMIT-th in a row gets a fatal reject."""
         self.drops(reason, detail)
-        if self.misfits.dropped(identity, reason):
-            self.misfits.forget(identity)
-            self.outbox.send(identity, "reject", fatal=True,
-                             reason=Misfits.message(info.wid, reason, detail, "the aggregator"))
+        if (why := self.misfits.reject(identity, info.wid, reason, detail, "the aggregator")) is not None:
+            self.outbox.send(identity, "reject", fatal=True, reason=why)
 
     def _take_grad(self, identity: bytes, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         collector = self.leasing.collector
@@ -399,7 +393,7 @@ class Aggregator:
             self.leasing.new_step(collector.step, strict=collector.strict)
             self._serve_parked()
         else:
-            self.misfits.taken(identity)
+            self.misfits.forget(identity)
             if self.trainer.inner is not None:
                 self.trainer.inner.keep(h["lo"], inner)
             self.reporter.codec_s += seconds + float(h["encode_s"])

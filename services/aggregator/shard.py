@@ -270,12 +270,10 @@ class ShardServer:
         grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.stages[g])
         if bad is not None:
             self.drops(bad, where)
-            if self.misfits.dropped(identity, bad):  # its LIMIT-th in a row (misfits.py)
-                self.misfits.forget(identity)
-                self._send(identity, "reject", fatal=True,
-                           reason=Misfits.message(h["wid"], bad, where, f"parameter-server shard {self.shard}"))
+            if (why := self.misfits.reject(identity, h["wid"], bad, where, f"parameter-server shard {self.shard}")):
+                self._send(identity, "reject", fatal=True, reason=why)  # its LIMIT-th in a row (misfits.py)
             return
-        self.misfits.taken(identity)
+        self.misfits.forget(identity)
         if (reason := collector.offer(node, grads, h["losses"], None)) is not None:
             self.drops(reason, where)
         elif collector.complete and self.pipelined:
