@@ -28,7 +28,10 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 - `cmemi_kn_powersgd2`, `cmemi_k1_powersgd2`, `cmemi_kn_dedicated_powersgd2`, `cmemi_kn_topk2`, `cmemi_k1_topk2`:
   compressed both ways, `compression.downlink` the same codec as `compression.codec` (docs/design.md §9);
 - `cmemi_kn_powersgd_sign`, `cmemi_k1_powersgd_sign`, `cmemi_kn_dedicated_powersgd_sign`: `powersgd` up and
-  `compression.downlink: sign` (the parameters' changes as scaled signs, 1 bit each).
+  `compression.downlink: sign` (the parameters' changes as scaled signs, 1 bit each);
+- `cmemi_kn_powersgd2_r8`, `cmemi_k1_powersgd2_r8`, `cmemi_kn_dedicated_powersgd2_r8`: `powersgd` both ways at
+  `compression.powersgd_rank: 8` (the rank that keeps an AdamW transformer's loss within 2 % of dense both ways,
+  bench/compression.py); DDP's hook stays at rank 2.
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
@@ -75,15 +78,16 @@ BATCH = 64
 MODEL = {"factory": "bench.cluster_models:sleepy_mlp",
          "kwargs": {"in_dim": 784, "hidden": 512, "depth": 3, "classes": 10, "sleep_ms": SLEEP_MS}}
 DATA = {"factory": "bench.models:synthetic", "kwargs": {"n": 4096, "shape": [784]}}
-POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets the same
+POWERSGD_RANK = 2  # CMEMI's compression.powersgd_rank default; DDP's hook gets the same (a "_rR" system: rank R)
 # Fixed ports are safe here: each namespace is private to this run and holds nothing else.
 REDIS_PORT, MASTER_PORT, PROBE_PORT = 6379, 29500, 5201
 ROLES = {"w": "worker", "shard": "shard k > 0", "aggregator": "leader (shard 0)"}  # process name -> role
 SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipelined", "cmemi_kn_nocurve", "ddp_powersgd", "cmemi_k1_powersgd",
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
-           "cmemi_kn_dedicated_powersgd_sign", "cmemi_local")
-BOTH_WAYS = tuple(k for k in SYSTEMS if k.endswith(("2", "_sign")))  # compressed both ways
+           "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
+           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local")
+BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 
 
@@ -278,7 +282,8 @@ class Cluster:
                 "cpu": self.sampler.window(t[warmup], t[steps], steps - warmup)}
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
-              curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0) -> dict[str, Any]:
+              curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
+              rank: int = POWERSGD_RANK) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds;
@@ -287,6 +292,7 @@ class Cluster:
 
         down = "" if downlink == "none" else f"-down{downlink}"
         name = (f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}{down}{f'-h{local_steps}' if local_steps else ''}"
+                f"{f'-r{rank}' if rank != POWERSGD_RANK else ''}"
                 f"-{secrets.token_hex(3)}")
         logs = self.work / name
         logs.mkdir()
@@ -295,7 +301,7 @@ class Cluster:
                              steps=steps * max(1, local_steps), microbatches=n, workers=n, spares=0, ckpt_every=0)
         if local_steps:
             cfg["train"].update(local_steps=local_steps, replicas=n)
-        cfg["compression"] = {"codec": codec, "powersgd_rank": POWERSGD_RANK, "downlink": downlink}
+        cfg["compression"] = {"codec": codec, "powersgd_rank": rank, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
@@ -439,13 +445,21 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
-    codec = next((c for c in ("powersgd", "topk") if c in system), "none")
-    # "...2": the same codec both ways; "..._sign": the parameters' changes as scaled signs (1 bit each)
-    downlink = codec if system.endswith("2") else "sign" if system.endswith("_sign") else "none"
+    shape = compressed_system(system)
     if system.startswith("cmemi_kn"):
-        return cluster.cmemi(n, steps, warmup, codec, shards=n, dedicated="dedicated" in system,
-                             curve=system != "cmemi_kn_nocurve", downlink=downlink)
-    return cluster.cmemi(n, steps, warmup, codec, downlink=downlink)
+        return cluster.cmemi(n, steps, warmup, shards=n, dedicated="dedicated" in system,
+                             curve=system != "cmemi_kn_nocurve", **shape)
+    return cluster.cmemi(n, steps, warmup, **shape)
+
+
+def compressed_system(system: str) -> dict[str, Any]:
+    """A CMEMI system's compression from its name: the codec it names (powersgd, topk or none); "...2" sends the same
+    codec down (compression.downlink), "..._sign" sends sign down; a "_rR" suffix sets powersgd's rank to R."""
+    m = re.search(r"_r(\d+)$", system)
+    base = system[:m.start()] if m else system
+    codec = next((c for c in ("powersgd", "topk") if c in base), "none")
+    downlink = codec if base.endswith("2") else "sign" if base.endswith("_sign") else "none"
+    return {"codec": codec, "downlink": downlink, "rank": int(m.group(1)) if m else POWERSGD_RANK}
 
 
 def main() -> None:
@@ -530,6 +544,9 @@ def main() -> None:
                                       "parameter change)",
             "cmemi_k1_powersgd_sign": f"CMEMI K = 1, powersgd up (rank {POWERSGD_RANK}), downlink sign",
             "cmemi_kn_dedicated_powersgd_sign": f"cmemi_kn_dedicated with powersgd up (rank {POWERSGD_RANK}), downlink sign",
+            "cmemi_kn_powersgd2_r8": "cmemi_kn with powersgd both ways at rank 8",
+            "cmemi_k1_powersgd2_r8": "CMEMI K = 1, powersgd both ways at rank 8",
+            "cmemi_kn_dedicated_powersgd2_r8": "cmemi_kn_dedicated with powersgd both ways at rank 8",
             "cmemi_local": f"cmemi_kn with local steps: train.local_steps {args.local_steps} (--local-steps), N replicas, "
                            "the default outer step (SGD, Nesterov 0.9, lr 0.7); steps and warm-up in rounds (a quarter of "
                            "--steps, at least 6); a step's time is a round's",

@@ -8,9 +8,11 @@ metric, median encode+decode seconds per step (workers' encode + aggregator's de
 aggregator used: `lease_microbatches` (a lease is a block of the reduction tree, docs/design.md §2; a stateless
 lossy codec leases single microbatches) and `gradients_per_step`. The baseline `none` is what the code sends
 today: one gradient per block lease (2 per step for digits' M = 4 on 2 workers), not one per microbatch.
-Rows with `compression.downlink` on (ROWS, "codec/downlink") compress the parameters too (docs/design.md §9): their
-`downlink` field names it, `ratio_received_vs_none` is what it saves, and `eval_vs_dense` is the eval metric minus
-that of `none` both ways at the same steps (issue 32: within 1 point of accuracy, 2 % of the loss).
+A row's codec `powersgd:R` runs powersgd at `compression.powersgd_rank` R (the row's `powersgd_rank`; plain `powersgd`
+rows use the default, 2). Rows with `compression.downlink` on (ROWS, "codec/downlink") compress the parameters too
+(docs/design.md §9): their `downlink` field names it, `ratio_received_vs_none` is what it saves, and `eval_vs_dense` is
+the eval metric minus that of `none` both ways at the same steps (issue 32: within 1 point of accuracy, 2 % of the
+loss).
 
 Every run sends its first `--warmup` fraction of the example's train.steps dense (`compression.warmup_steps`, both
 ways): the practice DDP's PowerSGD hook recommends (`start_powerSGD_iter` ~10 % of training), since the first steps
@@ -48,7 +50,7 @@ from bench import common as C  # noqa: E402
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")
 ROWS = (*((c, "none") for c in CODECS),  # (codec, downlink): every codec up, then both ways, then mixed
         ("int8", "int8"), ("topk", "topk"), ("powersgd", "powersgd"), ("sign", "sign"), ("none", "powersgd"),
-        ("none", "sign"), ("powersgd", "sign"), ("topk", "sign"))
+        ("none", "sign"), ("powersgd", "sign"), ("topk", "sign"), ("powersgd:8", "powersgd"), ("powersgd:8", "sign"))
 EXAMPLES = {
     "digits": {"config": "examples/digits.yaml", "metric": "accuracy", "sets": []},
     "charlm": {"config": "examples/charlm.yaml", "metric": "loss", "sets": []},
@@ -66,15 +68,19 @@ def leases(config: str, sets: list[str]) -> dict:
             "gradients_per_step": len(list(reduction.blocks(M, block)))}
 
 
-def run(example: str, codec: str, downlink: str, workdir: Path, extra: list[str]) -> dict:
+def run(example: str, row: str, downlink: str, workdir: Path, extra: list[str]) -> dict:
+    """One run of `example` with the row's codec up (`CODEC` or `powersgd:RANK`) and `downlink` down."""
     spec = EXAMPLES[example]
-    tag = codec if downlink == "none" else f"{codec}-down{downlink}"
+    codec, _, rank = row.partition(":")
+    tag = (codec if downlink == "none" else f"{codec}-down{downlink}") + (f"-r{rank}" if rank else "")
     run_dir = Path(tempfile.mkdtemp(prefix=f"{example}-{tag}-", dir=workdir))
     sets = [f"compression.codec={codec}", f"compression.downlink={downlink}", "cluster.spare_workers=0",
-            "checkpoint.every_steps=0", *spec["sets"], *extra]
+            "checkpoint.every_steps=0", *spec["sets"], *extra, *([f"compression.powersgd_rank={rank}"] if rank else [])]
     cmd = [sys.executable, "-m", "cmemi", "up", spec["config"], "--set", f"run.dir={run_dir}",
            "--set", f"run.name=bench-{example}-{tag}", *(a for x in sets for a in ("--set", x))]
     shape = leases(spec["config"], sets)
+    if "powersgd" in (codec, downlink):
+        shape["powersgd_rank"] = load_config(str(ROOT / spec["config"]), sets).compression.powersgd_rank
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         return {"codec": codec, "downlink": downlink, **shape, "error": proc.stderr.strip().splitlines()[-1:]}
@@ -135,7 +141,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per row; the row is the median one (default 1)")
     ap.add_argument("--seeds", type=int, default=1, help="run.seed 0 .. K-1 for every row; compare at equal seeds "
                     "(default 1: seed 0 only)")
-    ap.add_argument("--rows", default=None, help="comma-separated CODEC or CODEC/DOWNLINK, a subset of "
+    ap.add_argument("--rows", default=None, help="comma-separated CODEC or CODEC/DOWNLINK (powersgd:R: rank R), a subset of "
                     + ",".join(f"{c}/{d}" for c, d in ROWS) + " (default all; ratios need none/none)")
     args = ap.parse_args()
     rows_ = ROWS

@@ -255,11 +255,17 @@ def compression() -> str:
                 vs = f"{x.get('eval_vs_dense_rel', gap / base['eval_loss']):+.1%}" + (
                     f" ({min(rel):+.1%} to {max(rel):+.1%})" if len(set(rel)) > 1 else "")
             lease = [str(x[k]) if k in x else "–" for k in ("lease_microbatches", "gradients_per_step")]
-            lines.append(f"| {example} | `{x['codec']}` | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
+            lines.append(f"| {example} | {codec_label(x)} | `{x.get('downlink', 'none')}` | {' | '.join(lease)} | "
                          f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
                          f"{x['bytes_received_per_step']:,.0f} | {ev} | {vs} | "
                          f"{x['codec_s_per_step_median'] * 1000:.2f} |")
     return "\n".join([*lines, "", *compression_goal(d), measured("compression")])
+
+
+def codec_label(row: dict[str, Any]) -> str:
+    """A compression row's codec, with powersgd's rank where the row ran powersgd (either way)."""
+    rank = row.get("powersgd_rank")
+    return f"`{row['codec']}`" + (f" (rank {rank})" if rank is not None and row["codec"] == "powersgd" else "")
 
 
 ACCURACY_GOAL = {"eval_accuracy": 0.01, "eval_loss": 0.02}  # issue 32: within 1 point / 2 % of dense both ways
@@ -279,7 +285,7 @@ def compression_goal(d: dict[str, Any]) -> list[str]:
                    else x.get("eval_vs_dense_rel", x["eval_vs_dense"] / base["eval_loss"]))
             ok = "✓" if gap <= ACCURACY_GOAL[metric] else "✗"
             shown = f"{-gap * 100:+.2f} points" if metric == "eval_accuracy" else f"{gap:+.1%}"
-            parts.append(f"`{x['codec']}`/`{x['downlink']}` {shown} {ok}")
+            parts.append(f"{codec_label(x)}/`{x['downlink']}` {shown} {ok}")
         if parts:
             seeds = len(next((x["eval_by_seed"] for x in rows if "eval_by_seed" in x), [None]))
             goal = "1 point of accuracy" if "eval_accuracy" in rows[0] else "2 % of the eval loss"
@@ -439,7 +445,10 @@ CLUSTER_ROWS = {"ddp": "torchrun-style DDP (gloo), dense", "ddp_powersgd": "DDP 
                 "cmemi_kn_powersgd_sign": "CMEMI, K = N shards on the worker hosts, `powersgd` up (rank 2), `sign` down",
                 "cmemi_kn_dedicated_powersgd_sign": "CMEMI, K = N shards on dedicated hosts, `powersgd` up (rank 2), "
                                                     "`sign` down",
-                "cmemi_k1_powersgd_sign": "CMEMI K = 1, `powersgd` up (rank 2), `sign` down"}
+                "cmemi_k1_powersgd_sign": "CMEMI K = 1, `powersgd` up (rank 2), `sign` down",
+                "cmemi_kn_powersgd2_r8": "CMEMI, K = N shards on the worker hosts, `powersgd` both ways (rank 8)",
+                "cmemi_kn_dedicated_powersgd2_r8": "CMEMI, K = N shards on dedicated hosts, `powersgd` both ways (rank 8)",
+                "cmemi_k1_powersgd2_r8": "CMEMI K = 1, `powersgd` both ways (rank 8)"}
 BOTH_WAYS_GOALS = {"powersgd": 1.0, "topk": 1.5}  # issue 32: × DDP + PowerSGD hook, at N = 4 and 8
 
 
@@ -524,7 +533,7 @@ def cluster() -> str:
             + (f", {c:.2f}× pipelined on dedicated hosts" if c else "")
             + (f" ({idle:.2f} idle cores during the co-located run)" if idle is not None else "")
             for n, a, b, c, idle in kn) + ". The goals were ≤ 1.05× (co-located) and ≤ 0.7× (dedicated) at N = 8."]
-    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if key.endswith(("2", "_sign"))
+    both = [(n, key, r) for n, x in d["by_n"].items() for key in CLUSTER_ROWS if re.sub(r"_r\d+$", "", key).endswith(("2", "_sign"))
             if (r := x["ratios"].get(f"{key}_vs_ddp_powersgd")) is not None]
     if both:
         lines += ["", "Compressed both ways (`compression.downlink` on), against DDP + PowerSGD hook: "

@@ -1,11 +1,11 @@
 """bench/cluster.py's pure parts: the communication bounds (bench/physics.py) it prints next to its
-measurements, and its --rate parsing (tc's units)."""
+measurements, its --rate parsing (tc's units) and what each system's name asks of compression."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cluster import rate_bit_s, rates_by_n
+from bench.cluster import BOTH_WAYS, SYSTEMS, compressed_system, rate_bit_s, rates_by_n
 from bench.physics import comm_bounds_s
 
 
@@ -49,3 +49,13 @@ def test_one_rate_or_one_per_n() -> None:
         rates_by_n("2:200MB/s", [2])
     with pytest.raises(ValueError):
         rates_by_n("two:200mbit", [2])
+
+
+def test_system_names_say_codec_downlink_and_rank() -> None:
+    assert compressed_system("cmemi_kn") == {"codec": "none", "downlink": "none", "rank": 2}
+    assert compressed_system("cmemi_k1_powersgd") == {"codec": "powersgd", "downlink": "none", "rank": 2}
+    assert compressed_system("cmemi_kn_topk2") == {"codec": "topk", "downlink": "topk", "rank": 2}
+    assert compressed_system("cmemi_kn_dedicated_powersgd_sign") == {"codec": "powersgd", "downlink": "sign", "rank": 2}
+    assert compressed_system("cmemi_k1_powersgd2_r8") == {"codec": "powersgd", "downlink": "powersgd", "rank": 8}
+    both = {k for k in SYSTEMS if compressed_system(k)["downlink"] != "none" and k.startswith("cmemi")}
+    assert both == set(BOTH_WAYS) and "cmemi_kn_dedicated_powersgd2_r8" in both
