@@ -259,7 +259,30 @@ def compression() -> str:
                          f"{x['bytes_sent_per_step']:,.0f} | {x['ratio_vs_none']:.1f} | "
                          f"{x['bytes_received_per_step']:,.0f} | {ev} | {vs} | "
                          f"{x['codec_s_per_step_median'] * 1000:.2f} |")
-    return "\n".join([*lines, "", *compression_goal(d), measured("compression")])
+    hook = hook_accuracy()
+    return "\n".join([*lines, "", *compression_goal(d), *hook,
+                      measured("compression", *(["hook_accuracy"] if hook else []))])
+
+
+def hook_accuracy() -> list[str]:
+    """DDP's PowerSGD hook against dense DDP on the same examples (bench/hook_accuracy.py; optional file): the speed
+    goal's baseline, measured as the rows above are."""
+    if not (RESULTS / "hook_accuracy.json").is_file():
+        return []
+    d = load("hook_accuracy")
+    parts = []
+    for example, x in d["examples"].items():
+        gaps = x["hook_vs_dense_by_seed"]
+        if x["metric"] == "accuracy":
+            parts.append(f"{example} {x['hook_vs_dense'] * 100:+.2f} points ({min(gaps) * 100:+.2f} to "
+                         f"{max(gaps) * 100:+.2f})")
+        else:
+            rel = [g / b for g, b in zip(gaps, x["ddp_dense_by_seed"], strict=True)]
+            parts.append(f"{example} {x['hook_vs_dense_rel']:+.1%} ({min(rel):+.1%} to {max(rel):+.1%})")
+    seeds = len(next(iter(d["examples"].values()))["hook_vs_dense_by_seed"])
+    return [f"DDP's own PowerSGD hook (rank {d['hook_rank']}, the cluster table's baseline), against dense DDP on the "
+            f"same examples, seeds 0–{seeds - 1}, steps and data (`bench/hook_accuracy.py`): " + "; ".join(parts) + ".",
+            ""]
 
 
 def codec_label(row: dict[str, Any]) -> str:
