@@ -137,10 +137,15 @@ def local_round(local: LocalRound, trainer: Trainer, encoder: Any, decoder: Any,
     collector = StepCollector(rnd, inner.R, block=1)
     while (node := collector.lease(*HOLDER, now=0.0, timeout=math.inf)) is not None:
         r = node[0]
-        loss, delta, contribution, state = local.run(rnd, r, inner.start(r))
-        delta = trainer.partition.views(delta)
+        if trainer.fragments:  # streaming: a segment, the change of one fragment's pieces
+            loss, delta, contribution, state = local.segment(rnd, r, inner.start(r), trainer.partition.views,
+                                                             trainer.fragments)
+        else:
+            loss, delta, contribution, state = local.run(rnd, r, inner.start(r))
+            delta = trainer.partition.views(delta)
         info, frames = encoder.encode(delta, rnd)
-        decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)
+        decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()},
+                                 shapes={n: trainer.shapes[n] for n in delta})
         inner.keep(r, through_wire(state))
         collector.offer(r, decoded, loss, HOLDER, contribution if report else None)
     grads, loss = collector.mean()

@@ -172,6 +172,13 @@ class TrainConfig:
     replicas: int = 0
     """R (with local_steps): logical replicas, fixed for the run and independent of the worker count; a lease is one
     replica's round, and each inner step of a replica takes global_batch / R samples. 0: train.microbatches."""
+    fragments: int = 1
+    """F (with local_steps, Streaming DiLoCo): the model's pieces in F fragments of about equal bytes, fragment p synced
+    at the inner steps = (p + 1)·H/F (mod H); a server step is then H/F inner steps and moves one fragment. 1: every
+    parameter synced at the end of each round."""
+    fragment_mix: float = 0.5
+    """α (fragments > 1): a fragment's outer result is merged into each replica one segment later (overlapping the
+    sync with compute) as α·local + (1 − α)·global."""
 
     def __post_init__(self) -> None:
         if self.local_steps < 0:
@@ -194,6 +201,13 @@ class TrainConfig:
                   f"must be divisible by train.microbatches={self.microbatches}",
                   f"use a multiple of {self.microbatches}, e.g. {self.microbatches * max(1, self.global_batch // self.microbatches)}")
         _import_path("train.loss", self.loss)
+        if self.fragments < 1:
+            _fail("train.fragments", self.fragments, "must be >= 1", "use 1 for whole rounds, or e.g. 4")
+        if self.fragments > 1 and (not self.local_steps or self.local_steps % self.fragments):
+            _fail("train.fragments", self.fragments, f"must divide train.local_steps={self.local_steps}",
+                  "set train.local_steps to a multiple of it (e.g. 4 fragments of a 100-step round)")
+        if not 0 <= self.fragment_mix <= 1:
+            _fail("train.fragment_mix", self.fragment_mix, "must be in [0, 1]", "use e.g. 0.5")
         if self.local_steps and self.steps % self.local_steps:
             _fail("train.steps", self.steps, f"must be a multiple of train.local_steps={self.local_steps} (whole rounds)",
                   f"use e.g. {self.local_steps * max(1, round(self.steps / self.local_steps))}")
@@ -201,12 +215,17 @@ class TrainConfig:
     @property
     def rounds(self) -> int:
         """The servers' steps: train.steps, or with local_steps the rounds (train.steps / local_steps)."""
-        return self.steps // self.local_steps if self.local_steps else self.steps
+        return self.steps // self.segment if self.local_steps else self.steps
+
+    @property
+    def segment(self) -> int:
+        """Inner steps per step of the servers with local_steps: H, or H / fragments (Streaming DiLoCo)."""
+        return self.local_steps // self.fragments
 
     @property
     def samples_per_round(self) -> int:
-        """Samples trained per step of the servers: global_batch, or with local_steps H × global_batch a round."""
-        return self.global_batch * max(1, self.local_steps)
+        """Samples trained per step of the servers: global_batch, or with local_steps that × its inner steps."""
+        return self.global_batch * max(1, self.segment)
 
 
 @dataclass

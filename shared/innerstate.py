@@ -15,7 +15,9 @@ from cmemi.shared import state
 from cmemi.shared.config import Config
 from cmemi.shared.plugins import build_optimizer, build_scheduler
 
-InnerState = dict[str, Any]  # {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() or None}
+# {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() or None}; streaming (train.fragments > 1)
+# also "params": the replica's own parameters by tensor name, which carry on from one segment to the next
+InnerState = dict[str, Any]
 
 # The tensors' wire names start with ".inner.": beside a gradient's frames, which are named by the model's parameters,
 # and no parameter's name starts with "." (torch refuses "." in a module's or parameter's own name). A model with a
@@ -79,8 +81,8 @@ def from_wire(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
     if set(meta) != {PREFIX}:
         raise state.StateError(f"an inner state's metadata has sections {sorted(meta)[:4]}")
     out = state.unflatten(meta, tensors)[PREFIX]
-    if not isinstance(out, dict) or set(out) != {"optimizer", "scheduler"}:
-        raise state.StateError("an inner state is {optimizer, scheduler}")
+    if not isinstance(out, dict) or set(out) - {"params"} != {"optimizer", "scheduler"}:
+        raise state.StateError("an inner state is {optimizer, scheduler} (streaming: and params)")
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 from cmemi.services.aggregator.replicas import InnerStates
 from cmemi.shared import allocator, initweights, limits
 from cmemi.shared import buffers as buffer_rule
+from cmemi.shared import fragments as fragmenting
 from cmemi.shared.config import Config
 from cmemi.shared.downlink import Mirror
 from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler
@@ -69,6 +70,9 @@ class Trainer:
                                          self.optimizer_section)
         self.scheduler = None if self.local else build_scheduler(cfg, self.optimizer)
         self.inner = InnerStates(cfg.train.microbatches) if self.local and shard == 0 else None
+        # streaming (train.fragments > 1): the grid's pieces in fragments; step s steps fragment s mod F alone
+        self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
+                          if self.local and cfg.train.fragments > 1 else [])
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
@@ -203,9 +207,9 @@ class Trainer:
             hook()
         if buffer_sum is not None:
             buffer_rule.fold(self.buffers, buffer_sum, self.cfg.train.microbatches)
-        if mean_grads is not None:
-            for n, p in self.pieces.items():
-                p.grad = mean_grads[n]
+        if mean_grads is not None:  # (streaming: only the step's fragment has gradients; the rest is not stepped)
+            for n, g in mean_grads.items():
+                self.pieces[n].grad = g
             if (max_norm := self.cfg.train.clip_grad_norm) is not None and not self.local:  # of the summed gradient
                 self.last_grad_norm, coef = clip_coefficient(self.partials(mean_grads) if partials is None
                                                              else partials, max_norm)

@@ -14,10 +14,12 @@ left holding θ_t again, so another replica of the same round needs no new param
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.shared import buffers as buffer_rule
+from cmemi.shared import fragments as fragmenting
 from cmemi.shared.codecs import all_finite
 from cmemi.shared.config import Config
 from cmemi.shared.innerstate import InnerState
@@ -59,42 +61,81 @@ class LocalRound:
                                                                        dict[str, torch.Tensor] | None, InnerState]:
         """Replica r's round `rnd` from the model's parameters (θ) and the step buffers: (mean inner loss, Δ = θ − θ_r,
         buffer contribution or None, the replica's new inner state). Raises UserCodeError as a microbatch does."""
-        cfg, runner = self.cfg, self.runner
-        H, clip = cfg.train.local_steps, cfg.train.clip_grad_norm
+        H = self.cfg.train.local_steps
         self.load(state)
-        params = runner.params
+        params = self.runner.params
         start = {n: p.detach().clone() for n, p in params.items()}
+        try:
+            losses = self._inner_steps(rnd * H, H, r)
+            with torch.no_grad():
+                delta = {n: start[n].sub(p) for n, p in params.items()}
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():  # θ again, for the next replica of this round
+                    p.copy_(start[n])
+        return self._finish(rnd, r, losses, delta, self.state())
+
+    def segment(self, seg: int, r: int, state: InnerState | None, views: Callable[[dict[str, torch.Tensor]],
+                dict[str, torch.Tensor]], fragments: list[list[str]]) -> tuple[float, dict[str, torch.Tensor],
+                                                                         dict[str, torch.Tensor] | None, InnerState]:
+        """Streaming (train.fragments = F > 1): replica r's segment `seg` of H / F inner steps. The replica's own
+        parameters θ_r carry on from its last segment (its state's `params`; the first segment: the model's, θ_0);
+        fragment `merged(seg)` is first merged with the model's (the global parameters at this version), and the
+        change of fragment `synced(seg)` against them comes back as Δ (by piece of the grid: `views`). The model is left
+        holding the global parameters."""
+        cfg, L, F = self.cfg, self.cfg.train.segment, self.cfg.train.fragments
+        self.load(state)
+        params = self.runner.params
+        start = {n: p.detach().clone() for n, p in params.items()}
+        try:
+            with torch.no_grad():
+                if state is not None:
+                    for n, p in params.items():
+                        p.copy_(state["params"][n])
+                if (k := fragmenting.merged(seg, F)) is not None:
+                    fragmenting.merge(views(params), views(start), fragments[k], cfg.train.fragment_mix)
+            losses = self._inner_steps(seg * L, L, r)
+            with torch.no_grad():
+                local, outer = views(params), views(start)
+                delta = {n: outer[n].sub(local[n]) for n in fragments[fragmenting.synced(seg, F)]}
+                own = {n: p.detach().clone() for n, p in params.items()}
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(start[n])
+        return self._finish(seg, r, losses, delta, {**self.state(), "params": own})
+
+    def _inner_steps(self, first: int, count: int, r: int) -> list[float]:
+        """`count` inner steps of replica r from virtual step `first` on: microbatch r of each, its gradient clipped
+        (train.clip_grad_norm), the inner optimizer and scheduler stepped. The step buffers carry on."""
+        runner, clip = self.runner, self.cfg.train.clip_grad_norm
+        params = runner.params
         runner.reset_buffers()
         loader = runner.loader
         if loader is not None:
-            loader.want(rnd * H, [r])
-            for v in range(rnd * H + 1, rnd * H + min(H, READ_AHEAD)):
+            loader.want(first, [r])
+            for v in range(first + 1, first + min(count, READ_AHEAD)):
                 loader.guess(v, [r])
         losses = []
-        try:
-            for h in range(H):
-                v = rnd * H + h
-                if loader is not None and h + READ_AHEAD < H:
-                    loader.guess(v + READ_AHEAD, [r])
-                loss, grads, _ = runner.run_on(v, r)
-                for n, p in params.items():
-                    p.grad = grads[n]
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
-                self.optimizer.step()
-                if self.scheduler is not None:
-                    self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                losses.append(loss)
-            with torch.no_grad():
-                delta = {n: start[n].sub(p) for n, p in params.items()}
-                for n, p in params.items():  # θ again, for the next replica of this round
-                    p.copy_(start[n])
-        except BaseException:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(start[n])
-            raise
+        for h in range(count):
+            v = first + h
+            if loader is not None and h + READ_AHEAD < count:
+                loader.guess(v + READ_AHEAD, [r])
+            loss, grads, _ = runner.run_on(v, r)
+            for n, p in params.items():
+                p.grad = grads[n]
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss)
+        return losses
+
+    def _finish(self, rnd: int, r: int, losses: list[float], delta: dict[str, torch.Tensor],
+                state: InnerState) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
+        runner = self.runner
         produced = ({n: b.detach().to("cpu", copy=True) for n, b in runner.buffers.items()}
                     if runner.report_buffers else None)
         contribution = buffer_rule.contribution(runner.step_buffers, produced) if produced is not None else None
@@ -103,4 +144,4 @@ class LocalRound:
         if not all_finite(delta.values()):
             raise FloatingPointError(f"replica {r}'s change in round {rnd} is not finite (mean inner loss {loss}); the "
                                      "run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
-        return loss, delta, contribution, self.state()
+        return loss, delta, contribution, state

@@ -1,0 +1,41 @@
+"""Streaming DiLoCo's fragments (shared/fragments.py): contiguous runs of the grid's pieces with about equal bytes,
+the step that syncs each, the segment that merges it, and the merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cmemi.shared import fragments
+from cmemi.shared.shards import Piece
+
+
+def pieces(*sizes: int) -> list[Piece]:
+    return [Piece(f"p{i}", f"p{i}", 0, 1, n) for i, n in enumerate(sizes)]
+
+
+def test_split_is_contiguous_balanced_and_never_empty() -> None:
+    assert fragments.split(pieces(4, 4, 4, 4), 2) == [["p0", "p1"], ["p2", "p3"]]
+    assert fragments.split(pieces(10, 1, 1, 1), 2) == [["p0"], ["p1", "p2", "p3"]]
+    assert fragments.split(pieces(1, 1, 1, 10), 3) == [["p0", "p1"], ["p2"], ["p3"]]  # the last needs one
+    assert fragments.split(pieces(5, 5, 5), 3) == [["p0"], ["p1"], ["p2"]]
+    out = fragments.split(pieces(*range(1, 40)), 7)
+    assert [n for f in out for n in f] == [f"p{i}" for i in range(39)] and all(out)
+
+
+def test_more_fragments_than_pieces_is_refused() -> None:
+    with pytest.raises(ValueError, match="at most 2 fragments"):
+        fragments.split(pieces(1, 1), 3)
+
+
+def test_schedule() -> None:
+    assert [fragments.synced(s, 3) for s in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [fragments.merged(s, 3) for s in range(7)] == [None, None, 0, 1, 2, 0, 1]
+
+
+def test_merge() -> None:
+    local = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([5.0])}
+    outer = {"a": torch.tensor([3.0, 6.0]), "b": torch.tensor([7.0])}
+    fragments.merge(local, outer, ["a"], 0.5)
+    assert local["a"].tolist() == [2.0, 4.0] and local["b"].tolist() == [5.0]
+    fragments.merge(local, outer, ["b"], 0.0)
+    assert local["b"].tolist() == [7.0]
