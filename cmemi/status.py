@@ -90,6 +90,7 @@ def _schedule(run_dir: Path | None) -> tuple[int | None, int]:
         return None, 0
     steps, local = _num(_config_value(run_dir, "train", "steps"), int), _num(_config_value(run_dir, "train",
                                                                                           "local_steps"), int) or 0
+    local //= max(1, _num(_config_value(run_dir, "train", "fragments"), int) or 1)  # streaming: a step is a segment
     return (steps // local if steps is not None and local else steps), local
 
 

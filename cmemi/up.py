@@ -146,7 +146,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
               f"(redis {'embedded' if embedded else url.split('@')[-1]}, "
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
               f"service logs: cmemi logs {run_dir})", flush=True)
-        progress = Progress(cfg.train.rounds, cfg.train.local_steps)
+        progress = Progress(cfg.train.rounds, cfg.train.segment if cfg.train.local_steps else 0)
         report: StartupReport | None = None
 
         def show_startup() -> None:

@@ -60,7 +60,10 @@ def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) ->
     opt.step()
     if sched is not None:
         sched.step()
-    meta, tensors = to_wire({"optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else None})
+    inner: InnerState = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else None}
+    if cfg.train.fragments > 1:  # streaming: the replica's own parameters too
+        inner["params"] = {n: p.detach() for n, p in stand_in.items()}
+    meta, tensors = to_wire(inner)
     return signature(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False), tensors)
 
 

@@ -89,7 +89,7 @@ class Reporter:
             "step": step, "total": self.cfg.train.rounds, "loss": f"{loss:.6g}", "lr": f"{lr:.6g}",
             "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=done):.1f}",
             "bytes_s": f"{bytes_s:.0f}", "live_workers": live_workers, "term": self.term, "t": time.time(),
-            **({"local_steps": self.cfg.train.local_steps} if self.cfg.train.local_steps else {})},
+            **({"local_steps": self.cfg.train.segment} if self.cfg.train.local_steps else {})},
             self.unpublished_mb)
         self.unpublished_mb.clear()
 

@@ -377,7 +377,7 @@ class Aggregator:
             self._misfit(identity, info, bad, where)
             return
         codec = self.checking_codec if collector.strict else self.codec
-        grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors)
+        grads, bad, seconds = gradients.decode(codec, self.trainer, h, tensors, self.trainer.expected(h["step"]))
         # a borrowed gradient is copied where it is kept, but the one microbatch of M = 1 under an optimizer that only
         # reads it: stepped from the slot (its worker writes that slot again only after work sent past this step)
         own = self.intake.spares.own if borrowed and not (collector.M == 1 and self.trainer.reads_grads_only) else None

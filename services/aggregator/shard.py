@@ -267,7 +267,8 @@ class ShardServer:
         collector = self.collectors[g]
         if self.mean is not None or g in self.applied or collector.check(node, None) == "duplicate":
             return  # held already: the first complete copy won (a lease handed out again, or reopened)
-        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.stages[g])
+        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors,
+                                         self.trainer.expected(h["step"], self.stages[g]))
         if bad is not None:
             self.drops(bad, where)
             if (why := self.misfits.reject(identity, h["wid"], bad, where, f"parameter-server shard {self.shard}")):

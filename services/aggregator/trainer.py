@@ -169,6 +169,14 @@ class Trainer:
     def sharded(self) -> bool:
         return self.partition.shards > 1
 
+    def expected(self, step: int, names: list[str] | None = None) -> list[str] | None:
+        """The pieces (of `names`, default all of this shard's: None) whose gradients step `step` takes: streaming
+        (train.fragments > 1), those of the fragment it syncs; otherwise `names` as given."""
+        if not self.fragments:
+            return names
+        synced = set(self.fragments[fragmenting.synced(step, len(self.fragments))])
+        return [n for n in (self.pieces if names is None else names) if n in synced]
+
     def check_grads(self, grads: dict[str, torch.Tensor], names: list[str] | None = None) -> str | None:
         """Why gradients for this shard's pieces (or those `names`: a pipelined stage's) would be dropped, or None."""
         if grads.keys() != (self.pieces.keys() if names is None else set(names)):

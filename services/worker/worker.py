@@ -35,6 +35,7 @@ from cmemi.services.worker.local import LocalRound
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
 from cmemi.shared import downlink, innerstate, limits, protocol, samehost, shm, startup, transfer
+from cmemi.shared import fragments as fragmenting
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
@@ -87,6 +88,9 @@ class Worker:
         # train.local_steps: a lease is a replica's round (services/worker/local.py); the inner states this worker
         # holds, replica -> (the round it starts, the state), the last few it computed or was sent
         self.local = LocalRound(cfg, self.runner) if cfg.train.local_steps else None
+        # streaming (train.fragments > 1): the grid's pieces in fragments, as the servers split them
+        self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
+                          if self.local is not None and cfg.train.fragments > 1 else [])
         self.held: dict[int, tuple[int, InnerState | None]] = {}
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
@@ -415,7 +419,11 @@ class Worker:
                 self.held.pop(lo, None)
                 self._send("want", term=self.term, version=self.version)
                 return
-            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1])
+            segment = None
+            if self.fragments:  # streaming: a segment, whose change is the synced fragment's pieces
+                local, frags, seg = self.local, self.fragments, h["step"]
+                segment = lambda: local.segment(seg, lo, held[1], self.partition.views, frags)  # noqa: E731
+            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1], segment)
             finite = True
             self._keep(lo, h["step"] + 1, state)
             extra["inner"], inner = innerstate.to_wire(state)
@@ -435,8 +443,9 @@ class Worker:
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
-        views = self.partition.views(grads) if finite else {}  # (an fp16 overflow sends no tensors)
-        encoded = [[self.codec.encode({n: views[n] for n in names}, h["step"]) if finite else ({}, {})
+        # (an fp16 overflow sends no tensors; a streaming segment's change is by piece already, of one fragment)
+        views = (grads if self.fragments else self.partition.views(grads)) if finite else {}
+        encoded = [[self.codec.encode({n: views[n] for n in names if n in views}, h["step"]) if finite else ({}, {})
                     for names in self.partition.staged(k)] for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
         # the next version asked for first: behind the gradient on the same connection, a pull would reach a shard
