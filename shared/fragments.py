@@ -53,3 +53,17 @@ def merge(local: Mapping[str, torch.Tensor], outer: Mapping[str, torch.Tensor], 
                 local[n].copy_(outer[n])
             else:
                 local[n].mul_(alpha).add_(outer[n], alpha=1 - alpha)
+
+
+def snapshot_period(fragments: int, buffers: bool) -> int:
+    """Every how many segments a replica's state goes up (docs/design.md §10): F − 1, so that a replay from the last
+    one merges only fragments the lease's version still holds as they were merged; every segment for a model with
+    travelling buffers (BatchNorm statistics), whose segments start from the step's buffers, which a replay at a later
+    version no longer has."""
+    return 1 if buffers else max(1, fragments - 1)
+
+
+def ships_state(segment: int, period: int) -> bool:
+    """Does the replica's state after segment `segment` go up beside its change? After the first, always: a replay
+    from the fresh state would need the parameters of version 0."""
+    return segment == 0 or (segment + 1) % period == 0

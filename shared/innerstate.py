@@ -63,6 +63,7 @@ def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) ->
     inner: InnerState = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict() if sched is not None else None}
     if cfg.train.fragments > 1:  # streaming: the replica's own parameters too
         inner["params"] = {n: p.detach() for n, p in stand_in.items()}
+        inner["start"] = 1
     meta, tensors = to_wire(inner)
     return signature(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False), tensors)
 
@@ -84,8 +85,8 @@ def from_wire(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
     if set(meta) != {PREFIX}:
         raise state.StateError(f"an inner state's metadata has sections {sorted(meta)[:4]}")
     out = state.unflatten(meta, tensors)[PREFIX]
-    if not isinstance(out, dict) or set(out) - {"params"} != {"optimizer", "scheduler"}:
-        raise state.StateError("an inner state is {optimizer, scheduler} (streaming: and params)")
+    if not isinstance(out, dict) or set(out) - {"params", "start"} != {"optimizer", "scheduler"}:
+        raise state.StateError("an inner state is {optimizer, scheduler} (streaming: and params, start)")
     return out
 
 

@@ -32,6 +32,7 @@ from cmemi.services.aggregator.snapshots import CheckpointerLink
 from cmemi.services.aggregator.stepping import Stepper
 from cmemi.services.aggregator.totals import RunTotals
 from cmemi.services.aggregator.trainer import Trainer
+from cmemi.shared import fragments as fragmenting
 from cmemi.shared import innerstate, limits, protocol, shm, startup, state
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import make_codec
@@ -265,6 +266,8 @@ class Aggregator:
             return
         meta, tensors = self.trainer.inner.wire(r)
         self.totals.inner_states_sent += bool(meta)  # (a fresh one, round 0's, is an empty map)
+        if self.trainer.fragments:  # streaming: the snapshot's own segment (the worker computes the ones since again)
+            step = (self.trainer.inner.start(r) or {}).get("start", 0)
         n = self.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, self.cfg.cluster.checksum), None),
                              replica=r, round=step, meta=meta)
         self.reporter.work_bytes(n)
@@ -370,8 +373,10 @@ class Aggregator:
         if (reason := collector.check(node, holder)) is not None:  # before decoding: injection costs little
             self.drops(reason, where)
             return
-        inner, bad = None, None
-        if self.trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
+        inner, bad, keep = None, None, self.trainer.inner is not None
+        if self.trainer.fragments and not fragmenting.ships_state(h["step"], self.trainer.snapshot_every):
+            keep, bad = False, "bad_inner" if h.get("inner") or inner_tensors else None  # streaming: no state this time
+        elif self.trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
             inner, bad = self.trainer.inner.parse(h["lo"], h.get("inner"), inner_tensors)
         if bad is not None:
             self._misfit(identity, info, bad, where)
@@ -394,7 +399,7 @@ class Aggregator:
             self._serve_parked()
         else:
             self.misfits.forget(identity)
-            if self.trainer.inner is not None:
+            if keep and self.trainer.inner is not None:
                 self.trainer.inner.keep(h["lo"], inner)
             self.reporter.codec_s += seconds + float(h["encode_s"])
             self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])

@@ -103,7 +103,18 @@ class LocalRound:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(start[n])
-        return self._finish(seg, r, losses, delta, {**self.state(), "params": own})
+        return self._finish(seg, r, losses, delta, {**self.state(), "params": own, "start": seg + 1})
+
+    def replay(self, first: int, seg: int, r: int, state: InnerState | None,
+               views: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+               fragments: list[list[str]]) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
+                                                    InnerState]:
+        """Segment `seg` of replica r from its state at the start of segment `first` (a snapshot): the segments in
+        between computed again first, at the model's version, which holds every fragment they merge as it was
+        (fragments.snapshot_period), so the result is the same bits."""
+        for s in range(first, seg):
+            state = self.segment(s, r, state, views, fragments)[3]
+        return self.segment(seg, r, state, views, fragments)
 
     def _inner_steps(self, first: int, count: int, r: int) -> list[float]:
         """`count` inner steps of replica r from virtual step `first` on: microbatch r of each, its gradient clipped

@@ -91,6 +91,7 @@ class Worker:
         # streaming (train.fragments > 1): the grid's pieces in fragments, as the servers split them
         self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
                           if self.local is not None and cfg.train.fragments > 1 else [])
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(self.runner.step_buffers))
         self.held: dict[int, tuple[int, InnerState | None]] = {}
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
@@ -414,19 +415,22 @@ class Worker:
         inner: dict[str, torch.Tensor] = {}
         extra: dict[str, Any] = {}
         if self.local is not None:
-            if (held := self.held.get(lo)) is None or held[0] != h["step"]:  # its `inner` did not come: ask again
+            # (streaming: a state from the last snapshot period will do; the segments since are computed again)
+            if (held := self.held.get(lo)) is None or not 0 <= h["step"] - held[0] < (
+                    self.snapshot_every if self.fragments else 1):
                 self.log.info("no inner state for this replica's round; asking again", replica=lo, round=h["step"])
                 self.held.pop(lo, None)
                 self._send("want", term=self.term, version=self.version)
                 return
             segment = None
             if self.fragments:  # streaming: a segment, whose change is the synced fragment's pieces
-                local, frags, seg = self.local, self.fragments, h["step"]
-                segment = lambda: local.segment(seg, lo, held[1], self.partition.views, frags)  # noqa: E731
+                local, frags, seg, (first, start) = self.local, self.fragments, h["step"], held
+                segment = lambda: local.replay(first, seg, lo, start, self.partition.views, frags)  # noqa: E731
             losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1], segment)
             finite = True
             self._keep(lo, h["step"] + 1, state)
-            extra["inner"], inner = innerstate.to_wire(state)
+            if not self.fragments or fragmenting.ships_state(h["step"], self.snapshot_every):
+                extra["inner"], inner = innerstate.to_wire(state)
         else:
             try:
                 losses, grads, buffers, finite = self.compute.block(h["step"], lo, hi, float(h["scale"]))
