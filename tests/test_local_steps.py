@@ -243,3 +243,59 @@ def test_every_role_killed_mid_round_leaves_the_reference(tmp_path: Path) -> Non
     events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
     restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
     assert restored and all(step % 3 == 0 and step > 0 for step in restored), restored
+
+
+# ------------------------------------------------------------------------------ streaming (train.fragments > 1)
+
+STREAM = ("train.local_steps=6", "train.replicas=4", "train.fragments=3", "train.steps=72",
+          "scheduler.kwargs.T_max=72", "cluster.spare_workers=0", "checkpoint.every_steps=0")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_streaming_gives_the_reference_for_any_workers_and_shards(tmp_path: Path) -> None:
+    """Streaming DiLoCo, 3 fragments of a 6-step round (a server step is a segment of 2 inner steps: 36 of them), 4
+    replicas: W = 1, 3 at K = 1 and W = 2 at K = 2 give the reference's params_sha256. At W = 3 replicas move between
+    workers, and whoever takes one without its live state replays the segments since its last snapshot (a state goes
+    up every F − 1 = 2 segments): the same bits. The result differs from whole rounds (F = 1)."""
+    ref = reference(tmp_path, *STREAM)
+    assert ref["steps"] == 36
+    got = {}
+    for k, w in ((1, 1), (1, 3), (2, 2)):
+        r = run_up(tmp_path / f"k{k}w{w}", *STREAM, f"cluster.shards={k}", f"cluster.workers={w}")
+        assert r.rc == 0, r.stderr[-3000:]
+        got[(k, w)] = r.summary["params_sha256"]
+        assert r.summary["steps"] == 36 and "round   36/36 (inner step 72/72)" in r.stdout, r.stdout[-500:]
+        assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
+        if w == 3:
+            assert r.summary["inner_states_sent"] > 0, r.summary  # replicas moved: snapshots sent, segments replayed
+    assert set(got.values()) == {ref["params_sha256"]}, got
+    whole = tuple(s for s in STREAM if not s.startswith("train.fragments"))
+    assert reference(tmp_path, *whole)["params_sha256"] != ref["params_sha256"]
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+def test_streaming_survives_a_worker_and_the_leader_killed(tmp_path: Path) -> None:
+    """Streaming, K = 1, W = 2 and a spare, a checkpoint every 4 segments, a paced model: SIGKILL a worker mid-run
+    (its replicas go to others, who replay from the snapshots), then the leader (restored from a checkpoint, whose
+    snapshots every worker replays from): bitwise the reference's."""
+    sets = (*[s for s in STREAM if not s.startswith(("checkpoint", "cluster.spare"))], "checkpoint.every_steps=4",
+            "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
+    want = reference(tmp_path, *sets)["params_sha256"]
+    c = Cluster(tmp_path / "run", *sets, "cluster.workers=2", "cluster.spare_workers=1",
+                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
+    try:
+        for at, (role, ident) in ((5, ("worker", "w0")), (15, ("aggregator", "0"))):
+            c.wait_step(at, timeout=180)
+            inc = c.signal(role, ident)
+            c.replaced(role, ident, inc, timeout=90)
+    finally:
+        rc = c.wait(timeout=400)
+    assert rc == 0, c.output()
+    assert c.summary["steps"] == 36 and c.summary["params_sha256"] == want, (c.summary["params_sha256"], want)
+    events = [json.loads(x) for x in (c.run_dir / "events.jsonl").read_text().splitlines()]
+    restored = [e["step"] for e in events if e["kind"] == "checkpoint_restored"]
+    assert restored and all(step % 4 == 0 and step > 0 for step in restored), restored
+    assert c.summary["inner_states_sent"] > 0, c.summary  # snapshots went to workers that replayed from them
