@@ -317,6 +317,27 @@ def compression_goal(d: dict[str, Any]) -> list[str]:
     return [*out, ""] if out else []
 
 
+def streaming() -> str:
+    """bench/streaming.py: Streaming DiLoCo against whole rounds and synchronous steps, eval loss and bytes per sample."""
+    d = load("streaming")
+    rows = d["rows"]
+    sync = next((r for r in rows if r.get("local_steps") == 0 and "error" not in r), None)
+    lines = ["| run | server steps | eval loss | vs synchronous | bytes per sample | × fewer than synchronous | "
+             "bitwise the reference |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {' '.join(r['error'])[:120]} | | | | | |")
+            continue
+        vs = f"{r['eval_loss'] / sync['eval_loss'] - 1:+.1%}" if sync else "–"
+        fewer = f"{sync['bytes_per_sample'] / r['bytes_per_sample']:.0f}×" if sync else "–"
+        lines.append(f"| {r['name']} | {r['server_steps']} | {r['eval_loss']:.3f} | {vs} | "
+                     f"{r['bytes_per_sample']:,.0f} | {fewer} | {'yes' if r['params_sha256_equal_reference'] else 'NO'} |")
+    return "\n".join([f"charlm, {d['steps']} inner steps' worth of samples (global batch 32), 4 replicas, the default "
+                      "outer step; eval loss from `cmemi reference`, bytes from `cmemi up` with 2 workers (every byte "
+                      "sent and received; its params_sha256 compared with the reference's).", "", *lines, "",
+                      measured("streaming")])
+
+
 def scaling() -> str:
     s = load("scaling")
     lines = ["| workload | workers | step time (median) | speedup vs 1 worker | bytes to the aggregator / step | "
@@ -779,6 +800,7 @@ def local_steps() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"bench-table": benchmark, "compression-table": compression,
+                                        "streaming-table": streaming,
                                         "scaling-table": scaling, "memory-table": memory, "small-table": small, "cluster-table": cluster,
                                         "cluster-notes": cluster_notes, "resnet-accuracy": resnet_accuracy,
                                         "local-steps-table": local_steps}

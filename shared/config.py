@@ -177,8 +177,8 @@ class TrainConfig:
     at the inner steps = (p + 1)·H/F (mod H); a server step is then H/F inner steps and moves one fragment. 1: every
     parameter synced at the end of each round."""
     fragment_mix: float = 0.5
-    """α (fragments > 1): a fragment's outer result is merged into each replica one segment later (overlapping the
-    sync with compute) as α·local + (1 − α)·global."""
+    """α (fragments > 1): a fragment's outer result is merged into each replica one segment later (so the sync may overlap
+    the next segment's compute) as α·local + (1 − α)·global."""
 
     def __post_init__(self) -> None:
         if self.local_steps < 0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from cmemi.shared.config import ConfigError
 from cmemi.shared.shards import Piece
 
 
@@ -19,8 +20,8 @@ def split(pieces: Sequence[Piece], fragments: int) -> list[list[str]]:
     """The piece names of each of `fragments` contiguous runs of `pieces` (grid order) with about equal bytes: fragment
     k ends at the first piece whose running total reaches (k + 1) / F of all bytes, and none is empty."""
     if not 1 <= fragments <= len(pieces):
-        raise ValueError(f"train.fragments={fragments} needs at least as many pieces of the chunk grid "
-                         f"(this model has {len(pieces)}): use at most {len(pieces)} fragments")
+        raise ConfigError(f"config field 'train.fragments' = {fragments}: needs at least as many pieces of the chunk grid "
+                          f"(this model has {len(pieces)}); use at most {len(pieces)} fragments")
     total = sum(p.nbytes for p in pieces)
     out: list[list[str]] = [[] for _ in range(fragments)]
     done, k = 0, 0

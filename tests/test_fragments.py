@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cmemi.shared import fragments
+from cmemi.shared.config import ConfigError
 from cmemi.shared.shards import Piece
 
 
@@ -23,7 +24,7 @@ def test_split_is_contiguous_balanced_and_never_empty() -> None:
 
 
 def test_more_fragments_than_pieces_is_refused() -> None:
-    with pytest.raises(ValueError, match="at most 2 fragments"):
+    with pytest.raises(ConfigError, match="'train.fragments' = 3: .*use at most 2 fragments"):
         fragments.split(pieces(1, 1), 3)
 
 

@@ -53,6 +53,10 @@ def digits(*sets: str):
      "outer_optimizer.name"),
     (("train.local_steps=5", "outer_optimizer.name=AdamW"), "outer_optimizer.kwargs"),  # SGD's momentum is no AdamW's
     (("train.local_steps=5", "outer_optimizer.param_groups=[{lr: 1.0}]"), "outer_optimizer.param_groups\\[0\\]"),
+    (("train.local_steps=5", "train.fragments=2", "train.steps=10"), "train.fragments"),  # must divide H
+    (("train.fragments=2",), "train.fragments"),  # fragments of no round
+    (("train.fragments=0",), "train.fragments"),
+    (("train.local_steps=6", "train.fragments=2", "train.steps=12", "train.fragment_mix=1.5"), "train.fragment_mix"),
 ])
 def test_local_steps_refuse_what_they_cannot_keep_exact(sets: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError, match=f"config field '{field}'"):
