@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import time
+from functools import partial
 from typing import Any
 
 import redis
@@ -422,10 +423,10 @@ class Worker:
                 self.held.pop(lo, None)
                 self._send("want", term=self.term, version=self.version)
                 return
-            segment = None
-            if self.fragments:  # streaming: a segment, whose change is the synced fragment's pieces
-                local, frags, seg, (first, start) = self.local, self.fragments, h["step"], held
-                segment = lambda: local.replay(first, seg, lo, start, self.partition.views, frags)  # noqa: E731
+            segment = None  # streaming: a segment (replayed from a snapshot), its change the synced fragment's pieces
+            if self.fragments:
+                segment = partial(self.local.replay, held[0], h["step"], lo, held[1], self.partition.views,
+                                  self.fragments)
             losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1], segment)
             finite = True
             self._keep(lo, h["step"] + 1, state)
@@ -443,7 +444,7 @@ class Worker:
                 self._send("want", term=self.term, version=self.version)
                 return
             self.lending.computed()
-        samples = (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches) * max(1, self.cfg.train.local_steps)
+        samples = (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches) * max(1, self.cfg.train.segment)
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
