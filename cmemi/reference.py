@@ -66,7 +66,7 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
     # a stateful codec's result depends on what is encoded together: one worker's whole-step leases
     block = block_size(M, 1) if encoder.stateful else 1
     loss, stopped = float("nan"), False
-    local = LocalRound(cfg, runner) if cfg.train.local_steps else None
+    local = LocalRound(cfg, runner, trainer.partition) if cfg.train.local_steps else None
     try:
         while trainer.step < cfg.train.rounds and not stopped:
             step = trainer.step
@@ -137,12 +137,8 @@ def local_round(local: LocalRound, trainer: Trainer, encoder: Any, decoder: Any,
     collector = StepCollector(rnd, inner.R, block=1)
     while (node := collector.lease(*HOLDER, now=0.0, timeout=math.inf)) is not None:
         r = node[0]
-        if trainer.fragments:  # streaming: a segment, the change of one fragment's pieces
-            loss, delta, contribution, state = local.segment(rnd, r, inner.start(r), trainer.partition.views,
-                                                             trainer.fragments)
-        else:
-            loss, delta, contribution, state = local.run(rnd, r, inner.start(r))
-            delta = trainer.partition.views(delta)
+        # (streaming: a segment, the change of one fragment's pieces; its state the last one, never replayed here)
+        loss, delta, contribution, state = local.lease(rnd, r, rnd, inner.start(r))
         info, frames = encoder.encode(delta, rnd)
         decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()},
                                  shapes={n: trainer.shapes[n] for n in delta})

@@ -123,16 +123,15 @@ class BlockComputer:
         """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py)."""
         return self._twice(lambda: self.runner.run(step, m, scale))
 
-    def local_round(self, local: LocalRound, rnd: int, r: int, state: InnerState | None,
-                    segment: Callable[[], Any] | None = None) -> tuple[
+    def local_round(self, local: LocalRound, rnd: int, r: int, first: int, state: InnerState | None) -> tuple[
             list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
-        """Replica r's round `rnd` of local steps (services/worker/local.py): (its mean inner loss as the lease's one
-        loss, Δ_r, its buffer contribution or None, its new inner state). A change that is not finite stops the run.
-        `segment` (streaming, train.fragments > 1): computes the replica's segment instead (LocalRound.segment)."""
+        """Replica r's lease at step `rnd` of local steps, from its state at the start of step `first`
+        (services/worker/local.py, `LocalRound.lease`): (its mean inner loss as the lease's one loss, Δ_r by piece of
+        the grid, its buffer contribution or None, its new inner state). A change that is not finite stops the run."""
         if self.trim:
             allocator.trim()
         try:
-            loss, delta, buffers, new = self._twice(segment or (lambda: local.run(rnd, r, state)))
+            loss, delta, buffers, new = self._twice(lambda: local.lease(rnd, r, first, state))
         except (FloatingPointError, InnerStateError) as exc:  # diverged; or a state from another config (the leader
             self.fatal(f"worker {self.who()}: {exc}")  # checks each against this model's: not a transient fault)
         return [loss], delta, buffers, new

@@ -14,7 +14,6 @@ left holding θ_t again, so another replica of the same round needs no new param
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 from cmemi.services.worker.compute import MicrobatchRunner
@@ -24,6 +23,7 @@ from cmemi.shared.codecs import all_finite
 from cmemi.shared.config import Config
 from cmemi.shared.innerstate import InnerState
 from cmemi.shared.plugins import build_optimizer, build_scheduler
+from cmemi.shared.shards import Partition
 
 READ_AHEAD = 4  # inner steps whose batches a loader reads ahead (data.workers > 0)
 
@@ -33,11 +33,40 @@ class InnerStateError(ValueError):
 
 
 class LocalRound:
-    def __init__(self, cfg: Config, runner: MicrobatchRunner) -> None:
+    def __init__(self, cfg: Config, runner: MicrobatchRunner, partition: Partition | None = None) -> None:
+        """`partition`: the chunk grid, which `lease` gives the change by piece of (and, streaming, whose pieces form
+        the fragments)."""
         self.cfg, self.runner = cfg, runner
         self.optimizer = build_optimizer(cfg, runner.params)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         self.fresh = copy.deepcopy(self.state())  # round 0's: before any inner step
+        self.views = partition.views if partition is not None else None
+        # streaming (train.fragments > 1): the grid's pieces in fragments, as the servers split them (Trainer), and
+        # every how many segments a replica's state goes up (docs/design.md §10)
+        self.fragments = (fragmenting.split(partition.pieces, cfg.train.fragments)
+                          if partition is not None and cfg.train.fragments > 1 else [])
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(runner.step_buffers))
+
+    def lease(self, step: int, r: int, first: int, state: InnerState | None) -> tuple[
+            float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
+        """A lease of replica r at server step `step`, from its state at the start of step `first`: its round (`run`),
+        or streaming its segment, replayed from a snapshot when `first` < `step` (`replay`); the change by piece of
+        the grid."""
+        if self.fragments:
+            return self.replay(first, step, r, state)
+        assert self.views is not None and first == step
+        loss, delta, contribution, new = self.run(step, r, state)
+        return loss, self.views(delta), contribution, new
+
+    def ships_state(self, step: int) -> bool:
+        """Does the replica's state after this step's lease go up beside its change? (Whole rounds: always.)"""
+        return not self.fragments or fragmenting.ships_state(step, self.snapshot_every)
+
+    @property
+    def window(self) -> int:
+        """How many steps before the leased one a held state may start (the rest is replayed): streaming, the snapshot
+        period; whole rounds, only the leased step's own."""
+        return self.snapshot_every if self.fragments else 1
 
     def state(self) -> InnerState:
         """The inner optimizer's and scheduler's state as they are (their live tensors: the next `load` replaces them,
@@ -75,15 +104,15 @@ class LocalRound:
                     p.copy_(start[n])
         return self._finish(rnd, r, losses, delta, self.state())
 
-    def segment(self, seg: int, r: int, state: InnerState | None, views: Callable[[dict[str, torch.Tensor]],
-                dict[str, torch.Tensor]], fragments: list[list[str]]) -> tuple[float, dict[str, torch.Tensor],
-                                                                         dict[str, torch.Tensor] | None, InnerState]:
+    def segment(self, seg: int, r: int, state: InnerState | None) -> tuple[float, dict[str, torch.Tensor],
+                                                                          dict[str, torch.Tensor] | None, InnerState]:
         """Streaming (train.fragments = F > 1): replica r's segment `seg` of H / F inner steps. The replica's own
         parameters θ_r carry on from its last segment (its state's `params`; the first segment: the model's, θ_0);
         fragment `merged(seg)` is first merged with the model's (the global parameters at this version), and the
         change of fragment `synced(seg)` against them comes back as Δ (by piece of the grid: `views`). The model is left
         holding the global parameters."""
-        cfg, L, F = self.cfg, self.cfg.train.segment, self.cfg.train.fragments
+        cfg, L, F, views, fragments = self.cfg, self.cfg.train.segment, self.cfg.train.fragments, self.views, self.fragments
+        assert views is not None
         self.load(state)
         params = self.runner.params
         start = {n: p.detach().clone() for n, p in params.items()}
@@ -105,16 +134,14 @@ class LocalRound:
                     p.copy_(start[n])
         return self._finish(seg, r, losses, delta, {**self.state(), "params": own, "start": seg + 1})
 
-    def replay(self, first: int, seg: int, r: int, state: InnerState | None,
-               views: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-               fragments: list[list[str]]) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
-                                                    InnerState]:
+    def replay(self, first: int, seg: int, r: int, state: InnerState | None) -> tuple[
+            float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
         """Segment `seg` of replica r from its state at the start of segment `first` (a snapshot): the segments in
         between computed again first, at the model's version, which holds every fragment they merge as it was
         (fragments.snapshot_period), so the result is the same bits."""
         for s in range(first, seg):
-            state = self.segment(s, r, state, views, fragments)[3]
-        return self.segment(seg, r, state, views, fragments)
+            state = self.segment(s, r, state)[3]
+        return self.segment(seg, r, state)
 
     def _inner_steps(self, first: int, count: int, r: int) -> list[float]:
         """`count` inner steps of replica r from virtual step `first` on: microbatch r of each, its gradient clipped

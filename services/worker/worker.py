@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import socket
 import time
-from functools import partial
 from typing import Any
 
 import redis
@@ -36,7 +35,6 @@ from cmemi.services.worker.local import LocalRound
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
 from cmemi.shared import downlink, innerstate, limits, protocol, samehost, shm, startup, transfer
-from cmemi.shared import fragments as fragmenting
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
@@ -88,11 +86,7 @@ class Worker:
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
         # train.local_steps: a lease is a replica's round (services/worker/local.py); the inner states this worker
         # holds, replica -> (the round it starts, the state), the last few it computed or was sent
-        self.local = LocalRound(cfg, self.runner) if cfg.train.local_steps else None
-        # streaming (train.fragments > 1): the grid's pieces in fragments, as the servers split them
-        self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
-                          if self.local is not None and cfg.train.fragments > 1 else [])
-        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(self.runner.step_buffers))
+        self.local = LocalRound(cfg, self.runner, self.partition) if cfg.train.local_steps else None
         self.held: dict[int, tuple[int, InnerState | None]] = {}
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
@@ -417,20 +411,15 @@ class Worker:
         extra: dict[str, Any] = {}
         if self.local is not None:
             # (streaming: a state from the last snapshot period will do; the segments since are computed again)
-            if (held := self.held.get(lo)) is None or not 0 <= h["step"] - held[0] < (
-                    self.snapshot_every if self.fragments else 1):
+            if (held := self.held.get(lo)) is None or not 0 <= h["step"] - held[0] < self.local.window:
                 self.log.info("no inner state for this replica's round; asking again", replica=lo, round=h["step"])
                 self.held.pop(lo, None)
                 self._send("want", term=self.term, version=self.version)
                 return
-            segment = None  # streaming: a segment (replayed from a snapshot), its change the synced fragment's pieces
-            if self.fragments:
-                segment = partial(self.local.replay, held[0], h["step"], lo, held[1], self.partition.views,
-                                  self.fragments)
-            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, held[1], segment)
+            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, *held)
             finite = True
             self._keep(lo, h["step"] + 1, state)
-            if not self.fragments or fragmenting.ships_state(h["step"], self.snapshot_every):
+            if self.local.ships_state(h["step"]):
                 extra["inner"], inner = innerstate.to_wire(state)
         else:
             try:
@@ -448,8 +437,8 @@ class Worker:
         fields = {"finite": finite, "term": self.term, "step": h["step"], "lo": lo, "hi": hi, "version": self.version,
                   "losses": losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
-        # (an fp16 overflow sends no tensors; a streaming segment's change is by piece already, of one fragment)
-        views = (grads if self.fragments else self.partition.views(grads)) if finite else {}
+        # (an fp16 overflow sends no tensors; a replica's change is by piece already: of one fragment, streaming)
+        views = (grads if self.local is not None else self.partition.views(grads)) if finite else {}
         encoded = [[self.codec.encode({n: views[n] for n in names if n in views}, h["step"]) if finite else ({}, {})
                     for names in self.partition.staged(k)] for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
