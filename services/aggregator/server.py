@@ -295,7 +295,7 @@ class Aggregator:
         fields.update(downlink=DELTA, base=held_version, codec=info)
         return (encoded, None)
 
-    def _serve(self, identity: bytes, info: WorkerInfo, held_version: int) -> None:
+    def _serve(self, identity: bytes, info: WorkerInfo, held_version: int, after_grad: bool = False) -> None:
         if self.stepper.done:
             self._tell_stop(identity)
             return
@@ -303,6 +303,8 @@ class Aggregator:
         prefer = self.holdings.prefer(identity, self.leasing.collector.step) if self.holdings is not None else set()
         if (node := self.leasing.lease(identity, info, held_version, prefer)) is not None:
             self._work(identity, node, held_version)
+        elif after_grad and self.trainer.fragments:  # streaming: the worker may compute its next segments meanwhile
+            self.outbox.send(identity, "parked", step=self.leasing.collector.step)
 
     def _serve_parked(self) -> None:
         for identity, info, held_version in self.leasing.waiting():
@@ -350,7 +352,7 @@ class Aggregator:
         self.leasing.answered(identity, None)
         self._take_grad(identity, info, h, msg.tensors)
         self._note_holds(identity, h)
-        self._serve(identity, info, h["version"])
+        self._serve(identity, info, h["version"], after_grad=True)
 
     def _misfit(self, identity: bytes, info: WorkerInfo, reason: str, detail: str) -> None:
         """Drop a gradient that does not fit (misfits.py); the worker's LIMIT-th in a row gets a fatal reject."""
@@ -401,6 +403,7 @@ class Aggregator:
             self.misfits.forget(identity)
             if keep and self.trainer.inner is not None:
                 self.trainer.inner.keep(h["lo"], inner)
+            self.totals.segments_ahead += h.get("ahead") is True
             self.reporter.codec_s += seconds + float(h["encode_s"])
             self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
             self.reporter.accepted(info.wid, info.inc, node[1] - node[0])

@@ -18,6 +18,7 @@ class RunTotals:
     slot_out: int = 0  # of bytes_out, likewise
     duplicate_param_sends: int = 0  # parameters of a version sent again to the same worker (services/aggregator/leasing.py)
     inner_states_sent: int = 0  # local steps: replicas' inner states sent to a worker that did not hold them (moved)
+    segments_ahead: int = 0  # streaming local steps: accepted segments their worker had computed before the lease
     changes_sent: int = 0  # compression.downlink: parameter changes (or chains of them) sent to workers
     mirrors_sent: int = 0  # compression.downlink: whole mirrors sent (a new worker, or one too far behind)
     wall_before: float = 0.0  # training seconds of earlier terms
@@ -44,7 +45,8 @@ class RunTotals:
         return {"final_loss": self.final_loss, "bytes_sent": self.bytes_in, "bytes_received": self.bytes_out,
                 "bytes_sent_via_slots": self.slot_in, "bytes_received_via_slots": self.slot_out,
                 "wall_s": self.wall_s(), "duplicate_param_sends": self.duplicate_param_sends,
-                "inner_states_sent": self.inner_states_sent, "changes_sent": self.changes_sent,
+                "inner_states_sent": self.inner_states_sent, "segments_ahead": self.segments_ahead,
+                "changes_sent": self.changes_sent,
                 "mirrors_sent": self.mirrors_sent}
 
     def load_state_dict(self, sd: dict[str, float | int]) -> None:
@@ -53,5 +55,6 @@ class RunTotals:
         self.wall_before = float(sd["wall_s"])
         self.duplicate_param_sends = int(sd.get("duplicate_param_sends", 0))
         self.inner_states_sent = int(sd.get("inner_states_sent", 0))
+        self.segments_ahead = int(sd.get("segments_ahead", 0))
         self.changes_sent, self.mirrors_sent = int(sd.get("changes_sent", 0)), int(sd.get("mirrors_sent", 0))
         self.slot_in, self.slot_out = int(sd.get("bytes_sent_via_slots", 0)), int(sd.get("bytes_received_via_slots", 0))  # (checkpoints from before it was kept)

@@ -63,6 +63,14 @@ class LocalRound:
         return not self.fragments or fragmenting.ships_state(step, self.snapshot_every)
 
     @property
+    def ahead(self) -> bool:
+        """Can a replica's next lease be computed before it comes (streaming, docs/design.md §10)? Segment s + 1 merges
+        the fragment step s − 1 synced and sends the change of fragment s + 1, neither of which step s changes, so
+        version s gives the bits version s + 1 would. Not with travelling buffers (BatchNorm): a segment starts from
+        the step's buffers, which step s does change."""
+        return bool(self.fragments) and not self.runner.step_buffers
+
+    @property
     def window(self) -> int:
         """How many steps before the leased one a held state may start (the rest is replayed): streaming, the snapshot
         period; whole rounds, only the leased step's own."""

@@ -88,6 +88,8 @@ class Worker:
         # holds, replica -> (the round it starts, the state), the last few it computed or was sent
         self.local = LocalRound(cfg, self.runner, self.partition) if cfg.train.local_steps else None
         self.held: dict[int, tuple[int, InnerState | None]] = {}
+        # streaming: leases computed ahead while parked, (step, replica) -> (the held state they started from, result)
+        self.ahead: dict[tuple[int, int], tuple[tuple[int, InnerState | None], Any]] = {}
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
         self.life = Lifecycle(ctx)
@@ -274,6 +276,9 @@ class Worker:
                 if msg.type == "inner":
                     self._hold(msg)
                     continue
+                if msg.type == "parked":
+                    self._compute_ahead(msg.header["step"])
+                    continue
                 if msg.type == "work" and msg.header["term"] == self.term:
                     self.patience.work_arrived()
                     try:
@@ -376,6 +381,31 @@ class Worker:
         while len(self.held) > self.hold_at_most:  # the oldest round goes, never the one just kept
             del self.held[min((x for x in self.held if x != r), key=lambda x: self.held[x][0])]
 
+    def _compute_ahead(self, step: int) -> None:
+        """Streaming: parked after a gradient of step `step`, compute the next step's segment of each replica held for
+        it while the step is collected (`LocalRound.ahead`: the model's version gives the same bits), lowest replica
+        first (the leader leases a held replica's lowest first); stop as soon as a message waits: a lease goes first."""
+        local, nxt = self.local, step + 1
+        if local is None or not local.ahead or self.version != step or nxt >= self.cfg.train.rounds:
+            return
+        assert self.sock is not None
+        for r in sorted(self.held):
+            held = self.held[r]
+            if held[0] != nxt or (nxt, r) in self.ahead:
+                continue
+            if self.sock.poll(0):
+                return
+            self.ahead[(nxt, r)] = (held, self.compute.local_round(local, nxt, r, *held))
+
+    def _local(self, step: int, r: int, held: tuple[int, InnerState | None]) -> tuple[Any, bool]:
+        """A replica's lease: computed ahead from this very state if it was, else now; and whether it was ahead."""
+        ahead = self.ahead.pop((step, r), None)
+        self.ahead = {k: v for k, v in self.ahead.items() if k[0] >= step}
+        if ahead is not None and ahead[0] is held:
+            return ahead[1], True
+        assert self.local is not None
+        return self.compute.local_round(self.local, step, r, *held), False
+
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         delta = h.get("downlink") == downlink.DELTA  # (a change is from `base`: checked before the version moves)
@@ -416,8 +446,9 @@ class Worker:
                 self.held.pop(lo, None)
                 self._send("want", term=self.term, version=self.version)
                 return
-            losses, grads, buffers, state = self.compute.local_round(self.local, h["step"], lo, *held)
+            (losses, grads, buffers, state), ahead = self._local(h["step"], lo, held)
             finite = True
+            extra["ahead"] = ahead
             self._keep(lo, h["step"] + 1, state)
             if self.local.ships_state(h["step"]):
                 extra["inner"], inner = innerstate.to_wire(state)
