@@ -9,11 +9,14 @@ segment in between is computed while the step is collected).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from cmemi.shared.config import ConfigError
 from cmemi.shared.shards import Piece
+
+PIECES = "pieces"  # a work or slice message's `downlink`: the pieces changed since version `base`, as they are now
 
 
 def split(pieces: Sequence[Piece], fragments: int) -> list[list[str]]:
@@ -68,3 +71,30 @@ def ships_state(segment: int, period: int) -> bool:
     """Does the replica's state after segment `segment` go up beside its change? After the first, always: a replay
     from the fresh state would need the parameters of version 0."""
     return segment == 0 or (segment + 1) % period == 0
+
+
+def changed(base: Any, version: int, fragments: Sequence[Sequence[str]]) -> set[str] | None:
+    """The pieces the steps from version `base` to `version` changed (step s syncs fragment s mod F alone), or None
+    where that is not known to be fewer than all: no fragments, or `base` not one of the F − 1 versions before."""
+    F = len(fragments)
+    if F < 2 or type(base) is not int or not max(-1, version - F) < base < version:
+        return None
+    return {n for s in range(base, version) for n in fragments[synced(s, F)]}
+
+
+def land(received: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], required: Iterable[str]) -> bool:
+    """A `PIECES` message into `targets` (a worker's pieces of a server's slice, and the step's buffers): True once
+    copied; False, and nothing copied, unless every tensor is one of the targets' with its dtype and shape, finite,
+    and the `required` ones are there (the step's buffers)."""
+    if not set(required) <= received.keys() or not received.keys() <= targets.keys():
+        return False
+    for n, t in received.items():
+        want = targets[n]
+        if t.dtype != want.dtype or tuple(t.shape) != tuple(want.shape) or \
+                (t.is_floating_point() and not bool(torch.isfinite(t).all())):
+            return False
+    with torch.no_grad():
+        for n, t in received.items():
+            if t.data_ptr() != targets[n].data_ptr():  # (what landed in place is there)
+                targets[n].copy_(t)
+    return True

@@ -40,3 +40,27 @@ def test_merge() -> None:
     assert local["a"].tolist() == [2.0, 4.0] and local["b"].tolist() == [5.0]
     fragments.merge(local, outer, ["b"], 0.0)
     assert local["b"].tolist() == [7.0]
+
+
+def test_changed_since_names_the_fragments_synced_since_or_nothing() -> None:
+    """Version v differs from v − 1 in fragment (v − 1) mod F alone: a worker at one of the F − 1 versions before gets
+    the union; at none (-1), the current one, F or more back, or with whole rounds: None (the whole version)."""
+    frags = [["a"], ["b", "c"], ["d"]]
+    assert fragments.changed(4, 5, frags) == {"b", "c"}  # step 4 synced fragment 1
+    assert fragments.changed(3, 5, frags) == {"a", "b", "c"}
+    assert fragments.changed(0, 1, frags) == {"a"}
+    for base in (-1, 2, 5, 6, "4", None, True):
+        assert fragments.changed(base, 5, frags) is None, base
+    assert fragments.changed(-1, 0, frags) is None  # a fresh worker at the first version: never a wrapped fragment
+    assert fragments.changed(4, 5, [["a", "b"]]) is None
+
+
+def test_land_copies_only_what_fits() -> None:
+    targets = {"a": torch.zeros(2), "b": torch.zeros(3), "buf": torch.zeros(1)}
+    assert fragments.land({"a": torch.ones(2), "buf": torch.full((1,), 2.0)}, targets, ["buf"])
+    assert targets["a"].tolist() == [1.0, 1.0] and targets["b"].tolist() == [0.0] * 3 and targets["buf"].item() == 2.0
+    for bad, required in (({"a": torch.ones(3)}, []), ({"a": torch.ones(2, dtype=torch.float64)}, []),
+                          ({"x": torch.ones(2)}, []), ({"a": torch.tensor([1.0, float("nan")])}, []),
+                          ({"a": torch.full((2,), 5.0)}, ["buf"])):
+        assert not fragments.land(bad, targets, required), bad
+    assert targets["a"].tolist() == [1.0, 1.0]  # nothing copied from a message refused

@@ -68,6 +68,8 @@ def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalS
             # parameter messages by server: changes (or chains of them), and whole mirrors (docs/design.md §9)
             "changes_sent": totals.changes_sent + shards_total("changes_sent"),
             "mirrors_sent": totals.mirrors_sent + shards_total("mirrors_sent")} if trainer.mirror is not None else {}),
+        # streaming: parameter messages of only the pieces changed since the worker's version (docs/design.md §10)
+        **({"changes_sent": totals.changes_sent + shards_total("changes_sent")} if trainer.fragments else {}),
     })
     if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
         summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},

@@ -19,18 +19,23 @@ from cmemi.services.aggregator.outbox import Encoded
 from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.shared import protocol
 from cmemi.shared.downlink import DELTA, DENSE, Mirror, SentChanges
+from cmemi.shared.fragments import PIECES
 from cmemi.shared.layout import Layout
 
 
 class SliceServer:
     def __init__(self, stages: list[dict[str, torch.Tensor]], checksum: bool, shard: int,
                  send: Callable[..., None], pipelined: bool, slotted: Callable[[bytes], bool] | None = None,
-                 run: str = "", mirror: Mirror | None = None) -> None:
+                 run: str = "", mirror: Mirror | None = None,
+                 changed: Callable[[Any, int], dict[str, torch.Tensor] | None] | None = None) -> None:
         self.stages, self.shard, self.send = stages, shard, send  # each stage's pieces (live tensors)
         # compression.downlink (one stage, no slots): the stage is the mirror; a pull from one of the versions before
         # gets the change or the chain of them (encoded once per version and base), any other the whole mirror
         self.mirror, self.checksum = mirror, checksum
         self._deltas = SentChanges()
+        # streaming (train.fragments): a pull from one of the F − 1 versions before gets only the pieces changed since
+        # (`changed`: Trainer.changed_since), any other the whole slice
+        self.changed = changed
         self.publishers = [Publisher(checksum, Layout(stage), keep_previous=pipelined) for stage in stages]
         self.slotted = slotted
         self.slots = [SlotPublisher(run, f"shard{shard}", checksum, Layout(stage)) for stage in stages] \
@@ -56,6 +61,16 @@ class SliceServer:
         info, encoded = self._deltas.get(version, have,
                                          lambda: (change[0], protocol.encode_tensors(change[1], self.checksum)))
         return (encoded, None), {"downlink": DELTA, "base": have, "codec": info}
+
+    def _pieces(self, identity: bytes, version: int, got: Any) -> tuple[Any, dict[str, Any]]:
+        """Streaming: what answers a pull of the current `version`: the pieces changed since the worker's, or all."""
+        assert self.changed is not None
+        have = self.have.pop(identity, -1)
+        if (pieces := self.changed(have, version)) is None:
+            return got, {}
+        encoded = self._deltas.get(version, have, lambda: protocol.encode_tensors(
+            {n: t.detach().clone() for n, t in pieces.items()}, self.checksum))  # (stepped in place next)
+        return (encoded, None), {"downlink": PIECES, "base": have}
 
     def encoded(self, g: int, version: int) -> Encoded:
         """Stage g at `version` (its current pieces), encoded once per version."""
@@ -87,8 +102,9 @@ class SliceServer:
                     if slot:  # no frames: the worker reads the slot
                         self.send(identity, "slice", (([], []), None), version=version, asked=version,
                                   shard=self.shard, stage=g, shm=got)
-                    elif self.mirror is not None:
-                        got, fields = self._downlink(identity, version, got)
+                    elif self.mirror is not None or self.changed is not None:
+                        got, fields = (self._downlink if self.mirror is not None else self._pieces)(identity, version,
+                                                                                                    got)
                         self.send(identity, "slice", got, version=version, asked=version, shard=self.shard, stage=g,
                                   **fields)
                     else:

@@ -99,7 +99,7 @@ class Aggregator:
         # (not with compression.downlink: a version's change is a few small frames, sent as they are)
         self.slots = SlotPublisher(ctx.run, "leader", cfg.cluster.checksum, self.layout) \
             if self.intake.slots is not None and self.trainer.mirror is None else None
-        self._deltas = SentChanges()  # compression.downlink: the current version's changes, encoded, by base
+        self._deltas = SentChanges()  # compression.downlink, streaming: the current version's changes, encoded, by base
         self.reporter = Reporter(ctx, cfg, self.totals, self.term)
         self.evals = EvalSchedule(ctx, cfg, eval_fn, self.reporter.eval)
         restored = self.ckpt.fetch_latest(timeout=120, trainer=self.trainer)
@@ -233,6 +233,9 @@ class Aggregator:
         fields: dict[str, Any] = {}
         if held_version != self.trainer.step and self.trainer.mirror is not None:
             encoded = self._downlink(held_version, fields)
+        elif held_version != self.trainer.step and \
+                (pieces := self.trainer.changed_since(held_version, self.trainer.step)) is not None:
+            encoded = self._pieces(held_version, pieces, fields)
         elif held_version != self.trainer.step and self.slots is not None and identity in self.intake.granted \
                 and (wire := self.trainer.wire_state()):
             fields["shm"] = self.slots.descriptor(wire, self.trainer.step)  # no frames: the worker reads the slot
@@ -294,6 +297,13 @@ class Aggregator:
         info, encoded = self._deltas.get(step, held_version, encode)
         fields.update(downlink=DELTA, base=held_version, codec=info)
         return (encoded, None)
+
+    def _pieces(self, held_version: int, pieces: dict[str, torch.Tensor], fields: dict[str, Any]) -> Any:
+        """Streaming: only the pieces the steps since the worker's version changed (its fragments: P / F a step, not
+        P), and the step's buffers; copied, as the next step changes them in place, once per version and base."""
+        fields.update(downlink=fragmenting.PIECES, base=held_version)
+        return (self._deltas.get(self.trainer.step, held_version, lambda: protocol.encode_tensors(
+            {n: t.detach().clone() for n, t in pieces.items()}, self.cfg.cluster.checksum)), None)
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int, after_grad: bool = False) -> None:
         if self.stepper.done:

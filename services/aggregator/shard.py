@@ -95,11 +95,13 @@ class ShardServer:
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
         self.stages = self.trainer.partition.staged(shard)
-        mirror = self.trainer.mirror  # compression.downlink: the slice sent is the mirror, without slots
+        # compression.downlink: the slice sent is the mirror, and streaming most often only its changed pieces: both
+        # without slots
+        mirror, changed = self.trainer.mirror, self.trainer.changed_since if self.trainer.fragments else None
         self.slices = SliceServer([self._stage(g) for g in range(len(self.stages))], cfg.cluster.checksum, shard,
-                                  self._send, self.pipelined, run=ctx.run, mirror=mirror,
+                                  self._send, self.pipelined, run=ctx.run, mirror=mirror, changed=changed,
                                   slotted=(lambda i: i in self.intake.granted)
-                                  if self.intake.slots is not None and mirror is None else None)
+                                  if self.intake.slots is not None and mirror is None and changed is None else None)
         self.collectors = self._collectors(self.trainer.step)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from cmemi.shared.downlink import DELTA, DENSE
+from cmemi.shared.fragments import PIECES
 
 
 @dataclass
@@ -19,7 +20,8 @@ class RunTotals:
     duplicate_param_sends: int = 0  # parameters of a version sent again to the same worker (services/aggregator/leasing.py)
     inner_states_sent: int = 0  # local steps: replicas' inner states sent to a worker that did not hold them (moved)
     segments_ahead: int = 0  # streaming local steps: accepted segments their worker had computed before the lease
-    changes_sent: int = 0  # compression.downlink: parameter changes (or chains of them) sent to workers
+    changes_sent: int = 0  # compression.downlink: parameter changes (or chains of them) sent to workers; streaming:
+    # messages of only the pieces changed since the worker's version
     mirrors_sent: int = 0  # compression.downlink: whole mirrors sent (a new worker, or one too far behind)
     wall_before: float = 0.0  # training seconds of earlier terms
     t_start: float | None = None  # when this term handed out its first lease (monotonic)
@@ -27,7 +29,7 @@ class RunTotals:
     def sent(self, fields: dict) -> None:
         """Count a work or slice message's parameters by what `downlink` it carries (none: not counted)."""
         if (kind := fields.get("downlink")) is not None:
-            self.changes_sent += kind == DELTA
+            self.changes_sent += kind in (DELTA, PIECES)
             self.mirrors_sent += kind == DENSE
 
     def started(self, now: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from cmemi.services.aggregator.replicas import InnerStates
@@ -279,6 +280,15 @@ class Trainer:
         if not self.buffers:
             return pieces
         return {**pieces, **self.wire_buffers()}
+
+    def changed_since(self, base: Any, version: int) -> dict[str, torch.Tensor] | None:
+        """Streaming: what moves a worker's copy of this shard's slice from version `base` to `version`, the current
+        one: the pieces the steps since changed (each syncs its fragment) and the step's buffers (live tensors); None
+        where that is not known to be less than the whole slice (fragments.changed)."""
+        names = fragmenting.changed(base, version, self.fragments) if version == self.step else None
+        if names is None:
+            return None
+        return {**{n: p for n, p in self.pieces.items() if n in names}, **self.wire_buffers()}
 
     def wire_buffers(self) -> dict[str, torch.Tensor]:
         """The step's buffers as they travel (shard 0; empty elsewhere)."""

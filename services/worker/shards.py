@@ -32,6 +32,7 @@ import zmq
 from cmemi.shared import downlink, limits, protocol, shm, transfer
 from cmemi.shared.codecs import CodecError
 from cmemi.shared.config import Config
+from cmemi.shared.fragments import PIECES, land
 from cmemi.shared.layout import Layout, LayoutError
 from cmemi.shared.service import ServiceContext
 from cmemi.shared.shards import Partition
@@ -175,7 +176,7 @@ class ShardLinks:
         hello again)."""
         stage = header.get("stage", 0)
         if (header.get("type") == "slice" and self.fetching is not None and link.have != self.fetching
-                and header.get("downlink") != downlink.DELTA  # a change lands aside, then is added to the pieces
+                and header.get("downlink") not in (downlink.DELTA, PIECES)  # a change lands aside, then goes in
                 and header.get("version") == header.get("asked") == self.fetching
                 and type(stage) is int and 0 <= stage < len(link.views)
                 and all(v.device.type == "cpu" for v in link.views[stage].values())):
@@ -237,6 +238,10 @@ class ShardLinks:
         False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
         if link.got[0] is not None and link.got[0].header.get("downlink") == downlink.DELTA:
             return self._change(link, link.got[0])
+        if link.got[0] is not None and link.got[0].header.get("downlink") == PIECES:  # streaming: the changed pieces
+            got = link.got[0]
+            return link.have >= 0 and got.header.get("base") == link.have and len(link.views) == 1 and \
+                land(got.tensors, link.views[0], ())
         descs = []
         try:
             received: dict[str, torch.Tensor] = {}

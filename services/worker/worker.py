@@ -35,6 +35,7 @@ from cmemi.services.worker.local import LocalRound
 from cmemi.services.worker.patience import Patience
 from cmemi.services.worker.shards import Lost, ShardLinks
 from cmemi.shared import downlink, innerstate, limits, protocol, samehost, shm, startup, transfer
+from cmemi.shared import fragments as fragmenting
 from cmemi.shared.buffers import PREFIX
 from cmemi.shared.codecs import CodecError, make_codec
 from cmemi.shared.config import ConfigError
@@ -366,6 +367,19 @@ class Worker:
         self.version = h["version"]
         return True
 
+    def _take_pieces(self, msg: protocol.Message) -> bool:
+        """Streaming: the leader's pieces that the steps since our version changed, and the step's buffers
+        (fragments.PIECES), into the model; False when they are not from our version or do not fit it (the whole
+        version is asked for then)."""
+        h, buffers = msg.header, {PREFIX + n: b for n, b in self.runner.step_buffers.items()}
+        if self.version < 0 or h.get("base") != self.version or not fragmenting.land(
+                msg.tensors, {**self.partition.views(self.params, 0), **buffers}, buffers):
+            self.log.info("changed pieces not from our version, or not our model's; asking for the whole version",
+                          base=h.get("base"), have=self.version)
+            return False
+        self.version = h["version"]
+        return True
+
     def _hold(self, msg: protocol.Message) -> None:
         """Local steps: a replica's inner state from the leader, for the work that follows."""
         h = msg.header
@@ -409,10 +423,16 @@ class Worker:
     def _work(self, msg: protocol.Message) -> None:
         h = msg.header
         delta = h.get("downlink") == downlink.DELTA  # (a change is from `base`: checked before the version moves)
-        if not msg.tensors and not self.inbox.tensors and not delta:  # nothing to receive: a leader without pieces
+        pieces = h.get("downlink") == fragmenting.PIECES
+        if not msg.tensors and not self.inbox.tensors and not delta and not pieces:  # nothing to receive: a leader without pieces
             self.version = h["version"]  # (pipelined, or more shards than a low-rank codec's whole-tensor pieces)
         if delta:
             if not self._apply_change(msg):  # not our version's, or malformed: the whole mirror instead
+                self.version = -1
+                self._send("want", term=self.term, version=self.version)
+                return
+        elif pieces:
+            if not self._take_pieces(msg):
                 self.version = -1
                 self._send("want", term=self.term, version=self.version)
                 return
