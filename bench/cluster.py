@@ -86,9 +86,10 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
            "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
-           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local")
+           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream")
 BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
+FRAGMENTS = 4  # cmemi_local_stream's train.fragments (--fragments)
 
 
 # ---------------------------------------------------------------------------------------- links
@@ -283,24 +284,27 @@ class Cluster:
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
               curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
-              rank: int = POWERSGD_RANK) -> dict[str, Any]:
+              rank: int = POWERSGD_RANK, fragments: int = 1) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
-        compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds;
-        a step's figures are then a round's, and a round trains H times the samples."""
+        compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
+        (`fragments` F > 1, streaming: in segments of H / F inner steps); a step's figures are then a round's (a
+        segment's), and a round trains H times the samples (a segment H / F)."""
         from cmemi.shared.config import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
+        segment = max(1, local_steps // fragments)  # inner steps per step of the servers
         name = (f"cluster-n{n}-k{shards}{'d' if dedicated else ''}-{codec}{down}{f'-h{local_steps}' if local_steps else ''}"
+                f"{f'-f{fragments}' if fragments > 1 else ''}"
                 f"{f'-r{rank}' if rank != POWERSGD_RANK else ''}"
                 f"-{secrets.token_hex(3)}")
         logs = self.work / name
         logs.mkdir()
         run_dir = logs / "run"
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
-                             steps=steps * max(1, local_steps), microbatches=n, workers=n, spares=0, ckpt_every=0)
+                             steps=steps * segment, microbatches=n, workers=n, spares=0, ckpt_every=0)
         if local_steps:
-            cfg["train"].update(local_steps=local_steps, replicas=n)
+            cfg["train"].update(local_steps=local_steps, replicas=n, fragments=fragments)
         cfg["compression"] = {"codec": codec, "powersgd_rank": rank, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
@@ -341,10 +345,12 @@ class Cluster:
         median = C.median(m["step_time_s"] for m in measured)
         at = {m["step"]: m["t"] for m in rows}
         summary = json.loads((run_dir / "summary.json").read_text())
-        samples = BATCH * n * max(1, local_steps)  # per step (a round: H inner steps of every replica)
+        samples = BATCH * n * segment  # per step (a round: H inner steps of every replica; a segment H / F)
         moved = summary["bytes_sent"] + summary["bytes_received"]
         return {"steps": steps, "steps_measured": len(measured), "first_measured_step": first + 1,
                 **({"local_steps": local_steps, "replicas": n} if local_steps else {}),
+                **({"fragments": fragments, "segments_ahead": summary.get("segments_ahead"),
+                    "changes_sent": summary.get("changes_sent")} if fragments > 1 else {}),
                 "step_time_median_s": C.rnd(median, 5), "samples_per_s": round(samples / median, 1),
                 "bytes_per_sample": round(moved / (summary["steps"] * samples), 1),
                 "wall_per_step_s": C.rnd((measured[-1]["t"] - at[first]) / len(measured), 5),
@@ -429,6 +435,15 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_local_time_per_sample_vs_ddp": C.ratio(per_sample.get("cmemi_local"), per_sample.get("ddp")),
             "cmemi_local_time_per_sample_vs_ddp_powersgd": C.ratio(per_sample.get("cmemi_local"),
                                                                    per_sample.get("ddp_powersgd")),
+            # streaming: against whole rounds of the same H (per sample), and its bytes
+            "cmemi_local_stream_time_per_sample_vs_cmemi_local": C.ratio(per_sample.get("cmemi_local_stream"),
+                                                                         per_sample.get("cmemi_local")),
+            "cmemi_local_stream_time_per_sample_vs_ddp": C.ratio(per_sample.get("cmemi_local_stream"),
+                                                                 per_sample.get("ddp")),
+            "cmemi_local_stream_time_per_sample_vs_ddp_powersgd": C.ratio(per_sample.get("cmemi_local_stream"),
+                                                                          per_sample.get("ddp_powersgd")),
+            "cmemi_kn_bytes_per_sample_vs_cmemi_local_stream": C.ratio(
+                runs.get("cmemi_kn", {}).get("bytes_per_sample"), runs.get("cmemi_local_stream", {}).get("bytes_per_sample")),
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
             "cmemi_k1_vs_single_server_sequential_bound": C.ratio(med.get("cmemi_k1"),
                                                                    b["single_server_sequential_s"] + sleep),
@@ -438,11 +453,14 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
 
 
 def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
-               local_steps: int = LOCAL_STEPS) -> dict[str, Any]:
+               local_steps: int = LOCAL_STEPS, fragments: int = FRAGMENTS) -> dict[str, Any]:
     if system.startswith("ddp"):
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps)
+    if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
+        return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
+                             local_steps=local_steps, fragments=fragments)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     shape = compressed_system(system)
@@ -472,7 +490,8 @@ def main() -> None:
                    f"per N (default {RATES}: the CPU stays partly idle at every N, so the links are the limit)")
     p.add_argument("--burst", default="64kb", help="tbf bucket size")
     p.add_argument("--stages", type=int, default=8, help="cluster.pipeline_stages of cmemi_kn_pipelined")
-    p.add_argument("--local-steps", type=int, default=LOCAL_STEPS, help="train.local_steps of cmemi_local")
+    p.add_argument("--local-steps", type=int, default=LOCAL_STEPS, help="train.local_steps of cmemi_local(_stream)")
+    p.add_argument("--fragments", type=int, default=FRAGMENTS, help="train.fragments of cmemi_local_stream")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
@@ -550,6 +569,9 @@ def main() -> None:
             "cmemi_local": f"cmemi_kn with local steps: train.local_steps {args.local_steps} (--local-steps), N replicas, "
                            "the default outer step (SGD, Nesterov 0.9, lr 0.7); steps and warm-up in rounds (a quarter of "
                            "--steps, at least 6); a step's time is a round's",
+            "cmemi_local_stream": f"cmemi_local streaming: train.fragments {args.fragments} (--fragments), as many inner "
+                                  "steps in segments of H / F; a step's time is a segment's (workers compute a "
+                                  "replica's next segment while parked, and get only the changed fragment)",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
@@ -588,7 +610,8 @@ def main() -> None:
                 for _attempt in range(2):  # a gloo rank sometimes aborts in its rendezvous ("terminate called"): once more
                     try:
                         before = tbf_drops(lab, shaped)
-                        runs[system] = run_system(cluster, system, n, steps, warmup, args.stages, args.local_steps)
+                        runs[system] = run_system(cluster, system, n, steps, warmup, args.stages, args.local_steps,
+                                                  args.fragments)
                         after = tbf_drops(lab, shaped)
                         runs[system]["link_drops"] = drops_between(before, after)
                     except Exception as exc:  # one failed system does not lose the others' figures
