@@ -166,6 +166,10 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
     c = StepCollector(0, 4, block=1)
     assert c.lease("w0", 1, 0.0, 10.0, prefer={2}) == (2, 3)
     assert c.lease("w1", 1, 0.0, 10.0, prefer={2}) == (0, 1)  # taken already: the queue's order
+    # streaming: a replica another worker holds is never leased elsewhere; with nothing else pending, none is
+    assert c.lease("w2", 1, 0.0, 10.0, avoid={1}) == (3, 4)
+    assert c.lease("w2", 1, 0.0, 10.0, avoid={1}) is None and c.pending
+    assert c.lease("w3", 1, 0.0, 10.0, prefer={1}, avoid={1}) == (1, 2)
 
 
 # ---------------------------------------------------------------------------------------------- clusters
@@ -259,9 +263,10 @@ STREAM = ("train.local_steps=6", "train.replicas=4", "train.fragments=3", "train
 @pytest.mark.timeout(600)
 def test_streaming_gives_the_reference_for_any_workers_and_shards(tmp_path: Path) -> None:
     """Streaming DiLoCo, 3 fragments of a 6-step round (a server step is a segment of 2 inner steps: 36 of them), 4
-    replicas: W = 1, 3 at K = 1 and W = 2 at K = 2 give the reference's params_sha256. At W = 3 replicas move between
-    workers, and whoever takes one without its live state replays the segments since its last snapshot (a state goes
-    up every F − 1 = 2 segments): the same bits. The result differs from whole rounds (F = 1)."""
+    replicas: W = 1, 3 at K = 1 and W = 2 at K = 2 give the reference's params_sha256, with segments computed ahead
+    (by a worker parked while another finishes the step) and, after the first step, only the changed fragment sent
+    down. A replica stays with the worker that holds it (it moves after a death: the faults test below, whose
+    workers replay from snapshots). The result differs from whole rounds (F = 1)."""
     ref = reference(tmp_path, *STREAM)
     assert ref["steps"] == 36
     got = {}
@@ -271,9 +276,7 @@ def test_streaming_gives_the_reference_for_any_workers_and_shards(tmp_path: Path
         got[(k, w)] = r.summary["params_sha256"]
         assert r.summary["steps"] == 36 and "round   36/36 (inner step 72/72)" in r.stdout, r.stdout[-500:]
         assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
-        if w == 3:
-            assert r.summary["inner_states_sent"] > 0, r.summary  # replicas moved: snapshots sent, segments replayed
-        if w == 2:  # a worker parked while the other finishes the step computes its next segment ahead
+        if w > 1:  # a worker parked while another finishes the step computes its next segment ahead
             assert r.summary["segments_ahead"] > 0, r.summary
         if w == 1:  # each step's first lease carries only the fragment the last step changed
             assert r.summary["changes_sent"] >= 35, r.summary

@@ -69,13 +69,18 @@ class StepCollector:
         return any(m in self.received for m in range(*node))
 
     def lease(self, wid: str, inc: int, now: float, timeout: float, reissue_after: float | None = None,
-              prefer: Collection[int] = ()) -> Node | None:
+              prefer: Collection[int] = (), avoid: Collection[int] = ()) -> Node | None:
         """The next node for worker (wid, inc): from the queue (a leaf in `prefer` first: with local steps, a replica
-        whose inner state the worker holds), else (with `reissue_after`, seconds per microbatch) an outstanding lease
-        held at least that long by another worker; None if there is nothing to hand out.
-        A lease of n microbatches expires after n × `timeout`."""
+        whose inner state the worker holds; never a leaf in `avoid`: streaming, one another worker holds), else (with
+        `reissue_after`, seconds per microbatch) an outstanding lease held at least that long by another worker; None
+        if there is nothing to hand out. A lease of n microbatches expires after n × `timeout`."""
+        def leaf_in(node: Node, among: Collection[int]) -> bool:
+            return node[1] - node[0] == 1 and node[0] in among
         if self.pending:
-            node = next((n for n in self.pending if n[1] - n[0] == 1 and n[0] in prefer), self.pending[0])
+            node = next((n for n in self.pending if leaf_in(n, prefer)), None) or \
+                next((n for n in self.pending if not leaf_in(n, avoid)), None)
+            if node is None:
+                return None
             self.pending.remove(node)
         elif reissue_after is None or (node := self._reissuable(wid, inc, now, reissue_after)) is None:
             return None

@@ -90,14 +90,14 @@ class Leasing:
         return after is not None and self.collector.reissuable(time.monotonic(), after)
 
     def lease(self, identity: bytes, info: WorkerInfo, held_version: int,
-              prefer: Collection[int] = ()) -> tuple[int, int, bytes] | None:
-        """The next node for this worker (a leaf in `prefer` first) and its seal, or None: the worker is parked until
-        there is one."""
+              prefer: Collection[int] = (), avoid: Collection[int] = ()) -> tuple[int, int, bytes] | None:
+        """The next node for this worker (a leaf in `prefer` first, none in `avoid`) and its seal, or None: the worker
+        is parked until there is one."""
         now = time.monotonic()
         self.reissue.leased(info, now)
         # (a replica's round of local steps is H microbatches' work)
         timeout = self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)
-        node = self.collector.lease(info.wid, info.inc, now, timeout, self.reissue.after, prefer)
+        node = self.collector.lease(info.wid, info.inc, now, timeout, self.reissue.after, prefer, avoid)
         if node is None:
             self.parked[identity] = (info, held_version)
             return None

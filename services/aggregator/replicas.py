@@ -98,5 +98,9 @@ class Holdings:
         """The replicas whose round `rnd` this worker can start without a state sent."""
         return {r for r, t in self.by.get(identity, ()) if t == rnd}
 
+    def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool]) -> set[int]:
+        """The replicas whose round `rnd` another admitted worker can start without a state sent."""
+        return {r for i, held in self.by.items() if i != identity and admitted(i) for r, t in held if t == rnd}
+
     def has(self, identity: bytes, r: int, rnd: int) -> bool:
         return (r, rnd) in self.by.get(identity, ())

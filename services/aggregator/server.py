@@ -156,8 +156,8 @@ class Aggregator:
         if self.leasing.expire(now):
             self.ctx.emit("lease_expired", step=self.leasing.collector.step)
             self._serve_parked()
-        elif self.leasing.parked and self.leasing.reissuable():  # a lease is withheld (or slow) while workers idle
-            self._serve_parked()
+        elif self.leasing.parked and (self.leasing.collector.pending or self.leasing.reissuable()):
+            self._serve_parked()  # a lease is withheld (or slow), or one kept for its holder is free, while workers idle
         self.intake.keep(self.admission.workers)  # a fenced or departed worker's unfinished gradient goes
         if self.advertised.take() == (0,):  # Redis restarted empty: advertise again
             self._advertise()
@@ -310,8 +310,13 @@ class Aggregator:
             self._tell_stop(identity)
             return
         self.reporter.started(time.monotonic())
-        prefer = self.holdings.prefer(identity, self.leasing.collector.step) if self.holdings is not None else set()
-        if (node := self.leasing.lease(identity, info, held_version, prefer)) is not None:
+        step, holdings = self.leasing.collector.step, self.holdings
+        prefer = holdings.prefer(identity, step) if holdings is not None else set()
+        # streaming: a replica another live worker holds waits for it (it may have computed it ahead already), never
+        # moves with its state to whoever asks first
+        avoid = holdings.elsewhere(identity, step, self.admission.admitted) \
+            if holdings is not None and self.trainer.fragments else set()
+        if (node := self.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
             self._work(identity, node, held_version)
         elif after_grad and self.trainer.fragments:  # streaming: the worker may compute its next segments meanwhile
             self.outbox.send(identity, "parked", step=self.leasing.collector.step)
@@ -413,9 +418,11 @@ class Aggregator:
             self.misfits.forget(identity)
             if keep and self.trainer.inner is not None:
                 self.trainer.inner.keep(h["lo"], inner)
-            self.totals.segments_ahead += h.get("ahead") is True
             self.reporter.codec_s += seconds + float(h["encode_s"])
-            self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
+            if h.get("ahead") is True:  # streaming: computed before its lease, so its time says nothing of compute's
+                self.totals.segments_ahead += 1
+            else:
+                self.leasing.reissue.accepted(info, time.monotonic(), node[1] - node[0])
             self.reporter.accepted(info.wid, info.inc, node[1] - node[0])
             if (info.wid, info.inc) not in self._contributed:
                 self._contributed.add((info.wid, info.inc))
