@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from cmemi.services.aggregator.collector import StepCollector
-from cmemi.services.aggregator.replicas import InnerStates
+from cmemi.services.aggregator.replicas import Holdings, InnerStates
 from cmemi.services.aggregator.trainer import Trainer
 from cmemi.services.worker.compute import MicrobatchRunner
 from cmemi.services.worker.local import LocalRound
@@ -170,6 +170,20 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
     assert c.lease("w2", 1, 0.0, 10.0, avoid={1}) == (3, 4)
     assert c.lease("w2", 1, 0.0, 10.0, avoid={1}) is None and c.pending
     assert c.lease("w3", 1, 0.0, 10.0, prefer={1}, avoid={1}) == (1, 2)
+
+
+def test_holdings_keep_replicas_with_their_holders_but_share_out_extras() -> None:
+    """Streaming: a replica another admitted worker holds for this round is avoided; a worker holding fewer than its
+    fair share may take the others' extras beyond theirs (their highest), so a worker that joined late gets work."""
+    h = Holdings(4)
+    everyone = lambda _i: True  # noqa: E731
+    h.note(b"a", [[0, 5], [1, 5], [2, 5]], everyone)
+    h.note(b"b", [[3, 5]], everyone)
+    assert h.elsewhere(b"b", 5, everyone, fair=1) == {0, 1, 2}  # b holds its share: everything a holds waits for a
+    assert h.elsewhere(b"b", 5, everyone, fair=2) == {0, 1}  # b holds less: a's extra beyond 2 (replica 2) is free
+    assert h.elsewhere(b"c", 5, everyone, fair=2) == {0, 1, 3}
+    assert h.elsewhere(b"c", 6, everyone, fair=2) == set()  # another round: nothing held
+    assert h.elsewhere(b"c", 5, lambda i: i != b"a", fair=2) == {3}  # a is gone: its replicas go to whoever asks
 
 
 # ---------------------------------------------------------------------------------------------- clusters

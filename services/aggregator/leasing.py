@@ -60,6 +60,11 @@ class ReissuePolicy:
         return max(self.MIN_S, self.FACTOR * self.avg)
 
 
+class NoReissue(ReissuePolicy):
+    """Never hands an outstanding lease to a second worker before it expires."""
+    after = None
+
+
 class Leasing:
     def __init__(self, cfg: Config, per_microbatch: bool, always_strict: bool, seal: LeaseSeal, term: int,
                  live_workers: Callable[[], int], reclaim: Callable[[], None] = lambda: None) -> None:
@@ -72,7 +77,10 @@ class Leasing:
         self.parked: dict[bytes, tuple[WorkerInfo, int]] = {}  # identity -> (worker, parameter version it holds)
         self.in_flight: set[bytes] = set()  # identities sent work that have not answered it yet (grad or want)
         self.params_sent: dict[bytes, int] = {}  # identity -> the last parameter version sent to it
-        self.reissue = ReissuePolicy()
+        # streaming local steps hand no lease to a second worker early: it would need the replica's state sent and
+        # its segments replayed, more than the holder needs (it may have computed the lease ahead); a lease of a dead
+        # worker goes back when it is fenced, or after its timeout
+        self.reissue = ReissuePolicy() if cfg.train.fragments <= 1 else NoReissue()
         self.reclaim = reclaim  # a step's gradient buffers are free again (Intake.reclaim)
         self.collector = self.new_step(0)
 

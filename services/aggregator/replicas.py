@@ -98,9 +98,17 @@ class Holdings:
         """The replicas whose round `rnd` this worker can start without a state sent."""
         return {r for r, t in self.by.get(identity, ()) if t == rnd}
 
-    def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool]) -> set[int]:
-        """The replicas whose round `rnd` another admitted worker can start without a state sent."""
-        return {r for i, held in self.by.items() if i != identity and admitted(i) for r, t in held if t == rnd}
+    def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool], fair: int) -> set[int]:
+        """The replicas whose round `rnd` another admitted worker can start without a state sent; for a worker that
+        holds fewer than its `fair` share, but for the others' extras beyond theirs (each holder's highest: it computes
+        its lowest first), so that workers that joined late get replicas too."""
+        short = len(self.prefer(identity, rnd)) < fair
+        out: set[int] = set()
+        for i, held in self.by.items():
+            if i != identity and admitted(i):
+                theirs = sorted(r for r, t in held if t == rnd)
+                out.update(theirs[:fair] if short else theirs)
+        return out
 
     def has(self, identity: bytes, r: int, rnd: int) -> bool:
         return (r, rnd) in self.by.get(identity, ())

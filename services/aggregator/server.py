@@ -314,7 +314,8 @@ class Aggregator:
         prefer = holdings.prefer(identity, step) if holdings is not None else set()
         # streaming: a replica another live worker holds waits for it (it may have computed it ahead already), never
         # moves with its state to whoever asks first
-        avoid = holdings.elsewhere(identity, step, self.admission.admitted) \
+        fair = -(-self.cfg.train.microbatches // max(1, len(self.admission.workers)))
+        avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair) \
             if holdings is not None and self.trainer.fragments else set()
         if (node := self.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
             self._work(identity, node, held_version)
