@@ -67,10 +67,11 @@ def snapshot_period(fragments: int, buffers: bool) -> int:
     return 1 if buffers else max(1, fragments - 1)
 
 
-def ships_state(segment: int, period: int) -> bool:
-    """Does the replica's state after segment `segment` go up beside its change? After the first, always: a replay
-    from the fresh state would need the parameters of version 0."""
-    return segment == 0 or (segment + 1) % period == 0
+def ships_state(segment: int, period: int, replica: int = 0) -> bool:
+    """Does replica `replica`'s state after segment `segment` go up beside its change? After the first, always (a
+    replay from the fresh state would need the parameters of version 0); then every `period` segments, staggered by
+    replica, so that the servers' links take about R / period states a step instead of all R in one."""
+    return segment == 0 or (segment + 1 + replica) % period == 0
 
 
 def changed(base: Any, version: int, fragments: Sequence[Sequence[str]]) -> set[str] | None:

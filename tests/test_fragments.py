@@ -64,3 +64,15 @@ def test_land_copies_only_what_fits() -> None:
                           ({"a": torch.full((2,), 5.0)}, ["buf"])):
         assert not fragments.land(bad, targets, required), bad
     assert targets["a"].tolist() == [1.0, 1.0]  # nothing copied from a message refused
+
+
+def test_states_go_up_staggered_by_replica_never_further_apart_than_the_period() -> None:
+    """After segment 0, then every `period` segments, offset by replica: a replay never starts more than period − 1
+    segments back (the window a held state is accepted in), and a step takes about R / period states, not all R."""
+    period, R, S = 3, 8, 40
+    for r in range(R):
+        starts = [s + 1 for s in range(S) if fragments.ships_state(s, period, r)]
+        assert starts[0] == 1 and all(b - a <= period for a, b in zip([0, *starts], starts, strict=False)), (r, starts)
+    per_step = [sum(fragments.ships_state(s, period, r) for r in range(R)) for s in range(1, S)]
+    assert max(per_step) <= -(-R // period) and min(per_step) >= R // period, per_step
+    assert all(fragments.ships_state(s, 1, r) for s in range(5) for r in range(3))  # BatchNorm: every segment

@@ -392,7 +392,7 @@ class Aggregator:
             self.drops(reason, where)
             return
         inner, bad, keep = None, None, self.trainer.inner is not None
-        if self.trainer.fragments and not fragmenting.ships_state(h["step"], self.trainer.snapshot_every):
+        if self.trainer.fragments and not fragmenting.ships_state(h["step"], self.trainer.snapshot_every, h["lo"]):
             keep, bad = False, "bad_inner" if h.get("inner") or inner_tensors else None  # streaming: no state this time
         elif self.trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
             inner, bad = self.trainer.inner.parse(h["lo"], h.get("inner"), inner_tensors)

@@ -58,9 +58,9 @@ class LocalRound:
         loss, delta, contribution, new = self.run(step, r, state)
         return loss, self.views(delta), contribution, new
 
-    def ships_state(self, step: int) -> bool:
-        """Does the replica's state after this step's lease go up beside its change? (Whole rounds: always.)"""
-        return not self.fragments or fragmenting.ships_state(step, self.snapshot_every)
+    def ships_state(self, step: int, r: int) -> bool:
+        """Does replica r's state after this step's lease go up beside its change? (Whole rounds: always.)"""
+        return not self.fragments or fragmenting.ships_state(step, self.snapshot_every, r)
 
     @property
     def ahead(self) -> bool:

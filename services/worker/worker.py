@@ -470,7 +470,7 @@ class Worker:
             finite = True
             extra["ahead"] = ahead
             self._keep(lo, h["step"] + 1, state)
-            if self.local.ships_state(h["step"]):
+            if self.local.ships_state(h["step"], lo):
                 extra["inner"], inner = innerstate.to_wire(state)
         else:
             try:
