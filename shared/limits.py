@@ -10,7 +10,8 @@ The logical bound (`logical_bytes`) is what a receiver accepts for one reassembl
 largest honest one is the aggregator's snapshot to the checkpointer: parameters, optimizer state
 (Adam keeps two more copies) and buffers; gradients, even with the index tensors of sparse codecs,
 and parameters are smaller. So: 4 x (parameter + buffer bytes) + 16 MiB for headers and small
-tensors, and never less than the cap.
+tensors, and never less than the cap; with local steps (train.local_steps) 3 x (parameter + buffer bytes) more per
+replica, for the inner states the leader's snapshot holds.
 
 The sizes come from the model the process really builds (`record`, called by plugins.build_model), in
 the context a plain script gives the factory: never a meta device, which turns every tensor the factory
@@ -103,7 +104,12 @@ def measure(cfg: Config, build: Callable[[Config], torch.nn.Module], meta: bool)
 
 def _derived(cfg: Config) -> int:
     size = model_bytes(cfg)
-    return FALLBACK if size is None else 4 * size + MARGIN
+    if size is None:
+        return FALLBACK
+    # with local steps the leader's snapshot also holds every replica's inner state: up to two optimizer copies
+    # (Adam's moments) and, streaming, the replica's own parameters (services/aggregator/replicas.py)
+    states = cfg.train.microbatches * 3 * size if cfg.train.local_steps else 0
+    return 4 * size + states + MARGIN
 
 
 def derive_max_message_bytes(cfg: Config) -> int:

@@ -221,3 +221,7 @@ def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does
     assert limits.logical_bytes(big) == 4 * (1 << 30) + limits.MARGIN
     explicit = load_config(DIGITS, ["cluster.max_message_bytes=65536"])
     assert limits.derive_max_message_bytes(explicit) == 65536 and limits.logical_bytes(explicit) > 1 << 32
+    # local steps: the leader's snapshot holds every replica's inner state too (Adam's two moments and, streaming,
+    # the replica's parameters), so 8 replicas of a 1 GiB model bound a message at 4 + 8 x 3 GiB
+    local = load_config(DIGITS, ["train.local_steps=5", "train.replicas=8"])
+    assert limits.logical_bytes(local) == (4 + 8 * 3) * (1 << 30) + limits.MARGIN
