@@ -227,10 +227,10 @@ class Aggregator:
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
             self.intake.settle(self.leasing.collector.holds())
 
-    def _work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int) -> None:
+    def _work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int, last: bool = False) -> None:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
-        are stale."""
-        fields: dict[str, Any] = {}
+        are stale. `last`: the worker's last lease of this step, as things stand."""
+        fields: dict[str, Any] = {"last": True} if last else {}
         if held_version != self.trainer.step and self.trainer.mirror is not None:
             encoded = self._downlink(held_version, fields)
         elif held_version != self.trainer.step and \
@@ -318,7 +318,11 @@ class Aggregator:
         avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair) \
             if holdings is not None and self.trainer.fragments else set()
         if (node := self.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
-            self._work(identity, node, held_version)
+            # streaming: nothing else this step for this worker (every leaf left is held elsewhere), so it may compute
+            # its next segments as soon as it has sent this one, not only once its gradient is here (`parked`)
+            last = bool(self.trainer.fragments) and \
+                all(hi - lo == 1 and lo in avoid for lo, hi in self.leasing.collector.pending)
+            self._work(identity, node, held_version, last)
         elif after_grad and self.trainer.fragments:  # streaming: the worker may compute its next segments meanwhile
             self.outbox.send(identity, "parked", step=self.leasing.collector.step)
 

@@ -509,6 +509,8 @@ class Worker:
         else:
             self._send("grad", tensors=frames, trackers=self.sends.trackers, codec=info, encode_s=encode_s, **fields,
                        **extra)
+        if h.get("last") is True:  # streaming: no other lease of this step is coming our way; compute ahead now, while
+            self._compute_ahead(h["step"])  # the gradient travels (`parked` would come only once it has arrived)
         if self.runner.loader is not None and self.local is None and (hi - lo > 1 or self.cfg.train.microbatches == 1):
             # while the aggregator steps: a block lease is most often this worker's again next step (single
             # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
