@@ -335,7 +335,34 @@ def streaming() -> str:
     return "\n".join([f"charlm, {d['steps']} inner steps' worth of samples (global batch 32), 4 replicas, the default "
                       "outer step; eval loss from `cmemi reference`, bytes from `cmemi up` with 2 workers (every byte "
                       "sent and received; its params_sha256 compared with the reference's).", "", *lines, "",
-                      measured("streaming")])
+                      measured("streaming"), "", *streaming_cluster()])
+
+
+def streaming_cluster() -> list[str]:
+    """bench/cluster.py's cmemi_local_stream beside cmemi_local (bench/results/cluster_local.json): the emulated
+    cluster's time and bytes per sample, whole rounds against streaming at the same H."""
+    c = load("cluster_local")
+    rows = [(n, x["runs"]) for n, x in c["by_n"].items()
+            if "samples_per_s" in x["runs"].get("cmemi_local_stream", {}) and "samples_per_s" in x["runs"].get("cmemi_local", {})]
+    if not rows:
+        return []
+    lines = ["On the emulated cluster (the sleepy MLP of [Scaling out](#scaling-out), K = N shards on the worker hosts, "
+             "N replicas, the same link rates):", "",
+             "| N | H | F | step of the servers | its median time | samples/s | × whole rounds' | bytes/sample | bytes up / "
+             "down per step | segments computed ahead |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for n, runs in rows:
+        for name in ("cmemi_local", "cmemi_local_stream"):
+            r = runs[name]
+            stream = name == "cmemi_local_stream"
+            F = r.get("fragments", 1)
+            ahead = (f"{r['segments_ahead'] / (r['steps'] * int(n)):.0%} of leases" if stream and r.get("segments_ahead")
+                     is not None else "—")
+            lines.append(f"| {n} | {r['local_steps']} | {F} | {'segment' if stream else 'round'} of "
+                         f"{r['local_steps'] // F} inner steps | {sec(r['step_time_median_s'], 2)} | "
+                         f"{r['samples_per_s']:,.0f} | {r['samples_per_s'] / runs['cmemi_local']['samples_per_s']:.2f}× | "
+                         f"{r['bytes_per_sample']:,.0f} | {r['bytes_from_workers_per_step'] / 1e6:.1f} MB / "
+                         f"{r['bytes_to_workers_per_step'] / 1e6:.1f} MB | {ahead} |")
+    return [*lines, "", measured("cluster_local")]
 
 
 def scaling() -> str:

@@ -50,6 +50,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "leave": {**_WORKER},
     # aggregator -> worker
     "welcome": {"term": _INT, "step": _INT, "version": _INT, "total_steps": _INT},
+    # optional: "downlink"/"base" (the change or, streaming, the changed pieces since version `base`), "last" (streaming:
+    # the worker's last lease of the step, so it computes ahead once its gradient is sent)
     "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
     "stop": {"reason": _STR},
     "reject": {"reason": _STR, "fatal": _BOOL},
