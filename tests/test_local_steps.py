@@ -174,16 +174,19 @@ def test_the_reference_sums_the_replicas_by_the_tree_and_the_collector_leases_he
 
 def test_holdings_keep_replicas_with_their_holders_but_share_out_extras() -> None:
     """Streaming: a replica another admitted worker holds for this round is avoided; a worker holding fewer than its
-    fair share may take the others' extras beyond theirs (their highest), so a worker that joined late gets work."""
+    fair share may take the others' extras beyond theirs (their highest), so a worker that joined late gets work; a
+    holder not heard from within the patience (hung while it heartbeats) holds nothing back."""
     h = Holdings(4)
     everyone = lambda _i: True  # noqa: E731
     h.note(b"a", [[0, 5], [1, 5], [2, 5]], everyone)
     h.note(b"b", [[3, 5]], everyone)
-    assert h.elsewhere(b"b", 5, everyone, fair=1) == {0, 1, 2}  # b holds its share: everything a holds waits for a
-    assert h.elsewhere(b"b", 5, everyone, fair=2) == {0, 1}  # b holds less: a's extra beyond 2 (replica 2) is free
-    assert h.elsewhere(b"c", 5, everyone, fair=2) == {0, 1, 3}
-    assert h.elsewhere(b"c", 6, everyone, fair=2) == set()  # another round: nothing held
-    assert h.elsewhere(b"c", 5, lambda i: i != b"a", fair=2) == {3}  # a is gone: its replicas go to whoever asks
+    assert h.elsewhere(b"b", 5, everyone, 1, 60.0) == {0, 1, 2}  # b holds its share: everything a holds waits for a
+    assert h.elsewhere(b"b", 5, everyone, 2, 60.0) == {0, 1}  # b holds less: a's extra beyond 2 (replica 2) is free
+    assert h.elsewhere(b"c", 5, everyone, 2, 60.0) == {0, 1, 3}
+    assert h.elsewhere(b"c", 6, everyone, 2, 60.0) == set()  # another round: nothing held
+    assert h.elsewhere(b"c", 5, lambda i: i != b"a", 2, 60.0) == {3}  # a is gone: its replicas go to whoever asks
+    h.heard[b"a"] -= 120.0  # a is admitted (it heartbeats) but has not asked for two minutes: it hangs
+    assert h.elsewhere(b"c", 5, everyone, 2, 60.0) == {3}
 
 
 # ---------------------------------------------------------------------------------------------- clusters

@@ -17,6 +17,7 @@ never a worker that cannot load it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,7 @@ class Holdings:
     def __init__(self, replicas: int) -> None:
         self.R = replicas
         self.by: dict[bytes, set[tuple[int, int]]] = {}
+        self.heard: dict[bytes, float] = {}  # identity -> when its last `holds` came (monotonic)
 
     def note(self, identity: bytes, held: Any, admitted: Callable[[bytes], bool]) -> None:
         """`held`: the header's `holds` (a list of [replica, round]; anything else is ignored). The entries of
@@ -91,21 +93,26 @@ class Holdings:
             return
         for gone in [i for i in self.by if i != identity and not admitted(i)]:
             del self.by[gone]
+            self.heard.pop(gone, None)
         self.by[identity] = {(int(x[0]), int(x[1])) for x in held[:self.R]
                              if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
+        self.heard[identity] = time.monotonic()
 
     def prefer(self, identity: bytes, rnd: int) -> set[int]:
         """The replicas whose round `rnd` this worker can start without a state sent."""
         return {r for r, t in self.by.get(identity, ()) if t == rnd}
 
-    def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool], fair: int) -> set[int]:
-        """The replicas whose round `rnd` another admitted worker can start without a state sent; for a worker that
-        holds fewer than its `fair` share, but for the others' extras beyond theirs (each holder's highest: it computes
-        its lowest first), so that workers that joined late get replicas too."""
+    def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool], fair: int,
+                  patience: float) -> set[int]:
+        """The replicas whose round `rnd` another admitted worker, heard from within `patience` seconds (one that
+        hangs while it heartbeats lets them go, as an overdue lease does), can start without a state sent; for a
+        worker that holds fewer than its `fair` share, but for the others' extras beyond theirs (each holder's highest:
+        it computes its lowest first), so that workers that joined late get replicas too."""
         short = len(self.prefer(identity, rnd)) < fair
+        now = time.monotonic()
         out: set[int] = set()
         for i, held in self.by.items():
-            if i != identity and admitted(i):
+            if i != identity and admitted(i) and now - self.heard.get(i, now) <= patience:
                 theirs = sorted(r for r, t in held if t == rnd)
                 out.update(theirs[:fair] if short else theirs)
         return out

@@ -315,7 +315,8 @@ class Aggregator:
         # streaming: a replica another live worker holds waits for it (it may have computed it ahead already), never
         # moves with its state to whoever asks first
         fair = -(-self.cfg.train.microbatches // max(1, len(self.admission.workers)))
-        avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair) \
+        patience = self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)  # a lease's own timeout
+        avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair, patience) \
             if holdings is not None and self.trainer.fragments else set()
         if (node := self.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
             # streaming: nothing else this step for this worker (every leaf left is held elsewhere), so it may compute
