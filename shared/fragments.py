@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from cmemi.shared import protocol
 from cmemi.shared.config import ConfigError
 from cmemi.shared.shards import Piece
 
@@ -81,6 +82,12 @@ def changed(base: Any, version: int, fragments: Sequence[Sequence[str]]) -> set[
     if F < 2 or type(base) is not int or not max(-1, version - F) < base < version:
         return None
     return {n for s in range(base, version) for n in fragments[synced(s, F)]}
+
+
+def encoded(pieces: Mapping[str, torch.Tensor], checksum: bool) -> Any:
+    """A `PIECES` message's tensors, encoded from copies: the next step changes the live pieces in place while the
+    frames may still be queued for a slow link."""
+    return protocol.encode_tensors({n: t.detach().clone() for n, t in pieces.items()}, checksum)
 
 
 def land(received: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], required: Iterable[str]) -> bool:

@@ -31,12 +31,13 @@ class ReissuePolicy:
     """How long a lease may be outstanding, while the queue is empty and workers idle, before the next idle worker
     gets it too: twice the recent lease-to-gradient time per microbatch (an exponential average; a lease of n
     microbatches waits n times as long), so a withheld lease costs about one recomputation, not `lease_timeout`,
-    and an honest step's tail is not duplicated."""
+    and an honest step's tail is not duplicated. `enabled` False: never before the lease expires."""
     FACTOR = 2.0
     MIN_S = 0.05
     MIN_SAMPLES = 3
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.avg: float | None = None
         self.samples = 0
         self._since: dict[tuple[str, int], float] = {}
@@ -55,14 +56,9 @@ class ReissuePolicy:
     @property
     def after(self) -> float | None:
         """Seconds per microbatch a lease is outstanding before an idle worker gets it too (None: not measured yet)."""
-        if self.avg is None or self.samples < self.MIN_SAMPLES:
+        if not self.enabled or self.avg is None or self.samples < self.MIN_SAMPLES:
             return None
         return max(self.MIN_S, self.FACTOR * self.avg)
-
-
-class NoReissue(ReissuePolicy):
-    """Never hands an outstanding lease to a second worker before it expires."""
-    after = None
 
 
 class Leasing:
@@ -80,7 +76,7 @@ class Leasing:
         # streaming local steps hand no lease to a second worker early: it would need the replica's state sent and
         # its segments replayed, more than the holder needs (it may have computed the lease ahead); a lease of a dead
         # worker goes back when it is fenced, or after its timeout
-        self.reissue = ReissuePolicy() if cfg.train.fragments <= 1 else NoReissue()
+        self.reissue = ReissuePolicy(enabled=cfg.train.fragments <= 1)
         self.reclaim = reclaim  # a step's gradient buffers are free again (Intake.reclaim)
         self.collector = self.new_step(0)
 
@@ -93,6 +89,12 @@ class Leasing:
         self.collector = StepCollector(step, self.M, block=block, strict=strict or self.always_strict)
         return self.collector
 
+    @property
+    def timeout(self) -> float:
+        """Seconds a lease of one microbatch may be outstanding (a replica's round of local steps is H microbatches'
+        work)."""
+        return self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)
+
     def reissuable(self) -> bool:
         after = self.reissue.after
         return after is not None and self.collector.reissuable(time.monotonic(), after)
@@ -103,9 +105,7 @@ class Leasing:
         is parked until there is one."""
         now = time.monotonic()
         self.reissue.leased(info, now)
-        # (a replica's round of local steps is H microbatches' work)
-        timeout = self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)
-        node = self.collector.lease(info.wid, info.inc, now, timeout, self.reissue.after, prefer, avoid)
+        node = self.collector.lease(info.wid, info.inc, now, self.timeout, self.reissue.after, prefer, avoid)
         if node is None:
             self.parked[identity] = (info, held_version)
             return None

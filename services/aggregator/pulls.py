@@ -20,6 +20,7 @@ from cmemi.services.aggregator.publish import Publisher, SlotPublisher
 from cmemi.shared import protocol
 from cmemi.shared.downlink import DELTA, DENSE, Mirror, SentChanges
 from cmemi.shared.fragments import PIECES
+from cmemi.shared.fragments import encoded as encoded_pieces
 from cmemi.shared.layout import Layout
 
 
@@ -68,8 +69,7 @@ class SliceServer:
         have = self.have.pop(identity, -1)
         if (pieces := self.changed(have, version)) is None:
             return got, {}
-        encoded = self._deltas.get(version, have, lambda: protocol.encode_tensors(
-            {n: t.detach().clone() for n, t in pieces.items()}, self.checksum))  # (stepped in place next)
+        encoded = self._deltas.get(version, have, lambda: encoded_pieces(pieces, self.checksum))
         return (encoded, None), {"downlink": PIECES, "base": have}
 
     def encoded(self, g: int, version: int) -> Encoded:

@@ -302,8 +302,8 @@ class Aggregator:
         """Streaming: only the pieces the steps since the worker's version changed (its fragments: P / F a step, not
         P), and the step's buffers; copied, as the next step changes them in place, once per version and base."""
         fields.update(downlink=fragmenting.PIECES, base=held_version)
-        return (self._deltas.get(self.trainer.step, held_version, lambda: protocol.encode_tensors(
-            {n: t.detach().clone() for n, t in pieces.items()}, self.cfg.cluster.checksum)), None)
+        return (self._deltas.get(self.trainer.step, held_version,
+                                 lambda: fragmenting.encoded(pieces, self.cfg.cluster.checksum)), None)
 
     def _serve(self, identity: bytes, info: WorkerInfo, held_version: int, after_grad: bool = False) -> None:
         if self.stepper.done:
@@ -312,12 +312,12 @@ class Aggregator:
         self.reporter.started(time.monotonic())
         step, holdings = self.leasing.collector.step, self.holdings
         prefer = holdings.prefer(identity, step) if holdings is not None else set()
-        # streaming: a replica another live worker holds waits for it (it may have computed it ahead already), never
-        # moves with its state to whoever asks first
-        fair = -(-self.cfg.train.microbatches // max(1, len(self.admission.workers)))
-        patience = self.cfg.cluster.lease_timeout * max(1, self.cfg.train.local_steps)  # a lease's own timeout
-        avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair, patience) \
-            if holdings is not None and self.trainer.fragments else set()
+        avoid: set[int] = set()
+        if holdings is not None and self.trainer.fragments:
+            # streaming: a replica another live worker holds waits for it (it may have computed it ahead already), never
+            # moves with its state to whoever asks first; a holder silent for a lease's timeout holds nothing back
+            fair = -(-self.cfg.train.microbatches // max(1, len(self.admission.workers)))
+            avoid = holdings.elsewhere(identity, step, self.admission.admitted, fair, self.leasing.timeout)
         if (node := self.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
             # streaming: nothing else this step for this worker (every leaf left is held elsewhere), so it may compute
             # its next segments as soon as it has sent this one, not only once its gradient is here (`parked`)

@@ -89,7 +89,7 @@ class Worker:
         # holds, replica -> (the round it starts, the state), the last few it computed or was sent
         self.local = LocalRound(cfg, self.runner, self.partition) if cfg.train.local_steps else None
         self.held: dict[int, tuple[int, InnerState | None]] = {}
-        # streaming: leases computed ahead while parked, (step, replica) -> (the held state they started from, result)
+        # streaming: leases computed ahead, (step, replica) -> (the held state they started from, result)
         self.ahead: dict[tuple[int, int], tuple[tuple[int, InnerState | None], Any]] = {}
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
@@ -396,8 +396,8 @@ class Worker:
             del self.held[min((x for x in self.held if x != r), key=lambda x: self.held[x][0])]
 
     def _compute_ahead(self, step: int) -> None:
-        """Streaming: parked after a gradient of step `step`, compute the next step's segment of each replica held for
-        it while the step is collected (`LocalRound.ahead`: the model's version gives the same bits), lowest replica
+        """Streaming: with no other lease of step `step` coming (its last lease said so, or the leader parked us after
+        our gradient), compute the next step's segment of each replica held for it while the step is collected (`LocalRound.ahead`: the model's version gives the same bits), lowest replica
         first (the leader leases a held replica's lowest first); stop as soon as a message waits: a lease goes first."""
         local, nxt = self.local, step + 1
         if local is None or not local.ahead or self.version != step or nxt >= self.cfg.train.rounds:
