@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
 from bench.physics import comm_bounds_s  # noqa: E402
-from tests import netns  # noqa: E402
+from tests.helpers import netns  # noqa: E402
 
 SCRIPT = C.ROOT / "bench" / "torch_train.py"
 SLEEP_MS = 20.0
@@ -290,7 +290,7 @@ class Cluster:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
         (`fragments` F > 1, streaming: in segments of H / F inner steps); a step's figures are then a round's (a
         segment's), and a round trains H times the samples (a segment H / F)."""
-        from cmemi.shared.config import dump_config, load_config
+        from cmemi.shared.config.schema import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
         segment = max(1, local_steps // fragments)  # inner steps per step of the servers
@@ -368,7 +368,7 @@ def tails(logs: Path, n: int = 1200) -> str:
 
 
 def start_redis(lab: netns.NetLab, server: netns.Host, work: Path) -> str:
-    from cmemi.redis_server import redis_server_binary
+    from cmemi.launcher.redis_server import redis_server_binary
 
     password = secrets.token_hex(16)
     d = work / "redis"
@@ -589,7 +589,7 @@ def main() -> None:
         allow_congestion_control(args.tcp_cc)
         for h in shaped:
             congestion_control(h, args.tcp_cc)
-        from cmemi.shared.security import generate
+        from cmemi.shared.wire.security import generate
 
         keys = work / "keys"
         generate(keys)

@@ -475,7 +475,7 @@ class CmemiRun:
     @property
     def redis(self):
         if self._redis is None:
-            from cmemi.shared.membership import connect
+            from cmemi.shared.coordination.membership import connect
 
             info = poll(self._info, 120, "cluster.json of the run")
             self._redis = connect(info["redis"])
@@ -490,7 +490,7 @@ class CmemiRun:
 
     @property
     def keys(self):
-        from cmemi.shared.keys import Keys
+        from cmemi.shared.coordination.keys import Keys
 
         return Keys(self.name)
 
@@ -532,8 +532,8 @@ class CmemiRun:
         return n
 
     def kill(self, role: str, ident: str, sig: int = signal.SIGKILL) -> tuple[int, float]:
-        """Record a `fault_injected` event (as tests/chaos.py does), then signal the process. Returns (pid, t)."""
-        from cmemi.shared.membership import emit
+        """Record a `fault_injected` event (as tests/helpers/chaos.py does), then signal the process. Returns (pid, t)."""
+        from cmemi.shared.coordination.membership import emit
 
         rec = self.member(role, ident)
         pid = int(rec["pid"])

@@ -41,9 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.shared import reduction  # noqa: E402
-from cmemi.shared.codecs import make_codec  # noqa: E402
-from cmemi.shared.config import load_config  # noqa: E402
+from cmemi.shared.compression.codecs import make_codec  # noqa: E402
+from cmemi.shared.config.schema import load_config  # noqa: E402
+from cmemi.shared.core import reduction  # noqa: E402
 
 from bench import common as C  # noqa: E402
 
@@ -58,7 +58,7 @@ EXAMPLES = {
 
 
 def leases(config: str, sets: list[str]) -> dict:
-    """The lease shape the aggregator uses for this config when no worker dies (services/aggregator/server.py,
+    """The lease shape the aggregator uses for this config when no worker dies (services/aggregator/leader/server.py,
     `_collector`): blocks of `reduction.block_size(M, W)` microbatches, or single microbatches for a codec that
     rounds each microbatch's gradient (fp16, bf16, int8)."""
     cfg = load_config(str(ROOT / config), sets)

@@ -3,7 +3,7 @@ each needs to reach the synchronous run's final eval loss.
 
     .venv/bin/python bench/local_steps.py [--quick] [--steps 1000] [--local 10,50,200] [--jobs 2] [--out FILE]
 
-Every run is `cmemi reference` in this process (cmemi/reference.py: the algorithm the cluster runs, bitwise — tested
+Every run is `cmemi reference` in this process (cmemi/commands/reference.py: the algorithm the cluster runs, bitwise — tested
 in tests/test_local_steps.py), on `examples/charlm.yaml` (the char-level transformer, AdamW with a OneCycle schedule
 over train.steps), train.steps inner steps of global_batch samples each: the synchronous run takes train.steps steps
 of the whole batch; a local run takes train.steps / H rounds of R = 4 replicas, each inner step of global_batch / R
@@ -46,9 +46,9 @@ OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0
 
 def run(steps: int, local: int, outer: str | None, every: int) -> dict[str, Any]:
     C.pin_threads(1)  # (also in a --jobs process)
-    from cmemi.shared.config import load_config
+    from cmemi.shared.config.schema import load_config
 
-    from cmemi.reference import train
+    from cmemi.commands.reference import train
 
     sets = [f"train.steps={steps}", f"scheduler.kwargs.total_steps={steps}", "checkpoint.every_steps=0"]
     if local:

@@ -9,12 +9,12 @@ K = 1, 2, 4. Every process of the cluster (`cmemi up`, its Redis, the zygote, th
 /proc/PID/status) until it exits; roles come from the Redis member records (PIDs). Then two DDP ranks (torchrun,
 gloo, the same model, Adam, global batch and checkpoint cadence; rank 0 torch.saves model + optimizer state)
 report their own VmHWM at exit. "Interpreter" is the VmHWM of a plain `python` that imports what the zygote
-preloads for every service (cmemi/zygote.py: PRELOAD) and the model's module, measured in the same run.
+preloads for every service (cmemi/launcher/zygote.py: PRELOAD) and the model's module, measured in the same run.
 
 The budgets (issue 34's goals; `budgets()` below is the one place they are written, tests/test_memory_budget.py
 checks the same ones on a smaller model):
 - each shard (the leader is shard 0): 1.5 × (its slice + its optimizer state + one gradient sum) + interpreter,
-  slices from shared/shards.py's Partition (the real piece assignment);
+  slices from shared/core/grid.py's Partition (the real piece assignment);
 - each worker: 1.3 × (parameters + gradients) + interpreter;
 - the checkpointer: interpreter + 2 × the transfer cap (cluster.max_message_bytes; null: 64 MiB at this size);
 - the whole cluster (the sum of every process's peak, `cmemi up`, Redis and the zygote included):
@@ -65,8 +65,8 @@ def model_facts(wl: dict[str, Any], shards: int) -> dict[str, Any]:
     """Parameter count and bytes, and each shard's slice in bytes from the real piece assignment (on the meta
     device: nothing allocated)."""
     import torch
-    from cmemi.shared.plugins import resolve
-    from cmemi.shared.shards import Partition
+    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.core.grid import Partition
 
     with torch.device("meta"):
         model = resolve(wl["model"]["factory"], "model")(**wl["model"]["kwargs"])
@@ -79,8 +79,8 @@ def model_facts(wl: dict[str, Any], shards: int) -> dict[str, Any]:
 
 
 def transfer_cap(max_message_bytes: int | None, model_bytes: int) -> int:
-    """cluster.max_message_bytes as the services derive it (shared/limits.py) when the config leaves it null."""
-    from cmemi.shared.limits import DEFAULT_CAP, MARGIN
+    """cluster.max_message_bytes as the services derive it (shared/wire/limits.py) when the config leaves it null."""
+    from cmemi.shared.wire.limits import DEFAULT_CAP, MARGIN
 
     return max_message_bytes if max_message_bytes else min(4 * model_bytes + MARGIN, DEFAULT_CAP)
 
@@ -118,7 +118,7 @@ def over_budget(roles: list[dict[str, Any]]) -> list[str]:
 # ---------------------------------------------------------------------------------------- measuring
 def interpreter_hwm() -> int:
     """VmHWM of a Python that imports what a service imports (the zygote's PRELOAD) and the bench's models."""
-    code = ("import importlib, re; from cmemi.zygote import PRELOAD\n"
+    code = ("import importlib, re; from cmemi.launcher.zygote import PRELOAD\n"
             "for m in PRELOAD: importlib.import_module(m)\n"
             "import bench.models\n"
             "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))")
@@ -309,8 +309,8 @@ def ddp_child(wl: dict[str, Any], steps: int, ckpt_every: int, out: Path) -> Non
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from cmemi.shared.data import fetch, microbatch_indices
-    from cmemi.shared.plugins import resolve
+    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
@@ -321,7 +321,7 @@ def ddp_child(wl: dict[str, Any], steps: int, ckpt_every: int, out: Path) -> Non
     dataset = resolve(wl["data"]["factory"], "data")(**wl["data"]["kwargs"])
     net = DDP(model)
     cls = getattr(torch.optim, wl["optimizer"])
-    try:  # what CMEMI's build_optimizer picks (shared/plugins.py): fused, else foreach
+    try:  # what CMEMI's build_optimizer picks (shared/config/plugins.py): fused, else foreach
         opt, kind = cls(model.parameters(), lr=wl["lr"], fused=True), "fused"
     except (RuntimeError, TypeError, ValueError):
         opt, kind = cls(model.parameters(), lr=wl["lr"], foreach=True), "foreach"

@@ -9,7 +9,7 @@ For a compute-bound model (a small CNN) and a communication-bound one (a wide ML
   (f) CMEMI with 2 workers over tcp:// and `security.curve: false` (what CurveZMQ costs: gloo encrypts nothing)
   (g) CMEMI with 2 workers over CurveZMQ tcp:// (`cluster.transport: tcp`); (c) takes the default, `auto`: the
       workers share the aggregator's host, so they reach it over ipc:// and their tensors travel in shared-memory
-      slots (shared/samehost.py, shared/shm.py)
+      slots (shared/wire/samehost.py, shared/memory/shm.py)
   (h), (i) as (f) and (g) with 1 worker: (b) against tcp:// without Curve and CurveZMQ tcp://, one row per transport
 Each CMEMI row also reports `socket_bytes_per_grad_byte`: the bytes the aggregator received through its socket per
 byte of gradient the workers produced (about 1 with frames, about 0 with slots, where only descriptors go).
@@ -212,7 +212,7 @@ def main() -> None:
                 "speedup_2w_over_1w": {"cmemi": C.ratio(med["cmemi_1w"], med["cmemi_2w"]),
                                        "ddp_vs_plain": C.ratio(med["plain"], med["ddp_2p"])},
             }
-        from cmemi.shared.plugins import resolve
+        from cmemi.shared.config.plugins import resolve
 
         from bench.models import count_params
 
@@ -254,7 +254,7 @@ def main() -> None:
             "copies per byte, by the code paths (not measured): with slots (`auto`, same host) a gradient byte is "
             "copied into the worker's slot (1) and read there by the server (summed into a waiting partial sum, or "
             "copied once into a kept buffer; at M = 1 stepped where it lies), a parameter byte once into the server's "
-            "slot for all W same-host workers, read there in place by each (services/worker/lending.py: 1/W; 1/W + 1 "
+            "slot for all W same-host workers, read there in place by each (services/worker/links/lending.py: 1/W; 1/W + 1 "
             "for a model whose forward pass writes its parameters), and only descriptors cross the socket; with frames (tcp://, ipc:// before slots) each byte crosses the socket (kernel copies on both "
             "sides) and is checksummed on each side; parameters go out from the live tensors (copy-on-write) for a "
             "model over 16 MiB, through the publisher's flat copy for a smaller one; CurveZMQ adds encryption and "

@@ -3,7 +3,7 @@
 1. Workers: one `cmemi up` run (2 workers, 1 warm spare); SIGKILL a worker N times (alternating w0/w1),
    each time after the warm spare is ready again (a spare is ready when it blocks in BLPOP on its Redis
    list) and the previous replacement has contributed. Timelines from RUN_DIR/events.jsonl through
-   cmemi.events.timelines (detect_s, reassign_s, joined_s, first_grad_s); metrics.jsonl must hold each
+   cmemi.commands.events.timelines (detect_s, reassign_s, joined_s, first_grad_s); metrics.jsonl must hold each
    step exactly once (steps_lost = steps_redone = 0).
 2. Aggregator: a separate run with checkpoint.every_steps = E; SIGKILL the process whose Redis member
    record has role aggregator, M times, at spread-out phases of the checkpoint interval. Recovery time =
@@ -78,7 +78,7 @@ def worker_kills(work: Path, kills: int, spacing: float) -> dict[str, Any]:
         time.sleep(1.0)
         run.terminate()  # graceful stop (cmemi up: SIGTERM), so events.jsonl is complete
         events, metrics = run.events(), run.metrics()
-    from cmemi.events import timelines
+    from cmemi.commands.events import timelines
 
     rows = [r for r in timelines(events) if r["role"] == "worker"]
     cols = ("detect_s", "reassign_s", "joined_s", "first_grad_s")
@@ -128,7 +128,7 @@ def aggregator_kills(work: Path, kills: int, every: int) -> dict[str, Any]:
         time.sleep(1.0)
         run.terminate()
         events, metrics = run.events(), run.metrics()
-    from cmemi.events import timelines
+    from cmemi.commands.events import timelines
 
     rows = {round(r["killed_at"], 3): r for r in timelines(events) if r["role"] == "aggregator"}
     res = []

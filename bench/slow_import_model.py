@@ -5,7 +5,7 @@ large package does), and its dataset factory generates 4,000 noisy 1-D signals o
 frequency each) with a per-sample Python loop, about another second. A plain Python process that imports it
 and builds the dataset takes T seconds (bench/small.py measures T); `cmemi up` with 2 workers should reach its
 first step within T + 3 s. The import uses the standard library and numpy only, no torch op: it starts no
-thread pool in the zygote (cmemi/zygote_user_code.py).
+thread pool in the zygote (cmemi/launcher/zygote_user_code.py).
 """
 
 from __future__ import annotations

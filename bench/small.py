@@ -55,7 +55,7 @@ def plain_loop(wl: str, steps: int, warmup: int) -> dict[str, Any]:
     """The loop a user writes first (in a fresh process with torch's default threads): batches in a fixed
     shuffled order, Adam, cross-entropy; samples read item by item (and collated) when the dataset augments."""
     import torch
-    from cmemi.shared.plugins import resolve
+    from cmemi.shared.config.plugins import resolve
     from torch.utils.data import default_collate
 
     ds = resolve(DATA[wl], "data")()
@@ -122,13 +122,13 @@ def cmemi(work: Path, wl: str, workers: int, loaders: int, steps: int, warmup: i
 
 def wire(repeats: int = 1000) -> dict[str, Any]:
     """One work message (encode, send, receive, decode over loopback TCP) with a model's parameters tensor by
-    tensor against flat (shared/layout.py), in this process: what flat buffers save per message."""
+    tensor against flat (shared/wire/layout.py), in this process: what flat buffers save per message."""
     import torch
     import zmq
     from cmemi.examples.charlm import make_model as charlm
-    from cmemi.shared import protocol
-    from cmemi.shared.layout import Layout
-    from cmemi.shared.plugins import resolve
+    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.wire import protocol
+    from cmemi.shared.wire.layout import Layout
 
     fields = {"term": 1, "step": 1, "lo": 0, "hi": 1, "version": 1, "scale": 1.0}
     ctx = zmq.Context()

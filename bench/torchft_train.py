@@ -92,8 +92,8 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    from cmemi.shared.data import fetch, microbatch_indices
-    from cmemi.shared.plugins import resolve
+    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
 

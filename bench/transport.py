@@ -41,15 +41,15 @@ def codec_for(variant: str):
     """The aggregator's gradient codec (compression.codec: none): no NaN/inf check per message (the aggregator
     checks the step's sum instead); protocol_check_each: with the check on every message (a step's second
     collection after a non-finite sum, and what every step did before)."""
-    from cmemi.shared.codecs import make_codec
-    from cmemi.shared.config import CompressionConfig
+    from cmemi.shared.compression.codecs import make_codec
+    from cmemi.shared.config.schema import CompressionConfig
 
     return make_codec(CompressionConfig(), check_finite=variant == "protocol_check_each")
 
 
 def leased_collector(M: int) -> Any:
     """A step collector with every microbatch leased to the one sender here ("w0", 1)."""
-    from cmemi.services.aggregator.collector import StepCollector
+    from cmemi.services.aggregator.common.collector import StepCollector
 
     collector = StepCollector(0, M)
     for _ in range(M):
@@ -59,7 +59,7 @@ def leased_collector(M: int) -> Any:
 
 def grad_fields(m: int) -> dict[str, Any]:
     """Header fields of a `grad` message, whatever fields this version's schema requires."""
-    from cmemi.shared import protocol
+    from cmemi.shared.wire import protocol
 
     fields: dict[str, Any] = {"wid": "w0", "inc": 1, "term": 1, "step": 0, "lo": m, "hi": m + 1, "version": 0,
                               "losses": [1.0], "n": 1,
@@ -73,7 +73,7 @@ def grad_fields(m: int) -> dict[str, Any]:
 
 def grad_messages(grads: dict[str, Any], variant: str, checksum: bool) -> list[list[Any]]:
     """The M `grad` messages of one step, encoded as a worker would (codec `none`)."""
-    from cmemi.shared import protocol
+    from cmemi.shared.wire import protocol
 
     codec = codec_for(variant)
     msgs = []
@@ -101,7 +101,7 @@ def make_grads(size: int) -> dict[str, Any]:
 def sender(data_addr: str, ctl_addr: str) -> None:
     """Serve requests "variant size count" on a REP socket by sending `count` messages on PUSH."""
     import zmq
-    from cmemi.shared import protocol
+    from cmemi.shared.wire import protocol
 
     C.pin_threads(1)
     ctx = zmq.Context()
@@ -137,8 +137,8 @@ def sender(data_addr: str, ctl_addr: str) -> None:
 def receive_burst(pull, req, variant: str, size: int, count: int) -> tuple[float, float]:
     """Bytes per second over messages 2..count of one burst (the first one starts the clock), and the
     receiving process's CPU seconds per GB (all its threads: ZeroMQ's I/O thread included)."""
-    from cmemi.shared import protocol
-    from cmemi.shared.codecs import all_finite
+    from cmemi.shared.compression.codecs import all_finite
+    from cmemi.shared.wire import protocol
 
     req.send_string(f"{variant} {size} {count}")
     assert req.recv_string() == "go"
@@ -183,7 +183,7 @@ def stage_breakdown(size: int, reps: int) -> dict[str, float]:
     and the ordered sum (StepCollector.offer x M + mean)."""
     import gc
 
-    from cmemi.shared import protocol
+    from cmemi.shared.wire import protocol
 
     grads = make_grads(size)
     shapes = {k: tuple(v.shape) for k, v in grads.items()}

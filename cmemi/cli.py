@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from cmemi.configs import bundled_examples, config_path
-from cmemi.launch import SERVICES, run_service, user_code_importable
+from cmemi.commands.configs import bundled_examples, config_path
+from cmemi.launcher.launch import SERVICES, run_service, user_code_importable
 
 if TYPE_CHECKING:
-    from cmemi.zygote_up import Zygote
+    from cmemi.launcher.zygote_up import Zygote
 
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
@@ -34,7 +34,7 @@ def _with_huge_pages(argv: list[str]) -> None:
 
 
 def _up(argv: list[str]) -> int:
-    from cmemi.zygote_up import Zygote
+    from cmemi.launcher.zygote_up import Zygote
 
     zygote = Zygote.start() if argv and argv[0] not in ("-h", "--help") else None  # first: its imports overlap ours
     try:
@@ -45,10 +45,10 @@ def _up(argv: list[str]) -> int:
 
 
 def _up_with(argv: list[str], zygote: Zygote | None) -> int:
-    from cmemi.shared import startup
-    from cmemi.shared.config import ConfigError, load_config
-    from cmemi.shared.extras import MissingExtra
-    from cmemi.supervise import RunLock
+    from cmemi.launcher.supervise import RunLock
+    from cmemi.shared.config.extras import MissingExtra
+    from cmemi.shared.config.schema import ConfigError, load_config
+    from cmemi.shared.runtime import startup
 
     p = argparse.ArgumentParser(prog="cmemi up", description="Run the whole cluster on this machine.")
     p.add_argument("config", help="run config YAML, e.g. examples/digits.yaml, or the name of a bundled example "
@@ -69,14 +69,14 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
         # One `cmemi up` per run directory: a second one is refused at once, before torch is imported
         lock = RunLock(cfg.run.path.resolve())
         if cfg.model.init_from:  # a missing file fails now, in a second, not after the services start
-            from cmemi.shared.initweights import weights_file
+            from cmemi.shared.config.initweights import weights_file
 
             weights_file(cfg.model.init_from)
-        from cmemi.up import up
+        from cmemi.launcher.up import up
 
         startup.mark("imported")
         if zygote is None:  # with a zygote, it checks them while `cmemi up` starts Redis and the coordinator
-            from cmemi.shared.plugins import check_plugins
+            from cmemi.shared.config.plugins import check_plugins
 
             check_plugins(cfg)
             startup.mark("plugins_checked")
@@ -91,13 +91,13 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
 
 
 def _reference(argv: list[str]) -> int:
-    from cmemi.reference import main as reference_main
+    from cmemi.commands.reference import main as reference_main
 
     return reference_main(argv)
 
 
 def _events(argv: list[str]) -> int:
-    from cmemi.events import format_table, load_events, timelines
+    from cmemi.commands.events import format_table, load_events, timelines
 
     p = argparse.ArgumentParser(prog="cmemi events", description="Each fault's recovery timeline, in seconds.")
     p.add_argument("run_dir")
@@ -113,8 +113,8 @@ def _events(argv: list[str]) -> int:
 
 
 def _scale(argv: list[str]) -> int:
-    from cmemi.shared.keys import Keys
-    from cmemi.shared.membership import connect
+    from cmemi.shared.coordination.keys import Keys
+    from cmemi.shared.coordination.membership import connect
 
     p = argparse.ArgumentParser(prog="cmemi scale", description="Change the number of workers of a running cluster.")
     p.add_argument("run_dir")
@@ -140,32 +140,32 @@ def _cluster_info(run_dir: str) -> dict | None:
 
 
 def _checkpoints(argv: list[str]) -> int:
-    from cmemi.checkpoints import main as checkpoints_main
+    from cmemi.commands.checkpoints import main as checkpoints_main
 
     return checkpoints_main(argv)
 
 
 def _status(argv: list[str]) -> int:
-    from cmemi.status import main as status_main
+    from cmemi.commands.status import main as status_main
 
     return status_main(argv)
 
 
 def _plot(argv: list[str]) -> int:
-    from cmemi.shared.extras import MissingExtra, require
+    from cmemi.shared.config.extras import MissingExtra, require
 
     try:
         require("matplotlib", "plot", "cmemi plot")
     except MissingExtra as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
         return 2
-    from cmemi.plot import main as plot_main
+    from cmemi.commands.plot import main as plot_main
 
     return plot_main(argv)
 
 
 def _keys(argv: list[str]) -> int:
-    from cmemi.shared.security import ROLE_SECRETS, SecurityError, export_role, generate
+    from cmemi.shared.wire.security import ROLE_SECRETS, SecurityError, export_role, generate
 
     p = argparse.ArgumentParser(prog="cmemi keys", description="Generate the CurveZMQ key pairs of a cluster "
                                 "(security.keys_dir): server, aggregator, coordinator, worker.")
@@ -198,7 +198,7 @@ def _keys(argv: list[str]) -> int:
 
 
 def _logs(argv: list[str]) -> int:
-    from cmemi.logs import main as logs_main
+    from cmemi.commands.logs import main as logs_main
 
     return logs_main(argv)
 
@@ -236,10 +236,10 @@ def main(argv: list[str] | None = None) -> None:
             _exit_now(_exit_code(lambda: run_service(cmd, rest)))
         run_service(cmd, rest)
         return
-    if cmd == "zygote":  # started by `cmemi up` only (cmemi/zygote.py)
+    if cmd == "zygote":  # started by `cmemi up` only (cmemi/launcher/zygote.py)
         if from_command_line:
             _with_huge_pages(argv)
-        from cmemi.zygote import main as zygote_main
+        from cmemi.launcher.zygote import main as zygote_main
 
         sys.exit(zygote_main(rest))
     if cmd not in COMMANDS:

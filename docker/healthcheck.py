@@ -23,9 +23,9 @@ def main() -> int:
         print("usage: cmemi-healthcheck {coordinator,aggregator,checkpointer,worker}", file=sys.stderr)
         return 2
     role = sys.argv[1]
-    from cmemi.shared.config import load_config
-    from cmemi.shared.keys import Keys
-    from cmemi.shared.membership import connect
+    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.coordination.keys import Keys
+    from cmemi.shared.coordination.membership import connect
 
     cfg = load_config(os.environ.get("CMEMI_CONFIG", "/app/examples/digits.yaml"))
     url = os.environ.get("CMEMI_REDIS_URL") or cfg.cluster.redis  # shared.service.redis_url's order, without --redis

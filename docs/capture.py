@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.shared.keys import Keys  # noqa: E402
-from cmemi.shared.membership import connect, emit  # noqa: E402
+from cmemi.shared.coordination.keys import Keys  # noqa: E402
+from cmemi.shared.coordination.membership import connect, emit  # noqa: E402
 
 RUN = "digits-faults"
 RUN_DIR = Path("runs") / RUN

@@ -21,7 +21,7 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     scikit-learn (scipy and all: ~2.4 s of CPU in every process that builds the dataset)."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
-        from cmemi.shared.extras import require
+        from cmemi.shared.config.extras import require
 
         require("sklearn", "examples", "the digits example's data")
     assert spec is not None and spec.submodule_search_locations

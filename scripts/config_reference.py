@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 import typing
 
-from cmemi.shared import config as C
+from cmemi.shared.config import schema as C
 
 
 def field_docs() -> dict[tuple[str, str], str]:

@@ -401,7 +401,7 @@ def small() -> str:
     w = d.get("wire_us_per_message")
     if w:
         lines += ["", "One parameter message (encode, send, receive, decode on loopback), tensor by tensor against "
-                  "flat buffers (`shared/layout.py`): " + "; ".join(
+                  "flat buffers (`shared/wire/layout.py`): " + "; ".join(
                       f"{name} ({x['tensors']} tensors, {x['bytes'] / 1e3:.0f} kB) {x['per_tensor_us']:.0f} → "
                       f"{x['flat_us']:.0f} µs" for name, x in w.items()) + "."]
     st = d["startup"]
@@ -756,7 +756,7 @@ def resnet_accuracy() -> str:
     return (f"- **Accuracy of the example** (`{d.get('command', 'python scripts/resnet_accuracy.py')}`, "
             f"seeds {', '.join(map(str, d['seeds']))}, test accuracy in eval mode): CMEMI (`cmemi reference`, bitwise "
             f"`cmemi up`) {pct(d['cmemi_reference'])} %, mean **{d['cmemi_mean'] * 100:.1f} %**; a plain PyTorch loop "
-            f"(tests/plain.py) {pct(d['plain_pytorch'])} %, mean **{d['plain_mean'] * 100:.1f} %**. "
+            f"(tests/helpers/plain.py) {pct(d['plain_pytorch'])} %, mean **{d['plain_mean'] * 100:.1f} %**. "
             + measured(paths=(RESNET,)))
 
 

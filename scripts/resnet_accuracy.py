@@ -1,5 +1,5 @@
 """Measure examples/resnet.yaml: test accuracy of `cmemi reference` (bitwise what `cmemi up` gives) against an
-independent plain PyTorch loop (tests/plain.py), 3 seeds each. Writes docs/resnet_accuracy.json (with the commit and
+independent plain PyTorch loop (tests/helpers/plain.py), 3 seeds each. Writes docs/resnet_accuracy.json (with the commit and
 date it was measured at), from which scripts/readme_tables.py generates the README's accuracy line:
 `python scripts/resnet_accuracy.py`."""
 
@@ -15,11 +15,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.shared.config import load_config  # noqa: E402
+from cmemi.shared.config.schema import load_config  # noqa: E402
 
 from bench.common import provenance  # noqa: E402
-from cmemi.reference import train  # noqa: E402
-from tests.plain import plain_loop  # noqa: E402
+from cmemi.commands.reference import train  # noqa: E402
+from tests.helpers.plain import plain_loop  # noqa: E402
 
 
 def main() -> None:

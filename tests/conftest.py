@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from cmemi.redis_server import EmbeddedRedis
+from cmemi.launcher.redis_server import EmbeddedRedis
 
 # Tests that run torch in the pytest process itself: one thread, like the services (2 shared cores).
 torch.set_num_threads(1)
@@ -84,8 +84,8 @@ def redis_server(tmp_path: Path):
 
 @pytest.fixture
 def lab():
-    """Separate hosts on this machine (tests/netns.py): skipped where network namespaces are not available."""
-    from tests import netns
+    """Separate hosts on this machine (tests/helpers/netns.py): skipped where network namespaces are not available."""
+    from tests.helpers import netns
 
     why = netns.unavailable()
     if why is not None:
@@ -100,8 +100,8 @@ def lab():
 
 @pytest.fixture
 def shm_run() -> Iterator[str]:
-    """A run id of its own for shared-memory segments (shared/shm.py); what the test left under /dev/shm is removed."""
-    from cmemi.shared import shm
+    """A run id of its own for shared-memory segments (shared/memory/shm.py); what the test left under /dev/shm is removed."""
+    from cmemi.shared.memory import shm
 
     run = f"shm-test-{secrets.token_hex(4)}"
     yield run

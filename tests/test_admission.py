@@ -12,12 +12,12 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.services.aggregator.admission import registered
+from cmemi.services.aggregator.common.admission import registered
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
-from cmemi.shared import state
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import allocate, connect
-from cmemi.shared.security import RESCAN_S, Curve, SecurityError, curve_from_config, generate
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import allocate, connect
+from cmemi.shared.wire import state
+from cmemi.shared.wire.security import RESCAN_S, Curve, SecurityError, curve_from_config, generate
 
 
 def client(ctx: zmq.Context, keys: Path, name: str, addr: str, opened: list[zmq.Socket]) -> zmq.Socket:

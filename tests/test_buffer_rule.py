@@ -1,4 +1,4 @@
-"""The buffer rule (shared/buffers.py) and the pieces around it, without processes."""
+"""The buffer rule (shared/core/buffers.py) and the pieces around it, without processes."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import random
 
 import numpy as np
 import torch
-from cmemi.services.aggregator.collector import StepCollector
-from cmemi.shared import buffers
-from cmemi.shared.data import fingerprint, seed_microbatch
-from cmemi.shared.environment import differences
-from cmemi.shared.reduction import tree_reduce
+from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.shared.core import buffers
+from cmemi.shared.core.data import fingerprint, seed_microbatch
+from cmemi.shared.core.environment import differences
+from cmemi.shared.core.reduction import tree_reduce
 
 
 def test_floating_buffers_are_the_tree_mean_and_counters_advance_by_M() -> None:
@@ -84,24 +84,24 @@ def test_environment_differences_are_named() -> None:
 
 def test_signatures_of_user_functions_are_checked_at_start() -> None:
     import pytest
-    from cmemi.shared.config import ConfigError, load_config
-    from cmemi.shared.plugins import check_plugins
+    from cmemi.shared.config.plugins import check_plugins
+    from cmemi.shared.config.schema import ConfigError, load_config
 
     from tests.conftest import DIGITS
 
     with pytest.raises(ConfigError, match=r"eval_two_args\(model, dataset\).*fixtures.py.*evaluate\(model\)"):
-        check_plugins(load_config(DIGITS, ["eval.fn=tests.fixtures:eval_two_args"]))
+        check_plugins(load_config(DIGITS, ["eval.fn=tests.helpers.fixtures:eval_two_args"]))
     with pytest.raises(ConfigError, match="train.loss"):
-        check_plugins(load_config(DIGITS, ["train.loss=tests.fixtures:constant_eval"]))  # takes 1, called with 2
+        check_plugins(load_config(DIGITS, ["train.loss=tests.helpers.fixtures:constant_eval"]))  # takes 1, called with 2
 
 
 def test_the_step_0_evaluation_reports_a_broken_eval_fn_in_one_line() -> None:
-    from cmemi.services.aggregator.evaluation import Probe
-    from cmemi.shared.config import load_config
-    from cmemi.shared.plugins import build_model
+    from cmemi.services.aggregator.common.evaluation import Probe
+    from cmemi.shared.config.plugins import build_model
+    from cmemi.shared.config.schema import load_config
 
     from tests.conftest import DIGITS
-    from tests.fixtures import constant_eval, raising_eval
+    from tests.helpers.fixtures import constant_eval, raising_eval
 
     cfg = load_config(DIGITS)
     state = build_model(cfg).state_dict()
@@ -117,8 +117,8 @@ def test_a_worker_with_another_environment_is_refused_or_admitted_with_a_warning
     admitted with a warning under cluster.require_same_environment: false."""
     from types import SimpleNamespace
 
-    from cmemi.services.aggregator.admission import Admission, EnvironmentCheck
-    from cmemi.shared.keys import Keys
+    from cmemi.services.aggregator.common.admission import Admission, EnvironmentCheck
+    from cmemi.shared.coordination.keys import Keys
 
     sent: list[dict] = []
     warned: list[str] = []
@@ -145,8 +145,8 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
     from types import SimpleNamespace
 
     import pytest
-    from cmemi.services.worker.block import BlockComputer
-    from cmemi.services.worker.compute import UserCodeError
+    from cmemi.services.worker.compute.block import BlockComputer
+    from cmemi.services.worker.compute.microbatch import UserCodeError
 
     def worker(errors: list[Exception | None]) -> BlockComputer:
         def run(step: int, m: int, scale: float):
@@ -173,8 +173,8 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
 
 
 def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> None:
-    from cmemi.services.aggregator.trainer import Trainer
-    from cmemi.shared.config import load_config
+    from cmemi.services.aggregator.common.trainer import Trainer
+    from cmemi.shared.config.schema import load_config
 
     from tests.conftest import ROOT
 
@@ -191,10 +191,10 @@ def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> N
 
 
 def test_frozen_buffers_stay_initial_and_mean_buffers_train() -> None:
-    from cmemi.shared.config import load_config
-    from cmemi.shared.plugins import build_model
+    from cmemi.shared.config.plugins import build_model
+    from cmemi.shared.config.schema import load_config
 
-    from cmemi.reference import train
+    from cmemi.commands.reference import train
     from tests.conftest import ROOT
 
     config, sets = str(ROOT / "examples" / "resnet.yaml"), ["train.steps=2", "eval.fn=null"]

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from cmemi.events import load_events
-from tests.chaos import Cluster, poll
+from cmemi.commands.events import load_events
 from tests.conftest import LONG
+from tests.helpers.chaos import Cluster, poll
 from tests.test_supervision import redis_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.chaos, pytest.mark.timeout(900)]
@@ -121,7 +121,7 @@ def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, ca
     # paced: the 30 faults (each waits for its step and for a running process to hit) land while the run trains,
     # however fast a small model's steps get; the pace changes no bit, so the result is the reference's
     c = Cluster(tmp_path / "run", *LONG, f"cluster.workers={WORKERS}", "cluster.spare_workers=1",
-                "checkpoint.every_steps=50", "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
+                "checkpoint.every_steps=50", "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
     done: list[tuple[str, str, int, float]] = []  # (kind, id, pid it hit, when)
     try:
         for at, kind in plan:

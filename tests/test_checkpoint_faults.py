@@ -14,9 +14,9 @@ import pytest
 import redis
 from cmemi.services.checkpointer.store import CheckpointStore
 
-from cmemi.redis_server import EmbeddedRedis
-from tests.chaos import Cluster, poll
+from cmemi.launcher.redis_server import EmbeddedRedis
 from tests.conftest import LONG, ROOT, cmemi_cmd, run_up
+from tests.helpers.chaos import Cluster, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 

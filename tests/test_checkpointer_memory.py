@@ -17,13 +17,13 @@ import redis
 import torch
 import zmq
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import security, state, transfer
-from cmemi.shared.config import dump_config, load_config
-from cmemi.shared.keys import Keys
-from cmemi.shared.shards import Partition
+from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.wire import security, state, transfer
 
-from tests.chaos import poll
 from tests.conftest import DIGITS, ROOT
+from tests.helpers.chaos import poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

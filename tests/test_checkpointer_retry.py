@@ -1,6 +1,6 @@
 """A snapshot the checkpointer cannot check is asked for again, not lost: with Redis restarted empty (or away) the
 checkpointer does not know the current term, drops the snapshot and answers `retry`; the aggregator sends it again
-(services/aggregator/snapshots.py), and once the term is back it is written. Before, the drop was silent and the
+(services/aggregator/snapshots/send.py), and once the term is back it is written. Before, the drop was silent and the
 aggregator waited for an answer that never came (the final checkpoint timed out after 300 s in the fault test that
 kills the checkpointer and Redis close together). A real `cmemi checkpointer`, real Redis, real sockets."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import redis
 import zmq
-from cmemi.shared import security, transfer
-from cmemi.shared.config import dump_config, load_config
-from cmemi.shared.keys import Keys
+from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.wire import security, transfer
 
-from tests.chaos import poll
 from tests.conftest import DIGITS, ROOT
+from tests.helpers.chaos import poll
 from tests.test_admission import snapshot_header
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

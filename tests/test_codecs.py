@@ -7,8 +7,8 @@ import math
 import msgpack
 import pytest
 import torch
-from cmemi.shared import codecs, protocol
-from cmemi.shared.codecs import (
+from cmemi.shared.compression import codecs
+from cmemi.shared.compression.codecs import (
     CODECS,
     CodecError,
     CompressionConfig,
@@ -17,7 +17,8 @@ from cmemi.shared.codecs import (
     ratio,
     wire_bytes,
 )
-from cmemi.shared.config import ConfigError
+from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.wire import protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -603,7 +604,7 @@ def test_compressed_training_converges_like_uncompressed() -> None:
 
 
 def test_all_finite_is_exact() -> None:
-    from cmemi.shared.codecs import all_finite
+    from cmemi.shared.compression.codecs import all_finite
 
     assert all_finite([torch.randn(1000), torch.zeros(0), torch.tensor(3.0)])
     assert all_finite([torch.full((4,), 3e38)])  # finite values whose sum overflows are still finite
@@ -614,7 +615,7 @@ def test_all_finite_is_exact() -> None:
 
 
 def test_flat_none_is_exact_one_frame_and_checks_the_layout() -> None:
-    """A small model's gradient travels as one flat fp32 frame in its parameters' layout (shared/layout.py)."""
+    """A small model's gradient travels as one flat fp32 frame in its parameters' layout (shared/wire/layout.py)."""
     grads = {"w": rand(64, 64), "b": rand(64, seed=1), "s": torch.tensor(2.5)}
     shapes = {n: g.shape for n, g in grads.items()}
     c = make_codec(CompressionConfig(codec="none"))
@@ -644,7 +645,7 @@ def test_flat_none_is_exact_one_frame_and_checks_the_layout() -> None:
 
 
 def test_flat_layout_views_pack_and_alignment() -> None:
-    from cmemi.shared.layout import FLAT_MAX_BYTES, Layout
+    from cmemi.shared.wire.layout import FLAT_MAX_BYTES, Layout
 
     tensors = {"a": rand(3, 5), "n": torch.arange(7), "b": rand(17), "m": torch.tensor([True, False])}
     layout = Layout(tensors)
@@ -660,7 +661,7 @@ def test_flat_layout_views_pack_and_alignment() -> None:
 def test_flat_pack_zeroes_only_the_padding_and_keeps_every_slice_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """`pack` writes a fresh buffer once (no zero-fill pass): the tensors' bytes, and zeros between them, whatever
     the allocator handed back; a worker's codec encodes one slice per shard without rebuilding their layouts."""
-    from cmemi.shared.layout import Layout
+    from cmemi.shared.wire.layout import Layout
 
     tensors = {"a": rand(3), "b": rand(5, 7), "n": torch.arange(5), "c": rand(17)}
     layout = Layout(tensors)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import itertools
 
 import torch
-from cmemi.services.aggregator.collector import StepCollector
-from cmemi.shared.reduction import TreeAccumulator, add_into, block_size
+from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.shared.core.reduction import TreeAccumulator, add_into, block_size
 
 
 def grads(m: int) -> dict[str, torch.Tensor]:
@@ -172,7 +172,7 @@ def test_microbatches_another_shard_lacks_are_leased_again_as_leaves_after_a_gra
 
 
 def test_spares_are_reused_only_after_reclaim_and_bounded():
-    from cmemi.services.aggregator.gradients import Spares
+    from cmemi.services.aggregator.common.gradients import Spares
     spares = Spares(limit=1 << 20)
     g = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}
     a = spares.own(g)
@@ -199,7 +199,7 @@ def test_spares_are_reused_only_after_reclaim_and_bounded():
 def test_a_gradient_no_sum_keeps_is_lent_again_in_its_step():
     """A duplicate (a lease handed out again) or the right operand of an add gives its spares back for the step's next
     gradient: a step of two leaves and a duplicate lands in two buffers, not three, and both stay kept."""
-    from cmemi.services.aggregator.gradients import Spares
+    from cmemi.services.aggregator.common.gradients import Spares
     metas = [{"name": "w", "dtype": "float32", "shape": [2, 3], "nbytes": 24, "xxh": None}]
     spares = Spares(limit=3 * 24)
     c = StepCollector(0, 2, leased=False)
@@ -229,7 +229,7 @@ def test_a_gradient_no_sum_keeps_is_lent_again_in_its_step():
 
 
 def test_a_decoded_view_of_a_spare_keeps_it_lent():
-    from cmemi.services.aggregator.gradients import Spares
+    from cmemi.services.aggregator.common.gradients import Spares
     spares = Spares(limit=1 << 20)
     lent = spares.lend([{"name": "w", "dtype": "float32", "shape": [6], "nbytes": 24, "xxh": None}])["w"]
     spares.give_back([lent.view(2, 3)])  # the same bytes under another tensor object

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config import load_config
-from cmemi.shared.data import fetch, microbatch_indices
-from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler, resolve
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.core.data import fetch, microbatch_indices
 from safetensors.torch import load_file
 
-from tests.chaos import Cluster
 from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
+from tests.helpers.chaos import Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def test_a_model_whose_parameters_are_named_inner_trains_with_every_codec_like_t
     the wire's own tensors: every frame stays the gradient's (they were once taken for a replica's inner state, and
     the run hung re-sending a gradient the leader dropped). One worker: the result is `cmemi reference`'s, bitwise."""
     sets = (*FAST, "train.steps=6", "scheduler.kwargs.T_max=6", "cluster.workers=1",
-            "model.factory=tests.fixtures:wrapped_digits")
+            "model.factory=tests.helpers.fixtures:wrapped_digits")
     for codec in ("powersgd", "int8"):
         run = (*sets, f"compression.codec={codec}", "compression.downlink=int8")
         r = run_up(tmp_path / codec, *run)
@@ -131,7 +131,7 @@ def grad_scaler_reference(overrides: list[str]) -> tuple[list[float], list[bool]
 
 
 def test_fp16_overflow_skips_the_step_everywhere_like_grad_scaler(tmp_path: Path) -> None:
-    overrides = [*FAST, "precision=fp16", "model.kwargs.dropout=0.0", "data.factory=tests.fixtures:poisoned_digits",
+    overrides = [*FAST, "precision=fp16", "model.kwargs.dropout=0.0", "data.factory=tests.helpers.fixtures:poisoned_digits",
                  "data.kwargs={index: 5}", "cluster.workers=2"]
     r = run_up(tmp_path / "run", *overrides)
     assert r.rc == 0, r.stderr[-3000:]

@@ -6,8 +6,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config import Config, ConfigError, config_from_dict, dump_config, env_overrides, load_config
-from cmemi.shared.plugins import build_optimizer, build_scheduler, check_plugins, resolve
+from cmemi.shared.config.plugins import build_optimizer, build_scheduler, check_plugins, resolve
+from cmemi.shared.config.schema import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    dump_config,
+    env_overrides,
+    load_config,
+)
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cmemi.shared.counters import GAP, Counters
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import allocate, connect
+from cmemi.shared.coordination.counters import GAP, Counters
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import allocate, connect
 
 
 def test_counters_survive_redis_losing_its_data(redis_server, tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from cmemi.shared.data import fetch, fingerprint, microbatch_indices, microbatch_seed
+from cmemi.shared.core.data import fetch, fingerprint, microbatch_indices, microbatch_seed
 from torch.utils.data import Dataset, TensorDataset
 
 

@@ -44,7 +44,7 @@ OWN_SECRETS = {"coordinator": {"coordinator.key_secret"}, "aggregator": {"server
 
 
 def test_the_manifests_hold_together(tmp_path: Path) -> None:
-    from cmemi.shared.security import generate
+    from cmemi.shared.wire.security import generate
 
     made = {p.name for p in generate(tmp_path / "keys")}  # what `cmemi keys DIR` writes: the Secret's keys
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in documents()}
@@ -89,7 +89,7 @@ def test_the_manifests_hold_together(tmp_path: Path) -> None:
     redis = docs[("Deployment", "cmemi-redis")]["spec"]["template"]["spec"]["containers"][0]
     assert "$(" not in " ".join(redis.get("command", []) + redis.get("args", []))  # no password on its command line
     # the config the services read is a valid CMEMI config
-    from cmemi.shared.config import config_from_dict
+    from cmemi.shared.config.schema import config_from_dict
 
     config_from_dict(yaml.safe_load(docs[("ConfigMap", "cmemi-config")]["data"]["config.yaml"]), [])
 
@@ -122,8 +122,8 @@ def test_every_compose_service_sees_only_its_own_roles_secret_keys(tmp_path: Pat
     """Runs the `keys` service's command for real into a directory per volume it mounts, then reads what each
     CMEMI service finds at its security.keys_dir: the public keys, and only its own role's secret keys, enough
     for curve_from_config to start that role; the volume with every secret is mounted by the keys service alone."""
-    from cmemi.shared.config import SecurityConfig
-    from cmemi.shared.security import curve_from_config
+    from cmemi.shared.config.schema import SecurityConfig
+    from cmemi.shared.wire.security import curve_from_config
 
     from cmemi.cli import main
 
@@ -161,7 +161,7 @@ def test_the_swarm_stack_gives_every_service_its_keys_and_the_redis_url(tmp_path
     """docker/stack.yml, read statically (swarm-test runs it for real): each CMEMI service mounts the public keys and
     only its role's secret keys as /run/secrets/<the file name `cmemi keys` writes>, keys_dir points there, the
     Redis URL reaches it as CMEMI_REDIS_URL, and no password is put on a command line."""
-    from cmemi.shared.security import generate
+    from cmemi.shared.wire.security import generate
 
     made = {p.name for p in generate(tmp_path / "keys")}
     stack = yaml.safe_load((ROOT / "docker" / "stack.yml").read_text())

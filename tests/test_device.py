@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cmemi.services.worker.device import DeviceError, pick_device, to_device
+from cmemi.services.worker.compute.device import DeviceError, pick_device, to_device
 
 
 def test_cpu_and_auto_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

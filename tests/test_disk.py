@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import Cluster, poll
 from tests.conftest import LONG
+from tests.helpers.chaos import Cluster, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(500)]
 

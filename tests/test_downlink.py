@@ -14,13 +14,13 @@ import pytest
 import structlog
 import torch
 from cmemi.services.worker.worker import Worker
-from cmemi.shared import downlink
-from cmemi.shared.codecs import CodecError
-from cmemi.shared.config import CompressionConfig, ConfigError, config_from_dict
-from cmemi.shared.shards import Partition
+from cmemi.shared.compression import downlink
+from cmemi.shared.compression.codecs import CodecError
+from cmemi.shared.config.schema import CompressionConfig, ConfigError, config_from_dict
+from cmemi.shared.core.grid import Partition
 
-from tests.chaos import Cluster
 from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
+from tests.helpers.chaos import Cluster
 
 CODECS = ["bf16", "int8", "topk", "powersgd", "sign"]
 
@@ -308,7 +308,7 @@ def test_downlink_through_a_killed_worker_and_shard_is_still_the_reference(tmp_p
     powersgd down: SIGKILL a worker (its replacement gets the whole mirror) and a shard (the cluster rolls back to
     the last checkpoint, whose mirror and warm-start Q it restores); the result is the reference's, bitwise."""
     sets = ("train.steps=400", "scheduler.kwargs.T_max=400", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
-            "compression.downlink=powersgd", "model.factory=tests.fixtures:paced_mlp", "model.kwargs.pace=0.01")
+            "compression.downlink=powersgd", "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs.pace=0.01")
     ref = reference(tmp_path, *sets, "checkpoint.every_steps=0")
     c = Cluster(tmp_path / "run", *sets, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3",
                 "cluster.spare_workers=0")

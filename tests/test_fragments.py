@@ -1,13 +1,13 @@
-"""Streaming DiLoCo's fragments (shared/fragments.py): contiguous runs of the grid's pieces with about equal bytes,
+"""Streaming DiLoCo's fragments (shared/core/fragments.py): contiguous runs of the grid's pieces with about equal bytes,
 the step that syncs each, the segment that merges it, and the merge."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cmemi.shared import fragments
-from cmemi.shared.config import ConfigError
-from cmemi.shared.shards import Piece
+from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.core import fragments
+from cmemi.shared.core.grid import Piece
 
 
 def pieces(*sizes: int) -> list[Piece]:

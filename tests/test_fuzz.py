@@ -31,12 +31,12 @@ import msgpack
 import pytest
 import xxhash
 import zmq
-from cmemi.shared import protocol, samehost
+from cmemi.shared.wire import protocol, samehost
 from zmq.utils.monitor import recv_monitor_message
 
-from cmemi.events import load_events
-from tests.chaos import Cluster
+from cmemi.commands.events import load_events
 from tests.conftest import LONG
+from tests.helpers.chaos import Cluster
 
 FUZZ_SEED = int(os.environ.get("CMEMI_FUZZ_SEED", "20240611"))
 N_MESSAGES = 12_000
@@ -617,12 +617,12 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     again with each gradient checked (the NaN ones dropped and counted), and the run ends bitwise as a
     fault-free one."""
     import torch
-    from cmemi.shared.codecs import make_codec
-    from cmemi.shared.config import CompressionConfig, load_config
-    from cmemi.shared.data import fingerprint
-    from cmemi.shared.environment import environment
-    from cmemi.shared.membership import Member
-    from cmemi.shared.plugins import build_model, resolve
+    from cmemi.shared.compression.codecs import make_codec
+    from cmemi.shared.config.plugins import build_model, resolve
+    from cmemi.shared.config.schema import CompressionConfig, load_config
+    from cmemi.shared.coordination.membership import Member
+    from cmemi.shared.core.data import fingerprint
+    from cmemi.shared.core.environment import environment
     from zmq import auth as _  # noqa: F401  (zmq.auth.load_certificate)
 
     from tests.conftest import DIGITS

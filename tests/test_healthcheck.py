@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import connect
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
 
 from tests.conftest import ROOT
 

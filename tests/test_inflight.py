@@ -1,4 +1,4 @@
-"""A big model's last gradient is out of ZeroMQ's queues before the next one is computed (services/worker/inflight.py)."""
+"""A big model's last gradient is out of ZeroMQ's queues before the next one is computed (services/worker/links/inflight.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import threading
 
 import torch
 import zmq
-from cmemi.services.worker.inflight import InFlight
-from cmemi.shared import protocol
+from cmemi.services.worker.links.inflight import InFlight
+from cmemi.shared.wire import protocol
 
 
 def test_settle_waits_for_the_frames_to_be_read_and_gives_up_on_a_peer_that_does_not_read() -> None:

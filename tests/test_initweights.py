@@ -1,16 +1,17 @@
-"""model.init_from (shared/initweights.py) and user code run as in a plain script (shared/limits.py,
-shared/plugins.py, shared/data.py): fast, in-process."""
+"""model.init_from (shared/config/initweights.py) and user code run as in a plain script (shared/wire/limits.py,
+shared/config/plugins.py, shared/core/data.py): fast, in-process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cmemi.services.aggregator import dataprint
-from cmemi.services.aggregator.trainer import Trainer
-from cmemi.shared import initweights, limits
-from cmemi.shared.config import load_config
-from cmemi.shared.data import data_error
-from cmemi.shared.plugins import FactoryError, build_model, user_modules
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.leader import dataprint
+from cmemi.shared.config import initweights
+from cmemi.shared.config.plugins import FactoryError, build_model, user_modules
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.core.data import data_error
+from cmemi.shared.wire import limits
 from safetensors.torch import save_file
 
 from tests.conftest import DIGITS
@@ -61,10 +62,10 @@ def test_the_parameter_servers_start_from_init_from(tmp_path) -> None:
 
 
 def test_messages_are_sized_from_the_model_built_and_a_factory_cache_holds_real_tensors() -> None:
-    from tests import usercode_models
+    from tests.helpers import usercode_models
 
-    cfg = load_config(DIGITS, ["model.factory=tests.usercode_models:model", "model.kwargs={}",
-                               "data.factory=tests.usercode_models:train_set", "data.kwargs={}"])
+    cfg = load_config(DIGITS, ["model.factory=tests.helpers.usercode_models:model", "model.kwargs={}",
+                               "data.factory=tests.helpers.usercode_models:train_set", "data.kwargs={}"])
     usercode_models._tokens = None
     measured = limits.model_bytes(cfg)  # nothing built here yet: measured in a forked child, its cache thrown away
     assert usercode_models._tokens is None
@@ -75,9 +76,9 @@ def test_messages_are_sized_from_the_model_built_and_a_factory_cache_holds_real_
 
 def test_a_failing_factory_names_itself_the_exception_and_where() -> None:
     with pytest.raises(FactoryError) as err:
-        build_model(digits("model.factory=tests.usercode_models:model", "model.kwargs={embedding: /nowhere.pt}"))
+        build_model(digits("model.factory=tests.helpers.usercode_models:model", "model.kwargs={embedding: /nowhere.pt}"))
     text = str(err.value)
-    assert "model.factory" in text and "tests.usercode_models:model" in text and "FileNotFoundError" in text
+    assert "model.factory" in text and "tests.helpers.usercode_models:model" in text and "FileNotFoundError" in text
     assert "usercode_models.py:" in text and "\n" not in text
 
 

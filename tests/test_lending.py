@@ -1,4 +1,4 @@
-"""A same-host worker computes on the leader's shared-memory slot in place (services/worker/lending.py): the model's
+"""A same-host worker computes on the leader's shared-memory slot in place (services/worker/links/lending.py): the model's
 parameters are views of the slot, nothing is copied, and what it computed is dropped when the slot was rewritten
 meanwhile. A model that writes its own parameters, or a slot whose tensors are not each in one run, is copied.
 
@@ -11,13 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cmemi.services.worker.block import BlockComputer, StaleParameters
-from cmemi.services.worker.compute import MicrobatchRunner
-from cmemi.services.worker.inbox import Inbox
-from cmemi.services.worker.lending import SlotLending
-from cmemi.shared import protocol, shm
-from cmemi.shared.config import load_config
-from cmemi.shared.shards import Partition
+from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
+from cmemi.services.worker.links.inbox import Inbox
+from cmemi.services.worker.links.lending import SlotLending
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.memory import shm
+from cmemi.shared.wire import protocol
 
 from tests.conftest import DIGITS, FAST, run_up
 from tests.test_shards import reference_sha
@@ -34,7 +35,7 @@ class _Log:
 
 
 def _model(rows: int) -> dict[str, torch.Tensor]:
-    # over 16 MiB: one frame per piece (shared/layout.py); "w" is cut into pieces of rows (shared/shards.py)
+    # over 16 MiB: one frame per piece (shared/wire/layout.py); "w" is cut into pieces of rows (shared/core/grid.py)
     return {"w": torch.nn.Parameter(torch.zeros(70000, rows)), "b": torch.nn.Parameter(torch.zeros(7))}
 
 
@@ -152,7 +153,7 @@ def test_workers_compute_in_the_slot_and_give_the_reference(tmp_path: Path, hidd
 def test_a_model_that_writes_its_parameters_is_copied_and_trains_as_over_tcp(tmp_path: Path) -> None:
     """A forward pass that clips its weights in place: over slots it would write into read-only memory (a segmentation
     fault); the first version shows it, and every version is copied: the same bits as over tcp://."""
-    sets = (*FAST, "train.steps=12", "scheduler.kwargs.T_max=12", "model.factory=tests.fixtures:clamping_mlp",
+    sets = (*FAST, "train.steps=12", "scheduler.kwargs.T_max=12", "model.factory=tests.helpers.fixtures:clamping_mlp",
             "cluster.workers=2", "train.microbatches=2")
     runs = {t: run_up(tmp_path / t, *sets, f"cluster.transport={t}") for t in ("auto", "tcp")}
     for r in runs.values():

@@ -1,4 +1,4 @@
-"""Data loader processes (services/worker/loader.py): the same bits as reading in the worker, for datasets that
+"""Data loader processes (services/worker/compute/loader.py): the same bits as reading in the worker, for datasets that
 augment with torch, numpy and `random` and batches of any nesting; user errors come back as the same one-line
 failure; a SIGKILLed loader is replaced and what it held is read in the worker; loaders die with their worker."""
 
@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cmemi.services.worker.compute import MicrobatchRunner, UserCodeError
-from cmemi.services.worker.loader import Loader
-from cmemi.shared.config import load_config
-from cmemi.shared.data import microbatch_indices, read_microbatch
-from cmemi.shared.usercode import RemoteFailure, describe
+from cmemi.services.worker.compute.loader import Loader
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner, UserCodeError
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.usercode import RemoteFailure, describe
+from cmemi.shared.core.data import microbatch_indices, read_microbatch
 from torch.utils.data import Dataset
 
-from tests.chaos import poll
 from tests.conftest import DIGITS, ROOT
+from tests.helpers.chaos import poll
 
 Pair = collections.namedtuple("Pair", "x y")
 CFG = load_config(DIGITS, ["run.name=loader", "train.global_batch=16", "train.microbatches=4"])
@@ -98,7 +98,7 @@ def test_runner_reports_loader_failures_as_user_code_and_reads_unsupported_batch
         def __getitem__(self, i: int):
             return Pair(torch.ones(3), i)  # a namedtuple would arrive as a tuple: read in the worker instead
 
-    from cmemi.shared.plugins import build_model
+    from cmemi.shared.config.plugins import build_model
 
     runner = MicrobatchRunner(CFG, build_model(CFG), Odd(), lambda out, y: out.sum())
     runner.loader = Loader(CFG, runner.dataset, workers=1)
@@ -162,7 +162,7 @@ def test_loaders_show_their_role_and_die_with_their_worker() -> None:
         import sys, time
         sys.path.insert(0, {str(ROOT)!r})
         from tests.test_loader import CFG, Augmenting
-        from cmemi.services.worker.loader import Loader
+        from cmemi.services.worker.compute.loader import Loader
         loader = Loader(CFG, Augmenting(), workers=2)
         print(" ".join(str(p.pid) for p in loader.procs), flush=True)
         time.sleep(600)

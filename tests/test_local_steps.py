@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.services.aggregator.collector import StepCollector
-from cmemi.services.aggregator.replicas import Holdings, InnerStates
-from cmemi.services.aggregator.trainer import Trainer
-from cmemi.services.worker.compute import MicrobatchRunner
-from cmemi.services.worker.local import LocalRound
-from cmemi.shared import innerstate
-from cmemi.shared.config import ConfigError, config_from_dict, load_config
-from cmemi.shared.plugins import build_model, resolve
+from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.services.aggregator.common.replicas import Holdings, InnerStates
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.worker.compute.local import LocalRound
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
+from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.schema import ConfigError, config_from_dict, load_config
+from cmemi.shared.core import innerstate
 
-from tests.chaos import Cluster
 from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up
+from tests.helpers.chaos import Cluster
 from tests.test_supervision import redis_pid
 
 LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
@@ -244,7 +244,7 @@ def test_every_role_killed_mid_round_leaves_the_reference(tmp_path: Path) -> Non
             "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
     want = reference(tmp_path, *sets)["params_sha256"]
     c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1",
-                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
+                "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
     try:
         for at, (role, ident) in ((4, ("worker", "w0")), (9, ("aggregator", "1")), (16, ("aggregator", "0")),
                                   (22, ("checkpointer", "0")), (26, ("coordinator", "0")), (30, ("redis", "0"))):
@@ -313,7 +313,7 @@ def test_streaming_survives_a_worker_and_the_leader_killed(tmp_path: Path) -> No
             "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
     want = reference(tmp_path, *sets)["params_sha256"]
     c = Cluster(tmp_path / "run", *sets, "cluster.workers=2", "cluster.spare_workers=1",
-                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
+                "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
     try:
         for at, (role, ident) in ((5, ("worker", "w0")), (15, ("aggregator", "0"))):
             c.wait_step(at, timeout=180)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cmemi import logs
+from cmemi.commands import logs
 
 
 def line(t: str, service: str, event: str, **kw) -> str:

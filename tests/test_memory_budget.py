@@ -6,7 +6,7 @@ process is sampled for VmHWM until it exits (bench/memory.py's PeakSampler) and 
 113 M-parameter model). No timing is asserted. The unit tests below pin the formulas and the README table.
 
 Every role is held to its budget. Workers give their free heap pages back before each block
-(shared/allocator.py): without that, glibc's heap kept the freed 24 MB gradient tensors of earlier microbatches
+(shared/memory/allocator.py): without that, glibc's heap kept the freed 24 MB gradient tensors of earlier microbatches
 and a worker peaked between 478 and 579 MB against its 570 MB from one run to the next; with it, 477–481 MB.
 """
 
@@ -112,6 +112,6 @@ def test_no_memory_results_yet_says_how_to_make_them(tmp_path, monkeypatch) -> N
 
 
 def test_workers_trim_their_heap_only_for_models_big_enough_to_matter() -> None:
-    from cmemi.shared import allocator
+    from cmemi.shared.memory import allocator
     assert allocator.worth_trimming(allocator.TRIM_MIN_BYTES) and not allocator.worth_trimming(21 << 20)
     assert allocator.trim()  # glibc (this image and CI's): the pages go back

@@ -4,7 +4,7 @@ Redis, the coordinator (`--supervise none`), the aggregator, the checkpointer an
 alone in a namespace with its own address on a private bridge, started the way an operator would on
 separate hosts (`cmemi <service> --config CFG --redis URL --set cluster.host=<its address>`).
 
-Mid-run, while worker w1 is computing a gradient (held there by the `tests.netns:gated_mlp` hook, so
+Mid-run, while worker w1 is computing a gradient (held there by the `tests.helpers.netns:gated_mlp` hook, so
 the timing is certain), its cable is pulled for longer than `cluster.dead_after`: the coordinator
 must declare it dead by its missing heartbeat and fence it, the aggregator must free its lease so w0
 carries on alone. When the cable is back, w1 sends the gradient it computed for the lease it lost: the
@@ -28,17 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cmemi.shared.config import dump_config, load_config
-from cmemi.shared.security import generate
+from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.wire.security import generate
 
-from cmemi.redis_server import redis_server_binary
-from tests import netns
+from cmemi.launcher.redis_server import redis_server_binary
 from tests.conftest import DIGITS, ROOT
+from tests.helpers import netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 STEPS = 1600  # long enough for the replacement (a fresh process: imports torch) to join before the end
-SETS = ("model.factory=tests.netns:gated_mlp", f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}",
+SETS = ("model.factory=tests.helpers.netns:gated_mlp", f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}",
         "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "cluster.workers=2", "checkpoint.every_steps=200")
 CUT_AT_STEP = 60
 EXIT_FENCED = 3

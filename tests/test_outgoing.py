@@ -1,4 +1,4 @@
-"""A snapshot on its way to the checkpointer (services/aggregator/outgoing.py): no copy when it is taken, a few
+"""A snapshot on its way to the checkpointer (services/aggregator/snapshots/outgoing.py): no copy when it is taken, a few
 parts in ZeroMQ at a time, copy-on-write before the live state changes, and a restart only when it gives the
 snapshot's bytes."""
 
@@ -8,8 +8,8 @@ import time
 
 import torch
 import zmq
-from cmemi.services.aggregator.outgoing import Outgoing
-from cmemi.shared import transfer
+from cmemi.services.aggregator.snapshots.outgoing import Outgoing
+from cmemi.shared.wire import transfer
 
 RUN = "r1"
 CAP = 64 << 10  # parts of 64 KiB: a 1 MiB state is 17 of them

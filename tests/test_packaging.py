@@ -134,7 +134,7 @@ def test_pip_install_and_wheel_run_from_outside_the_repository(tmp_path: Path) -
     for name in ("shared", "services", "examples"):
         r = run([py, "-c", f"import {name}"], tmp_path)
         assert r.returncode != 0 and f"No module named '{name}'" in r.stderr, (name, r.stdout, r.stderr)
-    r = run([py, "-c", "import cmemi.shared.protocol, cmemi; print(cmemi.__file__)"], tmp_path)
+    r = run([py, "-c", "import cmemi.shared.wire.protocol, cmemi; print(cmemi.__file__)"], tmp_path)
     assert r.returncode == 0 and str(tmp_path / "venv") in r.stdout, r.stderr
 
     # 2. cmemi up on a user's package, from the user's directory, with its own shared/ and examples/.

@@ -6,8 +6,8 @@ import msgpack
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol
-from cmemi.shared.protocol import ProtocolError, decode, encode
+from cmemi.shared.wire import protocol
+from cmemi.shared.wire.protocol import ProtocolError, decode, encode
 
 RUN = "r1"
 

@@ -6,8 +6,8 @@ import time
 
 import torch
 import zmq
-from cmemi.services.aggregator.publish import Publisher
-from cmemi.shared import protocol
+from cmemi.services.aggregator.common.publish import Publisher
+from cmemi.shared.wire import protocol
 
 RUN = "r1"
 
@@ -147,8 +147,8 @@ def test_unpipelined_the_live_tensors_go_out_and_move_only_when_a_send_holds_the
 
 
 def test_a_small_model_goes_out_flat_once_per_version() -> None:
-    """One frame per dtype in the layout the worker builds from its own model (shared/layout.py)."""
-    from cmemi.shared.layout import Layout
+    """One frame per dtype in the layout the worker builds from its own model (shared/wire/layout.py)."""
+    from cmemi.shared.wire.layout import Layout
 
     ctx = zmq.Context()
     try:

@@ -1,16 +1,16 @@
 """Re-asks are not losses (docs/design.md §2): the leader's bookkeeping of unanswered work
-(services/aggregator/leasing.py) and the worker's reading of `pending` (services/worker/patience.py), as pure
+(services/aggregator/leader/leasing.py) and the worker's reading of `pending` (services/worker/links/patience.py), as pure
 logic; tests/test_slow_link.py shows the whole exchange over a shaped link."""
 
 from __future__ import annotations
 
 import os
 
-from cmemi.services.aggregator.admission import LeaseSeal, WorkerInfo
-from cmemi.services.aggregator.leasing import Leasing
-from cmemi.services.aggregator.misfits import CAP, LIMIT, Misfits
-from cmemi.services.worker.patience import Patience
-from cmemi.shared.config import load_config
+from cmemi.services.aggregator.common.admission import LeaseSeal, WorkerInfo
+from cmemi.services.aggregator.common.misfits import CAP, LIMIT, Misfits
+from cmemi.services.aggregator.leader.leasing import Leasing
+from cmemi.services.worker.links.patience import Patience
+from cmemi.shared.config.schema import load_config
 
 from tests.conftest import DIGITS
 
@@ -71,7 +71,7 @@ def test_reasks_back_off_while_no_work_comes() -> None:
 
 
 def test_misfits_count_a_workers_unfit_gradients_in_a_row_not_races() -> None:
-    """services/aggregator/misfits.py: the LIMIT-th gradient in a row that does not fit is the reject; a taken one,
+    """services/aggregator/common/misfits.py: the LIMIT-th gradient in a row that does not fit is the reject; a taken one,
     or a race (stale, not leased, duplicate), does not count; the identities tracked are capped."""
     m = Misfits()
     assert [m.dropped(W0, "codec_bad_shape") for _ in range(LIMIT)] == [False] * (LIMIT - 1) + [True]

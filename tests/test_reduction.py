@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from cmemi.shared.reduction import TreeAccumulator, blocks, is_subtree, split, tree_reduce
+from cmemi.shared.core.reduction import TreeAccumulator, blocks, is_subtree, split, tree_reduce
 
 
 def test_tree_shape_for_six():
@@ -50,7 +50,7 @@ def test_accumulator_is_bitwise_the_tree_in_any_order_and_blocking(M):
 
 @pytest.mark.parametrize("M", [2, 6, 8])
 def test_borrowed_contributions_are_only_read_and_give_the_same_bits(M):
-    """A borrowed contribution (a shared-memory slot's views: services/aggregator/intake.py) is summed into a waiting
+    """A borrowed contribution (a shared-memory slot's views: services/aggregator/common/intake.py) is summed into a waiting
     sibling's storage or copied by `own`, never written; the sum is bitwise the owned path's in any order."""
     grads = _grads(M)
     expected = tree_reduce([g.clone() for g in grads], lambda a, b: a.add_(b))

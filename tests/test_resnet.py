@@ -16,19 +16,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config import load_config
+from cmemi.shared.config.schema import load_config
 from safetensors.torch import load_file
 
-from cmemi.reference import train
-from tests.chaos import Cluster, poll
+from cmemi.commands.reference import train
 from tests.conftest import FAST, ROOT, cmemi_cmd, run_up
-from tests.plain import plain_loop
+from tests.helpers.chaos import Cluster, poll
+from tests.helpers.plain import plain_loop
 
 RESNET = str(ROOT / "examples" / "resnet.yaml")
 # Early stopping on a metric that never improves: evaluations at 10, 20, 30, 40 -> the run stops at step 50
 # (the decision from the evaluation at 40 is taken at the next boundary). A checkpoint every 5 steps.
 R = ("train.steps=60", "scheduler.kwargs.T_max=60", "cluster.spare_workers=0", "checkpoint.every_steps=5",
-     "eval.fn=tests.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
+     "eval.fn=tests.helpers.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
      "eval.patience=3", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
 
 
@@ -125,7 +125,7 @@ def first_admission(run_dir: Path) -> float:
 
 
 def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
-    r = run_up(tmp_path / "run", *FAST, "eval.fn=tests.fixtures:eval_two_args", timeout=300)
+    r = run_up(tmp_path / "run", *FAST, "eval.fn=tests.helpers.fixtures:eval_two_args", timeout=300)
     assert r.rc == 2 and not (r.run_dir / "cluster.json").exists(), "the cluster was left behind"
     events = r.run_dir / "events.jsonl"
     started = [e for e in (events.read_text().splitlines() if events.exists() else []) if '"process_started"' in e]
@@ -137,9 +137,9 @@ def test_wrong_eval_signature_fails_at_start(tmp_path: Path) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sets, names", [
-    (("model.factory=tests.fixtures:raising_model", "model.kwargs={}"), ("ValueError", "boom", "forward", "fixtures.py")),
-    (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}"), ("RuntimeError", "collate", "stack")),
-    (("data.factory=tests.fixtures:uneven_dataset", "data.kwargs={}", "data.workers=1"),
+    (("model.factory=tests.helpers.fixtures:raising_model", "model.kwargs={}"), ("ValueError", "boom", "forward", "fixtures.py")),
+    (("data.factory=tests.helpers.fixtures:uneven_dataset", "data.kwargs={}"), ("RuntimeError", "collate", "stack")),
+    (("data.factory=tests.helpers.fixtures:uneven_dataset", "data.kwargs={}", "data.workers=1"),
      ("RuntimeError", "collate", "stack")),
 ], ids=["forward_raises", "collate_fails", "collate_fails_in_a_loader"])
 def test_a_bug_in_user_code_stops_the_run_once(tmp_path: Path, sets: tuple[str, ...], names: tuple[str, ...]) -> None:

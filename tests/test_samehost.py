@@ -1,4 +1,4 @@
-"""The same-host endpoint (shared/samehost.py, shared/security.py): who may connect to a server's ipc:// endpoint,
+"""The same-host endpoint (shared/wire/samehost.py, shared/wire/security.py): who may connect to a server's ipc:// endpoint,
 which role its messages carry, and which endpoint a worker picks. Real sockets, real uids, no cluster."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
-from cmemi.shared import samehost
-from cmemi.shared.config import ConfigError, load_config
-from cmemi.shared.security import Curve, curve_from_config, generate
+from cmemi.shared.config.schema import ConfigError, load_config
+from cmemi.shared.wire import samehost
+from cmemi.shared.wire.security import Curve, curve_from_config, generate
 
 from tests.conftest import DIGITS
 

@@ -1,5 +1,5 @@
 """The same-host path under faults: every role SIGKILLed while workers talk to the aggregator over ipc://, their
-tensors in shared-memory slots (shared/shm.py).
+tensors in shared-memory slots (shared/memory/shm.py).
 
 The run must end as a fault-free one does (the same params_sha256), every worker (re)join must have taken the slots,
 and nothing may be left behind: no socket file in the run's socket directory, no new /dev/shm entry. While it runs,
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import Cluster, poll
 from tests.conftest import LONG
+from tests.helpers.chaos import Cluster, poll
 from tests.test_chaos import inject
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(900)]
@@ -71,7 +71,7 @@ def test_every_role_killed_over_ipc_same_bits_no_leaks(tmp_path: Path, reference
     shm_before = sorted(os.listdir("/dev/shm"))
     rng = random.Random(31)
     c = Cluster(tmp_path / "run", *LONG, "cluster.workers=2", "cluster.spare_workers=1", "checkpoint.every_steps=50",
-                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
+                "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
     try:
         sockets = c.run_dir / "ipc"
         poll(lambda: len(list(sockets.glob("aggregator-*.sock"))) == 1, 120, "the aggregator's ipc:// endpoint")

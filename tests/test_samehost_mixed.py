@@ -3,7 +3,7 @@
 The servers (Redis, the coordinator, the checkpointer, the leader and shard 1 of `cluster.shards: 2`) and workers
 w0, w1 share one network namespace, "srv"; w2 runs alone in "far". Each worker must reach the leader and shard 1
 by the transport its placement calls for, and the run must end bitwise equal to `cmemi reference`. Needs root and
-`ip netns` (tests/netns.py); skipped with the reason otherwise.
+`ip netns` (tests/helpers/netns.py); skipped with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config import dump_config, load_config
-from cmemi.shared.security import generate
+from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.wire.security import generate
 
-from cmemi.redis_server import redis_server_binary
-from tests import netns
+from cmemi.launcher.redis_server import redis_server_binary
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
+from tests.helpers import netns
 
 pytestmark = [pytest.mark.integration]
 

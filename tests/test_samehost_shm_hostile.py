@@ -1,4 +1,4 @@
-"""Hostile slot descriptors against a default `cmemi up` (shared/shm.py, services/aggregator/intake.py).
+"""Hostile slot descriptors against a default `cmemi up` (shared/memory/shm.py, services/aggregator/common/intake.py).
 
 An admitted worker on the servers' host (it holds the worker key and the Redis credentials, as a worker host does)
 is granted shared-memory slots over ipc:// and answers every lease with a gradient whose descriptor is wrong in
@@ -19,13 +19,14 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.shared import protocol, samehost, shm
-from cmemi.shared.config import load_config
-from cmemi.shared.environment import environment
-from cmemi.shared.membership import Member
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.membership import Member
+from cmemi.shared.core.environment import environment
+from cmemi.shared.memory import shm
+from cmemi.shared.wire import protocol, samehost
 
-from tests.chaos import Cluster, poll
 from tests.conftest import DIGITS, LONG
+from tests.helpers.chaos import Cluster, poll
 from tests.test_security import model_facts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600),

@@ -29,15 +29,15 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.shared import protocol, samehost
-from cmemi.shared.config import load_config
-from cmemi.shared.data import fingerprint
-from cmemi.shared.membership import Member
-from cmemi.shared.plugins import build_model, resolve
+from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.membership import Member
+from cmemi.shared.core.data import fingerprint
+from cmemi.shared.wire import protocol, samehost
 
-from cmemi.events import load_events
-from tests.chaos import Cluster
+from cmemi.commands.events import load_events
 from tests.conftest import DIGITS, LONG
+from tests.helpers.chaos import Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -163,8 +163,8 @@ class Hoarder(threading.Thread):
         sock = a.socket(a.agg_addr)
         sock.setsockopt(zmq.SNDTIMEO, 5000)
         import torch
-        from cmemi.shared.config import load_config
-        from cmemi.shared.environment import environment
+        from cmemi.shared.config.schema import load_config
+        from cmemi.shared.core.environment import environment
 
         from tests.conftest import DIGITS
 

@@ -1,5 +1,5 @@
 """The hostile suite against the shards: every parameter server admits by the leader's rule (one intake,
-services/aggregator/intake.py; one admission, services/aggregator/admission.py).
+services/aggregator/common/intake.py; one admission, services/aggregator/common/admission.py).
 
 With `cluster.shards: 2` and a worker key and Redis credentials (what a worker host holds), each server — the
 leader and shard 1 — is sent
@@ -11,7 +11,7 @@ leader and shard 1 — is sent
 - from the same worker, gradients for the leases the leader hands it that do not fit the model (one tensor's shape
   swapped, as another CMEMI version or model code on that host would send): the leader drops them
   (`codec_bad_shape`), and its third in a row is answered by a fatal reject naming the reason
-  (services/aggregator/misfits.py: an honest worker would otherwise compute and be dropped forever).
+  (services/aggregator/common/misfits.py: an honest worker would otherwise compute and be dropped forever).
 Each refusal is counted in the server's drops, and the run ends with the fault-free params_sha256.
 """
 
@@ -23,20 +23,20 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol, transfer
-from cmemi.shared.codecs import make_codec
-from cmemi.shared.config import load_config
-from cmemi.shared.environment import environment
-from cmemi.shared.membership import Member
-from cmemi.shared.plugins import build_model
-from cmemi.shared.shards import Partition
+from cmemi.shared.compression.codecs import make_codec
+from cmemi.shared.config.plugins import build_model
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.membership import Member
+from cmemi.shared.core.environment import environment
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.wire import protocol, transfer
 
-from tests.chaos import Cluster
 from tests.conftest import DIGITS, LONG
+from tests.helpers.chaos import Cluster
 from tests.test_security import Attacker, model_facts
 
 pytestmark = pytest.mark.integration
-# The attack needs the run in progress while it lasts: over the same-host slots (shared/shm.py) the honest workers
+# The attack needs the run in progress while it lasts: over the same-host slots (shared/memory/shm.py) the honest workers
 # finish 1200 steps in 8 s, so they take CurveZMQ tcp:// here (the attacker does anyway: it holds a worker key).
 SHARDED = (*LONG, "cluster.workers=2", "cluster.spare_workers=0", "cluster.shards=2", "cluster.transport=tcp")
 
@@ -89,7 +89,7 @@ def test_every_shard_refuses_what_the_leader_refuses(tmp_path: Path, reference: 
             protocol.send(shard, protocol.encode("pull", a.run, {**me, "term": term, "version": version + 1}))
             while True:
                 assert shard.poll(10_000), "shard 1 does not answer an admitted worker's pull"
-                r = parts.recv(shard)  # a slice may come in parts (shared/transfer.py)
+                r = parts.recv(shard)  # a slice may come in parts (shared/wire/transfer.py)
                 if r is not None and r.type == "slice" and r.header["asked"] == version + 1:
                     break
             version = r.header["version"]

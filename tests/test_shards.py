@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared import shm
-from cmemi.shared.config import ConfigError, config_from_dict
-from cmemi.shared.shards import CHUNK, Partition, clip_coefficient, join
+from cmemi.shared.config.schema import ConfigError, config_from_dict
+from cmemi.shared.core.grid import CHUNK, Partition, clip_coefficient, join
+from cmemi.shared.memory import shm
 from safetensors.torch import load_file
 
-from tests.chaos import Cluster
 from tests.conftest import DIGITS, FAST, LONG, ROOT, cmemi_cmd, run_up
+from tests.helpers.chaos import Cluster
 
 
 def reference_sha(tmp_path: Path, *sets: str) -> str:
@@ -30,9 +30,9 @@ def reference_sha(tmp_path: Path, *sets: str) -> str:
 
 def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_depend_on_k() -> None:
     """compression.downlink powersgd: pieces as big as CHUNK, so a matrix is factored whole, not as thin
-    slices of rows whose factors cost nearly as much as the slice (shared/shards.py)."""
-    from cmemi.shared.codecs import make_codec, wire_bytes
-    from cmemi.shared.config import CompressionConfig
+    slices of rows whose factors cost nearly as much as the slice (shared/core/grid.py)."""
+    from cmemi.shared.compression.codecs import make_codec, wire_bytes
+    from cmemi.shared.config.schema import CompressionConfig
 
     params = {"w": torch.randn(512, 784), "v": torch.randn(512, 512), "b": torch.zeros(512),
               "huge": torch.zeros(3000, 600)}  # 7.2 MB: still cut, into pieces of at most CHUNK
@@ -81,7 +81,7 @@ def test_a_worker_tells_the_answer_to_its_pull_from_a_late_answer_to_an_earlier_
     pull of 5: taking it as one made every lease of step 5 look stale, again and again."""
     from types import SimpleNamespace
 
-    from cmemi.services.worker.shards import answers
+    from cmemi.services.worker.links.shard_links import answers
 
     def got(version: int, asked: int, tensors: bool) -> SimpleNamespace:
         header = {"version": version, "asked": asked, "shard": 1}
@@ -168,7 +168,7 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
     steps both shards snapshot, so periodic checkpoints keep completing (with the shards picking their own, and
     the checkpointer taking one transfer in parts at a time, none did after the first and the final one hung).
     The run ends like the reference and no part was refused."""
-    model = ("model.factory=tests.fixtures:many_tensors_mlp", "model.kwargs={n: 1, size: 100000}")
+    model = ("model.factory=tests.helpers.fixtures:many_tensors_mlp", "model.kwargs={n: 1, size: 100000}")
     r = run_up(tmp_path / "run", *FAST, *model, "cluster.shards=2", "cluster.workers=2",
                "cluster.max_message_bytes=65536", "checkpoint.every_steps=1", "checkpoint.keep_last=100", timeout=120)
     assert r.rc == 0, r.stderr[-3000:]
@@ -207,17 +207,17 @@ def test_a_sharded_step_a_shard_already_passed_is_given_up() -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize(("skip", "pipelined"), [
     ("20:1", ()),
-    ("20:1:1", ("cluster.pipeline_stages=3", "model.factory=tests.fixtures:many_tensors_mlp",
+    ("20:1:1", ("cluster.pipeline_stages=3", "model.factory=tests.helpers.fixtures:many_tensors_mlp",
                 "model.kwargs={n: 6, size: 20000}")),
 ], ids=["two-phase", "pipelined"])
 def test_a_slice_lost_between_sends_is_leased_again_and_recomputed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   skip: str, pipelined: tuple[str, ...]) -> None:
-    """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/inject, as when a worker dies between
+    """K = 3, one worker: its gradient of step 20 never reaches shard 1 (tests/helpers/inject, as when a worker dies between
     its sends), and it forgets the slices it held, as its replacement would. Shard 1 lacks the step, so the leader
     leases it again once the grace is over, and the worker pulls version 20 anew from both shards, past the next
     version it had asked ahead for. Pipelined, shard 1 gets stage 0 and steps it, and shard 2 steps all of its
     stages: version 20 of those comes from the copies kept until the commit. Bitwise the reference."""
-    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'inject'}")
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'helpers' / 'inject'}")
     monkeypatch.setenv("CMEMI_TEST_SKIP_SHARD", skip)
     sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "cluster.dead_after=1.0",
             "cluster.heartbeat_interval=0.1", *pipelined)
@@ -241,7 +241,7 @@ def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: P
         assert r.rc == 0, r.stderr[-3000:]
         evals[k] = r.summary["eval_history"]
     assert [e["step"] for e in evals[2]] == [20, 40] and evals[2] == evals[1]
-    stop = ("eval.fn=tests.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
+    stop = ("eval.fn=tests.helpers.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
             "eval.patience=1")  # best at 10, no better at 20: decided at the 30 boundary
     r = run_up(tmp_path / "stop", *FAST, *stop, "cluster.shards=2", "cluster.workers=2")
     assert r.rc == 0, r.stderr[-3000:]
@@ -255,9 +255,9 @@ def test_evaluation_during_training_and_early_stopping_at_two_shards(tmp_path: P
 def test_big_tensors_clipping_and_fp16_at_three_shards(tmp_path: Path) -> None:
     """A 4.8 MB tensor cut into two pieces (on two shards), clipping that clips, and fp16 loss scaling with a
     poisoned sample that overflows: K = 3 is bitwise the reference, the same skipped steps."""
-    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "model.factory=tests.fixtures:many_tensors_mlp",
+    sets = (*FAST, "train.steps=30", "scheduler.kwargs.T_max=30", "model.factory=tests.helpers.fixtures:many_tensors_mlp",
             "model.kwargs={n: 1, size: 1200000}", "train.clip_grad_norm=0.05", "precision=fp16",
-            "data.factory=tests.fixtures:poisoned_digits", "data.kwargs={index: 5}")
+            "data.factory=tests.helpers.fixtures:poisoned_digits", "data.kwargs={index: 5}")
     want = reference_sha(tmp_path, *sets)
     r = run_up(tmp_path / "k3", *sets, "cluster.shards=3", "cluster.workers=2")
     assert r.rc == 0, r.stderr[-3000:]
@@ -334,12 +334,12 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
     disk), merged when K > 1, written as a checkpoint and read back."""
     import tempfile
 
-    from cmemi.services.aggregator.snapshots import collect
-    from cmemi.services.aggregator.totals import RunTotals
+    from cmemi.services.aggregator.common.totals import RunTotals
+    from cmemi.services.aggregator.snapshots.send import collect
     from cmemi.services.checkpointer import spool
     from cmemi.services.checkpointer.merge import Pending, merged
     from cmemi.services.checkpointer.store import CheckpointStore
-    from cmemi.shared import transfer
+    from cmemi.shared.wire import transfer
 
     snaps = [collect(t, RunTotals(bytes_in=100 * (k + 1), bytes_out=10 * (k + 1)), 1, {"sha256": "x"}, None)
              for k, t in enumerate(trainers)]
@@ -374,14 +374,14 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
     """Steps 1-4 at K = before, checkpoint, steps 5-8 at K = after: bitwise the same as 8 steps at K = 1, with
     momentum, Adam-style state, a param group of its own (weight decay off for biases) and a schedule, on a model
     whose big tensor is cut into pieces that change owner."""
-    from cmemi.services.aggregator.snapshots import restore
-    from cmemi.services.aggregator.totals import RunTotals
-    from cmemi.services.aggregator.trainer import Trainer
+    from cmemi.services.aggregator.common.totals import RunTotals
+    from cmemi.services.aggregator.common.trainer import Trainer
+    from cmemi.services.aggregator.snapshots.send import restore
 
     for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
                 {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
                  "param_groups": [{"match": r"bias", "weight_decay": 0.0}]}):
-        cfg = config_from_dict({"model": {"factory": "tests.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
+        cfg = config_from_dict({"model": {"factory": "tests.helpers.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
                                 "data": {"factory": "cmemi.examples.digits:make_dataset"}, "optimizer": opt,
                                 "scheduler": {"name": "CosineAnnealingLR", "kwargs": {"T_max": 8}},
                                 "train": {"steps": 8}})
@@ -467,16 +467,16 @@ def test_pipelined_stages_step_bitwise_as_one_step_and_resume_either_way() -> No
     """4 steps pipelined at K = 3 (stages stepped one by one, the leader holding nothing), checkpoint, 4 steps
     two-phase at K = 3 (the same K, other owners), checkpoint, 4 steps pipelined at K = 2: bitwise 12 steps at K = 1,
     with momentum, Adam-style state and a param group of its own."""
-    from cmemi.services.aggregator.snapshots import restore
-    from cmemi.services.aggregator.totals import RunTotals
-    from cmemi.services.aggregator.trainer import Trainer
+    from cmemi.services.aggregator.common.totals import RunTotals
+    from cmemi.services.aggregator.common.trainer import Trainer
+    from cmemi.services.aggregator.snapshots.send import restore
 
     for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
                 {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
                  "param_groups": [{"match": r"bias", "weight_decay": 0.0}]}):
         def cfg(shards: int, stages: int, opt: dict = opt):
             return config_from_dict({
-                "model": {"factory": "tests.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
+                "model": {"factory": "tests.helpers.fixtures:many_tensors_mlp", "kwargs": {"n": 2, "size": 300_000}},
                 "data": {"factory": "cmemi.examples.digits:make_dataset"}, "optimizer": opt,
                 "scheduler": {"name": "CosineAnnealingLR", "kwargs": {"T_max": 12}}, "train": {"steps": 12},
                 "cluster": {"shards": shards, "pipeline_stages": stages}})

@@ -1,4 +1,4 @@
-"""Shared-memory slots (shared/shm.py): what a reader takes, what it refuses, and what a SIGKILLed writer leaves.
+"""Shared-memory slots (shared/memory/shm.py): what a reader takes, what it refuses, and what a SIGKILLed writer leaves.
 
 Real segments under /dev/shm and real processes; each test uses a run id of its own and removes what it made."""
 
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cmemi.shared import shm
+from cmemi.shared.memory import shm
 
-from tests.chaos import poll
 from tests.conftest import ROOT
+from tests.helpers.chaos import poll
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs a writable /dev/shm")
 
@@ -103,7 +103,7 @@ def test_bad_descriptors_are_refused_with_a_reason(run: str, tmp_path) -> None:
 
 WRITER = """
 import os, sys, torch
-from cmemi.shared import shm
+from cmemi.shared.memory import shm
 w = shm.Writer(sys.argv[1], "worker", False)
 w.write({"w": torch.ones(1000)})
 slot, views = w.begin([{"name": "w", "dtype": "float32", "shape": [1000], "nbytes": 4000}])

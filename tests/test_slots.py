@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 from cmemi.services.coordinator.coordinator import Coordinator
 from cmemi.services.coordinator.supervisor import UNKNOWN_EXIT, Child, load_children, save_children
-from cmemi.shared.config import load_config
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import connect
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
 
-from tests.chaos import poll
 from tests.conftest import DIGITS
+from tests.helpers.chaos import poll
 
 
 def sleeper(*tag: str) -> list[str]:

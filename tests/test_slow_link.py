@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config import dump_config, load_config
+from cmemi.shared.config.schema import dump_config, load_config
 
-from tests import netns
 from tests.conftest import DIGITS, ROOT
+from tests.helpers import netns
 from tests.test_netns import Timer, poll, read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
@@ -33,7 +33,7 @@ SETS = (f"model.kwargs.hidden={HIDDEN}", f"train.steps={STEPS}", f"scheduler.kwa
 
 @pytest.mark.timeout(420)
 def test_a_parameter_set_slower_than_the_patience_is_sent_once(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
-    from cmemi.redis_server import redis_server_binary
+    from cmemi.launcher.redis_server import redis_server_binary
 
     timer = Timer()
     run_dir, logs = tmp_path / "run", tmp_path / "logs"

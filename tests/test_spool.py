@@ -17,9 +17,9 @@ from cmemi.services.checkpointer import restore, spool
 from cmemi.services.checkpointer.merge import Merger, merged
 from cmemi.services.checkpointer.spool import Spool
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import protocol, transfer
-from cmemi.shared.protocol import ProtocolError
-from cmemi.shared.shards import Partition
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire.protocol import ProtocolError
 from safetensors.torch import load_file, save_file
 
 RUN = "r1"

@@ -8,21 +8,21 @@ import time
 from pathlib import Path
 
 import pytest
-from cmemi.shared import startup
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import connect, emit
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect, emit
+from cmemi.shared.runtime import startup
 
-from cmemi.startup_report import StartupReport
+from cmemi.launcher.startup_report import StartupReport
 from tests.conftest import FAST, ROOT, up_args
 
 PROCESS_PHASES = {
     "cmemi up": ["spawned", "imported", "redis_started", "redis_ready", "coordinator_spawned"],
     # imports torch and the services while `cmemi up` starts Redis and the coordinator; checks the config's
-    # functions; then forks every service (cmemi/zygote.py)
+    # functions; then forks every service (cmemi/launcher/zygote.py)
     "zygote": ["spawned", "imported", "user_code_imported", "plugins_checked", "listening"],
     "coordinator": ["spawned", "imported", "connected", "services_spawned"],
     "checkpointer": ["spawned", "imported", "connected", "listening"],
-    # the aggregator reads no data: the run's fingerprint is the first worker's (services/aggregator/dataprint.py)
+    # the aggregator reads no data: the run's fingerprint is the first worker's (services/aggregator/leader/dataprint.py)
     "aggregator": ["spawned", "imported", "connected", "model_built", "checkpoint_asked", "listening"],
     "worker w0": ["spawned", "imported", "connected", "model_built", "dataset_built", "fingerprinted", "registered",
                   "welcomed"],

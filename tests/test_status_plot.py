@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import connect
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
 
-from cmemi import cli, plot, status
-from tests.chaos import Cluster, poll
+from cmemi import cli
+from cmemi.commands import plot, status
 from tests.conftest import ROOT, cmemi_cmd
+from tests.helpers.chaos import Cluster, poll
 
 COLUMNS = ("id", "incarnation", "host", "pid", "state", "heartbeat", "microbatches")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import state
+from cmemi.shared.wire import state
 
 
 def write(store: CheckpointStore, step: int) -> Path:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import Cluster, poll
 from tests.conftest import FAST, LONG, ROOT, up_args
+from tests.helpers.chaos import Cluster, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -109,7 +109,7 @@ def test_redis_frozen_then_killed_twice_and_one_run_per_directory(tmp_path: Path
                 "cluster.heartbeat_interval=0.2")
     try:
         # redis-server frozen (SIGSTOP: its connections stay open, nothing answers): no training loop waits on it
-        # (shared/watch.py), so steps go on; a loop that waited would stall until SIGCONT
+        # (shared/coordination/watch.py), so steps go on; a loop that waited would stall until SIGCONT
         c.wait_step(150)
         pid = redis_pid(c)
         assert pid is not None
@@ -158,12 +158,12 @@ def test_resume_with_nothing_to_resume(tmp_path: Path) -> None:
 def test_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
     """flock: the kernel releases the lock of a SIGKILLed holder; the file names who held it."""
     run_dir = tmp_path / "run"
-    code = ("import sys, time; from pathlib import Path; from cmemi.supervise import RunLock; "
+    code = ("import sys, time; from pathlib import Path; from cmemi.launcher.supervise import RunLock; "
             f"RunLock(Path({str(run_dir)!r})); print('locked', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        from cmemi.supervise import RunLock, RunLocked
+        from cmemi.launcher.supervise import RunLock, RunLocked
 
         with pytest.raises(RunLocked, match=f"pid {holder.pid}"):
             RunLock(run_dir)
@@ -180,10 +180,10 @@ def test_a_coordinator_started_after_the_run_completed_starts_nothing(tmp_path: 
     """`cmemi up` restarts a coordinator that died; one that starts when the run has completed (it died in the
     last moments) exits 0 at once instead of starting the services of a finished run again."""
     import redis as redis_py
-    from cmemi.shared.config import dump_config, load_config
-    from cmemi.shared.keys import Keys
+    from cmemi.shared.config.schema import dump_config, load_config
+    from cmemi.shared.coordination.keys import Keys
 
-    from cmemi.redis_server import EmbeddedRedis
+    from cmemi.launcher.redis_server import EmbeddedRedis
     from tests.conftest import DIGITS
 
     server = EmbeddedRedis(tmp_path / "redis").start()

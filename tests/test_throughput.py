@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cmemi.services.aggregator.throughput import Throughput
+from cmemi.services.aggregator.leader.throughput import Throughput
 
 
 def test_window_rate_and_whole_run() -> None:

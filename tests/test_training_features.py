@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config import config_from_dict
-from cmemi.shared.plugins import build_optimizer
+from cmemi.shared.config.plugins import build_optimizer
+from cmemi.shared.config.schema import config_from_dict
 from safetensors.torch import load_file
 
-from tests.chaos import Cluster, poll
 from tests.conftest import DIGITS, FAST, run_up
+from tests.helpers.chaos import Cluster, poll
 from tests.test_up import plain_loop
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def test_eval_cadence_and_deterministic_early_stop(tmp_path: Path) -> None:
     assert [e["step"] for e in r.summary["eval_history"]] == [20, 40]
     assert all("accuracy" in e["eval"] for e in evals) and not r.summary["stopped_early"]
     # a metric that never improves: best at step 10, no better at 20 -> decided at the 30 boundary
-    stop = ("eval.fn=tests.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
+    stop = ("eval.fn=tests.helpers.fixtures:constant_eval", "eval.every_steps=10", "eval.early_stop_metric=score",
             "eval.patience=1")
     shas = set()
     for n in (1, 2):

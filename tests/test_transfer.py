@@ -1,4 +1,4 @@
-"""Big messages in parts (shared/transfer.py): bit-exact round trips, and every hostile sequence of parts is
+"""Big messages in parts (shared/wire/transfer.py): bit-exact round trips, and every hostile sequence of parts is
 dropped with its reason while memory stays bounded. Fast: no processes; one pair of real sockets."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import msgpack
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol, transfer
-from cmemi.shared.protocol import ProtocolError
+from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire.protocol import ProtocolError
 
 RUN = "r1"
 CAP = 1 << 16
@@ -208,8 +208,8 @@ def test_whole_messages_still_meet_the_old_checks() -> None:
 
 
 def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does_not(monkeypatch) -> None:
-    from cmemi.shared import limits
-    from cmemi.shared.config import load_config
+    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.wire import limits
 
     from tests.conftest import DIGITS
     small = load_config(DIGITS, [])

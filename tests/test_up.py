@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config import load_config
-from cmemi.shared.data import fetch, microbatch_indices
-from cmemi.shared.plugins import build_model, build_optimizer, build_scheduler, resolve
+from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler, resolve
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.core.data import fetch, microbatch_indices
 from safetensors.torch import load_file
 
 from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
@@ -123,7 +123,7 @@ def test_matches_a_plain_pytorch_loop(tmp_path: Path) -> None:
 
 
 def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
-    r = run_up(tmp_path / "run", *FAST, "data.factory=tests.fixtures:file_dataset",
+    r = run_up(tmp_path / "run", *FAST, "data.factory=tests.helpers.fixtures:file_dataset",
                f"data.kwargs={{path: {tmp_path}/missing.pt}}", timeout=120)
     assert r.rc == 2  # user-fixable: not retried
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
@@ -136,7 +136,7 @@ def test_unreadable_data_is_one_clear_line(tmp_path: Path) -> None:
 def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
     # steps enough that the run cannot end before both workers said hello (it fails at the second's hello)
     r = run_up(tmp_path / "run", *FAST, "train.steps=20000", "scheduler.kwargs.T_max=20000",
-               "data.factory=tests.fixtures:worker_sees_other_data", "data.kwargs={}",
+               "data.factory=tests.helpers.fixtures:worker_sees_other_data", "data.kwargs={}",
                timeout=300)  # workers must start to be refused: minutes on a loaded machine
     assert r.rc == 2
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
@@ -164,7 +164,7 @@ def test_services_show_their_role_and_run_with_huge_pages(tmp_path: Path) -> Non
     glibc's malloc was told to use transparent huge pages for large buffers (see cmemi/cli.py)."""
     import os
 
-    from tests.chaos import Cluster, poll
+    from tests.helpers.chaos import Cluster, poll
 
     c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
                 "cluster.spare_workers=0")

@@ -1,4 +1,4 @@
-"""User code runs as in a plain PyTorch script (tests/usercode_models.py): factories that cache tensors, read the
+"""User code runs as in a plain PyTorch script (tests/helpers/usercode_models.py): factories that cache tensors, read the
 data and torch.load pretrained weights start and agree bitwise with `cmemi reference`; a run fine-tunes another
 run's model on a new head (model.init_from); the user's module is imported once per host (by the zygote) and the
 aggregator never reads the data."""
@@ -14,19 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cmemi.shared.config import load_config
+from cmemi.shared.config.schema import load_config
 from safetensors.torch import save_file
 
-from cmemi.reference import train
+from cmemi.commands.reference import train
 from tests.conftest import ROOT, cmemi_cmd
-from tests.usercode_models import tokens
+from tests.helpers.usercode_models import tokens
 
 
 def write_config(path: Path, run_dir: Path, classes: int, **model: object) -> Path:
     path.write_text(yaml.safe_dump({
         "run": {"name": f"u{abs(hash(str(run_dir))) % 10**8}", "seed": 0, "dir": str(run_dir)},
-        "model": {"factory": "tests.usercode_models:model", "kwargs": {"classes": classes}, **model},
-        "data": {"factory": "tests.usercode_models:train_set", "kwargs": {"classes": classes}},
+        "model": {"factory": "tests.helpers.usercode_models:model", "kwargs": {"classes": classes}, **model},
+        "data": {"factory": "tests.helpers.usercode_models:train_set", "kwargs": {"classes": classes}},
         "optimizer": {"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9}},
         "train": {"steps": 12, "global_batch": 32, "microbatches": 4, "loss": "torch.nn.functional:cross_entropy"},
         "cluster": {"workers": 2, "spare_workers": 0},

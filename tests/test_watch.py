@@ -1,4 +1,4 @@
-"""Redis off the loops: shared/watch.py's Watch and the leader's ProgressWriter, against a real redis-server,
+"""Redis off the loops: shared/coordination/watch.py's Watch and the leader's ProgressWriter, against a real redis-server,
 stopped and started again under them."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from cmemi.services.aggregator.progress import ProgressWriter
-from cmemi.shared.keys import Keys
-from cmemi.shared.membership import connect
-from cmemi.shared.watch import Watch
+from cmemi.services.aggregator.leader.progress import ProgressWriter
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
+from cmemi.shared.coordination.watch import Watch
 
-from cmemi.redis_server import EmbeddedRedis
+from cmemi.launcher.redis_server import EmbeddedRedis
 
 
 def _until(cond: Callable[[], object], timeout: float = 10.0) -> object:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cmemi.events import load_events, timelines
-from tests.chaos import Cluster, poll
+from cmemi.commands.events import load_events, timelines
 from tests.conftest import LONG, ROOT, run_up
+from tests.helpers.chaos import Cluster, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -80,7 +80,7 @@ def test_all_workers_but_one_killed_at_once(tmp_path: Path, reference: str) -> N
 
 
 def test_stopped_worker_is_fenced_and_its_late_gradients_rejected(tmp_path: Path) -> None:
-    slow = ("model.factory=tests.fixtures:slow_mlp", "model.kwargs={delay: 0.3}", "train.steps=1500",
+    slow = ("model.factory=tests.helpers.fixtures:slow_mlp", "model.kwargs={delay: 0.3}", "train.steps=1500",
             "scheduler.kwargs.T_max=1500", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
             "checkpoint.every_steps=0", "cluster.spare_workers=0")
     ref = run_up(tmp_path / "ref", *slow, "cluster.workers=1")

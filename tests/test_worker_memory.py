@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-from cmemi.services.worker.block import BlockComputer
-from cmemi.services.worker.compute import MicrobatchRunner
-from cmemi.services.worker.inbox import Inbox
-from cmemi.services.worker.shards import Link, Lost, ShardLinks
-from cmemi.shared import layout, transfer
-from cmemi.shared.config import load_config
-from cmemi.shared.plugins import resolve
-from cmemi.shared.reduction import TreeAccumulator, add_into
-from cmemi.shared.shards import Partition
+from cmemi.services.worker.compute.block import BlockComputer
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
+from cmemi.services.worker.links.inbox import Inbox
+from cmemi.services.worker.links.shard_links import Link, Lost, ShardLinks
+from cmemi.shared.config.plugins import resolve
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.core.reduction import TreeAccumulator, add_into
+from cmemi.shared.wire import layout, transfer
 from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import DIGITS
@@ -52,7 +52,7 @@ def runner(model: torch.nn.Module) -> MicrobatchRunner:
 
 
 def whole_gradients_summed(model: torch.nn.Module, step: int) -> dict[str, torch.Tensor]:
-    """The reference's sum (cmemi/reference.py offer_block): whole gradients, one dict per microbatch, by the tree."""
+    """The reference's sum (cmemi/commands/reference.py offer_block): whole gradients, one dict per microbatch, by the tree."""
     r, tree = runner(model), TreeAccumulator(4, add_into)
     for m in range(4):
         tree.add(m, m + 1, r.run(step, m)[1])

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared import protocol, transfer
-from cmemi.shared.codecs import NoneCodec
-from cmemi.shared.config import load_config
-from cmemi.shared.data import fetch, microbatch_indices, microbatch_seed
-from cmemi.shared.keys import Keys
-from cmemi.shared.layout import Layout
-from cmemi.shared.membership import connect
-from cmemi.shared.plugins import build_model, resolve
+from cmemi.shared.compression.codecs import NoneCodec
+from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
+from cmemi.shared.core.data import fetch, microbatch_indices, microbatch_seed
+from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire.layout import Layout
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 
@@ -39,7 +39,7 @@ def recv(router: zmq.Socket, timeout: float = 60) -> tuple[bytes, protocol.Messa
 
 
 def flat(params: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The fields and frames of parameters as an aggregator sends a small model's: flat (shared/layout.py)."""
+    """The fields and frames of parameters as an aggregator sends a small model's: flat (shared/wire/layout.py)."""
     layout = Layout(params)
     assert layout.flat
     return {"term": TERM, "step": 0, "lo": 0, "hi": 1, "version": 0, "scale": 1.0, "layout": layout.digest}, \
@@ -166,7 +166,7 @@ def test_a_gradient_whose_header_alone_is_over_the_cap_stops_the_worker(redis_se
     """1,500 more parameter tensors of 3,000 elements (too big for a flat buffer): the gradient's header (its tensor
     table) leaves no room for a chunk under cluster.max_message_bytes=65536. Nothing is sent; the worker stops with
     one line naming size and cap (exit 2)."""
-    with scripted_worker(redis_server, tmp_path, "model.factory=tests.fixtures:many_tensors_mlp",
+    with scripted_worker(redis_server, tmp_path, "model.factory=tests.helpers.fixtures:many_tensors_mlp",
                          "model.kwargs={size: 3000}", "cluster.max_message_bytes=65536") as (router, proc):
         welcome(router)
         ident, msg = recv(router)

@@ -1,4 +1,4 @@
-"""The zygote (cmemi/zygote.py), on real processes: it forks services that look and exit like fresh ones,
+"""The zygote (cmemi/launcher/zygote.py), on real processes: it forks services that look and exit like fresh ones,
 drops what is not a request, and is no single point of failure: SIGKILLed mid-run, the services go on and
 the coordinator starts the next ones as new interpreters."""
 
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 from cmemi.services.coordinator.supervisor import Child, cmdline, service_argv
-from cmemi.shared.config import dump_config, load_config
-from cmemi.shared.keys import Keys
-from cmemi.shared.log import LOG_DIR_ENV
-from cmemi.shared.membership import connect
-from cmemi.shared.service import REDIS_URL_ENV
-from cmemi.shared.zygote import connect_path, exit_code, running, spawn
+from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
+from cmemi.shared.runtime.log import LOG_DIR_ENV
+from cmemi.shared.runtime.service import REDIS_URL_ENV
+from cmemi.shared.runtime.zygote import connect_path, exit_code, running, spawn
 
-from cmemi.zygote_up import Zygote
-from tests.chaos import Cluster, poll
+from cmemi.launcher.zygote_up import Zygote
 from tests.conftest import DIGITS, FAST, ROOT, up_args
+from tests.helpers.chaos import Cluster, poll
 
 RUN = "zygote-test"
 
@@ -46,7 +46,7 @@ def parent(pid: int) -> int:
     ({"argv": ["python", "-m", "cmemi", "worker"], "env": {}, "cwd": None}, "cwd"),
 ])
 def test_only_a_service_command_line_is_a_request(request_: object, why: str) -> None:
-    from cmemi.zygote import validate
+    from cmemi.launcher.zygote import validate
 
     with pytest.raises(ValueError, match=why):
         validate(request_)
@@ -169,7 +169,7 @@ def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: P
     zygote the replacement starts a new interpreter (seconds), and the run must still be going by then."""
     c = Cluster(tmp_path / "run", "train.steps=400", "scheduler.kwargs.T_max=400", "checkpoint.every_steps=0",
                 "cluster.spare_workers=0", "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1",
-                "model.factory=tests.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
+                "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
     try:
         c.wait_step(20)
         zpid = json.loads((c.run_dir / "zygote" / "ready.json").read_text())["pid"]

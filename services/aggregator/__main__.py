@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from cmemi.services.aggregator.server import Aggregator
-from cmemi.services.aggregator.shard import ShardServer
-from cmemi.shared.service import common_parser, start_service
+from cmemi.services.aggregator.leader.server import Aggregator
+from cmemi.services.aggregator.shard.server import ShardServer
+from cmemi.shared.runtime.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

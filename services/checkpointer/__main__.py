@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cmemi.services.checkpointer.server import Checkpointer
-from cmemi.shared.service import common_parser, start_service
+from cmemi.shared.runtime.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,7 +16,7 @@ import math
 from typing import Any
 
 import redis
-from cmemi.shared.keys import Keys
+from cmemi.shared.coordination.keys import Keys
 
 SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress"}
 # the final snapshot carries the run's summary; early stopping its state; a sharded run's the pieces each shard owns

@@ -1,7 +1,7 @@
 """One logical checkpoint of a sharded run (cluster.shards > 1): every shard's slice of a step, merged.
 
 Each shard sends its snapshot of a step with `shard`, `shards` and `pieces` (the chunk grid,
-shared/shards.py) in the header; its tensors are spooled on disk (spool.py). Once all K of the same step and
+shared/core/grid.py) in the header; its tensors are spooled on disk (spool.py). Once all K of the same step and
 term are in, they become one checkpoint: `model.safetensors` holds whole tensors (pieces joined, as runs of
 their spool files: it loads without CMEMI, and
 `cmemi checkpoints export` reads it as ever), the state file every shard's other tensors under

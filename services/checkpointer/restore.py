@@ -22,7 +22,7 @@ from typing import Any
 
 import xxhash
 import zmq
-from cmemi.shared import transfer
+from cmemi.shared.wire import transfer
 
 _READ = 4 << 20
 # safetensors' dtype names -> the wire's (protocol.DTYPES)

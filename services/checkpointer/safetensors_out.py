@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from cmemi.services.checkpointer.spool import Spooled
-from cmemi.shared import protocol
+from cmemi.shared.wire import protocol
 
 # wire dtype name -> safetensors', and safetensors' Dtype enum order (save_file sorts by it, widest first)
 _NAMES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "float16": "F16", "bfloat16": "BF16",

@@ -23,9 +23,10 @@ from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared import atomic, limits, metrics, protocol, startup, transfer
-from cmemi.shared.membership import Member
-from cmemi.shared.service import ServiceContext
+from cmemi.shared.coordination.membership import Member
+from cmemi.shared.runtime import atomic, metrics, startup
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits, protocol, transfer
 
 
 class Checkpointer:

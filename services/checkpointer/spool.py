@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cmemi.shared.protocol import ProtocolError
+from cmemi.shared.wire.protocol import ProtocolError
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 from cmemi.services.coordinator.coordinator import Coordinator
-from cmemi.shared.service import REDIS_URL_ENV, common_parser, redis_url, start_service
+from cmemi.shared.runtime.service import REDIS_URL_ENV, common_parser, redis_url, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,10 +26,12 @@ from cmemi.services.coordinator.supervisor import (
     stop_all,
     wait_for_exit,
 )
-from cmemi.shared import metrics, samehost, startup, wire
-from cmemi.shared.counters import GAP, Counters
-from cmemi.shared.membership import Member, read_events
-from cmemi.shared.service import EXIT_FATAL, EXIT_REJOIN, ServiceContext
+from cmemi.shared.coordination.counters import GAP, Counters
+from cmemi.shared.coordination.membership import Member, read_events
+from cmemi.shared.runtime import metrics, startup
+from cmemi.shared.runtime.service import EXIT_FATAL, EXIT_REJOIN, ServiceContext
+from cmemi.shared.wire import header as wire
+from cmemi.shared.wire import samehost
 
 EXIT_FENCED = 3
 
@@ -431,7 +433,7 @@ class Coordinator:
             self.agg_sock.connect(samehost.tcp_of(addr))  # fences: CurveZMQ always (only workers use ipc://)
             self.agg_addr = addr
         assert self.agg_sock is not None
-        # header-only (shared/wire.py): the coordinator never imports torch, so a restarted one is up in ~1 s
+        # header-only (shared/wire/header.py): the coordinator never imports torch, so a restarted one is up in ~1 s
         self.agg_sock.send(wire.header_only("fence", self.ctx.run, {"wid": wid, "inc": inc}))
 
     # ------------------------------------------------------------------ run state, scale, events

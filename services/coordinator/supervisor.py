@@ -2,9 +2,9 @@
 
 Each child's command line shows its role (`python -m cmemi worker --worker-id w1 ...`), so an
 operator or a chaos script can find it. Under `cmemi up` (CMEMI_UP_PID set) the services outlive a
-coordinator restart and die with `cmemi up` instead (shared/lifeline.py); the new coordinator adopts
+coordinator restart and die with `cmemi up` instead (shared/runtime/lifeline.py); the new coordinator adopts
 them from `RUN_DIR/children.json`. Without `cmemi up`, children die with the coordinator (PR_SET_PDEATHSIG).
-Under `cmemi up`, a child is forked by its zygote when it can (shared/zygote.py): watched like an adopted
+Under `cmemi up`, a child is forked by its zygote when it can (shared/runtime/zygote.py): watched like an adopted
 process, its exit code read from the zygote's record; otherwise it starts as a new interpreter.
 """
 
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cmemi.shared import zygote
-from cmemi.shared.lifeline import die_with_parent
+from cmemi.shared.runtime import zygote
+from cmemi.shared.runtime.lifeline import die_with_parent
 
 UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
 
@@ -44,7 +44,7 @@ class Child:
     dismissed: bool = False  # a spare told the run is over (it exits)
     registered: bool = False  # seen in Redis under this pid (the start deadline no longer applies)
     launched: list[str] = field(default_factory=list)  # the running process's command line (a spare's differs from argv)
-    exit_record: str | None = None  # forked by `cmemi up`'s zygote: where it writes the exit code (shared/zygote.py)
+    exit_record: str | None = None  # forked by `cmemi up`'s zygote: where it writes the exit code (shared/runtime/zygote.py)
     _adopted_rc: int | None = None
 
     @property
@@ -193,7 +193,7 @@ def stop_all(children: list[Child], grace: float) -> None:
 def cmdline(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            # NUL padding after the last argument: a command line rewritten in place (a zygote child, shared/proctitle.py)
+            # NUL padding after the last argument: a command line rewritten in place (a zygote child, shared/runtime/proctitle.py)
             data = f.read().rstrip(b"\0")
     except OSError:
         return None

@@ -6,7 +6,7 @@ import os
 import socket
 
 from cmemi.services.worker.worker import Worker
-from cmemi.shared.service import common_parser, start_service
+from cmemi.shared.runtime.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:

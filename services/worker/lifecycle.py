@@ -3,7 +3,7 @@
 A warm spare loads everything, then waits for the coordinator to hand it the id of a dead worker; a worker
 registers a new incarnation of its id (heartbeating from then on). It exits cleanly when the run is over,
 and with EXIT_FENCED when its incarnation was declared dead (the supervisor starts a fresh one). While idle,
-those facts and the aggregator's address are read off the loop (shared/watch.py).
+those facts and the aggregator's address are read off the loop (shared/coordination/watch.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 
 import redis
-from cmemi.shared.membership import Member
-from cmemi.shared.service import ServiceContext
-from cmemi.shared.watch import Watch
+from cmemi.shared.coordination.membership import Member
+from cmemi.shared.coordination.watch import Watch
+from cmemi.shared.runtime.service import ServiceContext
 
 EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
@@ -44,7 +44,7 @@ class Lifecycle:
         cfg, keys = self.ctx.cfg, self.ctx.keys
         self.member = Member(self.ctx.redis, keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
-        # while idle: fenced? run over? another aggregator? Read off the loop (shared/watch.py)
+        # while idle: fenced? run over? another aggregator? Read off the loop (shared/coordination/watch.py)
         self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
                            .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
         return self.member.incarnation

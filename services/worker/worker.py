@@ -5,7 +5,7 @@ new version, the data of microbatch (s, m) is a pure function of the config. A w
 killed at any moment; its replacement needs only the aggregator.
 
 Over ipc:// (a same-host leader, `cluster.transport` auto or shm) the worker asks for shared-memory slots
-(shared/shm.py): a welcome that grants them means parameters come as a slot's descriptor, copied from the slot into
+(shared/memory/shm.py): a welcome that grants them means parameters come as a slot's descriptor, copied from the slot into
 the model and used only if the slot did not change meanwhile, and the leader's slice of each gradient goes into a
 slot of this worker's own segment, with only its descriptor on the socket.
 
@@ -23,28 +23,32 @@ import redis
 import structlog
 import torch
 import zmq
-from cmemi.services.worker.block import BlockComputer, StaleParameters
-from cmemi.services.worker.compute import MicrobatchRunner
-from cmemi.services.worker.device import DeviceError, make_deterministic, pick_device
-from cmemi.services.worker.inbox import Inbox
-from cmemi.services.worker.inflight import InFlight
-from cmemi.services.worker.lending import SlotLending
+from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
+from cmemi.services.worker.compute.device import DeviceError, make_deterministic, pick_device
+from cmemi.services.worker.compute.loader import Loader
+from cmemi.services.worker.compute.local import LocalRound
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.lifecycle import Lifecycle
-from cmemi.services.worker.loader import Loader
-from cmemi.services.worker.local import LocalRound
-from cmemi.services.worker.patience import Patience
-from cmemi.services.worker.shards import Lost, ShardLinks
-from cmemi.shared import downlink, innerstate, limits, protocol, samehost, shm, startup, transfer
-from cmemi.shared import fragments as fragmenting
-from cmemi.shared.buffers import PREFIX
-from cmemi.shared.codecs import CodecError, make_codec
-from cmemi.shared.config import ConfigError
-from cmemi.shared.data import data_error, fingerprint
-from cmemi.shared.environment import environment
-from cmemi.shared.innerstate import InnerState
-from cmemi.shared.plugins import build_model, resolve
-from cmemi.shared.service import ServiceContext
-from cmemi.shared.shards import Partition
+from cmemi.services.worker.links.inbox import Inbox
+from cmemi.services.worker.links.inflight import InFlight
+from cmemi.services.worker.links.lending import SlotLending
+from cmemi.services.worker.links.patience import Patience
+from cmemi.services.worker.links.shard_links import Lost, ShardLinks
+from cmemi.shared.compression import downlink
+from cmemi.shared.compression.codecs import CodecError, make_codec
+from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core import innerstate
+from cmemi.shared.core.buffers import PREFIX
+from cmemi.shared.core.data import data_error, fingerprint
+from cmemi.shared.core.environment import environment
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.core.innerstate import InnerState
+from cmemi.shared.memory import shm
+from cmemi.shared.runtime import startup
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits, protocol, samehost, transfer
 
 
 class Worker:
@@ -81,11 +85,11 @@ class Worker:
                                       self._link)
         self.device = torch.device("cpu")
         self.inbox = Inbox(self.partition, self.params, self.runner.step_buffers, self.device)
-        # compression.downlink: the model's parameters are the mirror, moved by each version's change (shared/downlink.py)
+        # compression.downlink: the model's parameters are the mirror, moved by each version's change (shared/compression/downlink.py)
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0  # changes refused as malformed (the whole mirror is asked for instead)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
-        # train.local_steps: a lease is a replica's round (services/worker/local.py); the inner states this worker
+        # train.local_steps: a lease is a replica's round (services/worker/compute/local.py); the inner states this worker
         # holds, replica -> (the round it starts, the state), the last few it computed or was sent
         self.local = LocalRound(cfg, self.runner, self.partition) if cfg.train.local_steps else None
         self.held: dict[int, tuple[int, InnerState | None]] = {}
@@ -98,7 +102,7 @@ class Worker:
         self.term = -1
         self.lost_reply = False
         self.told_stop = False  # the leader said the run's steps are done (`_handle_reject_or_stop`)
-        self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again (services/worker/patience.py)
+        self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again (services/worker/links/patience.py)
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
         self.zctx = zmq.Context()
@@ -112,7 +116,7 @@ class Worker:
         self._lend_from(self.inbox)
 
     def _lend_from(self, inbox: Inbox) -> None:
-        """The leader's slot read in place where nothing but the slot writes the parameters (services/worker/lending.py;
+        """The leader's slot read in place where nothing but the slot writes the parameters (services/worker/links/lending.py;
         the inbox rules out shards' rows and a GPU)."""
         self.lending = SlotLending(inbox, self.slot_reader, self.params, self.downlink is None and self.local is None,
                                    self.ctx.log)
@@ -329,7 +333,7 @@ class Worker:
         del views
         if not fits:
             self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
-                           f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/layout.py): "
+                           f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/wire/layout.py): "
                            "use the same model.factory and model.kwargs on every host")
         if not self.slot_reader.intact(h["shm"]):
             self.log.info("parameters slot rewritten while read; asking again", version=h["version"])
@@ -444,7 +448,7 @@ class Worker:
         elif msg.tensors:
             if not self.inbox.take(msg):  # checksums passed: the aggregator's model is not ours (another config)
                 self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
-                               f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/layout.py): "
+                               f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/wire/layout.py): "
                                "use the same model.factory and model.kwargs on every host")
             self.version = h["version"]
         if self.version != h["version"]:  # cannot happen with a correct aggregator; never compute on stale weights

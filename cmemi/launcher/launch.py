@@ -1,0 +1,27 @@
+"""Starting one service in this process, as `python -m cmemi ROLE ...` does: from the command line
+(`cmemi/cli.py`) or in a child the zygote forked (`cmemi/launcher/zygote.py`). Below both, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
+
+
+def user_code_importable() -> None:
+    """The user's packages (`mypkg.models:make_net`) import from the current directory, as under `python -m
+    cmemi` (how services start): an installed `cmemi` script's sys.path starts at its bin directory instead."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def run_service(role: str, argv: list[str]) -> None:
+    """Import the service `role` (one of SERVICES) and run its main with `argv`."""
+    from cmemi.shared.runtime import startup
+
+    service = importlib.import_module(f"cmemi.services.{role}.__main__")
+    startup.mark("imported")
+    service.main(argv)

@@ -1,0 +1,288 @@
+"""The zygote: one process that imports torch and the services once, then forks each service on request.
+
+Started by `cmemi up` before anything else (`python -m cmemi zygote <room>`), so its imports overlap
+with `cmemi up`'s own start. Then:
+1. it imports what every service needs (PRELOAD) and never runs a torch op: a fork after an OpenMP or
+   intra-op thread pool exists is unsafe, and none exists until the first parallel op;
+2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
+3. it imports the modules the config names (cmemi/launcher/zygote_user_code.py; not under cluster.zygote_imports: false),
+   so that no service imports them again: import only, no factory is called;
+4. it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
+   config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
+   (after a failed check it never listens, and waits for `cmemi up` to stop it);
+5. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
+   forks `python -m cmemi ROLE ...` for whoever asks (the coordinator, shared/runtime/zygote.py): the child takes
+   the request's environment and working directory, shows the request's command line in
+   /proc/PID/cmdline (shared/runtime/proctitle.py), resets signals and runs `cmemi.cli.main` as a fresh process
+   would. The reply carries its pid and a pidfd. The zygote reaps its children and writes each exit
+   code to RUN_DIR/zygote/exits/PID.
+A malformed request is dropped, counted and logged on stderr; it never stops the zygote. The zygote
+dies with `cmemi up` (PR_SET_PDEATHSIG); its children do not die with it (they hold their own lifeline
+to `cmemi up`), so killing it costs later starts their speed, nothing else.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import random
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from cmemi.launcher import zygote_user_code as user_code
+from cmemi.shared.runtime import atomic, proctitle
+from cmemi.shared.runtime.zygote import MAX_MESSAGE, connect_path
+
+PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own
+           "numpy", "zmq", "redis", "structlog", "safetensors.torch", "cmemi.shared.config.plugins",
+           "cmemi.services.aggregator.__main__", "cmemi.services.worker.__main__",
+           "cmemi.services.checkpointer.__main__")
+SERVICES = ("aggregator", "worker", "checkpointer")
+REQUEST_S = 2.0  # a connected client sends its whole request within this, or is dropped
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: `cmemi up` stops us
+    proctitle.set_cmdline([sys.executable, "-m", "cmemi", "zygote"])  # without the padding `cmemi up` gave it
+    phases = {"spawned": _spawned_at()}
+    for name in PRELOAD:
+        importlib.import_module(name)
+    phases["imported"] = time.time()
+    line = sys.stdin.readline()  # from `cmemi up`, once it has written the run's config
+    try:
+        order = json.loads(line)
+        config, sock_path = str(order["config"]), str(order["socket"])
+    except (ValueError, KeyError, TypeError):
+        return 0  # `cmemi up` ended before it had a run (a bad config, --help): nothing to serve
+    _stdin_to_devnull()
+    zdir = Path(sock_path).parent
+    exits = zdir / "exits"
+    exits.mkdir(parents=True, exist_ok=True)
+    if not user_code.preload(config):
+        return 0  # its imports made forking unsafe: every service starts fresh, `cmemi up` checks the config
+    phases["user_code_imported"] = time.time()
+    gc.collect()
+    gc.freeze()  # children never scan (so never copy) the pages of what is imported now
+    rc, error = _check(config)
+    phases["plugins_checked"] = time.time()
+    if rc != 0:
+        atomic.write_text(zdir / "ready.json", json.dumps({"rc": rc, "error": error, "phases": phases}))
+        while True:  # never listen: the coordinator waits instead of starting services; `cmemi up` stops us
+            signal.pause()
+    server = Server(sock_path, exits)
+    phases["listening"] = time.time()
+    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases,
+                                                       "cpu_s": round(time.process_time(), 3)}))  # load-proof
+    request = server.serve()  # returns in a forked child only
+    _become(request)
+    from cmemi.launcher.launch import run_service, user_code_importable
+
+    user_code_importable()
+    run_service(request["argv"][3], request["argv"][4:])
+    return 0
+
+
+def _spawned_at() -> float:
+    from cmemi.shared.runtime.startup import spawned_at
+
+    return spawned_at() or time.time()
+
+
+def _stdin_to_devnull() -> None:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 0)
+    os.close(fd)
+
+
+def _check(config: str) -> tuple[int, str | None]:
+    """check_plugins in a child (it builds a model and steps an optimizer: torch ops the zygote must not run)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code, message = 0, ""
+        try:
+            from cmemi.shared.config.extras import MissingExtra
+            from cmemi.shared.config.plugins import check_plugins
+            from cmemi.shared.config.schema import ConfigError, load_config
+
+            user_code.after_fork()
+            try:
+                check_plugins(load_config(config))
+            except (ConfigError, MissingExtra) as exc:
+                code, message = 2, str(exc)
+        except BaseException:  # the user's code raised something else: its traceback says where
+            traceback.print_exc()
+            code, message = 1, ""
+        os.write(w, message.encode())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace") or None
+
+
+class Server:
+    def __init__(self, path: str, exits: Path) -> None:
+        self.exits = exits
+        self.dropped = 0
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # the wakeup fd is what matters
+        Path(path).unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        short, fd = connect_path(path)
+        old = os.umask(0o177)  # the socket is created 0600: only the run's owner may connect
+        try:
+            self.sock.bind(short)
+        finally:
+            os.umask(old)
+            os.close(fd)
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+
+    def serve(self) -> dict[str, Any]:
+        """Answer requests until one forks: returns that request, in the child."""
+        while True:
+            ready = select.select([self.sock, self.wake_r], [], [])[0]
+            if self.wake_r in ready:
+                while True:
+                    try:
+                        if not os.read(self.wake_r, 4096):
+                            break
+                    except BlockingIOError:
+                        break
+                self.reap()
+            if self.sock in ready:
+                try:
+                    conn, _ = self.sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                request = self.handle(conn)
+                if request is not None:
+                    return request
+
+    def handle(self, conn: socket.socket) -> dict[str, Any] | None:
+        with conn:
+            try:
+                request = self.read(conn)
+            except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+                self.drop(str(exc) or type(exc).__name__)
+                return None
+            if len(proctitle.encoded(request["argv"])) > proctitle.room():
+                _reply(conn, {"error": "command line longer than the zygote's (shared/runtime/proctitle.py ROOM)"})
+                return None
+            try:
+                pid = os.fork()
+            except OSError as exc:  # out of processes or memory: the asker starts it without us
+                _reply(conn, {"error": f"fork failed: {exc}"})
+                return None
+            if pid == 0:
+                self.close()
+                return request
+            (self.exits / str(pid)).unlink(missing_ok=True)  # an earlier run's record for a reused pid
+            pidfd = None
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pass
+            if not _reply(conn, {"pid": pid, "exits": str(self.exits)}, [pidfd] if pidfd is not None else []):
+                os.kill(pid, signal.SIGKILL)  # nobody knows of it: the asker starts its own (no duplicate service)
+            if pidfd is not None:
+                os.close(pidfd)
+        return None
+
+    def read(self, conn: socket.socket) -> dict[str, Any]:
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        if uid != os.getuid():
+            raise ValueError(f"request from uid {uid}, not this run's owner")
+        conn.setblocking(True)
+        conn.settimeout(REQUEST_S)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                raise ValueError("connection closed before a whole request")
+            data += chunk
+            if len(data) > MAX_MESSAGE:
+                raise ValueError(f"request longer than {MAX_MESSAGE} bytes")
+        return validate(json.loads(data))
+
+    def drop(self, why: str) -> None:
+        self.dropped += 1
+        print(f"cmemi zygote: dropped a request ({why}); {self.dropped} dropped so far", file=sys.stderr, flush=True)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            try:
+                atomic.write_text(self.exits / str(pid), json.dumps(os.waitstatus_to_exitcode(status)))
+            except OSError:
+                pass  # the run directory is gone: nobody is left to read it
+
+    def close(self) -> None:
+        """In a forked child: drop everything that is the zygote's."""
+        signal.set_wakeup_fd(-1)
+        self.sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+def validate(req: Any) -> dict[str, Any]:
+    """A request: {"argv": ["python", "-m", "cmemi", ROLE, ...], "env": {str: str}, "cwd": str}."""
+    if not isinstance(req, dict):
+        raise ValueError("request is not an object")
+    argv, env, cwd = req.get("argv"), req.get("env"), req.get("cwd")
+    if not (isinstance(argv, list) and len(argv) >= 4 and all(isinstance(a, str) and "\0" not in a for a in argv)):
+        raise ValueError("argv is not a list of strings")
+    if argv[1:3] != ["-m", "cmemi"] or argv[3] not in SERVICES:
+        raise ValueError(f"argv is not `python -m cmemi {'|'.join(SERVICES)} ...`")
+    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) and "\0" not in k + v
+                                          and "=" not in k and k for k, v in env.items())):
+        raise ValueError("env is not a map of strings")
+    if not isinstance(cwd, str) or "\0" in cwd:
+        raise ValueError("cwd is not a string")
+    return {"argv": argv, "env": env, "cwd": cwd}
+
+
+def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> bool:
+    try:
+        socket.send_fds(conn, [json.dumps(obj).encode() + b"\n"], fds or [])
+        return True
+    except OSError:
+        return False  # the asker is gone (it gave up waiting)
+
+
+def _become(request: dict[str, Any]) -> None:
+    """In the forked child: look and start like `request["argv"]` run by a fresh interpreter."""
+    user_code.after_fork()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    proctitle.set_cmdline(request["argv"])
+    sys.argv = [sys.argv[0], *request["argv"][3:]]
+    random.seed()  # a fresh interpreter's generators differ per process; forked copies would not
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()

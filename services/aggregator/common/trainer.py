@@ -1,0 +1,312 @@
+"""The aggregator's model, optimizer and LR scheduler: one optimizer.step() and scheduler.step() per global step."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from cmemi.services.aggregator.common.replicas import InnerStates
+from cmemi.shared.compression.downlink import Mirror
+from cmemi.shared.config import initweights
+from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler
+from cmemi.shared.config.schema import Config
+from cmemi.shared.core import buffers as buffer_rule
+from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core.grid import Partition, clip_coefficient
+from cmemi.shared.memory import allocator
+from cmemi.shared.wire import limits
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16, with torch.amp.GradScaler's defaults and update rule, coordinated
+    across workers: the aggregator owns the scale; one overflowing microbatch skips the whole step."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.growth_tracker = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, sd: dict[str, float]) -> None:
+        self.scale, self.growth_tracker = float(sd["scale"]), int(sd["growth_tracker"])
+
+
+class Trainer:
+    def __init__(self, cfg: Config, shard: int = 0, shards: int | None = None) -> None:
+        """Shard `shard` of `shards` (default cluster.shards) steps the pieces of the chunk grid it owns
+        (shared/core/grid.py); the whole model is built everywhere (the same initial weights), and shard 0 also
+        owns the travelling buffers. One shard, and no tensor over a chunk: the pieces are the parameters."""
+        self.cfg, self.shard = cfg, shard
+        self.model = build_model(cfg)
+        if cfg.model.init_from:  # the servers alone load it: one canonical copy, sent to the workers (shared/config/initweights.py)
+            initweights.load_into(self.model, cfg.model.init_from, cfg.model.init_strict)
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.partition = Partition(self.params, cfg.cluster.shards if shards is None else shards,
+                                   cfg.cluster.pipeline_stages, cfg.compression.whole_pieces)
+        owned = self.partition.views(self.params, shard)
+        # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
+        self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
+        # a shard that owns no piece (more shards than pieces) still keeps the LR schedule, on an empty tensor.
+        # With train.local_steps the servers' optimizer is the outer one, stepped once a round (no schedule), and the
+        # leader keeps the replicas' inner states (services/aggregator/common/replicas.py)
+        self.local = bool(cfg.train.local_steps)
+        self.optimizer_section = "outer_optimizer" if self.local else "optimizer"
+        self.optimizer = build_optimizer(cfg, self.pieces or [torch.nn.Parameter(torch.zeros(0))],
+                                         self.optimizer_section)
+        self.scheduler = None if self.local else build_scheduler(cfg, self.optimizer)
+        self.inner = InnerStates(cfg.train.microbatches) if self.local and shard == 0 else None
+        # streaming (train.fragments > 1): the grid's pieces in fragments; step s steps fragment s mod F alone
+        self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
+                          if self.local and cfg.train.fragments > 1 else [])
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(buffer_rule.travelling(self.model)))
+        self.scaler = LossScaler(cfg.precision == "fp16")
+        self.step = 0  # number of global steps consumed == parameter version
+        self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
+        self.last_grad_norm: float | None = None  # before clipping, when train.clip_grad_norm is set
+        self.shapes = {n: tuple(p.shape) for n, p in self.pieces.items()}  # of the gradients this shard receives
+        self.buffers = buffer_rule.travelling(self.model) if shard == 0 else {}  # empty for most MLPs
+        self.dropped: dict[str, torch.Size] = {}  # trained tensors whose rows live on other shards (keep_own_rows)
+        # compression.downlink: the workers' mirror of these pieces (shared/compression/downlink.py), moved after every step
+        self.mirror = Mirror(cfg.compression, self.pieces) if cfg.compression.downlink != "none" else None
+        self.model.train()  # as on the workers (evaluation switches to eval() and back)
+        # called before an optimizer step changes the live tensors in place: what still sends them (a snapshot's
+        # unsent parts, parameters queued zero-copy for a worker) copies or moves them first
+        self.before_change: list[Callable[[], None]] = []
+        self._trims = allocator.worth_trimming(limits.nbytes(self.params.values()))
+
+    def keep_own_rows(self) -> None:
+        """Sharded, after start-up (restore, the evaluation probe): keep only this shard's rows. Each owned piece of
+        a tensor shared with other shards gets storage of its own (the same Parameter, so the optimizer and its
+        state are untouched), and every trained tensor not wholly owned here gives its storage up (an empty tensor
+        in the model; its shape kept in `dropped`). The leader rebuilds the whole model at the end (`materialize`)."""
+        if not self.sharded:
+            return
+        with torch.no_grad():
+            for n, piece in self.pieces.items():
+                if piece is not self.params.get(n):
+                    piece.data = piece.detach().clone()
+            for n, p in self.params.items():
+                if self.pieces.get(n) is not p:
+                    self.dropped[n] = p.shape
+                    p.data = torch.empty(0, dtype=p.dtype)
+
+    def state_copy(self) -> dict[str, torch.Tensor]:
+        """A copy of the model's state (for an evaluation); sharded, the rows of other shards are left for their
+        slices to fill (`ShardRoster.place`)."""
+        out = {k: torch.empty(self.dropped[k], dtype=v.dtype) if k in self.dropped else v.clone()
+               for k, v in self.model.state_dict().items()}
+        self._own_rows_into(out)
+        return out
+
+    @property
+    def whole_shapes(self) -> dict[str, torch.Size]:
+        """Each trained tensor's shape in the whole model (also of those whose rows live on other shards)."""
+        return {n: self.dropped.get(n, p.shape) for n, p in self.params.items()}
+
+    def materialize(self, others: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
+        """The whole model again (the leader, at the end), from its own pieces and the other shards' final ones
+        (`others`: shard -> piece name -> tensor, checked to fit). A tensor another shard owned whole takes the
+        received tensor as its storage; one split between shards is allocated and filled; each own piece moves into
+        its rows and aliases them again, as before `keep_own_rows`. No second copy of any row is left."""
+        with torch.no_grad():
+            for n, shape in self.dropped.items():
+                whole = others.get(self.partition.owner.get(n, -1), {}).get(n)  # a piece named as its tensor: whole
+                p = self.params[n]
+                p.data = whole if whole is not None and whole.dtype == p.dtype else torch.empty(shape, dtype=p.dtype)
+            self.dropped = {}
+            for k, pieces in others.items():
+                for name, view in self.partition.views(self.params, k).items():
+                    if view.data_ptr() != pieces[name].data_ptr():
+                        view.copy_(pieces[name])
+            for name, view in self.partition.views(self.params, self.shard).items():
+                if (piece := self.pieces[name]) is not view:
+                    view.copy_(piece)
+                    piece.data = view
+
+    @property
+    def reads_grads_only(self) -> bool:
+        """Does a step only read the gradients it is given (no clipping, no loss scaling, one of torch's own optimizers,
+        which compute out of place)? Then a single microbatch's gradient may be stepped from where it lies."""
+        return ((self.cfg.train.clip_grad_norm is None or self.local) and not self.scaler.enabled
+                and type(self.optimizer).__module__.startswith("torch.optim."))
+
+    def drop_optimizer_state(self) -> None:
+        """The run is over and its final checkpoint written: the optimizer's state is not needed any more."""
+        self.optimizer.state.clear()
+
+    def _own_rows_into(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.sharded:
+            with torch.no_grad():
+                for name, view in self.partition.views({n: tensors[n] for n in self.params}, self.shard).items():
+                    if view is not self.pieces[name]:
+                        view.copy_(self.pieces[name])
+
+    def release_heap(self) -> None:
+        """After a step, its gradient sum freed: the heap's free pages go back to the kernel (a model of 64 MiB or
+        more, shared/memory/allocator.py), so that freed gradient pieces do not raise the next step's peak."""
+        if self._trims:
+            allocator.trim()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @property
+    def sharded(self) -> bool:
+        return self.partition.shards > 1
+
+    def expected(self, step: int, names: list[str] | None = None) -> list[str] | None:
+        """The pieces (of `names`, default all of this shard's: None) whose gradients step `step` takes: streaming
+        (train.fragments > 1), those of the fragment it syncs; otherwise `names` as given."""
+        if not self.fragments:
+            return names
+        synced = set(self.fragments[fragmenting.synced(step, len(self.fragments))])
+        return [n for n in (self.pieces if names is None else names) if n in synced]
+
+    def check_grads(self, grads: dict[str, torch.Tensor], names: list[str] | None = None) -> str | None:
+        """Why gradients for this shard's pieces (or those `names`: a pipelined stage's) would be dropped, or None."""
+        if grads.keys() != (self.pieces.keys() if names is None else set(names)):
+            return "grad_names"
+        for n, g in grads.items():
+            if tuple(g.shape) != self.shapes[n] or g.dtype != torch.float32:
+                return "grad_shape"
+        return None
+
+    def valid_buffers(self, reported: dict[str, torch.Tensor]) -> bool:
+        """Do reported buffers (or a buffer contribution) match the model and are they finite? (Honest workers
+        stop the run before sending anything else.)"""
+        return buffer_rule.check(reported, self.buffers) and all(
+            bool(torch.isfinite(b).all()) for b in reported.values() if b.is_floating_point())
+
+    def contribution(self, produced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """A microbatch's produced buffers as a term of the step's buffer sum; None if they are not valid."""
+        return buffer_rule.contribution(self.buffers, produced) if self.valid_buffers(produced) else None
+
+    def partials(self, mean_grads: dict[str, torch.Tensor] | None) -> list[float]:
+        """This shard's share of the global gradient norm: one squared norm per owned piece, in grid order
+        (empty without train.clip_grad_norm, or for a skipped step)."""
+        if mean_grads is None or self.cfg.train.clip_grad_norm is None or self.local:
+            return []
+        return self.partition.partials(mean_grads, self.shard)
+
+    def apply(self, mean_grads: dict[str, torch.Tensor] | None,
+              buffer_sum: dict[str, torch.Tensor] | None = None, partials: list[float] | None = None) -> None:
+        """One global step of this shard's pieces. `None` (a microbatch overflowed): skip optimizer.step() as
+        GradScaler.step() would, but step the scheduler, as the usual AMP loop does, so the schedule stays aligned.
+        `buffer_sum` (model.buffers: mean): the tree sum of the microbatches' buffer contributions.
+        Clipping (train.clip_grad_norm): the global norm is the sum of one squared norm per piece of the grid, in
+        grid order (`partials`: every shard's, in shard order; default: this shard's own, all of them at K = 1),
+        and every piece is scaled by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ scales."""
+        for hook in self.before_change:
+            hook()
+        if buffer_sum is not None:
+            buffer_rule.fold(self.buffers, buffer_sum, self.cfg.train.microbatches)
+        if mean_grads is not None:  # (streaming: only the step's fragment has gradients; the rest is not stepped)
+            for n, g in mean_grads.items():
+                self.pieces[n].grad = g
+            if (max_norm := self.cfg.train.clip_grad_norm) is not None and not self.local:  # of the summed gradient
+                self.last_grad_norm, coef = clip_coefficient(self.partials(mean_grads) if partials is None
+                                                             else partials, max_norm)
+                for g in mean_grads.values():
+                    g.mul_(coef)
+            self.optimizer.step()
+        else:
+            self.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.end_step(overflow=mean_grads is None)
+
+    def apply_stage(self, mean_grads: dict[str, torch.Tensor]) -> None:
+        """A pipelined step's stage (cluster.pipeline_stages: no clipping, no loss scaling): optimizer.step() over
+        these pieces alone, at the step's LR. The optimizers allowed at K > 1 step each piece on its own, so the
+        stages of a step give bitwise what one call over all pieces gives; `end_step` then steps the schedule."""
+        for hook in self.before_change:
+            hook()
+        for n, g in mean_grads.items():  # (none: a stage or shard without pieces; the schedule wants a step)
+            self.pieces[n].grad = g
+        self.optimizer.step()
+        for n in mean_grads:
+            self.pieces[n].grad = None
+
+    def end_step(self, overflow: bool = False) -> None:
+        """After the step's optimizer.step() (a pipelined step's: after its last stage): the loss scale, the LR
+        schedule, the version."""
+        self.scaler.update(overflow=overflow)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        if self.inner is not None:
+            self.inner.advance()
+        if self.mirror is not None:
+            self.mirror.advance(self.pieces, self.step)
+
+    def params_sha256(self, others: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> str:
+        """SHA-256 of the parameters' bytes (sorted by name), then the travelling buffers' (sorted by name):
+        trained statistics are part of the result. A model without buffers hashes its parameters only.
+        Sharded (the leader at the end), the other shards' final pieces are `others` (as `materialize` takes them):
+        each tensor's rows are hashed piece by piece, in row order, from whichever shard holds them, which gives
+        the bytes of the whole tensor without building it."""
+        h = hashlib.sha256()
+        rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        if others is not None:
+            for p in self.partition.pieces:
+                k = self.partition.owner[p.name]
+                rows.setdefault(p.param, []).append((p.lo, self.pieces[p.name] if k == self.shard else others[k][p.name]))
+        for group in (self.params, self.buffers):
+            for n in sorted(group):
+                for _, t in sorted(rows.get(n, [(0, group[n])]), key=lambda r: r[0]):
+                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+        return h.hexdigest()
+
+    def wire_state(self) -> dict[str, torch.Tensor]:
+        """What goes out with a new parameter version: this shard's pieces — with compression.downlink, their mirror,
+        which is what workers compute on — and (shard 0) the step's buffers."""
+        pieces = self.pieces if self.mirror is None else self.mirror.tensors
+        if not self.buffers:
+            return pieces
+        return {**pieces, **self.wire_buffers()}
+
+    def changed_since(self, base: Any, version: int) -> dict[str, torch.Tensor] | None:
+        """Streaming: what moves a worker's copy of this shard's slice from version `base` to `version`, the current
+        one: the pieces the steps since changed (each syncs its fragment) and the step's buffers (live tensors); None
+        where that is not known to be less than the whole slice (fragments.changed)."""
+        names = fragmenting.changed(base, version, self.fragments) if version == self.step else None
+        if names is None:
+            return None
+        return {**{n: p for n, p in self.pieces.items() if n in names}, **self.wire_buffers()}
+
+    def wire_buffers(self) -> dict[str, torch.Tensor]:
+        """The step's buffers as they travel (shard 0; empty elsewhere)."""
+        return {buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}
+
+    def mirror_hashes(self) -> dict[str, str]:
+        """compression.downlink: SHA-256 of each of this shard's mirror pieces (empty without a mirror)."""
+        if self.mirror is None:
+            return {}
+        return {n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                for n, t in self.mirror.tensors.items()}
+
+    def mirror_sha256(self, others: Mapping[str, str] | None = None) -> str | None:
+        """SHA-256 of the workers' mirror (compression.downlink): over every piece's SHA-256 in grid order, the same
+        at any cluster.shards; `others`: the other shards' `mirror_hashes`. None without a mirror."""
+        if self.mirror is None:
+            return None
+        hashes = {**(others or {}), **self.mirror_hashes()}
+        return hashlib.sha256("".join(hashes[p.name] for p in self.partition.pieces).encode()).hexdigest()

@@ -1,0 +1,101 @@
+"""What the leader reports while it trains: one `metrics.jsonl` line per logged step (and per evaluation), the
+step's traffic and codec time, the Prometheus gauges, and the progress `cmemi up` and `cmemi status` show
+(written to Redis off the loop at most every 0.1 s: services/aggregator/leader/progress.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Any
+
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.leader.progress import ProgressWriter
+from cmemi.services.aggregator.leader.throughput import Throughput
+from cmemi.shared.config.schema import Config
+from cmemi.shared.runtime import metrics
+from cmemi.shared.runtime.service import ServiceContext
+
+
+class Reporter:
+    def __init__(self, ctx: ServiceContext, cfg: Config, totals: RunTotals, term: int) -> None:
+        self.ctx, self.cfg, self.totals, self.term = ctx, cfg, totals, term
+        self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.progress = ProgressWriter(ctx.redis, ctx.keys)
+        self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
+        self.unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
+        self.bytes_in = self.bytes_out = 0  # this step's
+        self.codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
+        self.t_step = time.monotonic()
+        self._next_progress = 0.0
+
+    def grad_bytes(self, size: int) -> None:
+        """Gradient bytes workers sent, accepted or not."""
+        metrics.BYTES_IN.inc(size)
+        self.totals.bytes_in += size
+        self.bytes_in += size
+
+    def work_bytes(self, size: int) -> None:
+        metrics.BYTES_OUT.inc(size)
+        self.totals.bytes_out += size
+        self.bytes_out += size
+
+    def accepted(self, wid: str, inc: int, microbatches: int) -> None:
+        self.unpublished_mb[f"{wid}:{inc}"] += microbatches
+
+    def started(self, now: float) -> None:
+        """The first lease of the run (or of this restart): the first step's time counts from here."""
+        if self.totals.started(now):
+            self.t_step = now
+
+    def step_done(self, step: int, loss: float, lr: float, live_workers: int,
+                  scaler: Any, skipped: bool) -> tuple[float, int, dict[str, Any] | None]:
+        """A step was applied: (its seconds, its bytes, its metrics line or None if not logged); counters reset."""
+        now = time.monotonic()
+        dt, self.t_step = now - self.t_step, now
+        self.totals.final_loss = loss
+        metrics.STEPS.inc()
+        metrics.STEP_SECONDS.observe(dt)
+        metrics.LIVE_WORKERS.set(live_workers)
+        line = None
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
+            line = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt,
+                    **({"loss_scale": scaler.scale, "skipped": skipped} if scaler.enabled else {}),
+                    "samples_per_s": self.cfg.train.samples_per_round / dt if dt > 0 else None,
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "codec_s": self.codec_s,
+                    "live_workers": live_workers, "t": time.time()}
+        nbytes = self.bytes_in + self.bytes_out
+        self.bytes_in = self.bytes_out = 0
+        self.codec_s = 0.0
+        return dt, nbytes, line
+
+    def write(self, line: dict[str, Any]) -> None:
+        self.metrics.write(json.dumps(line) + "\n")
+
+    def eval(self, entry: dict[str, Any]) -> None:
+        self.write({**entry, "t": time.time()})
+        self.ctx.emit("eval", step=entry["step"], **entry["eval"])
+
+    def progress_due(self, force: bool) -> bool:
+        now = time.monotonic()
+        if now < self._next_progress and not force:
+            return False
+        self._next_progress = now + 0.1  # enough for status and the progress bar; spares Redis
+        return True
+
+    def publish(self, step: int, loss: float, lr: float, bytes_s: float, live_workers: int, done: bool) -> None:
+        """Progress for `cmemi up`'s bar and `cmemi status`, written off the loop."""
+        self.progress.put({
+            "step": step, "total": self.cfg.train.rounds, "loss": f"{loss:.6g}", "lr": f"{lr:.6g}",
+            "samples_s": f"{self.throughput.rate(step, self.totals.wall_s(), whole_run=done):.1f}",
+            "bytes_s": f"{bytes_s:.0f}", "live_workers": live_workers, "term": self.term, "t": time.time(),
+            **({"local_steps": self.cfg.train.segment} if self.cfg.train.local_steps else {})},
+            self.unpublished_mb)
+        self.unpublished_mb.clear()
+
+    def flush(self, timeout: float) -> None:
+        self.progress.flush(timeout)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

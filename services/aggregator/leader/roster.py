@@ -1,0 +1,212 @@
+"""The leader's side of sharding (docs/design.md §4): the shards k > 0 of this term and the step barrier.
+
+A shard joins the leader's term (`shard_join`) and is welcomed with the run's dataset fingerprint and this
+term's lease-seal key, so it admits workers and checks their leases by the leader's rule
+(services/aggregator/common/admission.py). Workers are admitted only once every shard joined. While its step is
+incomplete a shard says which microbatches it holds (`shard_have`); what it lacks of a step complete here is
+leased again. Each shard reports its complete step (`shard_ready`: its pieces' partial norms, its overflow
+flag); once all did, the leader commits the step on every shard with every shard's share (`shard_commit`).
+A shard sends its pieces at each evaluation step (`shard_eval`) and after the last step (`shard_final`), which
+the leader places into the whole model. A shard that restarts within a term rolls the cluster back to the
+last complete checkpoint (a new term).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.services.aggregator.common.outbox import Outbox
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.runtime.service import EXIT_REJOIN, ServiceContext
+
+
+@dataclass
+class ShardInfo:
+    """A shard k > 0 as the leader knows it (services/aggregator/shard/server.py)."""
+    identity: bytes
+    inc: int
+    addr: str
+    ready: tuple[int, list[float], bool] | None = None  # (step, partials, overflow) of its last complete step
+    final: dict[str, torch.Tensor] | None = None  # its pieces after the last step
+    totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
+    mirror: dict[str, str] | None = None  # and (compression.downlink) its mirror pieces' SHA-256
+    eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
+
+
+class ShardRoster:
+    def __init__(self, ctx: ServiceContext, partition: Partition, term: int, outbox: Outbox,
+                 drop: Callable[[str, str], None], welcome: Callable[[], dict[str, Any]]) -> None:
+        self.ctx, self.partition, self.term, self.outbox, self.drop = ctx, partition, term, outbox, drop
+        self.welcome = welcome  # what a joining shard is told: the run's fingerprint, the lease-seal key
+        self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
+        self.last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
+        self.announced: dict[str, Any] | None = None  # the welcome every joined shard was sent last
+
+    @property
+    def complete(self) -> bool:
+        """Has every shard joined this term (workers are admitted only then)?"""
+        return len(self.shards) == self.partition.shards - 1
+
+    def addrs(self) -> list[str]:
+        return [self.shards[k].addr for k in sorted(self.shards)]
+
+    def join(self, identity: bytes, h: dict[str, Any], step: int) -> bool:
+        """A shard joins this term at `step`; True when it is the last one to join."""
+        k, known = h["shard"], self.shards.get(h["shard"])
+        if h["term"] != self.term or not 0 < k < self.partition.shards:
+            self.drop("stale_shard", f"shard {k} of term {h['term']}")
+            self.outbox.send(identity, "reject", fatal=False, reason=f"term {self.term} started: join it")
+            return False
+        if known is not None and known.inc == h["inc"]:
+            self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())  # said again: slow link
+            return False
+        if known is not None or h["step"] != step:
+            # a shard restarted: its slice went back to the checkpoint, so the whole cluster goes back with it
+            self.ctx.emit("shard_restarted", shard=k, step=step, restored=h["step"])
+            self.ctx.log.warning("a shard restarted; the cluster restarts from the last complete checkpoint", shard=k,
+                                 its_step=h["step"], step=step)
+            raise SystemExit(EXIT_REJOIN)
+        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"])
+        self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
+        self.ctx.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])
+        return self.complete
+
+    def announce(self) -> None:
+        """Welcome every joined shard again if what it is told changed (the run's fingerprint, set by the first
+        admitted worker: the leader reads no data)."""
+        if (welcome := self.welcome()) != self.announced:
+            self.announced = welcome
+            for info in self.shards.values():
+                self.outbox.send(info.identity, "shard_welcome", term=self.term, **welcome)
+
+    def member(self, identity: bytes, h: dict[str, Any]) -> ShardInfo | None:
+        """The joined shard a message comes from, or None (dropped: `unknown_shard`)."""
+        info = self.shards.get(h["shard"])
+        if info is None or info.identity != identity or info.inc != h["inc"] or h["term"] != self.term:
+            self.drop("unknown_shard", f"shard {h['shard']}/{h['inc']}")
+            return None
+        return info
+
+    def have(self, identity: bytes, h: dict[str, Any], collector: StepCollector, grace: float) -> bool:
+        """A shard's microbatches of its incomplete step: what it lacks of a step complete here goes back to the
+        queue after `grace` (its worker died between its sends); True if some did."""
+        if self.member(identity, h) is None or h["step"] != collector.step:
+            return False
+        if not all(isinstance(m, int) for m in h["have"]):
+            self.drop("bad_have", f"shard {h['shard']}")
+            return False
+        if lacking := collector.reopen(h["have"], time.monotonic(), grace=grace):
+            self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
+            self.ctx.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
+                                 microbatches=lacking)
+        return bool(lacking)
+
+    def is_shard(self, identity: bytes) -> bool:
+        return any(info.identity == identity for info in self.shards.values())
+
+    def ready(self, identity: bytes, h: dict[str, Any], step: int) -> bool:
+        """A shard's step is complete; True if this is news for the current step (the leader may apply it)."""
+        if (info := self.member(identity, h)) is None:
+            return False
+        if not all(isinstance(x, (int, float)) for x in h["partials"]):
+            self.drop("bad_partials", f"shard {h['shard']}")
+            return False
+        if h["step"] < step:  # applied already: its commit was lost on the way
+            if self.last_commit is not None and self.last_commit["step"] == h["step"]:
+                self.outbox.send(identity, "shard_commit", **self.last_commit)
+            return False
+        info.ready = (h["step"], [float(x) for x in h["partials"]], h["overflow"])
+        return True
+
+    def others_ready(self, step: int) -> tuple[list[float], bool] | None:
+        """Every shard k > 0's share of `step` (partials in shard order, any overflow), once all reported."""
+        partials, overflow = [], False
+        for k in range(1, self.partition.shards):
+            ready = self.shards[k].ready if k in self.shards else None
+            if ready is None or ready[0] != step:
+                return None
+            partials += ready[1]
+            overflow |= ready[2]
+        return partials, overflow
+
+    def commit(self, **fields: Any) -> None:
+        """Tell every shard to apply the step (skip: an overflow; last: the run ends; snapshot: checkpoint it)."""
+        self.last_commit = {"term": self.term, **fields}
+        for info in self.shards.values():
+            self.outbox.send(info.identity, "shard_commit", **self.last_commit)
+
+    def fence(self, wid: str, inc: int) -> None:
+        """A fence the leader verified, passed on to every shard (they admit workers by the same rule)."""
+        for info in self.shards.values():
+            self.outbox.send(info.identity, "shard_fence", term=self.term, wid=wid, inc=inc)
+
+    def eval_pieces(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if (info := self.member(identity, h)) is not None:
+            info.eval = (h["step"], tensors)
+
+    def place_eval(self, step: int, weights: dict[str, torch.Tensor]) -> bool:
+        """Every shard's pieces of evaluation step `step` into `weights`, once all are here; True then."""
+        if any(info.eval is None or info.eval[0] != step for info in self.shards.values()):
+            return False
+        for k, info in self.shards.items():
+            assert info.eval is not None
+            self.place(k, info.eval[1], weights)
+            info.eval = None
+        return True
+
+    def final(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
+        if (info := self.member(identity, h)) is not None and h["step"] == step:
+            info.final = tensors
+            mirror = h.get("mirror")
+            info.mirror = {str(k): str(v) for k, v in mirror.items()} if isinstance(mirror, dict) else {}
+            info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
+                           **{k: h[f] for k, f in (("bytes_sent_via_slots", "slot_in"),
+                                                   ("bytes_received_via_slots", "slot_out"), ("changes_sent",) * 2,
+                                                   ("mirrors_sent",) * 2) if type(h.get(f)) is int},
+                           "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
+
+    def mirror_hashes(self) -> dict[str, str]:
+        """Every other shard's mirror pieces' SHA-256 (compression.downlink), from their final slices."""
+        return {n: h for info in self.shards.values() for n, h in (info.mirror or {}).items()}
+
+    def gather(self, shapes: Mapping[str, torch.Size], pump: Callable[[], None],
+               timeout: float = 120) -> dict[int, dict[str, torch.Tensor]]:
+        """Every shard's pieces after the last step, checked against the whole model's tensor `shapes` (`pump`
+        receives one message). They come on their own once a shard applied the last commit."""
+        deadline = time.monotonic() + timeout
+        while any(info.final is None for info in self.shards.values()):
+            if time.monotonic() > deadline:
+                missing = sorted(k for k, info in self.shards.items() if info.final is None)
+                raise RuntimeError(f"shards {missing} did not send their final slice within {timeout:g} s")
+            pump()
+        meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+        out = {}
+        for k, info in self.shards.items():
+            assert info.final is not None
+            self._check(k, info.final, self.partition.views(meta, k))
+            out[k], info.final = info.final, {}
+        return out
+
+    def place(self, k: int, pieces: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
+        """Shard k's pieces (its evaluation slice) into the whole model's tensors `into`."""
+        views = self.partition.views(into, k)
+        self._check(k, pieces, views)
+        with torch.no_grad():
+            for name, view in views.items():
+                view.copy_(pieces[name])
+
+    def _check(self, k: int, pieces: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
+        if pieces.keys() != views.keys() or any(pieces[n].shape != v.shape for n, v in views.items()):
+            self.ctx.fatal(f"shard {k}'s slice does not fit this model: use the same model.factory, model.kwargs and "
+                           "cluster.shards for every shard")
+
+    def total(self, field: str) -> int:
+        return sum(int((info.totals or {}).get(field, 0)) for info in self.shards.values())
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"shard": k, **(self.shards[k].totals or {})} for k in sorted(self.shards)]

@@ -1,0 +1,134 @@
+"""The leader applies a complete step: once, in order, the same bits at any K (docs/design.md §1, §4).
+
+- The mean gradient comes from the step's collector. Sharded, the step waits until every shard reported its
+  own share complete; then one rule for all — the global norm from every piece's partial in grid order, any
+  overflow skips — and each shard is told to apply it (`ShardRoster.commit`).
+- Honest workers never send NaN/inf (they stop the run, or flag an fp16 overflow), so one pass over the sum
+  replaces a pass over every gradient. If it fails, the step is collected again with each gradient checked on
+  arrival: the bad ones are dropped and counted, the others recomputed (bitwise the same). Still not finite
+  then: the sum of finite gradients overflows, the run diverged.
+- Which steps are checkpointed (checkpoint.every_steps; sharded, the leader picks the same steps for every
+  shard), early stopping (services/aggregator/leader/eval_schedule.py), and what a step leaves for after its
+  parameters went out: the metrics line, the snapshot, progress.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
+from cmemi.services.aggregator.leader.leasing import Leasing
+from cmemi.services.aggregator.leader.reporting import Reporter
+from cmemi.services.aggregator.leader.roster import ShardRoster
+from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.shared.compression.codecs import all_finite
+from cmemi.shared.runtime import metrics
+from cmemi.shared.runtime.service import ServiceContext
+
+
+class Stepper:
+    def __init__(self, ctx: ServiceContext, trainer: Trainer, leasing: Leasing, roster: ShardRoster | None,
+                 evals: EvalSchedule, reporter: Reporter, ckpt: CheckpointerLink, totals: RunTotals, term: int,
+                 fingerprint: Callable[[], dict[str, Any]], drop: Callable[[str, str], None],
+                 live_workers: Callable[[], int], serve_parked: Callable[[], None]) -> None:
+        self.ctx, self.cfg, self.trainer, self.leasing, self.roster = ctx, ctx.cfg, trainer, leasing, roster
+        self.evals, self.reporter, self.ckpt, self.totals, self.term = evals, reporter, ckpt, totals, term
+        self.fingerprint, self.drop, self.live_workers, self.serve_parked = fingerprint, drop, live_workers, serve_parked
+        self.total = self.cfg.train.rounds
+        self.done = trainer.step >= self.total
+        self.stopped_early = False
+        self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
+        self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
+        self.stall_s: list[float] = []  # checkpoint snapshot stalls
+
+    def apply(self) -> None:
+        """The step's gradient is complete here (called again as shards report theirs complete)."""
+        collector = self.leasing.collector
+        if self.mean is None:
+            self.mean = collector.mean()
+        grads, loss = self.mean
+        partials = None
+        if self.roster is not None and (others := self.roster.others_ready(collector.step)) is None:
+            return  # the roster's ready handler comes back here
+        stop = self.evals.stops_at(self.trainer.step + 1)
+        if stop:
+            self.ctx.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
+        snapshot = not stop and self._snapshot_due(self.trainer.step + 1)
+        if self.roster is not None:
+            if others[1]:
+                grads = None
+            partials = self.trainer.partials(grads) + others[0] if grads is not None else []
+            self.roster.commit(step=collector.step, partials=partials, skip=grads is None,
+                               last=stop or self.trainer.step + 1 >= self.total, snapshot=snapshot)
+        self.mean = None
+        if grads is not None and not all_finite(grads.values()):
+            if collector.strict:
+                self.ctx.fatal(f"the summed gradient of step {self.trainer.step + 1} is not finite (it overflows); "
+                               "the run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
+            self.drop("nonfinite_step", f"step {collector.step}: collecting it again, checking each gradient")
+            self.leasing.new_step(collector.step, strict=True)
+            self.serve_parked()
+            return
+        try:
+            self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
+        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
+            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
+                           "check optimizer.kwargs and scheduler.kwargs")
+        step = self.trainer.step
+        dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.live_workers(),
+                                                   self.trainer.scaler, grads is None)
+        self.evals.after_step(step, self.weights, self.roster is not None,
+                              self.roster.place_eval if self.roster is not None else lambda _s, _w: True)
+        self.stopped_early = stop
+        if step >= self.total or stop:
+            self.done = True
+        self.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
+        self.trainer.release_heap()
+        self.after = (step, loss, dt, nbytes, line, snapshot)
+        self.serve_parked()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.state_copy()
+
+    def _snapshot_due(self, step: int) -> bool:
+        """Is the state after `step` checkpointed (checkpoint.every_steps)? Sharded, the leader decides for every
+        shard (its commit says so), so the checkpointer gets each shard's slice of the same steps: a boundary that
+        comes while the last checkpoint is still being written is left out, unless retention keeps it
+        (checkpoint.keep_every). One aggregator sends the newest boundary once the last one is written."""
+        every = self.cfg.checkpoint.every_steps
+        if not every or step % every or step >= self.total:
+            return False
+        if not self.trainer.sharded:
+            return True
+        self.ckpt.poll()  # an acknowledgement that came since the last housekeeping
+        return self.ckpt.idle or self.ckpt.milestone(step)
+
+    def after_step(self) -> None:
+        """What a step leaves for after its parameters went out (to the parked workers, and to the one whose
+        gradient completed it, answered by the handler): the metrics line, the checkpoint snapshot, progress.
+        It runs before the next message is read, so the snapshot is still of this step."""
+        if self.after is None:
+            return
+        step, loss, dt, nbytes, line, snapshot = self.after
+        self.after = None
+        if line is not None:
+            self.reporter.write(line)
+        if snapshot:
+            t0 = time.monotonic()
+            self.ckpt.offer(self.snapshot())  # no copy: sent while the next step collects (outgoing.py)
+            self.stall_s.append(time.monotonic() - t0)
+            metrics.CHECKPOINT_STALL.observe(self.stall_s[-1])
+        if self.reporter.progress_due(force=self.done):
+            self.reporter.publish(step, loss, self.trainer.lr, nbytes / dt if dt > 0 else 0.0, self.live_workers(),
+                                  self.done)
+
+    def snapshot(self) -> snapshots.Snapshot:
+        evaluating = self.evals.settle(self.trainer.step)
+        return snapshots.collect(self.trainer, self.totals, self.term, self.fingerprint(), self.evals.bg,
+                                 evaluating=evaluating)

@@ -1,0 +1,358 @@
+"""Snapshots of the aggregator's full training state, handed to the checkpointer over ZeroMQ.
+
+Taking a snapshot (`collect`) copies nothing: it names the live tensors, and its parts go out a few at a
+time, copy-on-write (outgoing.py): the step after it copies only what is not sent yet. The checkpointer
+writes to disk in its own process. At most one snapshot is in flight; a newer one replaces one not yet
+sent, unless retention keeps it. If the checkpointer restarts (a new incarnation in Redis, on a new
+address or on the same fixed port), the in-flight snapshot is sent again where it can be (outgoing.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import torch
+import zmq
+from cmemi.services.aggregator.common.evaluation import BackgroundEval
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.leader import dataprint
+from cmemi.services.aggregator.snapshots import reshard
+from cmemi.services.aggregator.snapshots.outgoing import Outgoing
+from cmemi.shared.coordination.watch import Watch
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits, protocol, state, transfer
+
+Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+PROTECT_PATIENCE_S = 0.5
+
+
+def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
+            bg_eval: BackgroundEval | None, evaluating: int | None = None) -> Snapshot:
+    """Everything needed to continue the run bitwise identically, naming the live tensors (the link copies what
+    is not sent yet before the next step changes them: `CheckpointerLink.protect`). An evaluation of an earlier step must not be running (its weights are not in the snapshot): settle it first.
+    `evaluating`: the step of an evaluation not started yet (sharded: it waits for the other shards' slices), to
+    run again after a restore like one in flight."""
+    t = trainer
+    named: dict[str, Any] = {
+        "model": _model_section(t),
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+        "rng": {"torch": torch.get_rng_state()},
+        "scaler": t.scaler.state_dict(),
+        "progress": {"step": t.step, "term": term, "fingerprint": fp, "skipped": t.skipped, **totals.state_dict()},
+        # early stopping: history, best, patience counter, and the evaluation in flight (of this step's weights)
+        "early_stop": ({**bg_eval.state_dict(), **({"running": evaluating} if evaluating is not None else {})}
+                       if bg_eval is not None else None),
+        # sharded: the pieces this shard owns (who owns what depends on cluster.pipeline_stages too: reshard.py)
+        **({"owned": list(t.pieces)} if t.sharded else {}),
+        # compression.downlink: the workers' mirror of these pieces and the downlink codec's state (shared/compression/downlink.py)
+        **({"downlink": t.mirror.state_dict()} if t.mirror is not None else {}),
+        # train.local_steps (the leader): every replica's inner optimizer and scheduler state at the round's start
+        **({"inner": t.inner.state_dict()} if t.inner is not None else {}),
+    }
+    meta, tensors = state.flatten(named, copy=False)
+    return t.step, meta, tensors
+
+
+def _model_section(t: Trainer) -> dict[str, torch.Tensor]:
+    """The model's state; of a sharded run, this shard's pieces by piece name (shard 0: with the entries that are
+    not trained: buffers, frozen tensors). The checkpointer joins every shard's into one model.safetensors."""
+    if not t.sharded:
+        return t.model.state_dict()
+    section = {n: p.detach() for n, p in t.pieces.items()}
+    if t.shard == 0:
+        section.update({n: v for n, v in t.model.state_dict().items() if n not in t.params})
+    return section
+
+
+def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[
+        dict[str, Any], dict[str, Any], bool]:
+    """(this shard's sections, the whole model's state, whether they were written with another cluster.shards).
+    The checkpointer merged a sharded run's K snapshots into one: model tensors whole, every shard's other tensors
+    under `shard{k}.`, its meta in `per_shard`."""
+    model = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if "per_shard" not in meta:  # written by one aggregator
+        named = state.unflatten(meta, tensors)
+        groups = named.get("optimizer", {}).get("param_groups", [])
+        if not trainer.sharded and sum(len(g.get("params", [])) for g in groups) not in (0, len(trainer.pieces)):
+            raise state.StateError(reshard.OTHER_GRID)  # pieces stepped then are not this run's
+        return named, named["model"], trainer.sharded
+    if int(meta["shards"]) != trainer.partition.shards:
+        return {}, model, True
+    prefix = f"shard{trainer.shard}."
+    own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    mine = state.unflatten({k: v for k, v in meta["per_shard"][trainer.shard].items() if k != "model"}, own)
+    if mine.get("owned", list(trainer.pieces)) != list(trainer.pieces):  # the same K, pipelined or not
+        return {}, model, True
+    return mine, model, False
+
+
+def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,
+            meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """`fp`: the run's dataset fingerprint, filled from the checkpoint's when empty, else checked against it (None:
+    not checked, a shard k > 0 holds none; the leader does, services/aggregator/leader/dataprint.py). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
+    named, model, other_k = _sections(trainer, meta, tensors)
+    t = trainer
+    t.model.load_state_dict(model)
+    if other_k:
+        named = reshard.restore_into(t, meta, tensors)
+    else:
+        t.optimizer.load_state_dict(named["optimizer"])
+        if t.scheduler is not None and named["scheduler"] is not None:
+            t.scheduler.load_state_dict(named["scheduler"])
+    if fp is not None and not dataprint.adopt(fp, named["progress"]["fingerprint"]):
+        raise state.StateError("the checkpoint was written for a different dataset (fingerprint differs); "
+                               "restore with the data it was trained on, or start a new run.dir")
+    torch.set_rng_state(named["rng"]["torch"])
+    t.scaler.load_state_dict(named["scaler"])
+    t.step = int(named["progress"]["step"])
+    t.skipped = int(named["progress"]["skipped"])
+    totals.load_state_dict(named["progress"])
+    if t.mirror is not None:
+        _restore_mirror(t, named.get("downlink") if not other_k else _merged_mirrors(meta, tensors))
+    if t.inner is not None:
+        t.inner.load_state_dict(named.get("inner") if not other_k else _old_leader(meta, tensors).get("inner"))
+    early = named.get("early_stop")
+    if bg_eval is not None and early is not None:
+        bg_eval.load_state_dict(early)
+        if early["running"] is not None and int(early["running"]) == t.step:  # it was lost with the old term
+            bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
+
+
+def _old_leader(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The sections of the leader (shard 0) of a checkpoint written with another cluster.shards."""
+    return reshard.old_shards(meta, tensors)[0]
+
+
+def _merged_mirrors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """Every old shard's downlink section in one (a checkpoint of another cluster.shards: pieces are K's alike)."""
+    found = [named["downlink"] for named in reshard.old_shards(meta, tensors) if named.get("downlink") is not None]
+    if not found:
+        return None
+    return {part: {n: t for sd in found for n, t in (sd.get(part) or {}).items()} for part in ("mirror", "codec")}
+
+
+def _restore_mirror(t: Trainer, sd: dict[str, Any] | None) -> None:
+    """The workers' mirror as the checkpoint holds it; a checkpoint written without compression.downlink holds none:
+    the mirror starts from the restored parameters, as a fresh run's does."""
+    if sd is None:
+        t.mirror.reset(t.pieces, t.step)  # type: ignore[union-attr]
+    else:
+        t.mirror.load_state_dict(sd, t.step)  # type: ignore[union-attr]
+
+
+class CheckpointerLink:
+    """DEALER to the checkpointer, found (and re-found after a restart) through Redis; `on_drop(reason, detail)`
+    counts a part of a restore that had to be abandoned. From the service's loop (`offer`, `poll`) the address
+    is the one a watch read last (shared/coordination/watch.py): the loop never waits on Redis."""
+
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, on_drop: Callable[[str, str], None]) -> None:
+        self.ctx, self.cfg, self.zctx, self.term = ctx, ctx.cfg, zctx, term
+        self.sock: zmq.Socket | None = None
+        self.addr: str | None = None
+        self.inc: str | None = None  # the checkpointer incarnation last seen in Redis
+        self.sharding: dict[str, Any] = {}  # a sharded run's snapshots say whose slice they are: shard, shards, pieces
+        self.in_flight: Outgoing | None = None
+        self.queued: list[Outgoing] = []  # unsent: milestones and the final one (kept), and at most one other
+        self.saved_path: dict[int, str] = {}  # step -> where the checkpointer wrote it (the final one's is reported)
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
+                                        on_abandon=on_drop)  # a restore bigger than one message
+        self._next_check = 0.0
+        self._retry_at: float | None = None  # when to send the in-flight snapshot again (the checkpointer's "retry")
+        self._polled: zmq.Socket | None = None  # registered for POLLOUT (`wake_for_room`)
+        key = ctx.keys.checkpointer
+        self.where = Watch(ctx.redis, 0.5, lambda r: r.hmget(key, ["addr", "incarnation"]), "checkpointer").start()
+
+    def _lookup(self, wait: bool = True) -> str | None:
+        """The checkpointer's address: read now, or (`wait=False`) the newest the watch read, if any."""
+        if wait:
+            try:
+                addr, inc = self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"])
+            except redis.RedisError:
+                return self.addr  # Redis is down: keep talking to the checkpointer we know
+        elif (seen := self.where.take()) is not None:
+            addr, inc = seen[0]
+        else:
+            return self.addr
+        if addr is not None and inc is not None:
+            self.inc = inc
+        return addr or self.addr
+
+    def _connect(self, wait: bool = True) -> bool:
+        addr = self._lookup(wait)
+        if addr is None:
+            return False
+        if addr != self.addr:
+            if self.sock is not None:
+                self.sock.close(linger=0)
+                self.parts.keep(())  # the rest of a restore in parts will not come on a new socket
+            self.sock = self.zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(self.sock)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, 1)  # a snapshot's parts wait here, not in ZeroMQ (outgoing.py)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            self.sock.connect(addr)
+            self.addr = addr
+        return True
+
+    def _outgoing(self, snap: Snapshot, final: bool) -> Outgoing:
+        step, meta, tensors = snap
+        fields = {"step": step, "term": self.term, "final": final, "meta": meta, **self.sharding}
+        return Outgoing(step, final, lambda: self._messages("snapshot", fields, tensors, transfer.PART))
+
+    def _messages(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+                  part: int | None = None) -> list[list[Any]]:
+        """One logical message, in parts if it is over the cap (or, with `part`, of about that many bytes each)."""
+        try:
+            return transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
+                                     self.cfg.cluster.checksum, part=part)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"aggregator: {exc}")
+
+    def _replies(self, timeout_ms: int) -> list[protocol.Message]:
+        out = []
+        while self.sock is not None and self.sock.poll(timeout_ms):
+            try:
+                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
+                if msg is not None:
+                    out.append(msg)
+            except protocol.ProtocolError as exc:
+                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
+            timeout_ms = 0
+        return out
+
+    # ---------------------------------------------------------------- periodic, asynchronous
+    def milestone(self, step: int) -> bool:
+        """Does retention keep this step (checkpoint.keep_every)? Then its snapshot is never replaced unsent."""
+        every = self.cfg.checkpoint.keep_every
+        return bool(every) and step % every == 0
+
+    @property
+    def idle(self) -> bool:
+        """No snapshot is waiting to be written."""
+        return self.in_flight is None and not self.queued
+
+    def offer(self, snap: Snapshot) -> None:
+        # a newer snapshot replaces an older unsent one, unless retention keeps that one (or it is the final one)
+        self.queued = [q for q in self.queued if q.final or self.milestone(q.step)] + [self._outgoing(snap, False)]
+        self.pump()
+
+    def protect(self) -> None:
+        """Call before the live state changes (an optimizer step). The step waits while the snapshot in flight goes
+        out — each part taken within PROTECT_PATIENCE_S — and what is still unsent then (a checkpointer that stopped
+        reading, the queued ones) is copied: a slow checkpointer costs the step time, a stalled one half a second,
+        and neither a second copy of the state (docs/design.md, "Memory")."""
+        out = self.in_flight
+        if out is not None and not out.changed and self.sock is not None:
+            while not out.sent and self.sock.poll(int(PROTECT_PATIENCE_S * 1000), zmq.POLLOUT):
+                out.pump(self.sock)
+        for out in (self.in_flight, *self.queued):
+            if out is not None:
+                out.protect()
+
+    def pump(self) -> None:
+        """Call from the aggregator loop (cheap): hand ZeroMQ the next parts of the snapshot in flight."""
+        if self.in_flight is None and self.queued and self._connect(wait=False):
+            self.in_flight = self.queued.pop(0)
+            self.in_flight.to = (self.addr, self.inc)
+        if self.in_flight is not None and not self.in_flight.sent and self.sock is not None:
+            self.in_flight.pump(self.sock)
+
+    def wake_for_room(self, poller: zmq.Poller) -> None:
+        """Call before the aggregator loop polls: while a snapshot's parts wait, the poll also wakes when the socket
+        has room (POLLOUT), so they go out as fast as the checkpointer takes them, and the next step finds less to
+        copy (`protect`)."""
+        want = self.sock if self.in_flight is not None and not self.in_flight.sent else None
+        if want is not self._polled:
+            if self._polled is not None:
+                poller.unregister(self._polled)
+            if want is not None:
+                poller.register(want, zmq.POLLOUT)
+            self._polled = want
+
+    def poll(self) -> list[int]:
+        """Call from the aggregator loop: collect acks, send the queued snapshot, resend after a restart."""
+        saved = []
+        for msg in self._replies(0):
+            # "skipped": another shard sent a newer step first; this one will never be complete
+            if self.in_flight is None or msg.header.get("step") != self.in_flight.step:
+                continue
+            if msg.type in ("saved", "skipped"):
+                saved.append(msg.header["step"])
+                if msg.type == "saved":
+                    self.saved_path[msg.header["step"]] = str(msg.header["path"])
+                self.in_flight = None
+            elif msg.type == "retry":  # the checkpointer could not check our term yet (Redis restarted): again, soon
+                self._retry_at = time.monotonic() + 0.5
+        if self.in_flight is not None and self._retry_at is not None and time.monotonic() > self._retry_at:
+            self._retry_at = None
+            if not self.in_flight.restart():
+                self.ctx.log.warning("checkpoint given up: the checkpointer asked for it again after the state had "
+                                     "moved on; the next one is written", step=self.in_flight.step)
+                self.in_flight = None
+        if self.in_flight is not None and time.monotonic() > self._next_check:
+            self._next_check = time.monotonic() + 0.5
+            if self._connect(wait=False) and (self.addr, self.inc) != self.in_flight.to:  # the checkpointer restarted
+                self.in_flight.to = (self.addr, self.inc)
+                if not self.in_flight.restart():
+                    self.ctx.log.warning("checkpoint given up: the checkpointer restarted while it was sent, after "
+                                         "the state had moved on; the next one is written", step=self.in_flight.step)
+                    self.in_flight = None
+        self.pump()
+        return saved
+
+    # ---------------------------------------------------------------- blocking
+    def request(self, mtype: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+                accept: Callable[[protocol.Message], bool], timeout: float) -> protocol.Message:
+        """Send and wait for a reply that `accept`s; resend if the checkpointer restarts meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self._connect():
+                time.sleep(0.05)
+                continue
+            transfer.send(self.sock, self._messages(mtype, fields, tensors))
+            sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                for msg in self._replies(100):
+                    if accept(msg):
+                        return msg
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + 0.5
+                    if (self._lookup(), self.inc) != sent_to:
+                        break  # the checkpointer restarted (elsewhere or on the same port): ask again
+        raise TimeoutError(f"the checkpointer did not answer {mtype!r} within {timeout:g}s; "
+                           "is `cmemi checkpointer` running and reachable?")
+
+    def close(self) -> None:
+        self.where.stop()
+
+    def save_final(self, snap: Snapshot, timeout: float = 300) -> str:
+        """Send the final snapshot (after any still queued) and wait until it is written; returns its path."""
+        step = snap[0]
+        self.queued.append(self._outgoing(snap, True))
+        deadline = time.monotonic() + timeout
+        while step not in self.saved_path:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the checkpointer did not write the final checkpoint within {timeout:g}s; "
+                                   "is `cmemi checkpointer` running and reachable?")
+            self.poll()
+            if self.sock is not None:
+                self.sock.poll(10)
+            else:
+                time.sleep(0.05)
+        return self.saved_path[step]
+
+    def fetch_latest(self, timeout: float, trainer: Trainer, step: int | None = None) -> protocol.Message | None:
+        """The checkpoint `latest` names (or exactly step `step`, as the leader restored it, for shard k > 0). A
+        sharded server names the pieces it owns: the checkpointer then leaves the other shards' state out."""
+        fields = {"term": self.term, "shard": trainer.shard, "pid": os.getpid(),
+                  **({"owned": list(trainer.pieces)} if trainer.sharded else {}),
+                  **({"step": step} if step is not None else {})}
+        msg = self.request("restore_req", fields, None,
+                           lambda m: m.type in ("restore", "no_checkpoint"), timeout)
+        return msg if msg.type == "restore" else None

@@ -1,0 +1,305 @@
+"""A worker's links to the parameter-server shards k > 0 (cluster.shards; docs/design.md, "Shards").
+
+The leader (shard 0) leases and sends its own slice with `work`, as with one aggregator. For each
+other shard the worker
+- pulls the slice of the lease's parameter version (asked ahead, right after its previous gradient,
+  so it is usually here already) and copies it into its model's pieces;
+- sends that shard its slice of the gradient, every shard's at once (the leader's right after, on its
+  own socket): no answer comes back; a slice that never arrives (this worker died between its sends) is
+  leased again by the leader (services/aggregator/shard/server.py).
+
+Pipelined (`cluster.pipeline_stages`: S), each shard's slice travels in S stages: the worker sends stage
+0 of every shard, then stage 1, ..., and a pull is answered stage by stage as each one is stepped, so
+parameters come back while later gradients still go out. The leader then holds no parameters.
+
+Over ipc:// a shard may grant shared-memory slots (shared/memory/shm.py), as the leader does (worker.py): its slices then
+come as slot descriptors, copied from the slot into the model's pieces and used only if the slot did not change
+meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
+segment of its own per shard.
+
+A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
+checkpoint under a new term) raises `Lost`; the worker says hello again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+from cmemi.shared.compression import downlink
+from cmemi.shared.compression.codecs import CodecError
+from cmemi.shared.config.schema import Config
+from cmemi.shared.core.fragments import PIECES, land
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.memory import shm
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire.layout import Layout, LayoutError
+
+
+class Lost(Exception):
+    """A shard did not answer, rejected us, or its parameters do not fit: start over with hello."""
+
+
+def answers(got: protocol.Message | None, version: int) -> bool:
+    """Does the slice received answer a pull of `version` (its tensors, or: that version is over)? Not a late answer
+    to an earlier pull (that step is over: the current version, no tensors)."""
+    return got is not None and (got.header["asked"] == version
+                                or (got.header["version"] == version and bool(got.tensors)))
+
+
+class Link:
+    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler,
+                 views: list[dict[str, torch.Tensor]]) -> None:
+        self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
+        self.views = views  # each stage's pieces of the model: where the slice being fetched lands
+        # A small model's slice, one stage: in flat buffers of its own, then copied (stages: each message is its
+        # own, their flat frames share names).
+        self.inbox = layouts[0].empty() if len(layouts) == 1 and layouts[0].flat else None
+        self.have = -1  # version whose slice is in the model
+        self.asked = -1  # version of the last pull sent
+        self.got: list[protocol.Message | None] = [None] * len(layouts)  # each stage's newest slice received
+        self.over: protocol.Message | None = None  # the newest answer without tensors (that step is over)
+        self.slots = False  # the shard granted shared-memory slots on this connection
+
+    def answered(self, version: int) -> bool:
+        """Is the pull of `version` answered: every stage of it here, or word that it is over?"""
+        return answers(self.over, version) or all(answers(m, version) for m in self.got)
+
+    def reset(self) -> None:
+        self.got, self.over = [None] * len(self.got), None
+
+    def consumed(self) -> None:
+        """The slice is in the model: keep no reference to what it arrived in (a whole slice, when not in place)."""
+        self.got = [None] * len(self.got)
+
+
+class ShardLinks:
+    def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
+                 ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], str]) -> None:
+        self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
+        self.link = link  # connects a socket to a shard's address by the worker's transport rule (worker._link)
+        self.links: list[Link] = []
+        self.term = -1
+        self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
+        self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
+        self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
+                                 bound=limits.logical_bytes(cfg))
+        self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
+        # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
+        self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
+        self.downlink_dropped = 0
+
+    def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
+        """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
+        self.close()
+        self.term = term
+        me = self.ident()
+        for k, addr in enumerate(addrs, start=1):
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            # a slice asked ahead (ask_ahead) arrives before the worker fetches it: at most two of its parts queue
+            # here, the rest waits in the shard's queue (zero-copy, its live pieces), not a copy of P here meanwhile
+            sock.setsockopt(zmq.RCVHWM, 2)
+            asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(limits.nbytes(self.params.values()),
+                                                                               self.cfg.cluster.workers)
+            views = self.partition.views(self.params, k)
+            staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
+            layouts = [Layout(stage) for stage in staged]
+            parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
+            self.links.append(Link(k, sock, layouts, parts, staged))
+            self.links[-1].slots = asks  # until its welcome says whether it grants them
+        for link in self.links:
+            self._send(link, "hello", **hello, **({"shm": True} if link.slots else {}))
+        welcomed: set[int] = set()
+
+        def welcome(link: Link, msg: protocol.Message) -> None:
+            if msg.type == "welcome" and msg.header["term"] == term:
+                welcomed.add(link.k)
+                link.slots = link.slots and msg.header.get("shm") is True
+        self._wait(lambda: len(welcomed) == len(self.links), welcome)
+
+    def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
+              trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
+        msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
+                                 tensors, self.cfg.cluster.checksum, part=transfer.PART)
+        transfer.send(link.sock, msgs, trackers=trackers)
+
+    def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
+        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message."""
+        poller = zmq.Poller()
+        for link in self.links:
+            poller.register(link.sock, zmq.POLLIN)
+        quiet_since = time.monotonic()
+        by_sock = {link.sock: link for link in self.links}
+        while not done():
+            if self.ctx.stopping.is_set():
+                raise Lost("stopping")
+            if time.monotonic() - quiet_since > self.timeout:
+                raise Lost(f"no answer from the parameter-server shards within {self.timeout:g} s")
+            for sock, _ in poller.poll(100):
+                link = by_sock[sock]
+                quiet_since = time.monotonic()
+                try:
+                    msg = link.parts.recv(sock, into=link.inbox if link.inbox is not None else
+                                          lambda header, link=link: self._landing(link, header))
+                except protocol.ProtocolError as exc:
+                    raise Lost(f"shard {link.k}: {exc}") from None
+                if msg is None:
+                    continue
+                if msg.type == "reject":
+                    if msg.header["fatal"]:
+                        self.ctx.fatal(msg.header["reason"])
+                    raise Lost(f"shard {link.k}: {msg.header['reason']}")
+                if msg.type == "slice":  # it waits until a lease needs its version (fetch)
+                    stage = msg.header.get("stage", 0)
+                    if msg.header["version"] != msg.header["asked"]:  # the step asked for is over
+                        link.over = msg
+                    elif type(stage) is int and 0 <= stage < len(link.got):
+                        link.got[stage] = msg
+                    else:
+                        raise Lost(f"shard {link.k}: a slice of stage {stage!r}, expected 0..{len(link.got) - 1}")
+                    continue
+                handle(link, msg)
+
+    def _landing(self, link: Link, header: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+        """Where a message from shard k lands, chosen from its header: the model's own pieces for a slice of the
+        version being fetched (the answer to that pull), else a buffer of its own (a late or early answer: it must
+        not overwrite the parameters of the version the model holds, which a lease may still need).
+
+        From its first byte on, the model's pieces of shard k are neither the old version nor the new one until
+        the last: `have` is -1 until `fetch` sees the whole slice, so nothing is computed on half a slice (an
+        abandoned transfer leaves it -1: the next fetch pulls it again, or the shard is lost and the worker says
+        hello again)."""
+        stage = header.get("stage", 0)
+        if (header.get("type") == "slice" and self.fetching is not None and link.have != self.fetching
+                and header.get("downlink") not in (downlink.DELTA, PIECES)  # a change lands aside, then goes in
+                and header.get("version") == header.get("asked") == self.fetching
+                and type(stage) is int and 0 <= stage < len(link.views)
+                and all(v.device.type == "cpu" for v in link.views[stage].values())):
+            link.have = -1
+            views, before = link.views[stage], link.got[stage]
+            if before is not None and any(before.tensors.get(n) is v for n, v in views.items()):
+                link.got[stage] = None  # it landed here too: what these bytes hold is no longer that message
+            return views
+        return None
+
+    def fetch(self, version: int) -> bool:
+        """The slices of `version` from every shard into the model; False if a shard is past it (the step is over:
+        the lease is stale)."""
+        self.fetching = version
+        try:
+            return self._fetch(version)
+        finally:
+            self.fetching = None
+
+    def _fetch(self, version: int) -> bool:
+        for link in self.links:
+            if link.have == version:
+                continue
+            if not link.answered(version):
+                # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
+                # one (current version, no tensors), or a newer version asked ahead
+                if link.asked != version:
+                    self._send(link, "pull", term=self.term, version=version, have=link.have)
+                    link.asked = version
+                self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
+            if answers(link.over, version):
+                return False
+            if not self._copy(link):  # a slot rewritten while read: pull it again, when the worker asks again
+                link.reset()
+                link.asked = link.have = -1
+                return False
+            link.consumed()
+            link.have = version
+        return True
+
+    def _change(self, link: Link, msg: protocol.Message) -> bool:
+        """compression.downlink: shard k's change from the version our pieces hold into them, by the function the
+        shard used on its mirror; False (nothing changed) if it is from another version or malformed (counted)."""
+        h = msg.header
+        if self.downlink is None or link.have < 0 or h.get("base") != link.have or len(link.views) != 1:
+            return False
+        try:
+            downlink.apply(self.downlink, link.views[0], h.get("codec"), msg.tensors,
+                           {n: tuple(v.shape) for n, v in link.views[0].items()})
+        except CodecError as exc:
+            self.downlink_dropped += 1
+            self.ctx.log.warning("parameter change dropped; asking for the whole slice", shard=link.k,
+                                 reason=exc.reason, detail=str(exc)[:200], dropped=self.downlink_dropped)
+            return False
+        return True
+
+    def _copy(self, link: Link) -> bool:
+        """Every stage of the slice received into the model's pieces of shard k (what landed there already stays);
+        False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
+        if link.got[0] is not None and link.got[0].header.get("downlink") == downlink.DELTA:
+            return self._change(link, link.got[0])
+        if link.got[0] is not None and link.got[0].header.get("downlink") == PIECES:  # streaming: the changed pieces
+            got = link.got[0]
+            return link.have >= 0 and got.header.get("base") == link.have and len(link.views) == 1 and \
+                land(got.tensors, link.views[0], ())
+        descs = []
+        try:
+            received: dict[str, torch.Tensor] = {}
+            for layout, msg in zip(link.layouts, link.got, strict=True):
+                assert msg is not None
+                tensors = msg.tensors
+                if "shm" in msg.header and link.slots and not tensors:
+                    descs.append(msg.header["shm"])
+                    tensors = self.reader.views(descs[-1])
+                received.update(layout.views(tensors) if layout.flat else tensors)
+            targets = {n: v for stage in link.views for n, v in stage.items()}
+            if received.keys() != targets.keys():
+                raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
+            with torch.no_grad():
+                for name, view in targets.items():
+                    if received[name] is not view:  # landed elsewhere (not in place): copy
+                        view.copy_(received[name])
+        except protocol.ProtocolError as exc:  # a bad descriptor, or a slot rewritten before it was read
+            self.ctx.log.warning("slice slot unusable; asking again", shard=link.k, reason=exc.reason)
+            return False
+        except (LayoutError, RuntimeError) as exc:
+            self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
+                           "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
+        del received
+        return all(self.reader.intact(d) for d in descs)
+
+    def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any],
+             trackers: list[zmq.MessageTracker] | None = None) -> None:
+        """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
+        shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
+        the frames' trackers go there (services/worker/links/inflight.py)."""
+        for g in range(max((len(e) for e in encoded), default=0)):
+            for link, stages in zip(self.links, encoded, strict=True):
+                info, frames = stages[g]
+                if link.slots:  # into this worker's segment for shard k; only the descriptor goes
+                    if (link.k, g) not in self.writers:  # one per stage: each stage's size is its own
+                        checksum = shm.checksums(self.cfg.cluster.checksum)
+                        self.writers[link.k, g] = shm.Writer(self.ctx.run, "worker", checksum)
+                    self._send(link, "grad", tensors={}, shm=self.writers[link.k, g].write(frames), codec=info,
+                               stage=g, **fields)
+                else:
+                    self._send(link, "grad", tensors=frames, trackers=trackers, codec=info, stage=g, **fields)
+
+    def ask_ahead(self, version: int) -> None:
+        """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
+        for link in self.links:
+            if link.asked < version and link.have < version:
+                self._send(link, "pull", term=self.term, version=version, have=link.have)
+                link.asked = version
+
+    def close(self) -> None:
+        for link in self.links:
+            link.sock.close(linger=0)
+        self.links = []
+
+    def close_slots(self) -> None:
+        """Unlink this worker's segments (it exits)."""
+        for writer in self.writers.values():
+            writer.close()

@@ -1,0 +1,352 @@
+"""Shared-memory slots: tensors that same-host peers hand over in place, with only a descriptor on the socket.
+
+A producer (a server publishing a parameter version, a worker sending a gradient) owns one segment, a file under
+/dev/shm of mode 0600 named `cmemi-<run>-<role>-<pid>-<n>` (`<run>`: a hash of the run id), mapped once and
+reused. It holds two slots (a double buffer: a slow reader of one version is not overwritten by the next), each a
+64-byte header — the slot's sequence number — and the tensors, each at a multiple of 64 bytes. The producer
+(`Writer`) makes the sequence odd, writes the tensors, makes it even again (a seqlock), and sends the descriptor:
+
+    {"seg": name, "slot": 0 or 1, "seq": n (even), "at": [byte offset of each tensor], "tensors": [entries]}
+
+with the entries of `protocol.encode_tensors` (dtype, shape, nbytes, and the xxh3 when cluster.checksum is on).
+The consumer (`Reader`) maps the segment once (cached by name), checks the sequence is the descriptor's before it
+reads, takes the tensors as views of the slot (checksums verified), copies them where they belong, and checks the
+sequence again after (`intact`): a slot rewritten meanwhile (its writer is two messages ahead, or was SIGKILLed
+mid-write and its slot reused by a successor's segment of another name) is never used — the consumer drops what
+it copied and asks again, as for a lost message. A descriptor is validated before anything is mapped: the name's
+pattern and run, the file (a regular file of our uid, mode 0600, not a link), each tensor inside its slot;
+anything wrong raises `ShmError` with a drop reason.
+
+Segments are unlinked when their owner closes them or exits (atexit); a SIGKILLed owner's are removed by the next
+process that creates one, and by each server at its start (`sweep`: the owner pid in the name is dead).
+
+The sequence store after the tensors' stores, and the reader's loads in the opposite order, rely on stores becoming
+visible in order and loads not passing earlier loads: x86-64's memory model (TSO). There the seqlock alone makes a
+torn slot unusable, and xxh3 checksums would add nothing but four passes over the bytes (measured: ~15% of a
+comm-bound step), so slots carry them only on other machines, and only with cluster.checksum (`checksums`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import hashlib
+import itertools
+import mmap
+import os
+import platform
+import re
+import stat
+import struct
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from cmemi.shared.wire import protocol
+from cmemi.shared.wire.protocol import ProtocolError
+from cmemi.shared.wire.samehost import alive  # the same liveness rule as the ipc:// socket files
+
+ROOT = Path("/dev/shm")
+ALIGN = 64
+HEAD = 64  # bytes before each slot's tensors: the sequence number (u64, little-endian)
+SLOTS = 2
+_SEQ = struct.Struct("<Q")
+_MADE = itertools.count()  # segments this process made: their names' last field, unique per process
+_NAME = re.compile(r"cmemi-([0-9a-f]{12})-([a-z0-9]{1,16})-([0-9]{1,10})-([0-9]{1,10})")
+
+
+ORDERED = platform.machine() in ("x86_64", "AMD64")  # TSO: see the module's docstring
+
+
+def checksums(configured: bool) -> bool:
+    """Do slots carry xxh3 checksums (cluster.checksum, and a weaker memory order than x86-64's)?"""
+    return configured and not ORDERED
+
+
+class ShmError(ProtocolError):
+    """A descriptor or a segment that must not be used (its `reason` is the drop label)."""
+
+
+# Slots for models of at most this many parameter bytes. A slot is a second copy of what it carries on each side
+# (the writer's segment, double-buffered, and the reader's mapping of it): for a small model the copies through
+# the socket are the cost and the memory is nothing; for a big one the copies are a small part of a step and the
+# memory is what limits it (issue 34's budgets), so it keeps frames over ipc:// (docs/design.md §8).
+MAX_MODEL_BYTES = 64 << 20
+
+
+def payload_bytes(desc: dict[str, Any]) -> int:
+    """The tensor bytes a descriptor of ours names: what moved through the slot (counted as the socket's would be)."""
+    return sum(int(m["nbytes"]) for m in desc["tensors"])
+
+
+def available() -> bool:
+    """Can this process make segments (a writable /dev/shm)?"""
+    return ROOT.is_dir() and os.access(ROOT, os.W_OK | os.X_OK)
+
+
+def suits(model_bytes: int, workers: int) -> bool:
+    """Does a model of `model_bytes` parameter bytes travel in slots (MAX_MODEL_BYTES), on a host that has them with
+    room for every segment of `workers` workers and their servers (two slots of the model each)? A tmpfs that fills
+    up under a mapping kills its writer with SIGBUS (a container's /dev/shm is 64 MB by default): frames instead."""
+    if model_bytes > MAX_MODEL_BYTES or not available():
+        return False
+    try:
+        st = os.statvfs(ROOT)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * (workers + 1) * model_bytes
+
+
+def run_tag(run: str) -> str:
+    return hashlib.sha256(run.encode()).hexdigest()[:12]
+
+
+def owned(run: str) -> list[Path]:
+    """This run's segments, whoever owns them."""
+    prefix = f"cmemi-{run_tag(run)}-"
+    try:
+        return [ROOT / n for n in os.listdir(ROOT) if n.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def sweep() -> int:
+    """Remove our uid's segments whose owner is dead (SIGKILLed: nobody unlinked them), of this run or of an earlier
+    one killed whole; returns how many. A map of one stays valid; a reader that had not mapped it drops its
+    descriptor (`shm_missing`), as it would drop anything else from a dead peer."""
+    removed = 0
+    try:
+        names = os.listdir(ROOT)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None or alive(int(m.group(3))):
+            continue
+        path = ROOT / name
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid == os.getuid():
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def _place(metas: list[dict[str, Any]]) -> tuple[list[int], int]:
+    """Each tensor's byte offset in a slot (multiples of ALIGN), and the bytes the slot needs."""
+    at, end = [], 0
+    for m in metas:
+        at.append(end)
+        end += (m["nbytes"] + ALIGN - 1) // ALIGN * ALIGN
+    return at, end
+
+
+def _slot_bytes(mm: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
+    """The `nbytes` of a slot's tensors as one byte tensor on the map: every tensor is a view of it (`_tensor_at`),
+    so a run of adjacent ones can be viewed as one (services/worker/links/inbox.py)."""
+    with warnings.catch_warnings():  # a reader's map is read-only on purpose: torch warns that it is
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+
+
+def _tensor_at(slot: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
+    return slot[at:at + nbytes].view(dtype).view(shape)
+
+
+class Writer:
+    """One producer's segment: `write` puts tensors in the next slot and returns their descriptor."""
+
+    def __init__(self, run: str, role: str, checksum: bool) -> None:
+        if not re.fullmatch(r"[a-z0-9]{1,16}", role):
+            raise ValueError(f"segment role {role!r} must be 1-16 lowercase letters or digits")
+        self.run, self.role, self.checksum = run, role, checksum
+        self.path: Path | None = None
+        self.mm: mmap.mmap | None = None
+        self.capacity = 0  # bytes per slot, header excluded
+        self.swept = False
+        self.retired: tuple[Path | None, mmap.mmap | None] = (None, None)  # the segment a bigger one replaced
+        self.seqs = [0] * SLOTS
+        self.next = 0
+        atexit.register(self.close)
+
+    def _grow(self, need: int) -> None:
+        # the segment it replaces stays linked until the next one replaces this one: a descriptor of it may still be
+        # on its way to a reader that has not mapped it yet
+        replaced = (self.path, self.mm)
+        self.path, self.mm = self.retired
+        self._drop()
+        self.retired, self.path, self.mm = replaced, None, None
+        if not self.swept:
+            sweep()
+            self.swept = True
+        capacity = max(ALIGN, need, self.capacity * 3 // 2)  # a bigger one later replaces it under a new name
+        path = ROOT / f"cmemi-{run_tag(self.run)}-{self.role}-{os.getpid()}-{next(_MADE)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, SLOTS * (HEAD + capacity))
+            self.mm = mmap.mmap(fd, SLOTS * (HEAD + capacity))
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        os.close(fd)  # the map holds a duplicate of its own (CPython's mmap), closed with the map
+        self.path, self.capacity, self.seqs, self.next = path, capacity, [0] * SLOTS, 0
+
+    def begin(self, metas: list[dict[str, Any]]) -> tuple[int, list[torch.Tensor]]:
+        """Open the next slot for writing tensors of `metas` (name, dtype, shape, nbytes): (slot, one view each).
+        Its sequence is odd until `commit`."""
+        at, need = _place(metas)
+        if self.mm is None or need > self.capacity:
+            self._grow(need)
+        assert self.mm is not None
+        slot = self.next
+        base = slot * (HEAD + self.capacity)
+        self.seqs[slot] += 1
+        _SEQ.pack_into(self.mm, base, self.seqs[slot])
+        whole = _slot_bytes(self.mm, base + HEAD, self.capacity)
+        views = [_tensor_at(whole, a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
+                 for m, a in zip(metas, at, strict=True)]
+        return slot, views
+
+    def commit(self, slot: int, metas: list[dict[str, Any]], views: list[torch.Tensor]) -> dict[str, Any]:
+        """The slot is written: its sequence even again, and its descriptor (checksums computed here)."""
+        assert self.mm is not None and self.path is not None and self.seqs[slot] % 2 == 1
+        if self.checksum:
+            metas = [{**m, "xxh": xxhash.xxh3_64_intdigest(protocol.tensor_bytes(v)) if v.numel() else
+                      xxhash.xxh3_64_intdigest(b"")} for m, v in zip(metas, views, strict=True)]
+        else:
+            metas = [{**m, "xxh": None} for m in metas]
+        self.seqs[slot] += 1
+        _SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
+        self.next = (slot + 1) % SLOTS
+        return {"seg": self.path.name, "slot": slot, "seq": self.seqs[slot], "at": _place(metas)[0], "tensors": metas}
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Copy `tensors` into the next slot; their descriptor."""
+        metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                  "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in tensors.items()]
+        slot, views = self.begin(metas)
+        with torch.no_grad():
+            for v, t in zip(views, tensors.values(), strict=True):
+                v.copy_(t)
+        return self.commit(slot, metas, views)
+
+    def close(self) -> None:
+        """Unlink the segment (and a replaced one); its pages go once no view of them is left (here or in a reader)."""
+        self._drop()
+        path, self.mm = self.retired
+        self.path, self.retired = path, (None, None)
+        self._drop()
+
+    def _drop(self) -> None:
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.path = None
+        if self.mm is not None:
+            with contextlib.suppress(BufferError):  # views still alive: the map goes with the last of them
+                self.mm.close()
+            self.mm = None
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Reader:
+    """A consumer's maps of its peers' segments (at most `limit`, least recently used dropped first)."""
+
+    def __init__(self, run: str, checksum: bool, limit: int = 16, bound: int | None = None) -> None:
+        # bound: the most bytes one descriptor may name (limits.logical_bytes, as for a message in parts)
+        self.tag, self.checksum, self.limit, self.bound = run_tag(run), checksum, limit, bound
+        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+
+    def _map(self, name: str) -> mmap.mmap:
+        mm = self.maps.get(name)
+        if mm is not None:
+            self.maps.move_to_end(name)
+            return mm
+        try:
+            fd = os.open(ROOT / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ShmError("shm_missing", f"{name}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise ShmError("shm_not_ours", f"{name}: not a regular file of mode 0600 owned by uid {os.getuid()}")
+            if st.st_size < SLOTS * (HEAD + ALIGN) or st.st_size % SLOTS:
+                raise ShmError("shm_bad_size", f"{name}: {st.st_size} bytes")
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        for old in [n for n in self.maps if not (ROOT / n).exists()]:  # unlinked: replaced, or its owner is gone
+            del self.maps[old]  # its pages go with the last view of them
+        self.maps[name] = mm
+        while len(self.maps) > self.limit:  # the least recently used
+            self.maps.popitem(last=False)
+        return mm
+
+    def _check(self, desc: Any) -> tuple[mmap.mmap, int, list[dict[str, Any]], list[int]]:
+        if not isinstance(desc, dict):
+            raise ShmError("shm_bad", "the descriptor is not a map")
+        name, slot, seq, at, metas = (desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors"))
+        if not isinstance(name, str) or (m := _NAME.fullmatch(name)) is None or m.group(1) != self.tag:
+            raise ShmError("shm_bad", f"segment name {str(name)[:60]!r}")
+        if not (_int(slot) and 0 <= slot < SLOTS and _int(seq) and seq > 0 and seq % 2 == 0
+                and isinstance(at, list) and isinstance(metas, list) and len(at) == len(metas)
+                and all(_int(a) and a >= 0 for a in at) and all(isinstance(x, dict) for x in metas)):
+            raise ShmError("shm_bad", "slot, seq, at or tensors")
+        for x in metas:
+            for key, types in (("name", str), ("dtype", str), ("shape", list), ("nbytes", int)):
+                if not isinstance(x.get(key), types) or isinstance(x.get(key), bool):
+                    raise ShmError("shm_bad", f"tensor entry field {key!r}")
+            if x.get("xxh") is not None and not _int(x["xxh"]):
+                raise ShmError("shm_bad", "tensor entry field 'xxh'")
+        if self.bound is not None and (total := sum(x["nbytes"] for x in metas)) > self.bound:
+            raise ShmError("too_big", f"a slot of {total} bytes, bound {self.bound}")
+        mm = self._map(name)
+        capacity = len(mm) // SLOTS - HEAD
+        for x, a in zip(metas, at, strict=True):
+            protocol.tensor_spec(x)  # dtype, shape, nbytes agree (ProtocolError)
+            if a % ALIGN or a + x["nbytes"] > capacity:
+                raise ShmError("shm_bounds", f"{x['name']!r}: [{a}, {a + x['nbytes']}) in a slot of {capacity}"[:80])
+        return mm, slot * (HEAD + capacity), metas, at
+
+    def views(self, desc: Any) -> dict[str, torch.Tensor]:
+        """The tensors a descriptor names, as read-only views of its slot (checksums verified). Copy them, then
+        check `intact(desc)` before using the copy."""
+        mm, base, metas, at = self._check(desc)
+        if _SEQ.unpack_from(mm, base)[0] != desc["seq"]:
+            raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: a newer write, or one unfinished")
+        out: dict[str, torch.Tensor] = {}
+        whole = _slot_bytes(mm, base + HEAD, len(mm) // SLOTS - HEAD)
+        for x, a in zip(metas, at, strict=True):
+            dtype, shape, n = protocol.tensor_spec(x)
+            v = _tensor_at(whole, a, dtype, shape, n)
+            if self.checksum and x["xxh"] is not None and xxhash.xxh3_64_intdigest(
+                    protocol.tensor_bytes(v) if n else b"") != x["xxh"]:
+                raise ShmError("bad_checksum", repr(x["name"])[:60])
+            out[x["name"]] = v
+        if len(out) != len(metas):
+            raise ShmError("bad_tensor", "duplicate tensor names")
+        return out
+
+    def intact(self, desc: dict[str, Any]) -> bool:
+        """Is the slot still the descriptor's (nothing wrote it since `views`)?"""
+        mm = self.maps.get(desc["seg"])
+        if mm is None:
+            return False
+        return _SEQ.unpack_from(mm, desc["slot"] * (len(mm) // SLOTS))[0] == desc["seq"]
+
+    def copied(self, desc: Any) -> dict[str, torch.Tensor]:
+        """The tensors a descriptor names, copied out of its slot (ShmError when it is torn or overwritten)."""
+        views = self.views(desc)
+        out = {n: v.clone() for n, v in views.items()}
+        del views
+        if not self.intact(desc):
+            raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
+        return out

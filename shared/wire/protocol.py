@@ -1,0 +1,321 @@
+"""The wire protocol: every message type declared once, validated on receipt.
+
+A message is a ZeroMQ multipart message: frame 0 is a small msgpack header, the next frames are
+raw tensor bytes, one per entry of the header's `tensors` list, sent and received without copies
+(`torch.frombuffer` over the received frame). Big buffers never go through msgpack.
+
+`decode` raises `ProtocolError` (with a short `reason` used as a drop-counter label) for anything
+malformed: services drop such a message, log it and count it, and carry on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+import zmq
+from cmemi.shared.wire.header import PROTOCOL_VERSION, header_only
+from cmemi.shared.wire.header import header as make_header
+
+# dtype name on the wire -> torch dtype. A closed table: nothing else is ever constructed.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+_ZERO_COPY_MIN = 1 << 16  # below this, copying is cheaper than zero-copy bookkeeping (pyzmq docs)
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_MAP = (dict,)
+_LIST = (list,)
+_BOOL = (bool,)
+_NONE = (type(None),)
+
+_WORKER = {"wid": _STR, "inc": _INT}
+# type -> {field: allowed python types}. Every field listed is required; unknown fields are ignored.
+SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
+    # worker -> aggregator
+    "hello": {**_WORKER, "fp": _MAP, "host": _STR},
+    "want": {**_WORKER, "term": _INT, "version": _INT},  # optional "reask": n > 0, asked again after silence
+    "grad": {**_WORKER, "term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "losses": _LIST, "n": _INT,
+             "finite": _BOOL, "codec": _MAP, "encode_s": _NUM, "tensors": _LIST},
+    "leave": {**_WORKER},
+    # aggregator -> worker
+    "welcome": {"term": _INT, "step": _INT, "version": _INT, "total_steps": _INT},
+    # optional: "downlink"/"base" (the change or, streaming, the changed pieces since version `base`), "last" (streaming:
+    # the worker's last lease of the step, so it computes ahead once its gradient is sent)
+    "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
+    "stop": {"reason": _STR},
+    "reject": {"reason": _STR, "fatal": _BOOL},
+    # a replica's inner state at the start of a round (train.local_steps), ahead of that replica's `work` to a
+    # worker that does not hold it (meta: shared/wire/state.py's, tensors named inner.…; empty: a fresh state)
+    "inner": {"replica": _INT, "round": _INT, "meta": _MAP, "tensors": _LIST},
+    "pending": {"reask": _INT},  # re-ask n came while the work last sent is unanswered (services/aggregator/leader/leasing.py)
+    # streaming local steps: no lease for the worker now after its grad of step `step` (it is parked), so it may
+    # compute its replicas' next segments ahead (services/worker/worker.py, docs/design.md §10)
+    "parked": {"step": _INT},
+    # coordinator -> aggregator
+    "fence": {"wid": _STR, "inc": _INT},
+    # aggregator <-> checkpointer
+    "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
+    "saved": {"step": _INT, "path": _STR},
+    "skipped": {"step": _INT},  # a shard's snapshot of a step that will never be complete (a newer one came)
+    # a snapshot the checkpointer could not check, its term unknown (Redis restarted empty, or away): send it again
+    "retry": {"step": _INT},
+    "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard", "owned" (its piece names)
+    "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
+    "no_checkpoint": {"term": _INT},
+    # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard/server.py): hello/welcome/reject as above, then
+    # a grad gets no answer (the leader's reply says what comes next), a pull gets that version's slice
+    "pull": {**_WORKER, "term": _INT, "version": _INT},
+    # optional "stage" (cluster.pipeline_stages): a grad carries that stage of the shard's slice, a slice answers
+    # with it (one per stage; -1: that step is over, no tensors)
+    "slice": {"version": _INT, "asked": _INT, "shard": _INT, "tensors": _LIST},  # asked: the pull's version
+    # shard k > 0 <-> shard 0 (the leader): a shard joins a term, says which microbatches of the step it holds
+    # while it is incomplete, reports each complete step with its share of the global gradient norm and its
+    # overflow flag, and is told to apply it with every shard's share
+    "shard_join": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "addr": _STR},
+    "shard_have": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "have": _LIST},
+    "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
+    "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL, "last": _BOOL, "snapshot": _BOOL},
+    # the leader's answer to a join: the run's dataset fingerprint and this term's lease-seal key, so a shard admits
+    # workers and checks leases by the leader's rule (services/aggregator/common/admission.py); and each fence it verified
+    "shard_welcome": {"term": _INT, "fp": _MAP, "lease_key": (bytes,)},
+    "shard_fence": {"term": _INT, "wid": _STR, "inc": _INT},
+    # last: the run ends with this step (train.steps, or an early stop), every shard writes its final slice;
+    # snapshot: every shard checkpoints this step (the leader picks the same steps for all)
+    "shard_eval": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},  # its slice at eval.every_steps
+    "shard_final": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "bytes_in": _INT, "bytes_out": _INT,
+                    "drops": _MAP, "tensors": _LIST},
+    # one part of a logical message too big for one ZeroMQ message (shared/wire/transfer.py); part 0 also has "of"
+    "part": {"xfer": _INT, "index": _INT, "count": _INT, "frames": _LIST},
+}
+
+_TENSOR = {"name": _STR, "dtype": _STR, "shape": _LIST, "nbytes": _INT, "xxh": _INT + _NONE}
+
+
+class ProtocolError(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    header: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def type(self) -> str:
+        return self.header["type"]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], checksum: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The header entries and frames of `tensors`; computed once, they can go out in any number of messages."""
+    metas, frames = [], []
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.detach().cpu().contiguous()
+        buf = tensor_bytes(t)
+        metas.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                      "nbytes": buf.nbytes, "xxh": xxhash.xxh3_64_intdigest(buf) if checksum else None})
+        frames.append(buf)
+    return metas, frames
+
+
+def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+           checksum: bool = True, encoded: tuple[list[dict[str, Any]], list[Any]] | None = None) -> list[Any]:
+    """Header + one frame per tensor (or per frame of `encoded`, from `encode_tensors`). Tensors must be
+    contiguous CPU tensors that nobody mutates until sent."""
+    if encoded is None and tensors is not None:
+        encoded = encode_tensors(tensors, checksum)
+    if encoded is None:
+        return [header_only(mtype, run, fields)]
+    header = make_header(mtype, run, fields)
+    header["tensors"] = encoded[0]
+    return [msgpack.packb(header), *encoded[1]]
+
+
+def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None,
+         trackers: list[zmq.MessageTracker] | None = None) -> int:
+    """Send a message built by `encode`; large frames go zero-copy (with `trackers`: tracked, each frame's
+    tracker appended, so the caller knows when ZeroMQ no longer reads the buffer). Returns the bytes sent."""
+    if identity is not None:
+        parts = [identity, *parts]
+    last = len(parts) - 1
+    total = 0
+    for i, part in enumerate(parts):
+        n = part.nbytes if isinstance(part, memoryview) else len(part)
+        total += n
+        flags = zmq.SNDMORE if i < last else 0
+        if n < _ZERO_COPY_MIN:
+            sock.send(part, flags=flags)
+        elif trackers is not None:
+            trackers.append(sock.send(part, flags=flags, copy=False, track=True))
+        else:
+            sock.send(part, flags=flags, copy=False)
+    return total - (len(identity) if identity is not None else 0)
+
+
+def _check_fields(header: dict[str, Any], schema: dict[str, tuple[type, ...]], what: str) -> None:
+    for key, types_ in schema.items():
+        if key not in header:
+            raise ProtocolError("missing_field", f"{what} lacks field {key!r}")
+        value = header[key]
+        if not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_):
+            raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}")
+
+
+def parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
+    """Validate a header frame; returns the header and its tensor entries."""
+    raw = first.bytes if isinstance(first, zmq.Frame) else bytes(first)
+    if len(raw) > 1 << 20:
+        raise ProtocolError("header_too_big", f"{len(raw)} bytes")
+    try:
+        header = msgpack.unpackb(raw, strict_map_key=True)
+    except Exception as exc:  # msgpack raises many unrelated types for hostile input
+        raise ProtocolError("not_msgpack", type(exc).__name__) from None
+    return check_header(header, run)
+
+
+def check_header(header: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
+    """Validate an unpacked header (a message's, or the logical one a part 0 carries)."""
+    if not isinstance(header, dict):
+        raise ProtocolError("not_a_map", type(header).__name__)
+    mtype = header.get("type")
+    if not isinstance(mtype, str) or mtype not in SCHEMAS:
+        raise ProtocolError("unknown_type", repr(mtype)[:40])
+    if header.get("proto") != PROTOCOL_VERSION:
+        raise ProtocolError("wrong_protocol", f"version {header.get('proto')!r}, expected {PROTOCOL_VERSION}")
+    if header.get("run") != run:
+        raise ProtocolError("wrong_run", f"run id {str(header.get('run'))[:40]!r}")
+    _check_fields(header, SCHEMAS[mtype], mtype)
+    metas = header.get("tensors", [])
+    if not isinstance(metas, list):
+        raise ProtocolError("bad_field", f"{mtype} field 'tensors' has type {type(metas).__name__}")
+    for meta in metas:
+        if not isinstance(meta, dict):
+            raise ProtocolError("bad_tensor", "tensor entry is not a map")
+        _check_fields(meta, _TENSOR, "tensor")
+    return header, metas
+
+
+def decode(frames: list[Any], run: str, checksum: bool = True) -> Message:
+    """Validate and decode a received message (frames as received with copy=False, identity removed)."""
+    if not frames:
+        raise ProtocolError("empty", "no frames")
+    return decode_body(*parse(frames[0], run), frames[1:], checksum)
+
+
+def decode_body(header: dict[str, Any], metas: list[Any], frames: list[Any], checksum: bool = True) -> Message:
+    """The message of a validated header (from `parse`) and its tensor frames."""
+    if header["type"] == "part":
+        raise ProtocolError("unexpected_part", "a part of a bigger message, and no reassembly here")
+    if len(frames) != len(metas):
+        raise ProtocolError("frame_count", f"{len(frames)} frames for {len(metas)} tensors")
+    tensors = {meta["name"]: _tensor(meta, frame, checksum) for meta, frame in zip(metas, frames, strict=True)}
+    if len(tensors) != len(metas):
+        raise ProtocolError("bad_tensor", "duplicate tensor names")
+    return Message(header, tensors)
+
+
+def recv(sock: zmq.Socket, run: str, checksum: bool = True, into: dict[str, torch.Tensor] | None = None) -> Message:
+    """Receive and decode one message from a socket without identity frames (DEALER, PULL).
+
+    A tensor named in `into` whose dtype and shape match the header is received straight into that
+    tensor's memory: no allocation, no copy, and the message holds `into`'s tensor. On ProtocolError
+    the whole message has been consumed, and tensors of `into` may hold partial data.
+    """
+    try:
+        return recv_body(sock, *parse(sock.recv(copy=False), run), checksum, into)
+    except ProtocolError:
+        drain(sock)
+        raise
+
+
+def drain(sock: zmq.Socket) -> None:
+    """Read the rest of a bad message: it must not be read as the next one."""
+    while sock.getsockopt(zmq.RCVMORE):
+        sock.recv(copy=False)
+
+
+def recv_body(sock: zmq.Socket, header: dict[str, Any], metas: list[Any], checksum: bool = True,
+              into: dict[str, torch.Tensor] | None = None) -> Message:
+    """The tensor frames of a message whose header `parse` validated (see `recv`; the caller drains on error)."""
+    if header["type"] == "part":
+        raise ProtocolError("unexpected_part", "a part of a bigger message, and no reassembly here")
+    tensors: dict[str, torch.Tensor] = {}
+    for meta in metas:
+        if not sock.getsockopt(zmq.RCVMORE):
+            raise ProtocolError("frame_count", f"{len(tensors)} frames for {len(metas)} tensors")
+        target = (into or {}).get(meta["name"])
+        if target is not None and DTYPES.get(meta["dtype"]) == target.dtype and meta["shape"] == list(target.shape) \
+                and target.is_contiguous():
+            buf = tensor_bytes(target)
+            n = sock.recv_into(buf)
+            if n != buf.nbytes or meta["nbytes"] != n:
+                raise ProtocolError("bad_length", f"{meta['name']!r}: {n} bytes, shape needs {buf.nbytes}")
+            if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
+                raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
+            tensors[meta["name"]] = target
+        else:
+            tensors[meta["name"]] = _tensor(meta, sock.recv(copy=False), checksum)
+    if sock.getsockopt(zmq.RCVMORE):
+        raise ProtocolError("frame_count", f"more frames than the {len(metas)} tensors")
+    if len(tensors) != len(metas):
+        raise ProtocolError("bad_tensor", "duplicate tensor names")
+    return Message(header, tensors)
+
+
+def tensor_spec(meta: dict[str, Any]) -> tuple[torch.dtype, list[int], int]:
+    """dtype, shape and byte length of a tensor entry, validated (nbytes must match the shape)."""
+    dtype = DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ProtocolError("bad_dtype", repr(meta["dtype"])[:40])
+    shape = meta["shape"]
+    if len(shape) > 8 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+        raise ProtocolError("bad_shape", repr(shape)[:60])
+    expected = math.prod(shape) * dtype.itemsize
+    if meta["nbytes"] != expected:
+        raise ProtocolError("bad_length", f"{meta['name']!r}: header says {meta['nbytes']} bytes, shape needs {expected}")
+    return dtype, shape, expected
+
+
+def _tensor(meta: dict[str, Any], frame: Any, checksum: bool) -> torch.Tensor:
+    dtype, shape, expected = tensor_spec(meta)
+    buf = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+    if buf.nbytes != expected:
+        raise ProtocolError("bad_length", f"{meta['name']!r}: {buf.nbytes} bytes, header says {meta['nbytes']}, shape needs {expected}")
+    if checksum and meta["xxh"] is not None and xxhash.xxh3_64_intdigest(buf) != meta["xxh"]:
+        raise ProtocolError("bad_checksum", repr(meta["name"])[:60])
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    if buf.readonly:  # received zmq frames are writable (zero copy); plain bytes (tests, tools) get one copy
+        buf = memoryview(bytearray(buf))
+    return torch.frombuffer(buf, dtype=dtype).view(shape)
+
+
+def message_bytes(frames: list[Any]) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+def bind(sock: zmq.Socket, host: str, port: int) -> str:
+    """Bind to host:port (port 0: a free port chosen by the OS) and return the address peers connect to."""
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
