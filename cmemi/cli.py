@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cmemi.commands.configs import bundled_examples, config_path
 from cmemi.launcher.launch import SERVICES, run_service, user_code_importable
+from cmemi.shared.runtime.exits import Exit
 
 if TYPE_CHECKING:
     from cmemi.launcher.zygote_up import Zygote
@@ -84,7 +85,7 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
                   verbose=args.verbose, lock=lock, zygote=zygote)
     except (ConfigError, MissingExtra) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     finally:
         if lock is not None:
             lock.release()
@@ -107,7 +108,7 @@ def _events(argv: list[str]) -> int:
         rows = timelines(load_events(args.run_dir))
     except FileNotFoundError as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     print(json.dumps(rows, indent=1) if args.json else format_table(rows))
     return 0
 
@@ -122,10 +123,10 @@ def _scale(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.workers < 1:
         print("cmemi: error: the number of workers must be >= 1", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     info = _cluster_info(args.run_dir)
     if info is None:
-        return 2
+        return Exit.FATAL
     connect(info["redis"]).set(Keys(info["run"]).scale, args.workers)
     print(f"cmemi: asked run {info['run']!r} for {args.workers} workers")
     return 0
@@ -158,7 +159,7 @@ def _plot(argv: list[str]) -> int:
         require("matplotlib", "plot", "cmemi plot")
     except MissingExtra as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     from cmemi.commands.plot import main as plot_main
 
     return plot_main(argv)
@@ -184,7 +185,7 @@ def _keys(argv: list[str]) -> int:
                 export_role(Path(args.directory), Path(args.per_role) / role, role)
         except SecurityError as exc:
             print(f"cmemi: error: {exc}", file=sys.stderr)
-            return 2
+            return Exit.FATAL
         print(f"wrote {len(made)} files to {args.directory} (every role's keys: keep them off the hosts) and "
               f"{args.per_role}/{{{','.join(ROLE_SECRETS)}}}/: the public keys and only that role's secret keys (mode "
               "600). Give each role's hosts or containers only its own directory, as their security.keys_dir.")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(zygote_main(rest))
     if cmd not in COMMANDS:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(Exit.FATAL)
     if cmd == "up" and from_command_line:
         _exit_now(_exit_code(lambda: COMMANDS[cmd](rest)))
     sys.exit(COMMANDS[cmd](rest))

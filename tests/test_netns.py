@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.wire.security import generate
 
 from cmemi.launcher.redis_server import redis_server_binary
@@ -41,7 +42,6 @@ STEPS = 1600  # long enough for the replacement (a fresh process: imports torch)
 SETS = ("model.factory=tests.helpers.netns:gated_mlp", f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}",
         "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "cluster.workers=2", "checkpoint.every_steps=200")
 CUT_AT_STEP = 60
-EXIT_FENCED = 3
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -185,7 +185,7 @@ def test_separate_hosts_cut_worker_is_fenced_and_replaced(lab: netns.NetLab, tmp
     rc = poll(lambda: procs["w1"].poll() is not None and [procs["w1"].returncode], 60,
               "the stale w1 exiting after its link came back", diagnostics)[0]
     timer.mark(f"stale w1 exited with code {rc} {time.time() - t_restore:.2f}s after the link came back")
-    assert rc == EXIT_FENCED, diagnostics()
+    assert rc == Exit.FENCED, diagnostics()
     stale_log = read_jsonl(logs / "w1.log")
     assert any("fenced; exiting" in e.get("event", "") for e in stale_log), diagnostics()
     # it learns either from the aggregator's `reject` or from its own periodic Redis check, whichever is first

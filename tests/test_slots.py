@@ -11,10 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from cmemi.services.coordinator.coordinator import Coordinator
-from cmemi.services.coordinator.supervisor import UNKNOWN_EXIT, Child, load_children, save_children
+from cmemi.services.coordinator.supervisor import Child, load_children, save_children
 from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
+from cmemi.shared.runtime.exits import Exit
 
 from tests.conftest import DIGITS
 from tests.helpers.chaos import poll
@@ -41,7 +42,7 @@ def test_adoption_follows_the_command_line_and_reads_exits(tmp_path: Path) -> No
         a.popen.send_signal(signal.SIGKILL)  # our own child: we reap it, the adopter only sees it gone
         a.popen.wait()
         poll(lambda: child.poll() is not None, 10, "the adopted process seen to exit")
-        assert child.poll() == UNKNOWN_EXIT and not child.alive
+        assert child.poll() == Exit.UNKNOWN and not child.alive
     finally:
         for c in (a, b):
             c.kill()

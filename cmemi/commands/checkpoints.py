@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from cmemi.services.checkpointer.store import CheckpointStore
+from cmemi.shared.runtime.exits import Exit
 
 
 def _human(n: float) -> str:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     root = Path(args.run_dir) / "checkpoints"
     if not root.is_dir():
         print(f"cmemi: error: {root} not found; pass the run directory of a cmemi run", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     store = CheckpointStore(root)
     infos = store.list()
     if args.action == "list":
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
         info = next((i for i in infos if i.step == args.step), None)
         if info is None:
             print(f"cmemi: error: no checkpoint of step {args.step}; have: {[i.step for i in infos]}", file=sys.stderr)
-            return 2
+            return Exit.FATAL
         problem = store.verify(info.path)
         if problem:
             print(f"cmemi: error: checkpoint of step {info.step} is damaged: {problem}", file=sys.stderr)

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from cmemi.shared.runtime.exits import Exit
+
 SKIP = ("timestamp", "level", "event", "service")
 
 
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> int:
         print(f"cmemi: error: no logs{' for ' + repr(args.role) if args.role else ''} in {run_dir / 'logs'}"
               + (f"; have: {', '.join(have)}" if have else "; pass the run directory of a cmemi up run"),
               file=sys.stderr)
-        return 2
+        return Exit.FATAL
     offsets = {f: f.stat().st_size for f in files}  # taken first: a line written meanwhile shows twice, not never
     try:
         for source, line in merged(files):

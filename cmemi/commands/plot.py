@@ -23,6 +23,8 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from cmemi.shared.runtime.exits import Exit
+
 # event kind -> (colour, line style) of its vertical line
 FAULT_KINDS: dict[str, tuple[str, str]] = {
     "fault_injected": ("black", ":"),
@@ -275,6 +277,6 @@ def main(argv: list[str]) -> int:
         path = plot_run(args.run_dir, args.output, x=args.x)
     except FileNotFoundError as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     print(path)
     return 0

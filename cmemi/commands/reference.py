@@ -38,11 +38,13 @@ from cmemi.shared.config.plugins import build_model, resolve
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.innerstate import through_wire
 from cmemi.shared.core.reduction import TreeAccumulator, add_into, block_size
+from cmemi.shared.errors import FaultError
+from cmemi.shared.runtime.exits import Exit
 
 HOLDER = ("reference", 0)  # the one (worker id, incarnation) that holds every lease of a reference run
 
 
-class ReferenceError(RuntimeError):
+class ReferenceError(FaultError, RuntimeError):
     """Training cannot go on (diverged, user code failed): the one-line reason."""
 
 
@@ -201,10 +203,10 @@ def main(argv: list[str]) -> int:
         trainer, summary = train(cfg, resets)
     except (ConfigError, ReferenceError, FloatingPointError) as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     except UserCodeError as exc:
         print(f"cmemi: error: {describe(exc.cause).line()} during {exc.phase}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     text = json.dumps(summary, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")

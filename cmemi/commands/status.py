@@ -22,13 +22,15 @@ from urllib.parse import urlsplit
 import redis
 
 from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.errors import UserError
+from cmemi.shared.runtime.exits import Exit
 
 ROLES = ("coordinator", "aggregator", "checkpointer")
 FINAL_STATES = ("completed", "failed")
 METRICS_WINDOW = 20  # logged steps averaged for samples/s and bytes/s
 
 
-class StatusError(Exception):
+class StatusError(UserError):
     """A one-line, user-facing reason why no status can be shown."""
 
 
@@ -554,7 +556,7 @@ def main(argv: list[str]) -> int:
             time.sleep(max(0.1, args.interval))
     except StatusError as exc:
         print(f"cmemi: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.FATAL
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -22,6 +22,7 @@ from typing import Any
 
 import xxhash
 import zmq
+from cmemi.shared.errors import FaultError
 from cmemi.shared.wire import transfer
 
 _READ = 4 << 20
@@ -30,7 +31,7 @@ _WIRE = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "F16": "fl
          "I32": "int32", "F32": "float32", "F64": "float64", "I64": "int64"}
 
 
-class RestoreError(RuntimeError):
+class RestoreError(FaultError, RuntimeError):
     """A checkpoint file that verified but cannot be read as safetensors (written by something else)."""
 
 

@@ -31,13 +31,14 @@ import torch
 import xxhash
 from cmemi.services.checkpointer import safetensors_out
 from cmemi.services.checkpointer.safetensors_out import Source
+from cmemi.shared.errors import FaultError
 from safetensors.torch import load_file
 
 MANIFEST = "MANIFEST.json"
 FILES = ("model.safetensors", "state.safetensors", "meta.json")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FaultError, RuntimeError):
     pass
 
 

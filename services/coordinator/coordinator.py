@@ -17,7 +17,6 @@ import redis
 import zmq
 from cmemi.services.coordinator.supervisor import (
     HEALTHY_AFTER_S,
-    UNKNOWN_EXIT,
     Child,
     backoff,
     load_children,
@@ -29,11 +28,10 @@ from cmemi.services.coordinator.supervisor import (
 from cmemi.shared.coordination.counters import GAP, Counters
 from cmemi.shared.coordination.membership import Member, read_events
 from cmemi.shared.runtime import metrics, startup
-from cmemi.shared.runtime.service import EXIT_FATAL, EXIT_REJOIN, ServiceContext
+from cmemi.shared.runtime.exits import Exit
+from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import header as wire
 from cmemi.shared.wire import samehost
-
-EXIT_FENCED = 3
 
 
 class Coordinator:
@@ -263,11 +261,11 @@ class Coordinator:
     def _exit_kind(self, child: Child, rc: int) -> str:
         """How a child ended: "fatal" (a user error), "normal" (exit 0, or its record says stopped) or "died".
         An adopted process's exit code cannot be read: its own Redis record and the run's error decide."""
-        if rc == EXIT_FATAL:
+        if rc == Exit.FATAL:
             return "fatal"
-        if rc in (0, EXIT_REJOIN):  # EXIT_REJOIN: a shard left a term that went back to a checkpoint
+        if rc in (0, Exit.REJOIN):  # Exit.REJOIN: a shard left a term that went back to a checkpoint
             return "normal"
-        if rc == UNKNOWN_EXIT:
+        if rc == Exit.UNKNOWN:
             r, k = self.ctx.redis, self.ctx.keys
             record, error = r.hgetall(k.member(child.role, child.ident)), r.get(k.error)
             if error:
@@ -305,7 +303,7 @@ class Coordinator:
                 child.forget()
                 child.next_start = now
                 continue
-            self._declare_dead(child.role, child.ident, how=f"exit code {rc}" if rc != UNKNOWN_EXIT else "exited",
+            self._declare_dead(child.role, child.ident, how=f"exit code {rc}" if rc != Exit.UNKNOWN else "exited",
                                pid=child.pid)
             self._replace(child)
         for spare in list(self.spares):

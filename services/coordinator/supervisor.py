@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cmemi.shared.runtime import zygote
+from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.lifeline import die_with_parent
-
-UNKNOWN_EXIT = -1000  # an adopted process (not our child) exited: its exit code cannot be read
 
 
 @dataclass
@@ -67,14 +66,14 @@ class Child:
         return self.running and self.poll() is None
 
     def poll(self) -> int | None:
-        """None while running; the exit code once exited (UNKNOWN_EXIT for an adopted process)."""
+        """None while running; the exit code once exited (Exit.UNKNOWN for an adopted process)."""
         if self.popen is not None:
             return self.popen.poll()
         if self.adopted is None:
             return None
         if self._adopted_rc is None and not _process_running(self.adopted, self.pidfd):
             rc = zygote.exit_code(self.exit_record) if self.exit_record else None
-            self._adopted_rc = UNKNOWN_EXIT if rc is None else rc
+            self._adopted_rc = Exit.UNKNOWN if rc is None else rc
         return self._adopted_rc
 
     def start(self, env: dict[str, str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 A warm spare loads everything, then waits for the coordinator to hand it the id of a dead worker; a worker
 registers a new incarnation of its id (heartbeating from then on). It exits cleanly when the run is over,
-and with EXIT_FENCED when its incarnation was declared dead (the supervisor starts a fresh one). While idle,
+and with Exit.FENCED when its incarnation was declared dead (the supervisor starts a fresh one). While idle,
 those facts and the aggregator's address are read off the loop (shared/coordination/watch.py).
 """
 
@@ -13,9 +13,8 @@ import time
 import redis
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.coordination.watch import Watch
+from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext
-
-EXIT_FENCED = 3  # this incarnation was declared dead; the supervisor starts a fresh one
 
 
 class Lifecycle:
@@ -84,7 +83,7 @@ class Lifecycle:
     def exit_if_fenced(self, fenced: bool) -> None:
         if fenced:
             self.ctx.log.warning("this incarnation was fenced; exiting so a fresh one replaces it")
-            raise SystemExit(EXIT_FENCED)
+            raise SystemExit(Exit.FENCED)
 
     def idle_check(self) -> dict[str, str] | None:
         """While idle: exit if fenced or the run is over; the aggregator's record if a new reading came."""

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import msgpack
 import torch
 from cmemi.shared.config.schema import CODECS, CompressionConfig, _fail
+from cmemi.shared.errors import WireError
 from cmemi.shared.wire.layout import Layout, LayoutError
 
 # Largest tensor decode will build when the caller does not pass the expected shapes (int32 indices).
@@ -50,7 +51,7 @@ _QSEED = 0x5EED_C0DE  # PowerSGD initial Q: fixed seed, mixed with the tensor na
 _SAMPLE = 1 << 14     # topk: sample size for the threshold estimate on big tensors
 
 
-class CodecError(ValueError):
+class CodecError(WireError, ValueError):
     """A compressed gradient is malformed; `reason` is a short label for drop counters."""
 
     def __init__(self, reason: str, detail: str) -> None:

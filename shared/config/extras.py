@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from cmemi.shared.errors import UserError
 
-class MissingExtra(RuntimeError):
+
+class MissingExtra(UserError, RuntimeError):
     """An optional dependency is not installed; the message names the pip extra that brings it."""
 
 

@@ -16,6 +16,7 @@ from types import TracebackType
 
 import numpy
 import torch
+from cmemi.shared.errors import UserError
 
 _LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, numpy)) + tuple(
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
@@ -48,7 +49,7 @@ def where(tb: TracebackType | None) -> tuple[str, str]:
     return chosen.name, f"{name}:{chosen.lineno}"
 
 
-class RemoteFailure(Exception):
+class RemoteFailure(UserError):
     """A failure of user code in another process of ours (a data loader), carried back as its description."""
 
     def __init__(self, failure: Failure) -> None:

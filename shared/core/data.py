@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from cmemi.shared.errors import UserError
 from torch.utils.data import Dataset, default_collate
 
 
-class DataError(RuntimeError):
+class DataError(UserError, RuntimeError):
     """The dataset cannot be read, or differs from the one the aggregator holds."""
 
 

@@ -22,12 +22,11 @@ from cmemi.shared.config.schema import Config, ConfigError, load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, emit, wait_for_redis
 from cmemi.shared.runtime import lifeline, metrics, startup
+from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.log import setup_logging
 from cmemi.shared.wire import samehost
 from cmemi.shared.wire.security import Curve, SecurityError, curve_from_config
 
-EXIT_FATAL = 2  # a user error: restarting will not help
-EXIT_REJOIN = 4  # a parameter-server shard leaves a term that went back to a checkpoint: restart it at once, no crash
 REDIS_URL_ENV = "CMEMI_REDIS_URL"  # how `cmemi up` and the coordinator hand the Redis URL (and password) down
 
 
@@ -51,7 +50,7 @@ class ServiceContext:
         emit(self.redis, self.keys, kind, **fields)
 
     def fatal(self, message: str) -> None:
-        """Record a one-line, user-fixable error for the run and exit with EXIT_FATAL."""
+        """Record a one-line, user-fixable error for the run and exit with Exit.FATAL."""
         self.log.error("fatal", error=message)
         first = True
         try:  # the first fatal error is the run's (others that follow are its consequences)
@@ -62,7 +61,7 @@ class ServiceContext:
             pass
         if first and os.environ.get("CMEMI_UP") != "1":  # under `cmemi up`, it prints the run's error once
             print(f"cmemi: error: {message}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_FATAL)
+        sys.exit(Exit.FATAL)
 
     def run_state(self) -> str | None:
         try:
@@ -96,11 +95,11 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
         cfg = load_config(args.config, args.set)
     except ConfigError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_FATAL)
+        sys.exit(Exit.FATAL)
     url = redis_url(args, cfg)
     if not url:
         print(f"cmemi {role}: error: no Redis URL; set {REDIS_URL_ENV}, cluster.redis or --redis URL", file=sys.stderr)
-        sys.exit(EXIT_FATAL)
+        sys.exit(Exit.FATAL)
     client = connect(url)
     wait_for_redis(client, timeout=30)
     startup.mark("connected")
@@ -115,7 +114,7 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
         curve = curve_from_config(cfg.security, role)
     except SecurityError as exc:
         print(f"cmemi {role}: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_FATAL)
+        sys.exit(Exit.FATAL)
     if role == "checkpointer":  # builds no model; the others size messages from the one they build (shared/wire/limits.py)
         from cmemi.shared.wire.limits import derive_max_message_bytes  # here: the coordinator needs no torch
 

@@ -17,13 +17,14 @@ import math
 from collections.abc import Mapping
 
 import torch
+from cmemi.shared.errors import WireError
 
 ALIGN = 64  # bytes
 FLAT_MAX_BYTES = 16 << 20
 PREFIX = "flat."  # frame names: flat.float32, flat.int64, ...
 
 
-class LayoutError(ValueError):
+class LayoutError(WireError, ValueError):
     """Frames that do not match this side's layout."""
 
 

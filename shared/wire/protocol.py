@@ -18,6 +18,7 @@ import msgpack
 import torch
 import xxhash
 import zmq
+from cmemi.shared.errors import WireError
 from cmemi.shared.wire.header import PROTOCOL_VERSION, header_only
 from cmemi.shared.wire.header import header as make_header
 
@@ -102,7 +103,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
 _TENSOR = {"name": _STR, "dtype": _STR, "shape": _LIST, "nbytes": _INT, "xxh": _INT + _NONE}
 
 
-class ProtocolError(ValueError):
+class ProtocolError(WireError, ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason

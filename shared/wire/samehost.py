@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
+from cmemi.shared.errors import WireError
 from cmemi.shared.wire.security import LOCAL_USER, Curve
 
 _SEP = "|"
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes on Linux, with its NUL
 
 
-class TransportError(ValueError):
+class TransportError(WireError, ValueError):
     """A peer this process may not reach with the configured `cluster.transport` (one line, exit 2)."""
 
 

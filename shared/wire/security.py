@@ -38,6 +38,7 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
+from cmemi.shared.errors import WireError
 from zmq.auth.thread import ThreadAuthenticator
 
 ROLES = ("aggregator", "coordinator", "worker")  # client roles; "server" is the servers' own pair
@@ -50,7 +51,7 @@ LOCAL_USER = "ipc:"  # User-Id prefix of a peer admitted on an ipc:// endpoint
 RESCAN_S = 1.0  # an unknown key re-reads keys_dir at most this often (new worker keys while running)
 
 
-class SecurityError(ValueError):
+class SecurityError(WireError, ValueError):
     pass
 
 

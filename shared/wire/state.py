@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from cmemi.shared.errors import WireError
 
 
-class StateError(ValueError):
+class StateError(WireError, ValueError):
     pass
 
 

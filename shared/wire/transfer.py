@@ -41,6 +41,7 @@ import msgpack
 import torch
 import xxhash
 import zmq
+from cmemi.shared.errors import WireError
 from cmemi.shared.wire import protocol
 from cmemi.shared.wire.protocol import Message, ProtocolError
 
@@ -53,7 +54,7 @@ _ENTRY = 24  # msgpack bound of one [tensor, offset, nbytes] entry (fixarray + t
 _BIG = 1 << 32  # stands in for index and count when bounding a part header
 
 
-class TooBig(Exception):
+class TooBig(WireError):
     """The logical header alone leaves no room for a chunk under the cap."""
 
 

@@ -18,6 +18,7 @@ import torch
 from cmemi.shared.config.plugins import build_model
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.usercode import describe
+from cmemi.shared.errors import FaultError
 
 
 def eval_boundary(cfg: Config, step: int) -> bool:
@@ -26,7 +27,7 @@ def eval_boundary(cfg: Config, step: int) -> bool:
     return bool(cfg.eval.fn and cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step < cfg.train.rounds
 
 
-class EvalError(RuntimeError):
+class EvalError(FaultError, RuntimeError):
     """The user's eval.fn raised or returned something that is not a dict of numbers: one line, with where."""
 
 

@@ -22,7 +22,8 @@ import torch
 from cmemi.services.aggregator.common.collector import StepCollector
 from cmemi.services.aggregator.common.outbox import Outbox
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.runtime.service import EXIT_REJOIN, ServiceContext
+from cmemi.shared.runtime.exits import Exit
+from cmemi.shared.runtime.service import ServiceContext
 
 
 @dataclass
@@ -70,7 +71,7 @@ class ShardRoster:
             self.ctx.emit("shard_restarted", shard=k, step=step, restored=h["step"])
             self.ctx.log.warning("a shard restarted; the cluster restarts from the last complete checkpoint", shard=k,
                                  its_step=h["step"], step=step)
-            raise SystemExit(EXIT_REJOIN)
+            raise SystemExit(Exit.REJOIN)
         self.shards[k] = ShardInfo(identity, h["inc"], h["addr"])
         self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
         self.ctx.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])

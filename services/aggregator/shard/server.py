@@ -50,13 +50,15 @@ from cmemi.shared.coordination.membership import Member
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.core import reduction
 from cmemi.shared.core.environment import environment
+from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm
 from cmemi.shared.runtime import startup
-from cmemi.shared.runtime.service import EXIT_REJOIN, ServiceContext, serve_router
+from cmemi.shared.runtime.exits import Exit
+from cmemi.shared.runtime.service import ServiceContext, serve_router
 from cmemi.shared.wire import limits, protocol, transfer
 
 
-class Rejoin(Exception):
+class Rejoin(Interrupt):
     pass
 
 
@@ -179,7 +181,7 @@ class ShardServer:
                 self._housekeeping()
         except Rejoin as exc:
             self.log.info("leaving the term; starting again from its checkpoint", reason=str(exc))
-            return EXIT_REJOIN
+            return Exit.REJOIN
         return 0
 
     def _housekeeping(self) -> None:

@@ -16,13 +16,14 @@ from cmemi.shared.config.usercode import describe
 from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core.innerstate import InnerState
 from cmemi.shared.core.reduction import TreeAccumulator, add_into
+from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import allocator
 from cmemi.shared.wire import limits
 
 Result = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]
 
 
-class StaleParameters(Exception):
+class StaleParameters(Interrupt):
     """The parameters computed on were rewritten meanwhile (a slot read in place, services/worker/links/inbox.py `lend`):
     what came out is not a gradient of any version, so nothing about it (not even a NaN) is the user's."""
 

@@ -8,9 +8,10 @@ import zlib
 from typing import Any
 
 import torch
+from cmemi.shared.errors import UserError
 
 
-class DeviceError(RuntimeError):
+class DeviceError(UserError, RuntimeError):
     pass
 
 

@@ -38,6 +38,7 @@ import torch
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.usercode import Failure, RemoteFailure, describe
 from cmemi.shared.core.data import read_microbatch
+from cmemi.shared.errors import Interrupt
 from cmemi.shared.runtime import proctitle
 from cmemi.shared.runtime.lifeline import die_with_parent
 
@@ -47,7 +48,7 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torc
                                torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64)}
 
 
-class Unsupported(Exception):
+class Unsupported(Interrupt):
     """The batch holds something the slot layout cannot carry."""
 
 

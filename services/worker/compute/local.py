@@ -24,11 +24,12 @@ from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.innerstate import InnerState
+from cmemi.shared.errors import WireError
 
 READ_AHEAD = 4  # inner steps whose batches a loader reads ahead (data.workers > 0)
 
 
-class InnerStateError(ValueError):
+class InnerStateError(WireError, ValueError):
     """A replica's inner state does not fit this model's optimizer (another config, or a malformed message)."""
 
 

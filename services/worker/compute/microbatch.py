@@ -17,9 +17,10 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.config.usercode import RemoteFailure
 from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core.data import read_microbatch, seed_microbatch
+from cmemi.shared.errors import UserError
 
 
-class UserCodeError(RuntimeError):
+class UserCodeError(UserError, RuntimeError):
     """User code (dataset, collate, model, loss) raised while computing a microbatch; `phase` says which."""
 
     def __init__(self, phase: str, cause: BaseException) -> None:

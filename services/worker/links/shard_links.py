@@ -34,13 +34,14 @@ from cmemi.shared.compression.codecs import CodecError
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
+from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
 
 
-class Lost(Exception):
+class Lost(Interrupt):
     """A shard did not answer, rejected us, or its parameters do not fit: start over with hello."""
 
 
