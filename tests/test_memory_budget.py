@@ -17,7 +17,8 @@ import json
 import pytest
 
 from bench import memory
-from scripts import readme_tables
+from scripts.tables import memory as memory_tables
+from scripts.tables import provenance
 
 MiB = 1 << 20
 
@@ -78,13 +79,13 @@ def results(tmp_path, monkeypatch, **changes):
              "step_time_vs_ddp": 2.81, "params_sha256": "cd" * 32}}}
     d.update(changes)
     (tmp_path / "memory.json").write_text(json.dumps(d))
-    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
+    monkeypatch.setattr(provenance, "RESULTS", tmp_path)
     return d
 
 
 def test_the_readme_memory_table_shows_every_role_against_its_budget(tmp_path, monkeypatch) -> None:
     results(tmp_path, monkeypatch)
-    text = readme_tables.memory()
+    text = memory_tables.memory()
     assert "| 2 | shard 0 (leader) | 3,000 MB | 6.6 | 1,700 MB | ✗ |" in text
     assert "| 2 | each worker (largest) | 2,100 MB | 4.6 | 1,500 MB | ✗ |" in text  # the worse of the two workers
     assert "| 2 | checkpointer | 400 MB | 0.9 | 455 MB | ✓ |" in text
@@ -94,21 +95,21 @@ def test_the_readme_memory_table_shows_every_role_against_its_budget(tmp_path, m
 
 def test_the_readme_memory_table_flags_a_params_sha256_mismatch(tmp_path, monkeypatch) -> None:
     results(tmp_path, monkeypatch, params_sha256_same=False)
-    assert "differ" in readme_tables.memory()
+    assert "differ" in memory_tables.memory()
 
 
 def test_the_readme_memory_table_names_processes_replaced_mid_run(tmp_path, monkeypatch) -> None:
     d = results(tmp_path, monkeypatch)
-    assert "replaced mid-run" not in readme_tables.memory()
+    assert "replaced mid-run" not in memory_tables.memory()
     d["by_shards"]["2"]["faults"] = [{"kind": "died", "role": "aggregator", "id": "1", "how": "no heartbeat",
                                       "t_s": 30.0, "after_step": 7}]
     (tmp_path / "memory.json").write_text(json.dumps(d))
-    assert "K = 2: shard 1 after step 7 (no heartbeat)" in readme_tables.memory()
+    assert "K = 2: shard 1 after step 7 (no heartbeat)" in memory_tables.memory()
 
 
 def test_no_memory_results_yet_says_how_to_make_them(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(readme_tables, "RESULTS", tmp_path)
-    assert "bench/memory.py --out bench/results/memory.json" in readme_tables.memory()
+    monkeypatch.setattr(provenance, "RESULTS", tmp_path)
+    assert "bench/memory.py --out bench/results/memory.json" in memory_tables.memory()
 
 
 def test_workers_trim_their_heap_only_for_models_big_enough_to_matter() -> None:
