@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test chaos-test lint bench clean
+.PHONY: install dev demo test chaos-test lint docs bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.torch
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+$(VENV)/.docs: pyproject.toml $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[docs]"
 	@touch $@
 
 $(VENV)/.bench: pyproject.toml $(VENV)/.installed
@@ -49,8 +53,13 @@ chaos-test: dev
 lint: dev
 	$(BIN)/ruff check .
 
+# The manual (mkdocs.yml, docs/) into site/: --strict fails on a broken link or anchor and on a page left out of the
+# navigation. Its generated blocks are checked by tests/test_readme.py (`make test`).
+docs: $(VENV)/.docs
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
 
 # Build the image and run the compose cluster end to end with a worker killed mid-run (root; starts and
 # stops its own dockerd). See scripts/compose_test.sh.
@@ -67,7 +76,7 @@ swarm-test:
 # Benchmarks (bench/*.py, quick settings, about 10-15 min on 2 cores): each prints one JSON object,
 # saved to bench/results/NAME.json and printed, with the commit (and dirty flag) and UTC date it measured.
 # BENCHES=... picks a subset; BENCH_ARGS=... adds flags. Re-measuring every results file (cluster.py, curve.py,
-# scripts/resnet_accuracy.py too) and regenerating the README: bench/README.md, "Re-measuring everything".
+# scripts/resnet_accuracy.py too) and regenerating the manual's tables: bench/README.md, "Re-measuring everything".
 BENCHES ?= overhead transport recovery torchft_recovery checkpoint scaling compression small
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.bench
