@@ -1,4 +1,5 @@
-"""Print the config reference table (Markdown) from the schema's field docstrings: `python scripts/config_reference.py`."""
+"""The config reference table (Markdown) from the schema's field docstrings: `python scripts/config_reference.py` prints it;
+scripts/readme_tables.py writes it into docs/reference/config.md, and tests/test_readme.py checks it is current."""
 
 from __future__ import annotations
 
