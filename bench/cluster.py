@@ -14,7 +14,7 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
   MASTER_ADDR on host 0 (how torchrun starts them, minus the agent); dense, and with torch's PowerSGD
   communication hook (rank 2, dense for the first 2 steps);
 - `cmemi_k1`, `cmemi_k1_powersgd`, `cmemi_k1_topk`: CMEMI with ONE aggregator (K = 1), started by hand as
-  README's "Separate hosts" says: Redis, coordinator (--supervise none), checkpointer and aggregator on the
+  the manual's Separate hosts page says: Redis, coordinator (--supervise none), checkpointer and aggregator on the
   server host, one worker per host; CurveZMQ on (the default); `compression.codec` none / powersgd / topk;
 - `cmemi_kn`: K = N parameter-server shards (`cluster.shards`), shard k on worker host k (co-located);
 - `cmemi_kn_dedicated`: K = N shards on N more namespaces of their own (dedicated CPU server hosts, BytePS'

@@ -19,7 +19,7 @@ overfits late in a long run: its final loss is then reached before its last step
 the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
 
 Prints one JSON object; `--out PATH` saves it too. The bytes each sends per sample are measured on the emulated cluster
-(bench/cluster.py, system cmemi_local) and the README table combines the two.
+(bench/cluster.py, system cmemi_local) and the manual's table (docs/benchmarks/local-steps.md) combines the two.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class Block(nn.Module):
 
 
 def make_model(channels: int = 16, blocks: int = 2, dropout: float = 0.2, bn_momentum: float = 0.1) -> nn.Module:
-    """`bn_momentum`: BatchNorm's; CMEMI updates running statistics once per global step (README: buffers), so a
+    """`bn_momentum`: BatchNorm's; CMEMI updates running statistics once per global step (docs/guides/buffers.md), so a
     short run may want a larger one than a process updating them every microbatch."""
     return nn.Sequential(
         nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels, momentum=bn_momentum), nn.ReLU(),

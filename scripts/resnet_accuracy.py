@@ -1,6 +1,6 @@
 """Measure examples/resnet.yaml: test accuracy of `cmemi reference` (bitwise what `cmemi up` gives) against an
 independent plain PyTorch loop (tests/helpers/plain.py), 3 seeds each. Writes docs/resnet_accuracy.json (with the commit and
-date it was measured at), from which scripts/readme_tables.py generates the README's accuracy line:
+date it was measured at), from which scripts/readme_tables.py generates the manual's accuracy line (docs/guides/buffers.md):
 `python scripts/resnet_accuracy.py`."""
 
 from __future__ import annotations

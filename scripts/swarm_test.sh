@@ -6,7 +6,7 @@
 #   2. a Docker engine (dockerd started here and stopped at the end, as compose-test does), a one-node
 #      swarm (`docker swarm init`), the node labelled cmemi.runs=true, the Redis password as a swarm secret,
 #      the CurveZMQ keys made by `cmemi keys` (in the image) and each file made a secret `cmemi-FILE`, as the
-#      README and docker/stack.yml document it;
+#      manual (docs/deployment/swarm.md) and docker/stack.yml document it;
 #   3. a fault-free reference run inside the image (`cmemi up`), giving params_sha256;
 #   4. `docker stack deploy` with 2 workers, scaled to 3 mid-run (`docker service scale`), one worker's
 #      container SIGKILLed: the coordinator declares it dead and fences it, swarm starts a new task by

@@ -3,7 +3,7 @@
 A 24 M-parameter MLP (97 MB of fp32) with Adam, `cluster.shards: 2`, 2 workers and a checkpoint mid-run: every
 process is sampled for VmHWM until it exits (bench/memory.py's PeakSampler) and compared with its budget
 (bench/memory.py's `budgets`, the one place the formulas are written; bench/memory.py applies the same ones to a
-113 M-parameter model). No timing is asserted. The unit tests below pin the formulas and the README table.
+113 M-parameter model). No timing is asserted. The unit tests below pin the formulas and the manual's memory table.
 
 Every role is held to its budget. Workers give their free heap pages back before each block
 (shared/memory/allocator.py): without that, glibc's heap kept the freed 24 MB gradient tensors of earlier microbatches

@@ -290,7 +290,7 @@ class ClusterConfig:
     """Verify an xxh3 checksum of every tensor frame on receipt."""
     shards: int = 1
     """Parameter-server shards: the parameters, cut on a fixed chunk grid, are split over this many aggregator
-    processes, balanced by bytes; each steps its own slice (see "Scaling out" in the README). Any value gives the
+    processes, balanced by bytes; each steps its own slice (see docs/guides/scaling-out.md). Any value gives the
     same params_sha256."""
     pipeline_stages: int = 0
     """With cluster.shards > 1: 0 steps every slice at once, after the whole step is in (two-phase, any
