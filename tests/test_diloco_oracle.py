@@ -16,10 +16,16 @@ differently, 1 ulp on the last layer's bias after two inner steps), so every flo
 the same bits, and an oracle allowed a tolerance would let a wrong mix of two close tensors through. Both tests take
 about a second.
 
-Each test fails on a one-line bug in the algorithm (tried once; each reverted):
-- the fragment merge in `LocalRound.segment` removed: the streaming test;
-- `fragment_mix` ignored (α taken as 0, or 1) or its two weights swapped (α = 0.25 here, not 0.5): the streaming test;
-- the outer optimizer's momentum dropped, or the outer gradient's sign flipped: both tests.
+Each one-line bug below fails the tests named (each tried once and reverted). The unit tests of test_local_steps.py
+and test_fragments.py pass with the merge removed, the mix ignored or swapped, and the sign flipped anywhere but in
+`LocalRound.run`:
+- the fragment merge in `LocalRound.segment` removed; `fragment_mix` taken as 0, or as 1, or its two weights swapped
+  (α = 0.25 here: 0.5 would hide the swap); a fragment merged one segment early: the streaming test;
+- the outer optimizer's momentum dropped (DiLoCo's defaults in shared/config/schema.py): both tests;
+- the outer gradient's sign flipped (`Trainer.apply`): both; Δ = θ_r − θ_t in `LocalRound.run`: the whole-rounds test,
+  in `LocalRound.segment`: the streaming test;
+- a replica's inner state not carried over, every replica reading microbatch 0, the mean's division by R left out:
+  both tests.
 """
 
 from __future__ import annotations
