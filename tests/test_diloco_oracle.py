@@ -20,7 +20,8 @@ Each one-line bug below fails the tests named (each tried once and reverted). Th
 and test_fragments.py pass with the merge removed, the mix ignored or swapped, and the sign flipped anywhere but in
 `LocalRound.run`:
 - the fragment merge in `LocalRound.segment` removed; `fragment_mix` taken as 0, or as 1, or its two weights swapped
-  (α = 0.25 here: 0.5 would hide the swap); a fragment merged one segment early: the streaming test;
+  (α = 0.25 here: 0.5 would hide the swap); a fragment merged one segment early: the streaming test (α = 0.25; all
+  but "α taken as 0" fail α = 0 too); `fragments.merge`'s α = 0 branch (a copy) skipped: the streaming test at α = 0;
 - the outer optimizer's momentum dropped (DiLoCo's defaults in shared/config/schema.py): both tests;
 - the outer gradient's sign flipped (`Trainer.apply`): both; Δ = θ_r − θ_t in `LocalRound.run`: the whole-rounds test,
   in `LocalRound.segment`: the streaming test;
@@ -30,6 +31,7 @@ and test_fragments.py pass with the merge removed, the mix ignored or swapped, a
 
 from __future__ import annotations
 
+import pytest
 import torch
 from cmemi.examples.digits import make_dataset, make_model
 from cmemi.shared.config.schema import load_config
@@ -187,11 +189,13 @@ def test_whole_rounds_are_diloco() -> None:
     assert_bitwise(got, diloco(H, R, rounds), initial())
 
 
-def test_streaming_is_streaming_diloco() -> None:
-    """F = 3 fragments of an H = 6 round (segments of 2 inner steps), R = 3 replicas, 12 segments, α = 0.25 (not 0.5,
-    which would hide swapped weights; with F = 3 the merged fragment (s − 2) mod F is neither the synced one nor the
-    next): `cmemi reference` is the oracle's Streaming DiLoCo, bitwise."""
-    H, F, R, segments, mix = 6, 3, 3, 12, 0.25
+@pytest.mark.parametrize("mix", [0.25, 0.0])
+def test_streaming_is_streaming_diloco(mix: float) -> None:
+    """F = 3 fragments of an H = 6 round (segments of 2 inner steps), R = 3 replicas, 12 segments: `cmemi reference` is
+    the oracle's Streaming DiLoCo, bitwise. α = 0.25, not 0.5, which would hide swapped weights; α = 0, the paper's
+    plain replacement, which `fragments.merge` computes as a copy. With F = 3 the merged fragment (s − 2) mod F is
+    neither the synced one nor the next."""
+    H, F, R, segments = 6, 3, 3, 12
     L = H // F
     got = reference(*settings(H, R, segments * L, f"train.fragments={F}", f"train.fragment_mix={mix}"))
     assert_bitwise(got, streaming(H, F, R, mix, segments), initial())
