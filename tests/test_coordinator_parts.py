@@ -19,7 +19,7 @@ from cmemi.services.coordinator.fencing import Fencer
 from cmemi.services.coordinator.liveness import Liveness
 from cmemi.services.coordinator.run_state import RunPhase, RunState, phase_of
 from cmemi.services.coordinator.slots import Slots
-from cmemi.services.coordinator.supervisor import Child
+from cmemi.services.coordinator.supervisor import Child, SlotState
 from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, read_events
@@ -176,10 +176,11 @@ def test_scaling_keeps_the_lowest_ids_and_fills_the_first_free_ones(ctx: Service
             slots.add("worker", f"w{i}")
         slots.target_workers = 3
         slots.scale(2)
-        assert [(c.ident, c.wanted) for c in slots.children.values()] == [("w0", True), ("w1", True), ("w2", False)]
+        assert [(c.ident, c.slot) for c in slots.children.values()] == [
+            ("w0", SlotState.ACTIVE), ("w1", SlotState.ACTIVE), ("w2", SlotState.RETIRED)]
         slots.scale(4)  # w2 is still leaving: new slots take w3 and w4
-        assert sorted(n for n, c in slots.children.items() if c.wanted) == ["worker:w0", "worker:w1", "worker:w3",
-                                                                           "worker:w4"]
+        active = sorted(n for n, c in slots.children.items() if c.slot is SlotState.ACTIVE)
+        assert active == ["worker:w0", "worker:w1", "worker:w3", "worker:w4"]
         assert kinds(ctx).count("scaled") == 2
     finally:
         for c in slots.children.values():
@@ -196,11 +197,11 @@ def test_a_crash_loop_fails_the_run_unless_another_worker_lives(ctx: ServiceCont
         for _ in range(2):  # cluster.max_restarts=1: the second death in a row is one too many
             w0.kill()
             slots.replace(w0)
-        assert w0.given_up and run.exit_code is None  # w1 still trains
+        assert w0.slot is SlotState.GIVEN_UP and run.exit_code is None  # w1 still trains
         for _ in range(2):
             ckpt.kill()
             slots.replace(ckpt)
-        assert ckpt.given_up and run.exit_code == 1 and ctx.redis.get(ctx.keys.state) == "failed"
+        assert ckpt.slot is SlotState.GIVEN_UP and run.exit_code == 1 and ctx.redis.get(ctx.keys.state) == "failed"
         assert slots.next_restart(1e9) == 1e9  # nothing given up on is waited for
         assert w1.alive
     finally:

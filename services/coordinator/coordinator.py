@@ -23,7 +23,7 @@ from cmemi.services.coordinator.fencing import Fencer
 from cmemi.services.coordinator.liveness import Death, Liveness
 from cmemi.services.coordinator.run_state import RunPhase, RunState, Supervise
 from cmemi.services.coordinator.slots import Slots
-from cmemi.services.coordinator.supervisor import Child, stop_all, wait_for_exit
+from cmemi.services.coordinator.supervisor import Child, SlotState, stop_all, wait_for_exit
 from cmemi.shared.coordination.counters import GAP, Counters
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.runtime import startup
@@ -129,7 +129,7 @@ class Coordinator:
             rc = child.poll()
             if rc is None:
                 continue
-            if not child.wanted:
+            if child.slot is SlotState.RETIRED:
                 child.forget()
                 del children[child.name]
                 continue
@@ -139,7 +139,7 @@ class Coordinator:
                 return
             if kind is ExitKind.NORMAL and self.run_state.completed():
                 child.forget()
-                child.wanted = False  # finished its part of a completed run
+                child.slot = SlotState.RETIRED  # finished its part of a completed run
                 continue
             if kind is ExitKind.NORMAL:  # left on its own before the end (e.g. told to stop): not a death, restart
                 self.ctx.emit("exited", role=child.role, id=child.ident, pid=child.pid)

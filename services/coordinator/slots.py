@@ -17,6 +17,7 @@ from cmemi.services.coordinator.run_state import RunState
 from cmemi.services.coordinator.supervisor import (
     HEALTHY_AFTER_S,
     Child,
+    SlotState,
     backoff,
     load_children,
     save_children,
@@ -131,7 +132,8 @@ class Slots:
             child.restarts = 0  # it had been running fine: a new fault, not a crash loop
         child.restarts += died
         if child.restarts > self.cfg.cluster.max_restarts:
-            child.given_up = True
+            if child.slot is SlotState.ACTIVE:  # (a retired slot stays retired)
+                child.slot = SlotState.GIVEN_UP
             msg = (f"{child.name} died {child.restarts} times; not restarting it again "
                    f"(cluster.max_restarts={self.cfg.cluster.max_restarts}); see its log for the cause")
             self.log.error("giving up on process", process=child.name)
@@ -165,7 +167,7 @@ class Slots:
 
     def restart_if_due(self, child: Child, now: float) -> None:
         """Start a new process in an empty slot once its backoff is over."""
-        if child.wanted and not child.given_up and now >= child.next_start:
+        if child.slot is SlotState.ACTIVE and now >= child.next_start:
             child.start()
             metrics.RESTARTS.labels(child.role).inc()
             self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process", pid=child.pid)
@@ -173,7 +175,7 @@ class Slots:
     def next_restart(self, until: float) -> float:
         """The earlier of `until` and the next pending restart (the coordinator wakes up for it)."""
         for c in self.children.values():
-            if not c.running and c.wanted and not c.given_up:
+            if not c.running and c.slot is SlotState.ACTIVE:
                 until = min(until, c.next_start)
         return until
 
@@ -194,14 +196,15 @@ class Slots:
         if want == self.target_workers:
             return
         self.target_workers = want
-        workers = sorted((c for c in self.children.values() if c.role == "worker" and c.wanted),
+        workers = sorted((c for c in self.children.values() if c.role == "worker" and c.slot is not SlotState.RETIRED),
                          key=lambda c: int(c.ident[1:]) if c.ident[1:].isdigit() else 0)
         for c in workers[self.target_workers:]:
-            c.wanted = False
+            c.slot = SlotState.RETIRED
             c.signal(signal.SIGTERM)
         used = {c.ident for c in self.children.values()}
         i = 0
-        while sum(1 for c in self.children.values() if c.role == "worker" and c.wanted) < self.target_workers:
+        while sum(1 for c in self.children.values()
+                  if c.role == "worker" and c.slot is not SlotState.RETIRED) < self.target_workers:
             while f"w{i}" in used:
                 i += 1
             self.add("worker", f"w{i}")
