@@ -42,6 +42,7 @@ def read_metrics(run_dir: Path, tail_bytes: int | None = None) -> list[dict[str,
 
 
 def read_events_file(run_dir: Path) -> list[dict[str, Any]]:
+    """events.jsonl (copied from Redis by the coordinator), oldest first; lines that are not events skipped."""
     out = []
     try:
         text = (run_dir / "events.jsonl").read_text()
@@ -70,7 +71,9 @@ def rates(rows: list[dict[str, Any]], window: int = METRICS_WINDOW) -> tuple[flo
 
 
 def eval_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics lines that carry an evaluation (eval.every_steps)."""
     return [r for r in rows if isinstance(r.get("eval"), dict)]
+
 
 def from_files(run_dir: Path, n_events: int = 8) -> dict[str, Any]:
     """The status report of a run that is not running (or whose Redis is gone), from its files."""
