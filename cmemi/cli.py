@@ -147,7 +147,7 @@ def _checkpoints(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    from cmemi.commands.status import main as status_main
+    from cmemi.commands.status.cli import main as status_main
 
     return status_main(argv)
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from cmemi.services.coordinator.coordinator import Coordinator
+from cmemi.services.coordinator.run_state import RunState
+from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, load_children, save_children
 from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.keys import Keys
@@ -50,32 +51,32 @@ def test_adoption_follows_the_command_line_and_reads_exits(tmp_path: Path) -> No
 
 def test_a_spare_that_took_a_slot_restarts_as_that_worker(redis_server, tmp_path: Path) -> None:
     cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "run.name=slots"])
-    coord = object.__new__(Coordinator)  # the slot logic only, without starting a cluster
     events: list[tuple[str, dict]] = []
-    coord.cfg, coord.children, coord.spares, coord.log = cfg, {}, [], SimpleNamespace(error=print, warning=print)
-    coord.ctx = SimpleNamespace(redis=connect(redis_server.url), keys=Keys("slots"),
-                                emit=lambda kind, **f: events.append((kind, f)))
-    coord._add_spare = lambda: None  # no new spare: the next death must start a new process
-    coord.children_file, coord._saved_children = tmp_path / "children.json", []  # saved right after a hand-off
+    ctx = SimpleNamespace(cfg=cfg, redis=connect(redis_server.url), keys=Keys("slots"), run_dir=tmp_path,
+                          log=SimpleNamespace(error=print, warning=print, info=print),
+                          emit=lambda kind, **f: events.append((kind, f)))
+    slots = Slots(ctx, "unused.yaml", RunState(ctx))  # the slot logic only, without starting a cluster
+    slots.add_spare = lambda: None  # no new spare: the next death must start a new process
     worker = Child("worker", "w0", sleeper("--worker-id", "w0"))
     spare = Child("worker", "spare1", sleeper("--spare", "spare1"), spare=True)
-    coord.children[worker.name] = worker
-    coord.spares.append(spare)
+    slots.children[worker.name] = worker
+    slots.spares.append(spare)
     for c in (worker, spare):
         c.start()
     try:
         worker.kill()
-        coord._replace(worker)
-        took = coord.children["worker:w0"]
+        slots.replace(worker)
+        took = slots.children["worker:w0"]
         assert took is spare and not took.spare and took.argv == worker.argv
-        assert coord.ctx.redis.lpop(Keys("slots").spare("spare1")) == "w0"
+        assert ctx.redis.lpop(Keys("slots").spare("spare1")) == "w0"
         rows = json.loads((tmp_path / "children.json").read_text())  # a coordinator dying now adopts it as w0
         assert [(r["ident"], r["spare"], r["pid"]) for r in rows] == [("w0", False, spare.pid)]
         took.kill()
-        coord._replace(took)  # no spare left: a new process, with the worker's command line
+        slots.replace(took)  # no spare left: a new process, with the worker's command line
         assert not took.running and took.next_start <= time.monotonic() + 0.5
-        poll(lambda: coord._check_children() or took.alive, 10, "the slot restarted (after its backoff)")
+        poll(lambda: slots.restart_if_due(took, time.monotonic()) or took.alive, 10,
+             "the slot restarted (after its backoff)")
         assert took.alive and took.launched == worker.argv and "--spare" not in took.launched
     finally:
-        for c in (worker, spare, coord.children["worker:w0"]):
+        for c in (worker, spare, slots.children["worker:w0"]):
             c.kill()

@@ -13,7 +13,11 @@ from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 
 from cmemi import cli
-from cmemi.commands import plot, status
+from cmemi.commands import plot
+from cmemi.commands.status import cli as status_cli
+from cmemi.commands.status.render import render
+from cmemi.commands.status.report import collect
+from cmemi.commands.status.target import StatusError, Target
 from tests.conftest import ROOT, cmemi_cmd
 from tests.helpers.chaos import Cluster, poll
 
@@ -127,7 +131,7 @@ def test_plot_errors_on_a_directory_without_metrics(tmp_path: Path, capsys: pyte
 def test_status_from_files_of_a_finished_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_run_files(run_dir)
-    r = status.collect(status.Target(run_dir))
+    r = collect(Target(run_dir))
     assert r["source"] == "files" and r["state"] == "completed" and r["step"] == r["total"] == 40
     assert r["term"] == 8 and r["checkpoint"]["step"] == 10 and r["eval"]["accuracy"] == 0.75
     assert r["bytes_per_s"] == pytest.approx(3000.0)
@@ -147,24 +151,24 @@ def test_status_unreachable_redis(tmp_path: Path, capsys: pytest.CaptureFixture)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     (run_dir / "cluster.json").write_text(json.dumps({"redis": f"redis://:secretpw@127.0.0.1:{port}/0", "run": "x"}))
-    assert status.main([str(run_dir)]) == 2
+    assert status_cli.main([str(run_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("cmemi: error: cannot reach redis at 127.0.0.1:")
     assert "secretpw" not in err
     # once the run's files are there, the report falls back to them and says so
     write_run_files(run_dir)
-    assert status.main([str(run_dir), "--json"]) == 0
+    assert status_cli.main([str(run_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["source"] == "files" and report["state"] == "completed"
     # a completed run whose Redis is gone is simply over: no alarm, just where the report comes from
     assert report["note"] == f"showing the files in {run_dir}" and "secretpw" not in json.dumps(report)
     (run_dir / "summary.json").unlink()  # not completed, Redis unreachable: that is worth saying
-    assert status.main([str(run_dir), "--json"]) == 0
+    assert status_cli.main([str(run_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["source"] == "files" and report["state"] == "stopped"
     assert "cannot reach redis" in report["note"] and "secretpw" not in json.dumps(report)
     with pytest.raises(SystemExit):  # neither RUN_DIR nor --redis: argparse's usage error
-        status.main([])
+        status_cli.main([])
 
 
 def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.CaptureFixture,
@@ -195,7 +199,7 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
     for i in range(12):
         client.xadd(k.events, {"json": json.dumps({"t": now - 12 + i, "kind": f"e{i}"})})
 
-    r = status.collect(status.Target(None, redis_server.url, "synth"))
+    r = collect(Target(None, redis_server.url, "synth"))
     waited = time.time() - now  # the ages grew by at most this since the keys were written
     assert r["source"] == "redis" and r["state"] == "running" and r["run"] == "synth"
     assert (r["step"], r["total"], r["loss"], r["lr"], r["samples_per_s"], r["term"]) == (12, 50, 0.5, 0.01, 4000.0, 9)
@@ -214,10 +218,10 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
 
     # per-worker microbatch counts light up once the aggregator publishes them (the proposed key)
     client.hset(k.prefix + "microbatches", mapping={"w0:20": 17})
-    r = status.collect(status.Target(None, redis_server.url, "synth"))
+    r = collect(Target(None, redis_server.url, "synth"))
     assert r["workers"][0]["microbatches_done"] == 17 and not any(g.startswith("microbatches") for g in r["gaps"])
 
-    text = status.render(r)
+    text = render(r)
     for col in COLUMNS:
         assert col in text
     assert "state running" in text and "step 12/50" in text and "term 9" in text and "step 10" in text
@@ -231,21 +235,21 @@ def test_status_from_redis_keys(redis_server, tmp_path: Path, capsys: pytest.Cap
         sleeps.append(seconds)
         client.set(k.state, "completed")
 
-    monkeypatch.setattr(status.time, "sleep", finish_on_second_refresh)
+    monkeypatch.setattr(status_cli.time, "sleep", finish_on_second_refresh)
     capsys.readouterr()
-    assert status.main(["--redis", redis_server.url, "--run", "synth", "--watch", "--json", "--interval", "0.5"]) == 0
+    assert status_cli.main(["--redis", redis_server.url, "--run", "synth", "--watch", "--json", "--interval", "0.5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(line)["state"] for line in lines] == ["running", "completed"] and sleeps == [0.5]
     monkeypatch.undo()
 
     # a wrong run name is a one-line error, not an empty table
-    with pytest.raises(status.StatusError, match="no run named 'other'"):
-        status.collect(status.Target(None, redis_server.url, "other"))
+    with pytest.raises(StatusError, match="no run named 'other'"):
+        collect(Target(None, redis_server.url, "other"))
     # ...but a run dir whose cluster.json was just written (`cmemi up` starting) is "starting"
     run_dir = tmp_path / "starting"
     run_dir.mkdir()
     (run_dir / "cluster.json").write_text(json.dumps({"redis": redis_server.url, "run": "other"}))
-    r = status.collect(status.Target(run_dir))
+    r = collect(Target(run_dir))
     assert r["state"] == "starting" and r["workers"] == [] and r["step"] == 0
 
 
@@ -255,11 +259,11 @@ def test_status_and_plot_of_a_real_run(tmp_path: Path, capsys: pytest.CaptureFix
     run_dir = tmp_path / "run"
     c = Cluster(run_dir, "cluster.spare_workers=0", "checkpoint.every_steps=100")  # digits.yaml: 300 steps
     try:
-        target = status.Target(run_dir)
+        target = Target(run_dir)
         seen = []
 
         def registered():
-            r = status.collect(target)
+            r = collect(target)
             seen.append(r)
             return r if r["source"] == "redis" and len(r["workers"]) == 2 else None
 
@@ -279,8 +283,8 @@ def test_status_and_plot_of_a_real_run(tmp_path: Path, capsys: pytest.CaptureFix
 
         while c.proc.poll() is None:
             try:
-                seen.append(status.collect(target))
-            except status.StatusError:
+                seen.append(collect(target))
+            except StatusError:
                 pass
             time.sleep(0.25)
         assert c.wait() == 0, c.output()
@@ -304,7 +308,7 @@ def test_status_and_plot_of_a_real_run(tmp_path: Path, capsys: pytest.CaptureFix
     assert done["source"] == "files" and done["state"] == "completed" and "cannot reach" not in done["note"]
     assert done["step"] == done["total"] == 300 and done["eval"]["accuracy"] > 0.8
     assert {w["id"] for w in done["workers"]} == {"w0", "w1"} and all(w["incarnation"] for w in done["workers"])
-    table = status.render(status.collect(status.Target(run_dir)))
+    table = render(collect(Target(run_dir)))
     assert "state completed" in table and "step 300/300" in table
     for col in COLUMNS:
         assert col in table

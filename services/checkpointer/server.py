@@ -12,13 +12,13 @@ import errno
 import json
 import shutil
 import time
-from collections import Counter
 from pathlib import Path
 
 import redis
 import zmq
 from cmemi.services.checkpointer import restore, spool
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
+from cmemi.services.checkpointer.drops import Drops
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
@@ -46,12 +46,11 @@ class Checkpointer:
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, self.cfg.cluster.checkpointer_port)
         self.member = Member(ctx.redis, ctx.keys, "checkpointer", "0", self.cfg.cluster.heartbeat_interval,
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
-        self.drops: Counter[str] = Counter()  # by reason; mirrored to Redis (ckpt:dropped) for summary.json
-        self._unpublished_drops: Counter[str] = Counter()
+        self.drops = Drops(ctx.redis, ctx.keys, self.log)
         # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
         # their slices of a step at once) plus one for a restarted aggregator's new connection
         self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
-                                        peers=self.cfg.cluster.shards + 1, on_abandon=self._drop, sink=self._spool)
+                                        peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count, sink=self._spool)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
         # term asks again, from a new process, before the leader rolls everyone back)
@@ -102,30 +101,10 @@ class Checkpointer:
                     self._sync_pointer()
                 except redis.RedisError:
                     pass
-                self._publish_drops()
+                self.drops.publish()
                 if self.ctx.run_state() == "completed":  # the final checkpoint is on disk: nothing left to do
                     self.log.info("run completed; exiting")
                     return
-
-    def _drop(self, reason: str, detail: str = "") -> None:
-        """Count, don't log each one: a flood of hostile messages must not become a flood of log lines."""
-        self.drops[reason] += 1
-        self._unpublished_drops[reason] += 1
-        metrics.DROPPED.labels(reason).inc()
-        if self.drops[reason] <= 3 or self.drops[reason] % 1000 == 0:
-            self.log.warning("message dropped", reason=reason, detail=detail[:200], count=self.drops[reason])
-
-    def _publish_drops(self) -> None:
-        if not self._unpublished_drops:
-            return
-        try:
-            pipe = self.ctx.redis.pipeline(transaction=False)
-            for reason, n in self._unpublished_drops.items():
-                pipe.hincrby(self.ctx.keys.ckpt_dropped, reason, n)
-            pipe.execute()
-            self._unpublished_drops.clear()
-        except redis.RedisError:
-            pass  # next time
 
     def _spool(self, of: dict, metas: list[dict]) -> Spool:
         """The sink of a message with tensors (transfer.Assembler): only a snapshot has any."""
@@ -139,23 +118,23 @@ class Checkpointer:
         """One ZeroMQ message, read a frame at a time."""
         identity = self.sock.recv()
         if not self.sock.getsockopt(zmq.RCVMORE):
-            self._drop("no_identity")
+            self.drops.count("no_identity")
             return
         first = self.sock.recv(copy=False)
         if (role := self.ctx.curve.role(first)) is not None and role != "aggregator":
             protocol.drain(self.sock)
-            self._drop("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part is spooled
+            self.drops.count("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part is spooled
             return
         try:
             msg = self.parts.recv(self.sock, peer=identity, first=first, cap=self.cfg.cluster.max_message_bytes)
         except protocol.ProtocolError as exc:
-            self._drop(exc.reason, str(exc))
+            self.drops.count(exc.reason, str(exc))
             return
         if msg is None:  # a part of a bigger snapshot; the rest is still coming
             return
         if (problem := self._refused(msg)) is not None:
             spool.discard(msg.tensors)
-            self._drop(*problem)
+            self.drops.count(*problem)
             if problem[0] == "stale_term" and self.terms.unsure and msg.type == "snapshot":
                 # no term to check it against (Redis restarted empty, or is away): the aggregator re-advertises its
                 # term within a second, so its snapshot is asked for again rather than lost (it waits for an answer)
@@ -172,7 +151,7 @@ class Checkpointer:
             return
         asked = (msg.header["term"], msg.header.get("shard", 0), msg.header.get("pid") if msg.header.get("shard") else None)
         if asked in self.restored_terms:  # a shard asks once, at its start
-            self._drop("repeated_restore", f"term {asked[0]} shard {asked[1]}")
+            self.drops.count("repeated_restore", f"term {asked[0]} shard {asked[1]}")
         else:
             self.restored_terms.add(asked)
             self._restore(identity, msg)
@@ -202,7 +181,7 @@ class Checkpointer:
             meta, tensors = merged(done)
             self._save(list(done.senders.values()), msg.header["step"], done.final, meta, tensors)
         except protocol.ProtocolError as exc:
-            self._drop(exc.reason, str(exc))
+            self.drops.count(exc.reason, str(exc))
             for ident in done.senders.values():
                 self._reply(ident, "skipped", {"step": msg.header["step"]})
         finally:
@@ -226,7 +205,7 @@ class Checkpointer:
         self.ctx.emit("checkpoint_saved", step=step, path=str(path), bytes=size, write_s=round(write_s, 4),
                       removed=removed, final=final)
         self.log.info("checkpoint saved", step=step, bytes=size, write_s=round(write_s, 3))
-        self._publish_drops()  # before the ack: the final summary reads them right after it
+        self.drops.publish()  # before the ack: the final summary reads them right after it
         for identity in senders:
             self._reply(identity, "saved", {"step": step, "path": str(path)})
 

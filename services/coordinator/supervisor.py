@@ -10,6 +10,7 @@ process, its exit code read from the zygote's record; otherwise it starts as a n
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import select
@@ -25,6 +26,14 @@ from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.lifeline import die_with_parent
 
 
+class SlotState(enum.Enum):
+    """What the coordinator wants of a child's slot."""
+
+    ACTIVE = "active"  # keep a process in it: restart it (after its backoff) when it dies
+    RETIRED = "retired"  # scaled away, or finished its part of a completed run: let it exit, never restart it
+    GIVEN_UP = "given_up"  # died more than cluster.max_restarts times in a row: not restarted again
+
+
 @dataclass
 class Child:
     role: str
@@ -34,8 +43,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0  # backoff: not before this monotonic time
-    wanted: bool = True  # False once scaled away or after the run ended
-    given_up: bool = False
+    slot: SlotState = SlotState.ACTIVE
     deaths: list[float] = field(default_factory=list)
     pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), so waiting costs no polling
     adopted: int | None = None  # pid of a process started by an earlier coordinator (not our child)

@@ -1,0 +1,209 @@
+"""The coordinator's parts, in process, on a real redis-server: the events log, fencing (with Redis down),
+liveness (a silent member, a hung child, a child that never registers), the run state, how an exit is read,
+and the slots (scaling, giving up). Each test names the fault it injects; none starts a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+from cmemi.services.coordinator.child_exit import ExitKind, exit_kind
+from cmemi.services.coordinator.events_log import EventsLog
+from cmemi.services.coordinator.fencing import Fencer
+from cmemi.services.coordinator.liveness import Liveness
+from cmemi.services.coordinator.run_state import RunPhase, RunState, phase_of
+from cmemi.services.coordinator.slots import Slots
+from cmemi.services.coordinator.supervisor import Child, SlotState
+from cmemi.shared.config.schema import load_config
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect, read_events
+from cmemi.shared.runtime.exits import Exit
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire.security import Curve
+
+from tests.conftest import DIGITS
+
+
+def sleeper(*tag: str) -> list[str]:
+    return [sys.executable, "-c", "import time; time.sleep(120)", *tag]
+
+
+@pytest.fixture
+def ctx(redis_server, tmp_path: Path) -> ServiceContext:
+    cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "run.name=parts", "cluster.max_restarts=1",
+                               "cluster.spare_workers=0", "cluster.start_timeout=0.5"])
+    cfg.run.path.mkdir(parents=True, exist_ok=True)
+    return ServiceContext(cfg, connect(redis_server.url), Keys("parts"), "parts", structlog.get_logger(),
+                          argparse.Namespace(), threading.Event(), {}, Curve(enabled=False))
+
+
+def kinds(ctx: ServiceContext) -> list[str]:
+    return [e["kind"] for _id, e in read_events(ctx.redis, ctx.keys)]
+
+
+def register(ctx: ServiceContext, role: str, ident: str, inc: int, pid: int, *, heartbeat: bool,
+             started_ago: float = 60.0, state: str = "running") -> None:
+    ctx.redis.hset(ctx.keys.member(role, ident), mapping={"role": role, "id": ident, "incarnation": inc, "pid": pid,
+                                                          "state": state, "started_at": time.time() - started_ago})
+    if heartbeat:
+        ctx.redis.set(ctx.keys.heartbeat(role, ident), f"{inc}:{time.time():.3f}", px=60_000)
+
+
+# ------------------------------------------------------------------------------------------ events log
+def test_events_log_copies_the_stream_and_starts_over_when_redis_loses_it(ctx: ServiceContext) -> None:
+    path = ctx.run_dir / "events.jsonl"
+    log = EventsLog(ctx.redis, ctx.keys, path)
+    ctx.emit("a")
+    ctx.emit("b")
+    log.tail()
+    log.tail()  # nothing new: nothing written twice
+    ctx.redis.delete(ctx.keys.events)  # injected: Redis lost its data (restarted empty)
+    log.tail()
+    # the new stream's first id is below the old cursor (a stream's ids start over with its data)
+    ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "c"})}, id="1-1")
+    log.close()  # closing copies what is left
+    assert [json.loads(line)["kind"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+# ------------------------------------------------------------------------------------------ fencing
+def test_a_death_is_fenced_once_and_a_fence_waits_for_redis(ctx: ServiceContext, redis_server) -> None:
+    fencer = Fencer(ctx)
+    try:
+        register(ctx, "worker", "w0", 7, 4242, heartbeat=False)
+        fencer.declare_dead("worker", "w0", how="exit code 1", pid=4242)  # the incarnation is read from its record
+        assert ctx.redis.get(ctx.keys.fence("worker", "w0")) == "7" and not fencer.pending
+        assert fencer.known_dead("worker", "w0", 7) and not fencer.known_dead("worker", "w0", 8)
+        fencer.declare_dead("worker", "w1", how="exit code 1", pid=1)  # died before registering: nothing to fence
+        assert ctx.redis.get(ctx.keys.fence("worker", "w1")) is None
+        assert kinds(ctx) == ["died", "fenced", "died"]
+
+        ctx.redis.set(ctx.keys.fence("worker", "w3"), 5)  # declared by an earlier coordinator
+        assert fencer.known_dead("worker", "w3", 5) and fencer.declared[("worker", "w3")] == 5
+
+        redis_server.stop()  # injected: Redis down while a death is declared
+        fencer.declare_dead("worker", "w2", how="heartbeat missing", pid=9, inc=3)
+        assert fencer.pending == {("worker", "w2"): 3}
+        redis_server.start(port=redis_server.port)
+        fencer.retry()
+        assert ctx.redis.get(ctx.keys.fence("worker", "w2")) == "3" and not fencer.pending
+    finally:
+        fencer.close()
+
+
+# ------------------------------------------------------------------------------------------ liveness
+def test_liveness_yields_only_silent_members_that_nobody_declared(ctx: ServiceContext) -> None:
+    fencer = Fencer(ctx)
+    liveness = Liveness(ctx, fencer)
+    try:
+        register(ctx, "worker", "beating", 1, 11, heartbeat=True)
+        register(ctx, "worker", "silent", 2, 12, heartbeat=False)
+        register(ctx, "worker", "young", 3, 13, heartbeat=False, started_ago=0.0)  # within cluster.dead_after
+        register(ctx, "worker", "left", 4, 14, heartbeat=False, state="stopped")
+        register(ctx, "worker", "fenced", 5, 15, heartbeat=False)
+        ctx.redis.set(ctx.keys.fence("worker", "fenced"), 5)
+        register(ctx, "coordinator", "0", 6, 16, heartbeat=False)
+        deaths = list(liveness.scan({}, local=False))
+        assert [(d.ident, d.inc, d.pid, d.child, d.how) for d in deaths] == [
+            ("silent", 2, 12, None, "heartbeat missing")]
+    finally:
+        fencer.close()
+
+
+def test_liveness_kills_a_hung_child_and_one_that_never_registers(ctx: ServiceContext) -> None:
+    fencer = Fencer(ctx)
+    liveness = Liveness(ctx, fencer)
+    hung, late = Child("worker", "w0", sleeper("w0")), Child("worker", "w1", sleeper("w1"))
+    children = {hung.name: hung, late.name: late}
+    try:
+        for c in children.values():
+            c.start()
+        register(ctx, "worker", "w0", 1, hung.pid, heartbeat=False)  # registered, then silent: hung
+        late.started_at -= ctx.cfg.cluster.start_timeout + 1  # injected: its start deadline has passed
+        deaths = list(liveness.scan(children, local=True))
+        assert {(d.ident, d.child is not None) for d in deaths} == {("w0", True), ("w1", True)}
+        assert not hung.alive and not late.alive  # killed before their slots are refilled
+        assert hung.registered and not late.registered
+        assert any("start_timeout" in d.how for d in deaths if d.ident == "w1")
+    finally:
+        for c in children.values():
+            c.kill()
+        fencer.close()
+
+
+# ------------------------------------------------------------------------------------------ run state, exits
+def test_run_state_never_reopens_a_completed_run_and_survives_an_empty_redis(ctx: ServiceContext) -> None:
+    run = RunState(ctx)
+    assert run.open() and ctx.redis.get(ctx.keys.state) == "running"
+    ctx.redis.delete(ctx.keys.state)  # Redis restarted empty: still running, written back
+    assert run.control().phase is None and ctx.redis.get(ctx.keys.state) == "running"
+    ctx.redis.set(ctx.keys.scale, 3)
+    assert run.control().scale == "3"
+    ctx.redis.set(ctx.keys.state, "completed")
+    assert not run.open() and run.completed() and ctx.redis.get(ctx.keys.state) == "completed"
+    assert phase_of("completed") is RunPhase.COMPLETED and phase_of("something new") is RunPhase.RUNNING
+    run.fail("worker:w0 died 2 times")
+    assert run.exit_code == 1 and ctx.redis.get(ctx.keys.state) == "failed"
+    assert ctx.redis.get(ctx.keys.error) == "worker:w0 died 2 times" and kinds(ctx) == ["run_failed"]
+
+
+def test_exit_kind(ctx: ServiceContext) -> None:
+    child = Child("worker", "w0", [])
+    child.adopted = 777  # an adopted process: its exit code reads as Exit.UNKNOWN
+    r, k = ctx.redis, ctx.keys
+    assert exit_kind(child, Exit.FATAL, r, k) is ExitKind.FATAL
+    assert exit_kind(child, 0, r, k) is exit_kind(child, Exit.REJOIN, r, k) is ExitKind.NORMAL
+    assert exit_kind(child, Exit.CRASH, r, k) is exit_kind(child, Exit.UNKNOWN, r, k) is ExitKind.DIED
+    register(ctx, "worker", "w0", 1, 777, heartbeat=False, state="stopped")
+    assert exit_kind(child, Exit.UNKNOWN, r, k) is ExitKind.NORMAL
+    register(ctx, "worker", "w0", 2, 778, heartbeat=False, state="stopped")  # another process's record
+    assert exit_kind(child, Exit.UNKNOWN, r, k) is ExitKind.DIED
+    r.set(k.error, "bad config")
+    assert exit_kind(child, Exit.UNKNOWN, r, k) is ExitKind.FATAL
+
+
+# ------------------------------------------------------------------------------------------ slots
+def test_scaling_keeps_the_lowest_ids_and_fills_the_first_free_ones(ctx: ServiceContext) -> None:
+    slots = Slots(ctx, "unused.yaml", RunState(ctx))
+    slots.argv = lambda role, ident: sleeper(role, ident)  # sleepers in place of services
+    try:
+        for i in range(3):
+            slots.add("worker", f"w{i}")
+        slots.target_workers = 3
+        slots.scale(2)
+        assert [(c.ident, c.slot) for c in slots.children.values()] == [
+            ("w0", SlotState.ACTIVE), ("w1", SlotState.ACTIVE), ("w2", SlotState.RETIRED)]
+        slots.scale(4)  # w2 is still leaving: new slots take w3 and w4
+        active = sorted(n for n, c in slots.children.items() if c.slot is SlotState.ACTIVE)
+        assert active == ["worker:w0", "worker:w1", "worker:w3", "worker:w4"]
+        assert kinds(ctx).count("scaled") == 2
+    finally:
+        for c in slots.children.values():
+            c.kill()
+
+
+def test_a_crash_loop_fails_the_run_unless_another_worker_lives(ctx: ServiceContext) -> None:
+    run = RunState(ctx)
+    slots = Slots(ctx, "unused.yaml", run)
+    slots.argv = lambda role, ident: sleeper(role, ident)
+    try:
+        w0, w1 = slots.add("worker", "w0"), slots.add("worker", "w1")
+        ckpt = slots.add("checkpointer", "0")
+        for _ in range(2):  # cluster.max_restarts=1: the second death in a row is one too many
+            w0.kill()
+            slots.replace(w0)
+        assert w0.slot is SlotState.GIVEN_UP and run.exit_code is None  # w1 still trains
+        for _ in range(2):
+            ckpt.kill()
+            slots.replace(ckpt)
+        assert ckpt.slot is SlotState.GIVEN_UP and run.exit_code == 1 and ctx.redis.get(ctx.keys.state) == "failed"
+        assert slots.next_restart(1e9) == 1e9  # nothing given up on is waited for
+        assert w1.alive
+    finally:
+        for c in slots.children.values():
+            c.kill()
