@@ -2,7 +2,7 @@
 
 Each message type is a TypedDict of its header as a handler sees it after `protocol.decode` (the envelope, `type`,
 `proto` and `run`, is checked before and not repeated here). It reads like a .proto, and is both the run-time check
-and what a type checker sees (`of(msg.header, Work)`):
+and what a type checker sees (`schema.of(msg.header, Work)`); shared/wire/schema.py reads it for the check:
 
     x: int                              required: a message without it is dropped (`missing_field`)
     x: Annotated[int, Default(0)]       optional: absent, decode fills in 0, so a handler reads `h["x"]`

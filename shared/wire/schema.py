@@ -74,11 +74,6 @@ def required(mtype: str) -> dict[str, tuple[type, ...]]:
     return {name: f.types for name, f in SCHEMAS[mtype].items() if f.required}
 
 
-def declared() -> set[str]:
-    """Every field any message type declares."""
-    return {name for schema in SCHEMAS.values() for name in schema}
-
-
 H = TypeVar("H")
 
 
