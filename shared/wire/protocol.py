@@ -108,14 +108,13 @@ def _check_fields(header: dict[str, Any], schema: dict[str, Field], what: str) -
     """Every declared field present and of its type, and each absent optional one filled in with its default
     (shared/wire/messages.py), in place: a handler reads `h["ahead"]`, never tests a type again."""
     for key, field in schema.items():
-        if key not in header:
+        value = header.get(key, ABSENT)
+        if value is ABSENT:
             if field.required:
                 raise ProtocolError("missing_field", f"{what} lacks field {key!r}")
             if field.default is not ABSENT:
                 header[key] = field.fill()
-            continue
-        value = header[key]
-        if not field.accepts(value):
+        elif not field.accepts(value):
             expected = " or ".join(t.__name__ for t in field.types)
             raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}, expected {expected}")
 
