@@ -195,6 +195,15 @@ class Corpus:
         header[key] = self.wrong_value(schema.required(mtype)[key])
         return [self.pack(header), *frames]
 
+    def wrong_optional_type(self) -> list[bytes]:
+        """An optional field (shared/wire/messages.py) of the wrong type: dropped as bad_field, as a required one is."""
+        mtype = self.rng.choice([t for t, fields in schema.SCHEMAS.items()
+                                 if any(not f.required and not f.anything for f in fields.values())])
+        header, frames = self.valid(mtype)
+        key = self.rng.choice([k for k, f in schema.SCHEMAS[mtype].items() if not f.required and not f.anything])
+        header[key] = self.wrong_value(schema.SCHEMAS[mtype][key].types)
+        return [self.pack(header), *frames]
+
     def tensors_not_a_list(self) -> list[bytes]:
         header, frames = self.valid(self.rng.choice(["want", "leave", "hello", "fence", "grad", "work"]))
         header["tensors"] = self.rng.choice([None, 0, 3, -1, 1.5, True, "ab", b"ab", {"0.bias": {}}])
@@ -313,7 +322,8 @@ class Corpus:
     CATEGORIES = (("garbage", 10), ("not_a_map", 5), ("bad_type", 8), ("wrong_protocol", 8), ("wrong_run", 8),
                   ("missing_field", 10), ("wrong_field_type", 14), ("tensors_not_a_list", 4),
                   ("bad_tensor_table", 14), ("frame_count", 2), ("unknown_worker", 10), ("wrong_way", 5),
-                  ("truncated", 6), ("mutated", 6), ("hostile_msgpack", 2), ("big", 0.15))
+                  ("truncated", 6), ("mutated", 6), ("hostile_msgpack", 2), ("big", 0.15),
+                  ("wrong_optional_type", 4))
 
     def messages(self, n: int) -> list[tuple[str, list[bytes]]]:
         names = [c for c, _ in self.CATEGORIES]
@@ -378,6 +388,8 @@ def test_decode_rejects_the_corpus_cleanly(corpus) -> None:
                 "bad_field", "frame_count", "bad_tensor", "bad_dtype", "bad_shape", "bad_length", "bad_checksum",
                 "unknown_worker", "fenced", "unexpected_type", "answered"}
     assert expected <= set(reasons), f"the corpus misses {expected - set(reasons)}: {reasons}"
+    optional = Counter(why for cat, _frames, why in corpus if cat == "wrong_optional_type")
+    assert set(optional) == {"bad_field"} and optional["bad_field"] > 100, optional  # optional fields are typed too
 
 
 # ---------------------------------------------------------------------------------------------- sending
