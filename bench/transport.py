@@ -59,12 +59,12 @@ def leased_collector(M: int) -> Any:
 
 def grad_fields(m: int) -> dict[str, Any]:
     """Header fields of a `grad` message, whatever fields this version's schema requires."""
-    from cmemi.shared.wire import protocol
+    from cmemi.shared.wire import schema as wire_schema
 
     fields: dict[str, Any] = {"wid": "w0", "inc": 1, "term": 1, "step": 0, "lo": m, "hi": m + 1, "version": 0,
                               "losses": [1.0], "n": 1,
                               "finite": True, "encode_s": 0.0}
-    schema = protocol.SCHEMAS["grad"]
+    schema = wire_schema.required("grad")
     for key, types in schema.items():
         if key not in fields and key != "tensors":
             fields[key] = next((t() for t in types if t is not type(None)), None)
@@ -74,12 +74,13 @@ def grad_fields(m: int) -> dict[str, Any]:
 def grad_messages(grads: dict[str, Any], variant: str, checksum: bool) -> list[list[Any]]:
     """The M `grad` messages of one step, encoded as a worker would (codec `none`)."""
     from cmemi.shared.wire import protocol
+    from cmemi.shared.wire import schema as wire_schema
 
     codec = codec_for(variant)
     msgs = []
     for m in range(M):
         fields, tensors = grad_fields(m), grads
-        if codec is not None and "codec" in protocol.SCHEMAS["grad"]:
+        if codec is not None and "codec" in wire_schema.required("grad"):
             fields["codec"], tensors = codec.encode(grads, 0)
         msgs.append(protocol.encode("grad", RUN, fields, tensors, checksum))
     return msgs

@@ -31,7 +31,7 @@ import msgpack
 import pytest
 import xxhash
 import zmq
-from cmemi.shared.wire import protocol, samehost
+from cmemi.shared.wire import protocol, samehost, schema
 from zmq.utils.monitor import recv_monitor_message
 
 from cmemi.commands.events import load_events
@@ -100,7 +100,7 @@ class Corpus:
 
     def fields(self, mtype: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for key, kinds in protocol.SCHEMAS[mtype].items():
+        for key, kinds in schema.required(mtype).items():
             if key == "wid":
                 out[key] = self.wid()
             elif key == "inc":
@@ -125,7 +125,7 @@ class Corpus:
     def valid(self, mtype: str) -> tuple[dict[str, Any], list[bytes]]:
         header = {"type": mtype, "proto": protocol.PROTOCOL_VERSION, "run": self.run, **self.fields(mtype)}
         frames: list[bytes] = []
-        if "tensors" in protocol.SCHEMAS[mtype]:
+        if "tensors" in schema.required(mtype):
             metas = []
             for name in self.rng.sample(sorted(SHAPES), self.rng.randrange(0, 3)):
                 meta, data = self.tensor(name)
@@ -152,7 +152,7 @@ class Corpus:
         return [self.pack(value)]
 
     def bad_type(self) -> list[bytes]:
-        header, frames = self.valid(self.rng.choice(list(protocol.SCHEMAS)))
+        header, frames = self.valid(self.rng.choice(list(schema.SCHEMAS)))
         choice = self.rng.random()
         if choice < 0.3:
             del header["type"]
@@ -180,19 +180,28 @@ class Corpus:
         return [self.pack(header), *frames]
 
     def missing_field(self) -> list[bytes]:
-        mtype = self.rng.choice(list(protocol.SCHEMAS))
+        mtype = self.rng.choice(list(schema.SCHEMAS))
         header, frames = self.valid(mtype)
-        required = [k for k in protocol.SCHEMAS[mtype] if k in header]
+        required = [k for k in schema.required(mtype) if k in header]
         for key in self.rng.sample(required, self.rng.randrange(1, len(required) + 1)):
             del header[key]
         return [self.pack(header), *frames]
 
     def wrong_field_type(self) -> list[bytes]:
-        mtype = self.rng.choice(list(protocol.SCHEMAS))
+        mtype = self.rng.choice(list(schema.SCHEMAS))
         header, frames = self.valid(mtype)
-        keys = [k for k in protocol.SCHEMAS[mtype] if k != "tensors"]
+        keys = [k for k in schema.required(mtype) if k != "tensors"]
         key = self.rng.choice(keys)
-        header[key] = self.wrong_value(protocol.SCHEMAS[mtype][key])
+        header[key] = self.wrong_value(schema.required(mtype)[key])
+        return [self.pack(header), *frames]
+
+    def wrong_optional_type(self) -> list[bytes]:
+        """An optional field (shared/wire/messages.py) of the wrong type: dropped as bad_field, as a required one is."""
+        mtype = self.rng.choice([t for t, fields in schema.SCHEMAS.items()
+                                 if any(not f.required and not f.anything for f in fields.values())])
+        header, frames = self.valid(mtype)
+        key = self.rng.choice([k for k, f in schema.SCHEMAS[mtype].items() if not f.required and not f.anything])
+        header[key] = self.wrong_value(schema.SCHEMAS[mtype][key].types)
         return [self.pack(header), *frames]
 
     def tensors_not_a_list(self) -> list[bytes]:
@@ -210,8 +219,8 @@ class Corpus:
         elif kind == 1:
             del meta[r.choice(list(meta))]
         elif kind == 2:
-            key = r.choice(list(protocol._TENSOR))
-            meta[key] = self.wrong_value(protocol._TENSOR[key])
+            key = r.choice(list(schema.TENSOR))
+            meta[key] = self.wrong_value(schema.TENSOR[key].types)
         elif kind == 3:
             meta["dtype"] = r.choice(["object", "float128", "complex64", "", "torch.float32", "str"])
         elif kind == 4:  # huge declared shapes: the frame is tiny
@@ -313,7 +322,8 @@ class Corpus:
     CATEGORIES = (("garbage", 10), ("not_a_map", 5), ("bad_type", 8), ("wrong_protocol", 8), ("wrong_run", 8),
                   ("missing_field", 10), ("wrong_field_type", 14), ("tensors_not_a_list", 4),
                   ("bad_tensor_table", 14), ("frame_count", 2), ("unknown_worker", 10), ("wrong_way", 5),
-                  ("truncated", 6), ("mutated", 6), ("hostile_msgpack", 2), ("big", 0.15))
+                  ("truncated", 6), ("mutated", 6), ("hostile_msgpack", 2), ("big", 0.15),
+                  ("wrong_optional_type", 4))
 
     def messages(self, n: int) -> list[tuple[str, list[bytes]]]:
         names = [c for c, _ in self.CATEGORIES]
@@ -378,6 +388,8 @@ def test_decode_rejects_the_corpus_cleanly(corpus) -> None:
                 "bad_field", "frame_count", "bad_tensor", "bad_dtype", "bad_shape", "bad_length", "bad_checksum",
                 "unknown_worker", "fenced", "unexpected_type", "answered"}
     assert expected <= set(reasons), f"the corpus misses {expected - set(reasons)}: {reasons}"
+    optional = Counter(why for cat, _frames, why in corpus if cat == "wrong_optional_type")
+    assert set(optional) == {"bad_field"} and optional["bad_field"] > 100, optional  # optional fields are typed too
 
 
 # ---------------------------------------------------------------------------------------------- sending

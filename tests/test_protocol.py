@@ -70,6 +70,8 @@ MALFORMED = [
     (lambda p: mutate_header(p, step=...), "missing_field"),
     (lambda p: mutate_header(p, step="3"), "bad_field"),
     (lambda p: mutate_header(p, inc=True), "bad_field"),
+    (lambda p: mutate_header(p, ahead=1), "bad_field"),  # an optional field of the wrong type (messages.py)
+    (lambda p: mutate_header(p, lease="seal"), "bad_field"),
     (lambda p: as_bytes(p[:-1]), "frame_count"),
     (lambda p: [*as_bytes(p[:-1]), as_bytes(p)[-1][:-4]], "bad_length"),
     (lambda p: [*as_bytes(p[:-1]), b"\x00" * len(as_bytes(p)[-1])], "bad_checksum"),

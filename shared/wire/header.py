@@ -1,7 +1,8 @@
 """The torch-free core of the wire protocol: its version and the header every message starts with.
 
 `shared/wire/protocol.py` (tensor frames, validation) builds on it; a process that only sends header-only
-messages — the coordinator's `fence` — imports this alone and never pays for importing torch.
+messages — the coordinator's `fence` — imports this alone and never pays for importing torch. What each type's
+fields are is declared in shared/wire/messages.py (torch-free too).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The wire protocol: every message type declared once, validated on receipt.
+"""The wire protocol: every message validated on receipt against its type's declaration (shared/wire/messages.py).
 
 A message is a ZeroMQ multipart message: frame 0 is a small msgpack header, the next frames are
 raw tensor bytes, one per entry of the header's `tensors` list, sent and received without copies
 (`torch.frombuffer` over the received frame). Big buffers never go through msgpack.
 
 `decode` raises `ProtocolError` (with a short `reason` used as a drop-counter label) for anything
-malformed: services drop such a message, log it and count it, and carry on.
+malformed: services drop such a message, log it and count it, and carry on. A message it returns has every field
+its type declares, optional ones filled in with their defaults: a handler reads `h["ahead"]`, never tests a type.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import zmq
 from cmemi.shared.errors import WireError
 from cmemi.shared.wire.header import PROTOCOL_VERSION, header_only
 from cmemi.shared.wire.header import header as make_header
+from cmemi.shared.wire.messages import ABSENT
+from cmemi.shared.wire.schema import SCHEMAS, TENSOR, Field
 
 # dtype name on the wire -> torch dtype. A closed table: nothing else is ever constructed.
 DTYPES: dict[str, torch.dtype] = {
@@ -31,76 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 _ZERO_COPY_MIN = 1 << 16  # below this, copying is cheaper than zero-copy bookkeeping (pyzmq docs)
-
-_INT = (int,)
-_NUM = (int, float)
-_STR = (str,)
-_MAP = (dict,)
-_LIST = (list,)
-_BOOL = (bool,)
-_NONE = (type(None),)
-
-_WORKER = {"wid": _STR, "inc": _INT}
-# type -> {field: allowed python types}. Every field listed is required; unknown fields are ignored.
-SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
-    # worker -> aggregator
-    "hello": {**_WORKER, "fp": _MAP, "host": _STR},
-    "want": {**_WORKER, "term": _INT, "version": _INT},  # optional "reask": n > 0, asked again after silence
-    "grad": {**_WORKER, "term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "losses": _LIST, "n": _INT,
-             "finite": _BOOL, "codec": _MAP, "encode_s": _NUM, "tensors": _LIST},
-    "leave": {**_WORKER},
-    # aggregator -> worker
-    "welcome": {"term": _INT, "step": _INT, "version": _INT, "total_steps": _INT},
-    # optional: "downlink"/"base" (the change or, streaming, the changed pieces since version `base`), "last" (streaming:
-    # the worker's last lease of the step, so it computes ahead once its gradient is sent)
-    "work": {"term": _INT, "step": _INT, "lo": _INT, "hi": _INT, "version": _INT, "scale": _NUM, "tensors": _LIST},
-    "stop": {"reason": _STR},
-    "reject": {"reason": _STR, "fatal": _BOOL},
-    # a replica's inner state at the start of a round (train.local_steps), ahead of that replica's `work` to a
-    # worker that does not hold it (meta: shared/wire/state.py's, tensors named inner.…; empty: a fresh state)
-    "inner": {"replica": _INT, "round": _INT, "meta": _MAP, "tensors": _LIST},
-    "pending": {"reask": _INT},  # re-ask n came while the work last sent is unanswered (services/aggregator/leader/leasing.py)
-    # streaming local steps: no lease for the worker now after its grad of step `step` (it is parked), so it may
-    # compute its replicas' next segments ahead (services/worker/worker.py, docs/design.md §10)
-    "parked": {"step": _INT},
-    # coordinator -> aggregator
-    "fence": {"wid": _STR, "inc": _INT},
-    # aggregator <-> checkpointer
-    "snapshot": {"step": _INT, "term": _INT, "final": _BOOL, "meta": _MAP, "tensors": _LIST},
-    "saved": {"step": _INT, "path": _STR},
-    "skipped": {"step": _INT},  # a shard's snapshot of a step that will never be complete (a newer one came)
-    # a snapshot the checkpointer could not check, its term unknown (Redis restarted empty, or away): send it again
-    "retry": {"step": _INT},
-    "restore_req": {"term": _INT},  # optional: "step" (exactly that checkpoint), "shard", "owned" (its piece names)
-    "restore": {"step": _INT, "meta": _MAP, "tensors": _LIST},
-    "no_checkpoint": {"term": _INT},
-    # worker <-> shard k > 0 (cluster.shards; services/aggregator/shard/server.py): hello/welcome/reject as above, then
-    # a grad gets no answer (the leader's reply says what comes next), a pull gets that version's slice
-    "pull": {**_WORKER, "term": _INT, "version": _INT},
-    # optional "stage" (cluster.pipeline_stages): a grad carries that stage of the shard's slice, a slice answers
-    # with it (one per stage; -1: that step is over, no tensors)
-    "slice": {"version": _INT, "asked": _INT, "shard": _INT, "tensors": _LIST},  # asked: the pull's version
-    # shard k > 0 <-> shard 0 (the leader): a shard joins a term, says which microbatches of the step it holds
-    # while it is incomplete, reports each complete step with its share of the global gradient norm and its
-    # overflow flag, and is told to apply it with every shard's share
-    "shard_join": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "addr": _STR},
-    "shard_have": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "have": _LIST},
-    "shard_ready": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "partials": _LIST, "overflow": _BOOL},
-    "shard_commit": {"term": _INT, "step": _INT, "partials": _LIST, "skip": _BOOL, "last": _BOOL, "snapshot": _BOOL},
-    # the leader's answer to a join: the run's dataset fingerprint and this term's lease-seal key, so a shard admits
-    # workers and checks leases by the leader's rule (services/aggregator/common/admission.py); and each fence it verified
-    "shard_welcome": {"term": _INT, "fp": _MAP, "lease_key": (bytes,)},
-    "shard_fence": {"term": _INT, "wid": _STR, "inc": _INT},
-    # last: the run ends with this step (train.steps, or an early stop), every shard writes its final slice;
-    # snapshot: every shard checkpoints this step (the leader picks the same steps for all)
-    "shard_eval": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "tensors": _LIST},  # its slice at eval.every_steps
-    "shard_final": {"shard": _INT, "inc": _INT, "term": _INT, "step": _INT, "bytes_in": _INT, "bytes_out": _INT,
-                    "drops": _MAP, "tensors": _LIST},
-    # one part of a logical message too big for one ZeroMQ message (shared/wire/transfer.py); part 0 also has "of"
-    "part": {"xfer": _INT, "index": _INT, "count": _INT, "frames": _LIST},
-}
-
-_TENSOR = {"name": _STR, "dtype": _STR, "shape": _LIST, "nbytes": _INT, "xxh": _INT + _NONE}
 
 
 class ProtocolError(WireError, ValueError):
@@ -171,13 +104,19 @@ def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None,
     return total - (len(identity) if identity is not None else 0)
 
 
-def _check_fields(header: dict[str, Any], schema: dict[str, tuple[type, ...]], what: str) -> None:
-    for key, types_ in schema.items():
-        if key not in header:
-            raise ProtocolError("missing_field", f"{what} lacks field {key!r}")
-        value = header[key]
-        if not isinstance(value, types_) or (isinstance(value, bool) and bool not in types_):
-            raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}")
+def _check_fields(header: dict[str, Any], schema: dict[str, Field], what: str) -> None:
+    """Every declared field present and of its type, and each absent optional one filled in with its default
+    (shared/wire/messages.py), in place: a handler reads `h["ahead"]`, never tests a type again."""
+    for key, field in schema.items():
+        value = header.get(key, ABSENT)
+        if value is ABSENT:
+            if field.required:
+                raise ProtocolError("missing_field", f"{what} lacks field {key!r}")
+            if field.default is not ABSENT:
+                header[key] = field.fill()
+        elif not field.accepts(value):
+            expected = " or ".join(t.__name__ for t in field.types)
+            raise ProtocolError("bad_field", f"{what} field {key!r} has type {type(value).__name__}, expected {expected}")
 
 
 def parse(first: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
@@ -210,7 +149,7 @@ def check_header(header: Any, run: str) -> tuple[dict[str, Any], list[Any]]:
     for meta in metas:
         if not isinstance(meta, dict):
             raise ProtocolError("bad_tensor", "tensor entry is not a map")
-        _check_fields(meta, _TENSOR, "tensor")
+        _check_fields(meta, TENSOR, "tensor")
     return header, metas
 
 
