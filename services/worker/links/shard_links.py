@@ -82,7 +82,7 @@ class ShardLinks:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
                  ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], str]) -> None:
         self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
-        self.link = link  # connects a socket to a shard's address by the worker's transport rule (worker._link)
+        self.link = link  # connects a socket to a shard's address by the worker's transport rule (services/worker/links/joining.py `dial`)
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
