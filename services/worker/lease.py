@@ -35,7 +35,7 @@ class LeaseWork:
 
     def want(self) -> None:
         """Ask again, naming the version held (or none): the one line every stale lease ends in."""
-        self.link.want(self.intake.wanted)
+        self.link.want(self.intake.number)
 
     def run(self, msg: protocol.Message) -> None:
         """Lease `msg` (a `work` of this term): computed and sent, or (stale) asked for again."""
@@ -48,8 +48,7 @@ class LeaseWork:
         if g is None:
             self.want()
             return
-        assert self.intake.version is not None
-        self.outbox.send(h, g, self.intake.version)
+        self.outbox.send(h, g, self.intake.number)
         self._after(h)
 
     def _parameters(self, msg: protocol.Message) -> bool:
@@ -57,8 +56,7 @@ class LeaseWork:
         if not self.intake.receive(msg, self.link.slots):
             return False
         links = self.shard_links
-        assert self.intake.version is not None
-        return not links.links or links.fetch(self.intake.version)  # the shards past it: this lease is stale
+        return not links.links or links.fetch(self.intake.number)  # the shards past it: this lease is stale
 
     def _compute(self, h: dict[str, Any]) -> Gradient | None:
         """The lease's gradient; None when it is stale (no state held for the replica, or the slot rewritten)."""
@@ -80,7 +78,7 @@ class LeaseWork:
         except StaleParameters:
             stale = True
         if stale:  # a slot read in place was rewritten meanwhile: this lease is stale
-            self.log.info("parameters slot rewritten while computed on; asking again", version=self.intake.version)
+            self.log.info("parameters slot rewritten while computed on; asking again", version=self.intake.number)
             self.intake.forget()
             return None
         self.intake.lending.computed()
@@ -99,4 +97,4 @@ class LeaseWork:
 
     def compute_ahead(self, step: int) -> None:
         """Streaming: the next step's segments, while step `step` is collected (also on `parked`)."""
-        self.replicas.compute_ahead(step, self.intake.version, self.link.waiting)
+        self.replicas.compute_ahead(step, self.intake.number, self.link.waiting)

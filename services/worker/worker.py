@@ -41,7 +41,7 @@ from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import limits, protocol
 
-Handler = Callable[[protocol.Message], None]
+Handler = Callable[[protocol.Message], object]
 
 
 class Worker:
@@ -92,9 +92,14 @@ class Worker:
         self.lease = LeaseWork(cfg, ctx.log, self.runner, self.compute, self.intake, self.link, self.shard_links,
                                self.replicas, sends, self.outbox)
         self.told_stop = False  # the leader said the run's steps are done (`_stop_or_reject`)
-        self.handlers: dict[str, Handler] = {"pending": self._on_pending, "inner": self.replicas.hold,
-                                             "parked": lambda msg: self.lease.compute_ahead(msg.header["step"]),
-                                             "work": self._on_work, "reject": self._on_reject}
+        # each message from the leader by its type (anything else: `_on_other`)
+        self.handlers: dict[str, Handler] = {
+            "work": self._on_work,
+            "pending": lambda msg: self.link.pending(msg, self.intake.number),
+            "inner": self.replicas.hold,  # local steps: a replica's state for the work that follows
+            "parked": lambda msg: self.lease.compute_ahead(msg.header["step"]),  # streaming: no more of this step
+            "reject": self._on_reject,
+        }
 
     def assume(self, wid: str) -> None:
         """Take identity `wid`: register (new incarnation) and start heartbeating."""
@@ -138,25 +143,18 @@ class Worker:
         if link.lost_reply:
             link.lost_reply = False
             self.lease.want()
-        elif not self.told_stop and (waited := link.patience.due(time.monotonic())) is not None:
-            # a want, work or grad went missing?
-            self.log.info("no reply; asking again", after_s=round(waited, 1))
-            link.want(self.intake.wanted, reask=link.patience.reask())
-        elif (info := self.life.idle_check()) is not None:  # idle: still current?
-            if "addr" in info and (info["addr"] != link.addr or int(info["term"]) != link.term):
-                self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
-                self.told_stop = False
-                self._reconnect()
+            return
+        if not self.told_stop and link.reask_if_due(self.intake.number, time.monotonic()):
+            return
+        if (info := self.life.idle_check()) is not None and "addr" in info and (
+                info["addr"] != link.addr or int(info["term"]) != link.term):
+            self.log.info("aggregator changed; re-syncing", addr=info["addr"], term=int(info["term"]))
+            self.told_stop = False
+            self._reconnect()
 
     def _reconnect(self) -> None:
         self.joining.connect(self.device)
         if not self.ctx.stopping.is_set():
-            self.lease.want()
-
-    def _on_pending(self, msg: protocol.Message) -> None:
-        """The leader's answer to a re-ask while our last work is unanswered: lost, if no work came since we asked."""
-        if self.link.patience.lost(msg.header["reask"]):
-            self.log.info("work or gradient lost on the way; asking again", reask=msg.header["reask"])
             self.lease.want()
 
     def _on_work(self, msg: protocol.Message) -> None:

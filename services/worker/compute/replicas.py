@@ -63,7 +63,7 @@ class Replicas:
             return None
         return held
 
-    def compute_ahead(self, step: int, version: int | None, waiting: Callable[[], bool]) -> None:
+    def compute_ahead(self, step: int, version: int, waiting: Callable[[], bool]) -> None:
         """Streaming: the next step's segments of the replicas held for it, while step `step` (our `version`) is
         collected; stops when a message waits."""
         local, nxt = self.local, step + 1

@@ -9,7 +9,7 @@ lease names:
 - streaming's pieces changed since our version (shared/core/fragments.py);
 - nothing, where the leader holds no parameters (pipelined, or more shards than a codec's whole-tensor pieces).
 A way that fails leaves the model holding no version (`version` None): the worker then asks for a whole one, `want`
-with `wanted` = NOTHING. Parameters of another model (another config on this host) stop the worker with one line.
+with `number` = NOTHING. Parameters of another model (another config on this host) stop the worker with one line.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Intake:
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0  # changes refused as malformed (the whole mirror is asked for instead)
         self.lends = lends  # nothing but the slot writes the parameters (no downlink mirror, no local steps)
-        self.version: int | None = None  # the version the model holds; None: none (never received, or half written)
+        self._version: int | None = None
         self.wid = "?"
         self.place(torch.device("cpu"))
 
@@ -52,9 +52,18 @@ class Intake:
         self.lending = SlotLending(self.inbox, self.slot_reader, self.params, self.lends, self.log)
 
     @property
-    def wanted(self) -> int:
-        """The version to name in a `want`: the one held, or NOTHING."""
-        return NOTHING if self.version is None else self.version
+    def version(self) -> int | None:
+        """The version the model holds; None: none (never received, half written, or torn)."""
+        return self._version
+
+    @version.setter
+    def version(self, number: int | None) -> None:
+        self._version = None if number is None or number < 0 else number
+
+    @property
+    def number(self) -> int:
+        """The version held as the wire names it (a `want`, a gradient, a shard's pull): NOTHING when none."""
+        return NOTHING if self._version is None else self._version
 
     def forget(self) -> None:
         """The model's parameters may be half written (or from another term): hold no version."""
@@ -80,7 +89,7 @@ class Intake:
                 if not self.inbox.take(msg):  # checksums passed: the aggregator's model is not ours (another config)
                     self._misfit(h)
                 self.version = h["version"]
-        if not taken or self.version != h["version"]:  # (a correct aggregator: never the latter) never compute stale
+        if not taken or self.number != h["version"]:  # (a correct aggregator: never the latter) never compute stale
             self.version = None
             return False
         return True
@@ -116,7 +125,7 @@ class Intake:
         h, tensors = msg.header, msg.tensors
         if self.downlink is None or self.version is None or h.get("base") != self.version:
             self.log.info("a parameter change from another version; asking for the whole mirror", base=h.get("base"),
-                          have=NOTHING if self.version is None else self.version)
+                          have=self.number)
             return False
         buffers = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
         try:
@@ -147,7 +156,7 @@ class Intake:
         if self.version is None or h.get("base") != self.version or not fragmenting.land(
                 msg.tensors, {**self.partition.views(self.params, 0), **buffers}, buffers):
             self.log.info("changed pieces not from our version, or not our model's; asking for the whole version",
-                          base=h.get("base"), have=NOTHING if self.version is None else self.version)
+                          base=h.get("base"), have=self.number)
             return False
         self.version = h["version"]
         return True

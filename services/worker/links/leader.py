@@ -65,6 +65,24 @@ class LeaderLink:
         """Ask for work (and the parameters of a version other than `version`, the one held or NOTHING)."""
         self.send("want", term=self.term, version=version, **fields)
 
+    def reask_if_due(self, version: int, now: float) -> bool:
+        """Silent for too long (a want, work or grad went missing?): ask again, numbered; True if it did."""
+        if (waited := self.patience.due(now)) is None:
+            return False
+        self.ctx.log.info("no reply; asking again", after_s=round(waited, 1))
+        self.want(version, reask=self.patience.reask())
+        return True
+
+    def pending(self, msg: protocol.Message, version: int) -> bool:
+        """The leader's `pending` answer to a re-ask: it still waits for the work it last sent us. Asked before that
+        work arrived, it means nothing; asked after, the work (or our gradient of it) was lost, and only a plain `want`
+        gets new work (its lease goes back to the queue). True if it asked."""
+        if not self.patience.lost(msg.header["reask"]):
+            return False
+        self.ctx.log.info("work or gradient lost on the way; asking again", reask=msg.header["reask"])
+        self.want(version)
+        return True
+
     def waiting(self) -> bool:
         """Is a message waiting (a lease goes before work computed ahead)?"""
         assert self.sock is not None
