@@ -91,9 +91,11 @@ def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_n
         assert lending.lending is not writes
         desc = writer.write(_version(params, partition, 2.0))
         assert lending.load(protocol.Message({"shm": desc}, reader.views(desc))) and inbox.lent is not writes
-        assert log.lines == [("the model's forward or backward pass writes its parameters: each version is copied "
-                              "from the leader's slot, not read in place") if writes else
-                             "parameters are read in place from the leader's slot"]
+        assert log.lines == ([("the model's forward or backward pass writes its parameters: each version is copied "
+                               "from the leader's slot, not read in place")] if writes else
+                             ["parameters are read in place from the leader's slot",
+                              "a version lent: the model computes in the leader's slot"])
+        assert lending.lent == (0 if writes else 1)
         inbox.own()
         writer.close()
 
@@ -146,6 +148,8 @@ def test_workers_compute_in_the_slot_and_give_the_reference(tmp_path: Path, hidd
     assert r.summary["params_sha256"] == want
     lines = _worker_lines(tmp_path / "run")
     assert ("parameters are read in place from the leader's slot" in lines) is lent, lines[-2000:]
+    # logged only where `Inbox.lend` made the model's parameters views of the slot (the line above comes before it)
+    assert ("a version lent: the model computes in the leader's slot" in lines) is lent, lines[-2000:]
     assert ("does not hold each tensor in one run" in lines) is not lent
 
 

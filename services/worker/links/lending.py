@@ -39,12 +39,16 @@ class SlotLending:
         self.lending: bool | None = None if allowed and inbox.lends else False
         self.probe: tuple[int, ...] | None = None
         self.desc: dict[str, Any] | None = None  # the slot the parameters are views of, while lent
+        self.lent = 0  # versions lent so far: the first says so in the log (what only lending does, tests can see)
 
     def load(self, msg: protocol.Message) -> bool:
         """The parameters of `msg` (its tensors: views of a slot) into the model, lent or copied; False if they do not
         fit this model's layout."""
         if self.lending and self.inbox.lend(msg):
             self.desc = msg.header["shm"]
+            self.lent += 1
+            if self.lent == 1:
+                self.log.info("a version lent: the model computes in the leader's slot")
             return True
         self.desc = None
         if self.lending is not False and not self.inbox.lendable(msg):  # a tensor's pieces apart in the slot
