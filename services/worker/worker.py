@@ -131,13 +131,17 @@ class Worker:
         while not self.ctx.stopping.is_set():
             msg = self.link.recv(100)
             if msg is not None:
-                self.handlers.get(msg.type, self._on_other)(msg)
+                self.handle(msg)
             else:
-                self._idle()
+                self.idle()
         if self.link.sock is not None and self.life.member is not None:
             self.link.send("leave")  # graceful: our leases go back at once
 
-    def _idle(self) -> None:
+    def handle(self, msg: protocol.Message) -> None:
+        """A message from the leader, to its handler by type."""
+        self.handlers.get(msg.type, self._on_other)(msg)
+
+    def idle(self) -> None:
         """No message came: ask again if a reply was lost or the leader was silent too long; else is it current?"""
         link = self.link
         if link.lost_reply:
