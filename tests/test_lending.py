@@ -102,7 +102,7 @@ def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_n
 
 def test_a_lent_slot_never_lends_where_the_parameters_are_written() -> None:
     """Rows of a shard (K > 1) and a GPU's inbox are never lent; neither are the downlink's mirror and local steps'
-    replicas (SlotLending `allowed` false: services/worker/worker.py)."""
+    replicas (SlotLending `allowed` false: services/worker/links/intake.py)."""
     params = _model(64)
     assert not Inbox(Partition(params, shards=2), params, {}, torch.device("cpu")).lends
     assert SlotLending(Inbox(Partition(params), params, {}, torch.device("cpu")), None, params, False,

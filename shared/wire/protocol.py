@@ -61,7 +61,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "inner": {"replica": _INT, "round": _INT, "meta": _MAP, "tensors": _LIST},
     "pending": {"reask": _INT},  # re-ask n came while the work last sent is unanswered (services/aggregator/leader/leasing.py)
     # streaming local steps: no lease for the worker now after its grad of step `step` (it is parked), so it may
-    # compute its replicas' next segments ahead (services/worker/worker.py, docs/design.md §10)
+    # compute its replicas' next segments ahead (services/worker/compute/replicas.py, docs/design.md §10)
     "parked": {"step": _INT},
     # coordinator -> aggregator
     "fence": {"wid": _STR, "inc": _INT},
