@@ -125,7 +125,7 @@ class Intake:
         h, tensors = msg.header, msg.tensors
         if self.downlink is None or self.version is None or h.get("base") != self.version:
             self.log.info("a parameter change from another version; asking for the whole mirror", base=h.get("base"),
-                          have=self.number)
+                          have=NOTHING if self.version is None else self.version)
             return False
         buffers = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
         try:
