@@ -71,15 +71,16 @@ class Worker:
         self.partition = Partition(self.params, cfg.cluster.shards, cfg.cluster.pipeline_stages,  # the leader's slice,
                                    cfg.compression.whole_pieces)  # and the other shards'
         self.device = torch.device("cpu")
+        # the leader's segment (and a successor's), read in place where nothing but the slot writes the parameters;
+        # made first, as ever: on a CPU the inbox makes the parameters views of where they land
+        reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
+        self.intake = Intake(ctx, cfg, self.partition, self.params, self.runner.step_buffers, reader,
+                             cfg.compression.downlink == "none" and not cfg.train.local_steps)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)
+        self.compute.valid = self.intake.lending.valid
         # train.local_steps: a lease is a replica's round (services/worker/compute/local.py)
         local = LocalRound(cfg, self.runner, self.partition) if cfg.train.local_steps else None
         self.replicas = Replicas(cfg, local, self.compute, ctx.fatal)
-        # the leader's segment (and a successor's), read in place where nothing but the slot writes the parameters
-        reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
-        self.intake = Intake(ctx, cfg, self.partition, self.params, self.runner.step_buffers, reader,
-                             cfg.compression.downlink == "none" and local is None)
-        self.compute.valid = self.intake.lending.valid
         self.life = Lifecycle(ctx)
         self.link = LeaderLink(ctx, cfg, lambda: self.intake.inbox.tensors, self.intake.forget, self.replicas.holds)
         self.joining = Joining(ctx, cfg, self.life, self.link, self.fp, limits.nbytes(self.params.values()),
