@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import structlog
 import torch
-from cmemi.services.worker.worker import Worker
+from cmemi.services.worker.links.intake import Intake
 from cmemi.shared.compression import downlink
 from cmemi.shared.compression.codecs import CodecError
 from cmemi.shared.config.schema import CompressionConfig, ConfigError, config_from_dict
@@ -197,21 +197,21 @@ def test_malformed_changes_raise_codec_errors_and_leave_the_mirror_as_it_was() -
 
 
 def test_a_worker_counts_a_malformed_change_and_asks_for_the_whole_mirror() -> None:
-    """Worker._apply_change: a malformed change, or one from another version, changes nothing and returns False
+    """Intake.apply_change (services/worker/links/intake.py): a malformed change, or one from another version, changes nothing and returns False
     (the worker then asks again with no version: the leader sends the whole mirror); a good one moves the model."""
     server, info, frames = _first_change("int8")
     params = {n: t.clone() for n, t in _pieces().items()}
     w = SimpleNamespace(downlink=downlink.codec(_cfg("int8")), version=0, downlink_dropped=0, params=params,
-                        partition=Partition(params), runner=SimpleNamespace(step_buffers={}),
+                        partition=Partition(params), step_buffers={},
                         log=structlog.get_logger())
     msg = SimpleNamespace(header={"downlink": "delta", "base": 0, "version": 1}, tensors=dict(frames))
     for reason, i, f in _hostile(info, frames):
-        assert not Worker._apply_change(w, SimpleNamespace(header={**msg.header, "codec": i}, tensors=f)), reason
+        assert not Intake.apply_change(w, SimpleNamespace(header={**msg.header, "codec": i}, tensors=f)), reason
     assert w.downlink_dropped == 6 and w.version == 0
-    assert not Worker._apply_change(w, SimpleNamespace(header={**msg.header, "base": 5, "codec": info},
+    assert not Intake.apply_change(w, SimpleNamespace(header={**msg.header, "base": 5, "codec": info},
                                                        tensors=frames))
     assert all(torch.equal(params[n], t) for n, t in _pieces().items())
-    assert Worker._apply_change(w, SimpleNamespace(header={**msg.header, "codec": info}, tensors=_received(frames)))
+    assert Intake.apply_change(w, SimpleNamespace(header={**msg.header, "codec": info}, tensors=_received(frames)))
     assert w.version == 1 and all(torch.equal(params[n], server.tensors[n]) for n in params)
     theta = {n: t.clone() for n, t in server.tensors.items()}
     for t in (2, 3, 4):  # the worker sits out three steps, then gets their chain
@@ -219,7 +219,7 @@ def test_a_worker_counts_a_malformed_change_and_asks_for_the_whole_mirror() -> N
         server.advance(theta, t)
     info, frames = server.change(1)
     assert isinstance(info, list)
-    assert Worker._apply_change(w, SimpleNamespace(header={"downlink": "delta", "base": 1, "version": 4, "codec": info},
+    assert Intake.apply_change(w, SimpleNamespace(header={"downlink": "delta", "base": 1, "version": 4, "codec": info},
                                                    tensors=_received(frames)))
     assert w.version == 4 and all(torch.equal(params[n], server.tensors[n]) for n in params)
 

@@ -14,7 +14,7 @@ import torch
 from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
-from cmemi.services.worker.links.lending import SlotLending
+from cmemi.services.worker.links.lending import Lend, SlotLending
 from cmemi.shared.config.schema import load_config
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import shm
@@ -57,7 +57,7 @@ def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(shm_run: 
         shm.Reader(shm_run, False), _Log()
     own = params["w"].data_ptr()
     lending = SlotLending(inbox, reader, params, True, log)
-    lending.lending = True  # (as after a first version that left the parameters unchanged: see the next test)
+    lending.mode = Lend.IN_PLACE  # (as after a first version that left the parameters unchanged: see the next test)
     desc = writer.write(_version(params, partition, 1.0))
     msg = protocol.Message({"shm": desc}, reader.views(desc))
     assert lending.load(msg)
@@ -71,7 +71,7 @@ def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(shm_run: 
     assert lending.valid() is not lends
     inbox.own()  # its own storage back (what `take` then writes: a lent version was never copied there)
     assert params["w"].data_ptr() == own and torch.equal(params["w"], want["w"] if not lends else torch.zeros(70000, 64))
-    assert lending.lending is lends
+    assert lending.mode is (Lend.IN_PLACE if lends else Lend.COPY)
     writer.close()
 
 
@@ -88,23 +88,25 @@ def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_n
             with torch.no_grad():
                 params["w"][0, 0] = -1.0  # what a forward pass clipping its weights in place does
         lending.computed()
-        assert lending.lending is not writes
+        assert lending.mode is (Lend.COPY if writes else Lend.IN_PLACE)
         desc = writer.write(_version(params, partition, 2.0))
         assert lending.load(protocol.Message({"shm": desc}, reader.views(desc))) and inbox.lent is not writes
-        assert log.lines == [("the model's forward or backward pass writes its parameters: each version is copied "
-                              "from the leader's slot, not read in place") if writes else
-                             "parameters are read in place from the leader's slot"]
+        assert log.lines == ([("the model's forward or backward pass writes its parameters: each version is copied "
+                               "from the leader's slot, not read in place")] if writes else
+                             ["parameters are read in place from the leader's slot",
+                              "a version lent: the model computes in the leader's slot"])
+        assert lending.lent == (0 if writes else 1)
         inbox.own()
         writer.close()
 
 
 def test_a_lent_slot_never_lends_where_the_parameters_are_written() -> None:
     """Rows of a shard (K > 1) and a GPU's inbox are never lent; neither are the downlink's mirror and local steps'
-    replicas (SlotLending `allowed` false: services/worker/worker.py)."""
+    replicas (SlotLending `allowed` false: services/worker/links/intake.py)."""
     params = _model(64)
     assert not Inbox(Partition(params, shards=2), params, {}, torch.device("cpu")).lends
     assert SlotLending(Inbox(Partition(params), params, {}, torch.device("cpu")), None, params, False,
-                       _Log()).lending is False
+                       _Log()).mode is Lend.COPY
 
 
 def test_a_gradient_computed_on_a_rewritten_slot_is_stale_not_the_users_divergence() -> None:
@@ -146,6 +148,8 @@ def test_workers_compute_in_the_slot_and_give_the_reference(tmp_path: Path, hidd
     assert r.summary["params_sha256"] == want
     lines = _worker_lines(tmp_path / "run")
     assert ("parameters are read in place from the leader's slot" in lines) is lent, lines[-2000:]
+    # logged only where `Inbox.lend` made the model's parameters views of the slot (the line above comes before it)
+    assert ("a version lent: the model computes in the leader's slot" in lines) is lent, lines[-2000:]
     assert ("does not hold each tensor in one run" in lines) is not lent
 
 

@@ -153,8 +153,8 @@ def local_round(local: LocalRound, trainer: Trainer, encoder: Any, decoder: Any,
 
 def offer_block(cfg: Config, runner: MicrobatchRunner, trainer: Trainer, encoder: Any, decoder: Any,
                 collector: StepCollector, step: int, node: tuple[int, int], report: bool) -> None:
-    """A lease of several microbatches as a worker computes it (Worker.compute_block): the gradients summed in
-    the reduction tree's order, then encoded once."""
+    """A lease of several microbatches as a worker computes it (BlockComputer.block, services/worker/compute/block.py):
+    the gradients summed in the reduction tree's order, then encoded once."""
     lo, hi = node
     grads: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
     buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)

@@ -141,7 +141,7 @@ class Pending(TypedDict):  # re-ask n came while the work last sent is unanswere
 
 class Parked(TypedDict):
     """Streaming: no lease for the worker now after its grad of step `step`, so it may compute its replicas' next
-    segments ahead (services/worker/worker.py, docs/design.md §10)."""
+    segments ahead (services/worker/compute/replicas.py, docs/design.md §10)."""
     step: int
 
 

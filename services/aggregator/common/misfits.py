@@ -3,7 +3,7 @@ codec or the replica's inner state (a bug, or another CMEMI version on that host
 is not one (a stale step, a lease handed out again, a slot rewritten): only what `gradients.decode` and the buffer and
 inner-state checks refuse. Dropping such a gradient silently leaves an honest worker computing, being dropped and
 asking again forever; so its `LIMIT`-th in a row, with none taken between, gets a fatal reject naming the reason,
-and the worker stops the run with that one line (services/worker/worker.py, `_handle_reject_or_stop`)."""
+and the worker stops the run with that one line (services/worker/worker.py, `_stop_or_reject`)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ A small model's arrive as flat buffers (shared/wire/layout.py); on a CPU its par
 into them, so one frame per dtype lands in place and nothing is copied. A bigger model's arrive one frame per
 piece, each straight into its rows of the model on a CPU. Elsewhere (a GPU's pinned inbox, or a small model whose
 leader's slice is not whole tensors) what lands is copied into the model. What lands in place is half written
-until a transfer's last part: the worker forgets its version meanwhile (worker.py), so it never computes on it.
+until a transfer's last part: the worker forgets its version meanwhile (links/leader.py), so it never computes on it.
 The step's buffers are always a copy: each microbatch starts from them, while the forward pass changes the
 model's own.
 
 A same-host leader's shared-memory slot is read in place (`lend`): the model's parameters become read-only views
 of the slot, nothing is copied, and the worker checks afterwards that the slot was not rewritten while it computed
-(services/worker/worker.py). `own` points them back at the worker's own storage before anything writes there.
+(services/worker/lease.py). `own` points them back at the worker's own storage before anything writes there.
 """
 
 from __future__ import annotations

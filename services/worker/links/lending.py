@@ -17,6 +17,7 @@ GPU), nothing is lent.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 import torch
@@ -31,28 +32,39 @@ def _fingerprint(params: dict[str, torch.Tensor]) -> tuple[int, ...]:
                  for p in params.values())
 
 
+class Lend(Enum):
+    """Whether a slot's versions are read in place, decided once a run (on the first version's computation)."""
+
+    UNDECIDED = "undecided"  # nothing computed yet: the first version is copied and the parameters watched
+    IN_PLACE = "in place"  # the model's passes leave its parameters alone: each version is lent
+    COPY = "copy"  # not allowed here, a slot's tensors not each in one run, or a pass writes the parameters
+
+
 class SlotLending:
     def __init__(self, inbox: Inbox, reader: shm.Reader, params: dict[str, torch.Tensor], allowed: bool,
                  log: Any) -> None:
         self.inbox, self.reader, self.params, self.log = inbox, reader, params, log
-        # None: not tried yet (the first version is copied and the model watched); then True or False for the run
-        self.lending: bool | None = None if allowed and inbox.lends else False
+        self.mode = Lend.UNDECIDED if allowed and inbox.lends else Lend.COPY
         self.probe: tuple[int, ...] | None = None
         self.desc: dict[str, Any] | None = None  # the slot the parameters are views of, while lent
+        self.lent = 0  # versions lent so far: the first says so in the log (what only lending does, tests can see)
 
     def load(self, msg: protocol.Message) -> bool:
         """The parameters of `msg` (its tensors: views of a slot) into the model, lent or copied; False if they do not
         fit this model's layout."""
-        if self.lending and self.inbox.lend(msg):
+        if self.mode is Lend.IN_PLACE and self.inbox.lend(msg):
             self.desc = msg.header["shm"]
+            self.lent += 1
+            if self.lent == 1:
+                self.log.info("a version lent: the model computes in the leader's slot")
             return True
         self.desc = None
-        if self.lending is not False and not self.inbox.lendable(msg):  # a tensor's pieces apart in the slot
-            self.lending = False
+        if self.mode is not Lend.COPY and not self.inbox.lendable(msg):  # a tensor's pieces apart in the slot
+            self.mode = Lend.COPY
             self.log.info("the leader's slot does not hold each tensor in one run: parameters are copied from it")
         if not self.inbox.take(msg):
             return False
-        if self.lending is None:
+        if self.mode is Lend.UNDECIDED:
             self.probe = _fingerprint(self.params)
         return True
 
@@ -65,7 +77,7 @@ class SlotLending:
         if self.probe is None:
             return
         same = _fingerprint(self.params) == self.probe
-        self.probe, self.lending = None, same
+        self.probe, self.mode = None, Lend.IN_PLACE if same else Lend.COPY
         if same:
             self.log.info("parameters are read in place from the leader's slot")
         else:

@@ -12,7 +12,7 @@ Pipelined (`cluster.pipeline_stages`: S), each shard's slice travels in S stages
 0 of every shard, then stage 1, ..., and a pull is answered stage by stage as each one is stepped, so
 parameters come back while later gradients still go out. The leader then holds no parameters.
 
-Over ipc:// a shard may grant shared-memory slots (shared/memory/shm.py), as the leader does (worker.py): its slices then
+Over ipc:// a shard may grant shared-memory slots (shared/memory/shm.py), as the leader does (joining.py): its slices then
 come as slot descriptors, copied from the slot into the model's pieces and used only if the slot did not change
 meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
 segment of its own per shard.
@@ -82,7 +82,7 @@ class ShardLinks:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
                  ident: Callable[[], dict[str, Any]], link: Callable[[zmq.Socket, str, str], str]) -> None:
         self.ctx, self.cfg, self.partition, self.params, self.ident = ctx, cfg, partition, params, ident
-        self.link = link  # connects a socket to a shard's address by the worker's transport rule (worker._link)
+        self.link = link  # connects a socket to a shard's address by the worker's transport rule (services/worker/links/joining.py `dial`)
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)

@@ -1,0 +1,87 @@
+"""train.local_steps: the replicas' inner states this worker holds, and the rounds it computed ahead (streaming).
+
+A lease is a replica's round (services/worker/compute/local.py). The worker keeps the inner state each replica's next
+round starts from, for the last few it computed or was sent (`inner` messages): a lease of a replica held needs no
+state on the wire, and every `want` and `grad` says which are held (`holds`). The oldest round goes first, never the
+one just kept.
+
+Streaming: with no other lease of a step coming (its last lease said so, or the leader parked us after our
+gradient), the next step's segment of each replica held for it is computed while the step is collected (the model's
+version gives the same bits), lowest replica first (the leader leases a held replica's lowest first); it stops as
+soon as a message waits: a lease goes first. A lease computed ahead from the very state it names is sent as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cmemi.services.worker.compute.block import BlockComputer
+from cmemi.services.worker.compute.local import LocalRound
+from cmemi.shared.config.schema import Config
+from cmemi.shared.core import innerstate
+from cmemi.shared.core.innerstate import InnerState
+from cmemi.shared.wire import protocol
+
+Held = tuple[int, InnerState | None]  # (the round a replica's state starts, the state)
+
+
+class Replicas:
+    def __init__(self, cfg: Config, local: LocalRound | None, compute: BlockComputer,
+                 fatal: Callable[[str], None]) -> None:
+        self.cfg, self.local, self.compute, self.fatal = cfg, local, compute, fatal
+        self.held: dict[int, Held] = {}  # replica -> its state
+        self.ahead: dict[tuple[int, int], tuple[Held, Any]] = {}  # (step, replica) -> (the state it started from, result)
+        self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
+        self.wid = "?"
+
+    def holds(self) -> list[list[int]] | None:
+        """Which replicas' next rounds need no state sent (None: not local steps)."""
+        return None if self.local is None else [[r, t] for r, (t, _) in self.held.items()]
+
+    def hold(self, msg: protocol.Message) -> None:
+        """A replica's inner state from the leader (`inner`), for the work that follows."""
+        h = msg.header
+        try:
+            inner = innerstate.from_wire(h["meta"], msg.tensors)
+        except ValueError as exc:  # the leader checked it: a bug or another config, not a transient fault
+            self.fatal(f"worker {self.wid}: replica {h['replica']}'s inner state from the aggregator cannot be "
+                       f"read ({exc}); use the same optimizer and model on every host")
+        self.keep(h["replica"], h["round"], inner)
+
+    def keep(self, r: int, rnd: int, inner: InnerState | None) -> None:
+        self.held[r] = (rnd, inner)
+        while len(self.held) > self.hold_at_most:  # the oldest round goes, never the one just kept
+            del self.held[min((x for x in self.held if x != r), key=lambda x: self.held[x][0])]
+
+    def state_for(self, r: int, step: int) -> Held | None:
+        """Replica r's state for its round at `step` (streaming: one from the last snapshot period will do, the
+        segments since are computed again); None, and forgotten, when none held will do."""
+        assert self.local is not None
+        if (held := self.held.get(r)) is None or not 0 <= step - held[0] < self.local.window:
+            self.held.pop(r, None)
+            return None
+        return held
+
+    def compute_ahead(self, step: int, version: int, waiting: Callable[[], bool]) -> None:
+        """Streaming: the next step's segments of the replicas held for it, while step `step` (our `version`) is
+        collected; stops when a message waits."""
+        local, nxt = self.local, step + 1
+        if local is None or not local.ahead or version != step or nxt >= self.cfg.train.rounds:
+            return
+        for r in sorted(self.held):
+            held = self.held[r]
+            if held[0] != nxt or (nxt, r) in self.ahead:
+                continue
+            if waiting():
+                return
+            self.ahead[(nxt, r)] = (held, self.compute.local_round(local, nxt, r, *held))
+
+    def lease(self, step: int, r: int, held: Held) -> tuple[Any, bool]:
+        """A replica's lease: computed ahead from this very state if it was, else now; and whether it was ahead."""
+        ahead = self.ahead.pop((step, r), None)
+        self.ahead = {k: v for k, v in self.ahead.items() if k[0] >= step}
+        if ahead is not None and ahead[0] is held:
+            return ahead[1], True
+        assert self.local is not None
+        return self.compute.local_round(self.local, step, r, *held), False

@@ -1,0 +1,100 @@
+"""One lease of work, in four named steps: its parameters in, its gradient computed, sent, and what comes after.
+
+1. `_parameters`: the leader's slice lands in the model (services/worker/links/intake.py) and every other shard's
+   slice of the same version is fetched (services/worker/links/shard_links.py). Any of them stale or torn: ask again.
+2. `_compute`: a block of microbatches (services/worker/compute/block.py), or a replica's round of local steps
+   (services/worker/compute/replicas.py). Before it, the last gradient's frames leave ZeroMQ's queues (a big model
+   never holds two gradients, services/worker/links/inflight.py). A slot read in place that was rewritten while
+   computed on (services/worker/links/lending.py) makes the lease stale: nothing is sent, the whole version is asked for.
+3. `outbox.send`: encoded and sent to every shard (services/worker/links/outbox.py).
+4. `_after`: streaming computes the next step's segments ahead; a data loader guesses the next step's block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
+from cmemi.services.worker.compute.replicas import Replicas
+from cmemi.services.worker.links.inflight import InFlight
+from cmemi.services.worker.links.intake import Intake
+from cmemi.services.worker.links.leader import LeaderLink
+from cmemi.services.worker.links.outbox import Gradient, Outbox
+from cmemi.services.worker.links.shard_links import ShardLinks
+from cmemi.shared.config.schema import Config
+from cmemi.shared.core import innerstate
+from cmemi.shared.wire import protocol
+
+
+class LeaseWork:
+    def __init__(self, cfg: Config, log: Any, runner: MicrobatchRunner, compute: BlockComputer, intake: Intake,
+                 link: LeaderLink, shard_links: ShardLinks, replicas: Replicas, sends: InFlight, outbox: Outbox) -> None:
+        self.cfg, self.log, self.runner, self.compute, self.intake = cfg, log, runner, compute, intake
+        self.link, self.shard_links, self.replicas, self.sends, self.outbox = link, shard_links, replicas, sends, outbox
+
+    def want(self) -> None:
+        """Ask again, naming the version held (or none): the one line every stale lease ends in."""
+        self.link.want(self.intake.number)
+
+    def run(self, msg: protocol.Message) -> None:
+        """Lease `msg` (a `work` of this term): computed and sent, or (stale) asked for again."""
+        h = msg.header
+        if not self._parameters(msg):
+            self.want()
+            return
+        self.sends.settle()  # a big model's last gradient is out of ZeroMQ's queues before the next one exists
+        g = self._compute(h)
+        if g is None:
+            self.want()
+            return
+        self.outbox.send(h, g, self.intake.number)
+        self._after(h)
+
+    def _parameters(self, msg: protocol.Message) -> bool:
+        """The leader's slice into the model, then the other shards' slices of the same version; False if stale."""
+        if not self.intake.receive(msg, self.link.slots):
+            return False
+        links = self.shard_links
+        return not links.links or links.fetch(self.intake.number)  # the shards past it: this lease is stale
+
+    def _compute(self, h: dict[str, Any]) -> Gradient | None:
+        """The lease's gradient; None when it is stale (no state held for the replica, or the slot rewritten)."""
+        step, lo, hi = h["step"], h["lo"], h["hi"]
+        local = self.replicas.local
+        if local is not None:
+            if (held := self.replicas.state_for(lo, step)) is None:
+                self.log.info("no inner state for this replica's round; asking again", replica=lo, round=step)
+                return None
+            (losses, grads, buffers, state), ahead = self.replicas.lease(step, lo, held)
+            g = Gradient(losses, grads, buffers, True, {"ahead": ahead})
+            self.replicas.keep(lo, step + 1, state)
+            if local.ships_state(step, lo):
+                g.extra["inner"], g.inner = innerstate.to_wire(state)
+            return g
+        try:
+            g = Gradient(*self.compute.block(step, lo, hi, float(h["scale"])))
+            stale = not self.intake.lending.valid()
+        except StaleParameters:
+            stale = True
+        if stale:  # a slot read in place was rewritten meanwhile: this lease is stale
+            self.log.info("parameters slot rewritten while computed on; asking again", version=self.intake.number)
+            self.intake.forget()
+            return None
+        self.intake.lending.computed()
+        return g
+
+    def _after(self, h: dict[str, Any]) -> None:
+        """While the gradient travels and the aggregator steps."""
+        if h.get("last") is True:  # streaming: no other lease of this step is coming our way; compute ahead now, while
+            self.compute_ahead(h["step"])  # the gradient travels (`parked` would come only once it has arrived)
+        lo, hi = h["lo"], h["hi"]
+        if self.runner.loader is not None and self.replicas.local is None and (
+                hi - lo > 1 or self.cfg.train.microbatches == 1):
+            # while the aggregator steps: a block lease is most often this worker's again next step (single
+            # microbatches, as a lossy codec leases them, go to whoever asks first: no guess)
+            self.runner.loader.guess(h["step"] + 1, range(lo, hi))
+
+    def compute_ahead(self, step: int) -> None:
+        """Streaming: the next step's segments, while step `step` is collected (also on `parked`)."""
+        self.replicas.compute_ahead(step, self.intake.number, self.link.waiting)
