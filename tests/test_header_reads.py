@@ -20,8 +20,10 @@ DECLARED = {mtype: set(fields) for mtype, fields in schema.SCHEMAS.items()}
 
 # helpers handed one message type's header (handlers named `_on_<type>` need no entry)
 HANDLERS = {qual: frozenset(types) for qual, types in {
-    "Worker._work": {"work"}, "Worker._from_slot": {"work"}, "Worker._apply_change": {"work"},
-    "Worker._take_pieces": {"work"}, "Worker._hold": {"inner"}, "ShardLinks._change": {"slice"},
+    "LeaseWork.run": {"work"}, "LeaseWork._parameters": {"work"}, "LeaseWork._compute": {"work"},
+    "LeaseWork._after": {"work"}, "Intake.receive": {"work"}, "Intake._misfit": {"work"},
+    "Intake.from_slot": {"work"}, "Intake.apply_change": {"work"}, "Intake.take_pieces": {"work"},
+    "Replicas.hold": {"inner"}, "ShardLinks._change": {"slice"},
     "Aggregator._take_grad": {"grad"}, "Admission.hello": {"hello"},
     "ShardRoster.join": {"shard_join"}, "ShardRoster.have": {"shard_have"}, "ShardRoster.ready": {"shard_ready"},
     "ShardRoster.eval_pieces": {"shard_eval"}, "ShardRoster.final": {"shard_final"},
