@@ -17,7 +17,7 @@ import redis
 import torch
 import zmq
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.wire import security, state, transfer

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 import zmq
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.wire import security, transfer
 

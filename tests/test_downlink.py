@@ -15,8 +15,10 @@ import structlog
 import torch
 from cmemi.services.worker.worker import Worker
 from cmemi.shared.compression import downlink
-from cmemi.shared.compression.codecs import CodecError
-from cmemi.shared.config.schema import CompressionConfig, ConfigError, config_from_dict
+from cmemi.shared.compression.base import CodecError
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import config_from_dict
+from cmemi.shared.config.system import CompressionConfig
 from cmemi.shared.core.grid import Partition
 
 from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up

@@ -8,8 +8,8 @@ import torch
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.leader import dataprint
 from cmemi.shared.config import initweights
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import FactoryError, build_model, user_modules
-from cmemi.shared.config.schema import load_config
 from cmemi.shared.core.data import data_error
 from cmemi.shared.wire import limits
 from safetensors.torch import save_file

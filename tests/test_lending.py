@@ -15,7 +15,7 @@ from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.lending import SlotLending
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import shm
 from cmemi.shared.wire import protocol

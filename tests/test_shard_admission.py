@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared.compression.codecs import make_codec
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import build_model
-from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.core.environment import environment
 from cmemi.shared.core.grid import Partition

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from cmemi.services.coordinator.coordinator import Coordinator
 from cmemi.services.coordinator.supervisor import Child, load_children, save_children
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.runtime.exits import Exit

@@ -208,7 +208,7 @@ def test_whole_messages_still_meet_the_old_checks() -> None:
 
 
 def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does_not(monkeypatch) -> None:
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.wire import limits
 
     from tests.conftest import DIGITS

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared.compression.codecs import NoneCodec
+from cmemi.shared.compression.dense import NoneCodec
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.core.data import fetch, microbatch_indices, microbatch_seed

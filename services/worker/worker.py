@@ -35,9 +35,10 @@ from cmemi.services.worker.links.lending import SlotLending
 from cmemi.services.worker.links.patience import Patience
 from cmemi.services.worker.links.shard_links import Lost, ShardLinks
 from cmemi.shared.compression import downlink
-from cmemi.shared.compression.codecs import CodecError, make_codec
+from cmemi.shared.compression.base import CodecError
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import ConfigError
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.buffers import PREFIX

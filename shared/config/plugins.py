@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from cmemi.shared.config import initweights
-from cmemi.shared.config.schema import Config, ConfigError, OptimizerConfig
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.schema import Config
+from cmemi.shared.config.training import OptimizerConfig
 from cmemi.shared.config.usercode import describe
 from cmemi.shared.wire import limits
 

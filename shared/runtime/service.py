@@ -18,7 +18,9 @@ from typing import Any
 import redis
 import structlog
 import zmq
-from cmemi.shared.config.schema import Config, ConfigError, load_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, emit, wait_for_redis
 from cmemi.shared.runtime import lifeline, metrics, startup

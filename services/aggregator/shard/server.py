@@ -44,8 +44,8 @@ from cmemi.services.aggregator.shard import join as shard_join
 from cmemi.services.aggregator.shard.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import send as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
-from cmemi.shared.compression.codecs import make_codec
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.core import reduction

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import zmq
 from cmemi.shared.compression import downlink
-from cmemi.shared.compression.codecs import CodecError
+from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
