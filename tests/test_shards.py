@@ -341,7 +341,7 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
     from cmemi.services.checkpointer import spool
     from cmemi.services.checkpointer.merge import Pending, merged
     from cmemi.services.checkpointer.store import CheckpointStore
-    from cmemi.shared.wire import transfer
+    from cmemi.shared.wire import assembly, transfer
 
     snaps = [collect(t, RunTotals(bytes_in=100 * (k + 1), bytes_out=10 * (k + 1)), 1, {"sha256": "x"}, None)
              for k, t in enumerate(trainers)]
@@ -349,7 +349,7 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
         store = CheckpointStore(Path(tmp))
         received = []
         for k, (step, meta, tensors) in enumerate(snaps):
-            asm = transfer.Assembler("r", 1 << 30, sink=lambda of, metas, k=k, step=step: spool.Spool(
+            asm = assembly.Assembler("r", 1 << 30, sink=lambda of, metas, k=k, step=step: spool.Spool(
                 store.root, step, k, metas, lambda exc, attempt: None))
             fields = {"step": step, "term": 1, "final": False, "meta": meta}
             msg = None

@@ -49,7 +49,7 @@ from cmemi.shared.core.innerstate import InnerState
 from cmemi.shared.memory import shm
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, samehost, transfer
+from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
 
 
 class Worker:
@@ -104,7 +104,7 @@ class Worker:
         self.lost_reply = False
         self.told_stop = False  # the leader said the run's steps are done (`_handle_reject_or_stop`)
         self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again (services/worker/links/patience.py)
-        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None

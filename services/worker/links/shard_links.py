@@ -37,7 +37,7 @@ from cmemi.shared.core.grid import Partition
 from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
 
 
@@ -53,7 +53,7 @@ def answers(got: protocol.Message | None, version: int) -> bool:
 
 
 class Link:
-    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler,
+    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: assembly.Assembler,
                  views: list[dict[str, torch.Tensor]]) -> None:
         self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
         self.views = views  # each stage's pieces of the model: where the slice being fetched lands
@@ -112,7 +112,7 @@ class ShardLinks:
             views = self.partition.views(self.params, k)
             staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
             layouts = [Layout(stage) for stage in staged]
-            parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
+            parts = assembly.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
             self.links.append(Link(k, sock, layouts, parts, staged))
             self.links[-1].slots = asks  # until its welcome says whether it grants them
         for link in self.links:
