@@ -46,7 +46,7 @@ from cmemi.shared.core.data import data_error, fingerprint
 from cmemi.shared.core.environment import environment
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.innerstate import InnerState
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
@@ -112,7 +112,7 @@ class Worker:
         self.slots = False  # the leader granted shared-memory slots on this connection
         self.param_bytes = limits.nbytes(self.params.values())
         # the leader's segment (and a successor's)
-        self.slot_reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
+        self.slot_reader = shm_reader.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.slot_writer: shm.Writer | None = None  # this worker's gradients (made on first use)
         self._lend_from(self.inbox)
 

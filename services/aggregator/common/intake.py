@@ -33,7 +33,7 @@ import torch
 from cmemi.services.aggregator.common.admission import ROLE_OF
 from cmemi.services.aggregator.common.gradients import Spares
 from cmemi.shared.core.innerstate import PREFIX as INNER
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime import metrics
 from cmemi.shared.wire import assembly, limits, protocol, samehost
 from cmemi.shared.wire.security import Curve
@@ -78,7 +78,7 @@ class Intake:
         # buffers back once handled (`settle`); past two lent, a buffer is a plain allocation, freed with its message
         self.spares = Spares(limit=spare_bytes)
         self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
-        self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
+        self.slots = (shm_reader.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:

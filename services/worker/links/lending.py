@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import xxhash
 from cmemi.services.worker.links.inbox import Inbox
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm_reader
 from cmemi.shared.wire import protocol
 
 
@@ -32,7 +32,7 @@ def _fingerprint(params: dict[str, torch.Tensor]) -> tuple[int, ...]:
 
 
 class SlotLending:
-    def __init__(self, inbox: Inbox, reader: shm.Reader, params: dict[str, torch.Tensor], allowed: bool,
+    def __init__(self, inbox: Inbox, reader: shm_reader.Reader, params: dict[str, torch.Tensor], allowed: bool,
                  log: Any) -> None:
         self.inbox, self.reader, self.params, self.log = inbox, reader, params, log
         # None: not tried yet (the first version is copied and the model watched); then True or False for the run

@@ -35,7 +35,7 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.errors import Interrupt
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
@@ -87,7 +87,7 @@ class ShardLinks:
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
         self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
-        self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
+        self.reader = shm_reader.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
                                  bound=limits.logical_bytes(cfg))
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
         # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
