@@ -44,7 +44,8 @@ def rank_main(rank: int, world: int, port: int, config: str, sets: list[str], ho
               out: str) -> None:
     """One DDP rank: the config's model, data, loss, optimizer and schedule; rank 0 writes the eval metrics."""
     from cmemi.shared.config.loading import load_config
-    from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler, resolve
+    from cmemi.shared.config.lookup import resolve
+    from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler
     from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -60,14 +60,15 @@ def corpus() -> bytes:
 
 
 @functools.lru_cache(maxsize=2)
-def _split_bytes(split: str) -> torch.Tensor:
+def split_bytes(split: str) -> torch.Tensor:
+    """The corpus' bytes of `split` as token ids: train is all but the last HELD_OUT fraction, the rest is held out."""
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     cut = int(len(data) * (1.0 - HELD_OUT))
     return (data[:cut] if split == "train" else data[cut:]).to(torch.int64)
 
 
 def _windows(split: str, block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = _split_bytes(split)
+    data = split_bytes(split)
     if len(data) < block + 1:
         raise ValueError(f"the {split} split has {len(data)} bytes, fewer than block + 1 = {block + 1}")
     w = data.unfold(0, block + 1, stride)  # (N, block + 1), a view

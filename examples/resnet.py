@@ -13,7 +13,7 @@ import random
 
 import numpy as np
 import torch
-from cmemi.examples.digits import _split
+from cmemi.examples.digits import splits
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -22,7 +22,7 @@ class AugmentedDigits(Dataset):
     """8x8 digit images (1 channel); training samples are randomly shifted, noised and brightened."""
 
     def __init__(self, split: str = "train", shift: int = 1, noise: float = 0.05, brightness: float = 0.1) -> None:
-        xtr, ytr, xte, yte = _split()
+        xtr, ytr, xte, yte = splits()
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         x, self.y = (xtr, ytr) if split == "train" else (xte, yte)

@@ -42,6 +42,8 @@ FUZZ_SEED = int(os.environ.get("CMEMI_FUZZ_SEED", "20240611"))
 N_MESSAGES = 12_000
 MAX_MESSAGE_BYTES = 1 << 20
 RUN = "fuzzrun"
+# The field types of a tensor entry, as shared/wire/protocol.py checks them (same order: the fuzz draws keys from it)
+TENSOR_ENTRY = {"name": (str,), "dtype": (str,), "shape": (list,), "nbytes": (int,), "xxh": (int, type(None))}
 
 # What the aggregator sends (or only the checkpointer expects): arriving at the aggregator they are dropped.
 WRONG_WAY = ("welcome", "work", "stop", "reject", "snapshot", "saved", "restore_req", "restore", "no_checkpoint")
@@ -210,8 +212,8 @@ class Corpus:
         elif kind == 1:
             del meta[r.choice(list(meta))]
         elif kind == 2:
-            key = r.choice(list(protocol._TENSOR))
-            meta[key] = self.wrong_value(protocol._TENSOR[key])
+            key = r.choice(list(TENSOR_ENTRY))
+            meta[key] = self.wrong_value(TENSOR_ENTRY[key])
         elif kind == 3:
             meta["dtype"] = r.choice(["object", "float128", "complex64", "", "torch.float32", "str"])
         elif kind == 4:  # huge declared shapes: the frame is tiny
@@ -619,7 +621,8 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     import torch
     from cmemi.shared.compression.registry import make_codec
     from cmemi.shared.config.loading import load_config
-    from cmemi.shared.config.plugins import build_model, resolve
+    from cmemi.shared.config.lookup import resolve
+    from cmemi.shared.config.plugins import build_model
     from cmemi.shared.config.system import CompressionConfig
     from cmemi.shared.coordination.membership import Member
     from cmemi.shared.core.data import fingerprint

@@ -30,7 +30,8 @@ import torch
 import zmq
 import zmq.auth
 from cmemi.shared.config.loading import load_config
-from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.core.data import fingerprint
 from cmemi.shared.wire import protocol, samehost

@@ -17,7 +17,7 @@ from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.shard_links import Link, Lost, ShardLinks
 from cmemi.shared.config.loading import load_config
-from cmemi.shared.config.plugins import resolve
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.reduction import TreeAccumulator, add_into
 from cmemi.shared.wire import assembly, layout, transfer

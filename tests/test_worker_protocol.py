@@ -14,7 +14,8 @@ import torch
 import zmq
 from cmemi.shared.compression.dense import NoneCodec
 from cmemi.shared.config.loading import load_config
-from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.core.data import fetch, microbatch_indices, microbatch_seed

@@ -35,7 +35,8 @@ from cmemi.services.worker.compute.local import LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.compression.registry import make_codec
-from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.innerstate import through_wire
 from cmemi.shared.core.reduction import TreeAccumulator, add_into, block_size

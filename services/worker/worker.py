@@ -38,7 +38,8 @@ from cmemi.shared.compression import downlink
 from cmemi.shared.compression.base import CodecError
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
-from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.buffers import PREFIX

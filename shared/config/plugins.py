@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import inspect
 import re
 import warnings
@@ -12,32 +10,11 @@ from typing import Any
 import torch
 from cmemi.shared.config import initweights
 from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.training import OptimizerConfig
 from cmemi.shared.config.usercode import describe
 from cmemi.shared.wire import limits
-
-
-def resolve(path: str, field: str) -> Any:
-    """Import 'package.module:attr' (attr may be dotted). Errors name the config field and list what exists."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"config field '{field}' = {path!r}: cannot import module {module_name!r} ({exc}); "
-                          "check the spelling and that the package is installed or on PYTHONPATH") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            close = difflib.get_close_matches(part, public, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"config field '{field}' = {path!r}: {module_name!r} has no attribute {part!r}.{hint} "
-                              f"Available: {', '.join(public[:40]) or '(nothing callable)'}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"config field '{field}' = {path!r} is a {type(obj).__name__}, not a function or class")
-    return obj
 
 
 def _class_in(namespace: Any, base: type, name: str, field: str) -> type:

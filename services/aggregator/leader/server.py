@@ -37,7 +37,7 @@ from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.downlink import DELTA, DENSE, SentChanges
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
-from cmemi.shared.config.plugins import resolve
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.coordination.membership import Member, allocate
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.core import fragments as fragmenting
