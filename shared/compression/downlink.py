@@ -79,7 +79,8 @@ class SentChanges:
     """A server's changes of the current version as sent, by base: each encoded once (a chain per base)."""
 
     def __init__(self) -> None:
-        self.version, self.by_base = -1, {}
+        self.version = -1
+        self.by_base: dict[int, Any] = {}
 
     def get(self, version: int, base: int, encode: Callable[[], Any]) -> Any:
         if version != self.version:
@@ -121,12 +122,12 @@ class Mirror:
         server kept them all and they are smaller than the mirror; else None (send the mirror whole)."""
         if type(base) is not int or base < 0 or not self.version - KEPT <= base < self.version:
             return None
-        changes = [self.deltas.get(v) for v in range(base + 1, self.version + 1)]
-        if any(c is None for c in changes):
+        if any(v not in self.deltas for v in range(base + 1, self.version + 1)):
             return None
+        changes = [self.deltas[v] for v in range(base + 1, self.version + 1)]
         if len(changes) > 1 and sum(_nbytes(f) for _, f in changes) >= _nbytes(self.tensors):
             return None
-        return chain(changes)  # type: ignore[arg-type]
+        return chain(changes)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """For a checkpoint: the mirror and the codec's state (PowerSGD's Q), by piece (the live tensors)."""

@@ -10,6 +10,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -50,7 +51,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def _build(cls: Any, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         fail(prefix or "<root>", data, "must be a mapping", f"write {prefix or 'the file'} as 'key: value' lines")
     hints = typing.get_type_hints(cls)
@@ -64,7 +65,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for name, value in data.items():
         tp = hints[name]
         path = _join(prefix, name)
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, {} if value is None else value, path)
         elif not _type_ok(value, tp):
             fail(path, value, f"expected {_type_name(tp)}, got {type(value).__name__}", f"set {path} to a {_type_name(tp)}")
@@ -101,11 +102,12 @@ def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
             for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIX)]
 
 
-def config_from_dict(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
+def config_from_dict(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     raw = _deepcopy(raw)
     for item in overrides:
         _apply_override(raw, item)
-    return _build(Config, raw, "")
+    cfg: Config = _build(Config, raw, "")
+    return cfg
 
 
 class _Loader(yaml.SafeLoader):
@@ -118,7 +120,7 @@ _Loader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def load_config(path: str | Path, overrides: list[str] = (), environ: dict[str, str] | None = None) -> Config:
+def load_config(path: str | Path, overrides: Sequence[str] = (), environ: dict[str, str] | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass the path of a YAML file, e.g. examples/digits.yaml")

@@ -98,6 +98,9 @@ class OptimizerConfig:
                       "fix the regular expression")
 
 
+OUTER_DEFAULT_KWARGS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
 @dataclass
 class OuterOptimizerConfig(OptimizerConfig):
     """With train.local_steps, the servers' optimizer: its defaults are DiLoCo's outer step."""
@@ -114,8 +117,6 @@ class OuterOptimizerConfig(OptimizerConfig):
             fail("outer_optimizer.kwargs", self.kwargs, f"are the defaults for SGD, not for {self.name}",
                   f"set outer_optimizer.kwargs for {self.name}, e.g. {{lr: 0.7}}")
 
-
-OUTER_DEFAULT_KWARGS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
 @dataclass

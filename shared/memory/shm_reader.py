@@ -8,7 +8,7 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import xxhash
@@ -17,7 +17,7 @@ from cmemi.shared.memory.shm import ALIGN, HEAD, NAME, SEQ, SLOTS, ShmError, run
 from cmemi.shared.wire import protocol
 
 
-def _int(x: Any) -> bool:
+def _int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -104,7 +104,7 @@ class Reader:
         mm = self.maps.get(desc["seg"])
         if mm is None:
             return False
-        return SEQ.unpack_from(mm, desc["slot"] * (len(mm) // SLOTS))[0] == desc["seq"]
+        return bool(SEQ.unpack_from(mm, desc["slot"] * (len(mm) // SLOTS))[0] == desc["seq"])
 
     def copied(self, desc: Any) -> dict[str, torch.Tensor]:
         """The tensors a descriptor names, copied out of its slot (ShmError when it is torn or overwritten)."""

@@ -71,7 +71,7 @@ class Assembler:
             raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, FrameList(frames[1:]), into)
 
-    def recv(self, sock: zmq.Socket, into: Into = None, peer: bytes = b"",
+    def recv(self, sock: zmq.Socket[bytes], into: Into = None, peer: bytes = b"",
              first: zmq.Frame | None = None, cap: int | None = None) -> Message | None:
         """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete. `first`: the
         header frame, when the caller has read it already (a ROUTER reads the identity and checks the sender
@@ -88,7 +88,7 @@ class Assembler:
             while sock.getsockopt(zmq.RCVMORE):
                 rest.append(sock.recv(copy=False))
             if (size := protocol.message_bytes([f.buffer for f in rest])) > budget:
-                raise ProtocolError("too_big", f"{size + cap - budget} bytes")
+                raise ProtocolError("too_big", f"{size + len(first.bytes)} bytes")  # (cap - budget: the header)
             return self._whole(protocol.decode_body(header, metas, rest, self.checksum), metas)
         except ProtocolError:
             protocol.drain(sock)

@@ -55,7 +55,7 @@ class SocketFrames:
     handed over and released after it): one frame in memory at a time. `budget`: the most bytes its frames may
     have (the caller's message size cap, less the header)."""
 
-    def __init__(self, sock: zmq.Socket, budget: int | None = None) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], budget: int | None = None) -> None:
         self.sock, self.budget = sock, budget
 
     def _spend(self, n: int) -> None:
@@ -122,7 +122,7 @@ class Sunk:
         self.sink = sink
 
     def land(self, ti: int, off: int, n: int, source: Any) -> memoryview:
-        buf = source.take(n)
+        buf: memoryview = source.take(n)
         self.sink.write(ti, off, buf)
         return buf
 

@@ -83,7 +83,8 @@ def _in_child(cfg: Config, meta: bool) -> int | None:
 
             def build(c: Config) -> torch.nn.Module:  # plugins.build_model's call, without recording (it records here)
                 torch.manual_seed(c.run.seed)
-                return resolve(c.model.factory, "model.factory")(**c.model.kwargs)
+                model: torch.nn.Module = resolve(c.model.factory, "model.factory")(**c.model.kwargs)
+                return model
 
             torch.set_num_threads(1)
             os.write(w, struct.pack("<q", measure(cfg, build, meta)))

@@ -30,6 +30,7 @@ import torch
 import zmq
 from cmemi.shared.errors import WireError
 from cmemi.shared.wire import protocol
+from cmemi.shared.wire.header import PROTOCOL_VERSION
 
 CHUNK = 4 << 20  # bytes; a multiple of 64 (docs/design.md §3)
 # The part size of the big messages whose receivers bound what they queue (RCVHWM) or whose senders copy each
@@ -60,7 +61,7 @@ def messages(mtype: str, run: str, fields: dict[str, Any], cap: int, tensors: di
 
 def _part_header(run: str, xfer: int, index: int, count: int, frames: list[list[int]],
                  of: dict[str, Any] | None) -> dict[str, Any]:
-    header = {"type": "part", "proto": protocol.PROTOCOL_VERSION, "run": run, "xfer": xfer, "index": index,
+    header = {"type": "part", "proto": PROTOCOL_VERSION, "run": run, "xfer": xfer, "index": index,
               "count": count, "frames": frames}
     if of is not None:
         header["of"] = of
@@ -105,13 +106,13 @@ def plan(of: dict[str, Any], cap: int) -> list[tuple[bytes, list[list[int]]]]:
     return out
 
 
-def send(sock: zmq.Socket, msgs: list[list[Any]], identity: bytes | None = None,
+def send(sock: zmq.Socket[bytes], msgs: list[list[Any]], identity: bytes | None = None,
          trackers: list[zmq.MessageTracker] | None = None) -> int:
     """Send the messages of `messages` in order; returns the bytes sent."""
     return sum(protocol.send(sock, parts, identity, trackers) for parts in msgs)
 
 
-def stream(sock: zmq.Socket, mtype: str, run: str, fields: dict[str, Any], metas: list[dict[str, Any]],
+def stream(sock: zmq.Socket[bytes], mtype: str, run: str, fields: dict[str, Any], metas: list[dict[str, Any]],
            read: Callable[[int, int, memoryview], None], cap: int, identity: bytes | None = None,
            timeout: float = 120.0) -> int:
     """Send one logical message whose tensor bytes are not in memory: `metas` as `protocol.encode_tensors` makes
