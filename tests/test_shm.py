@@ -103,7 +103,7 @@ def test_bad_descriptors_are_refused_with_a_reason(run: str, tmp_path) -> None:
 
 WRITER = """
 import os, sys, torch
-from cmemi.shared.memory import shm, shm_reader
+from cmemi.shared.memory import shm
 w = shm.Writer(sys.argv[1], "worker", False)
 w.write({"w": torch.ones(1000)})
 slot, views = w.begin([{"name": "w", "dtype": "float32", "shape": [1000], "nbytes": 4000}])
@@ -157,6 +157,13 @@ def test_descriptors_are_bounded_by_the_maps_and_go_with_them(run: str) -> None:
 def test_slots_only_for_small_models_on_a_tmpfs_with_room(monkeypatch) -> None:
     """Big models keep frames (a slot is a second copy on each side); so does any model when /dev/shm could not hold
     every segment (a full tmpfs kills the writer of a mapping with SIGBUS)."""
-    assert shm.suits(21 << 20, 2) and not shm.suits(shm.MAX_MODEL_BYTES + 1, 2)
-    monkeypatch.setattr(shm.os, "statvfs", lambda _p: SimpleNamespace(f_bavail=100, f_frsize=1 << 20))  # 100 MiB
+    def room(mib: int) -> None:  # /dev/shm's free space, as statvfs reports it
+        monkeypatch.setattr(shm.os, "statvfs", lambda _p: SimpleNamespace(f_bavail=mib, f_frsize=1 << 20))
+
+    # each bound on its own: with room to spare only the model's size refuses (a small /dev/shm, a container's
+    # 64 MB, would refuse a model over MAX_MODEL_BYTES anyway and hide the size bound) ...
+    room(1 << 20)  # 1 TiB
+    assert shm.suits(21 << 20, 2) and shm.suits(shm.MAX_MODEL_BYTES, 2) and not shm.suits(shm.MAX_MODEL_BYTES + 1, 2)
+    # ... and for models well under MAX_MODEL_BYTES only the room refuses
+    room(100)  # 100 MiB
     assert shm.suits(16 << 20, 2) and not shm.suits(21 << 20, 2)  # 6 × 21 MiB do not fit
