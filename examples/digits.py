@@ -34,9 +34,9 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 @functools.lru_cache(maxsize=1)
 def splits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_train, y_train, x_test, y_test): 80/20 by a fixed permutation, the one split every digits example reads."""
-    x, y = _load_digits()
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
+    xs, ys = _load_digits()
+    x = torch.tensor(xs, dtype=torch.float32) / 16.0
+    y = torch.tensor(ys, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
     cut = int(0.8 * len(y))
     train, test = order[:cut], order[cut:]

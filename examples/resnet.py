@@ -10,6 +10,7 @@ any number of workers (and any faults) give the bits of `cmemi reference`.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ class AugmentedDigits(Dataset):
         return img, self.y[i]
 
 
-def make_dataset(split: str = "train", **kwargs: float) -> AugmentedDigits:
+def make_dataset(split: str = "train", **kwargs: Any) -> AugmentedDigits:
     return AugmentedDigits(split, **kwargs)
 
 
