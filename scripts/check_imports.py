@@ -25,9 +25,9 @@ PACKAGE = {"cmemi": "cmemi", "shared": "cmemi.shared", "services": "cmemi.servic
 IMPORTERS = ("tests", "bench", "scripts", "docker")
 
 
-def module_name(path: Path) -> str:
+def module_name(path: Path, root: Path = ROOT) -> str:
     """The dotted name of a file of the tree: shared/wire/protocol.py -> cmemi.shared.wire.protocol."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[0] in PACKAGE:
         parts[0:1] = PACKAGE[parts[0]].split(".")
     if parts[-1] == "__init__":
@@ -35,13 +35,13 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def sources() -> dict[str, Path]:
+def sources(root: Path = ROOT) -> dict[str, Path]:
     """Every module of the package and of its importers, by dotted name."""
     out: dict[str, Path] = {}
     for top in (*PACKAGE, *IMPORTERS):
-        for path in sorted((ROOT / top).rglob("*.py")):
+        for path in sorted((root / top).rglob("*.py")):
             if ".venv" not in path.parts:
-                out[module_name(path)] = path
+                out[module_name(path, root)] = path
     return out
 
 
@@ -128,13 +128,14 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def findings() -> list[str]:
-    files = sources()
+def findings(root: Path = ROOT) -> list[str]:
+    """Every finding in the tree at `root`, one line each (file:line: what), cycles last."""
+    files = sources(root)
     known = set(files)
     graph: dict[str, set[str]] = {}
     out: list[str] = []
     for name, path in files.items():
-        where = path.relative_to(ROOT)
+        where = path.relative_to(root)
         in_package = name.startswith("cmemi.") or name == "cmemi"
         for line, target, private in imports(name, path, known):
             if private is not None and target != name:
