@@ -290,7 +290,7 @@ class Cluster:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
         (`fragments` F > 1, streaming: in segments of H / F inner steps); a step's figures are then a round's (a
         segment's), and a round trains H times the samples (a segment H / F)."""
-        from cmemi.shared.config.schema import dump_config, load_config
+        from cmemi.shared.config.loading import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
         segment = max(1, local_steps // fragments)  # inner steps per step of the servers

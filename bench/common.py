@@ -86,10 +86,10 @@ def emit_result(obj: dict[str, Any]) -> None:
         if busy > 1.5 * (m.get("cpus") or 1):
             m["warning"] = (f"the machine was overloaded (1-min load average up to {busy:g} on {m.get('cpus')} cores): "
                             "absolute times are inflated and ratios noisy")
-    print(json.dumps(obj, indent=1, default=_jsonable), flush=True)
+    print(json.dumps(obj, indent=1, default=jsonable), flush=True)
 
 
-def _jsonable(o: Any) -> Any:
+def jsonable(o: Any) -> Any:
     if isinstance(o, Path):
         return str(o)
     if hasattr(o, "item"):

@@ -41,8 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.shared.compression.codecs import make_codec  # noqa: E402
-from cmemi.shared.config.schema import load_config  # noqa: E402
+from cmemi.shared.compression.registry import make_codec  # noqa: E402
+from cmemi.shared.config.loading import load_config  # noqa: E402
 from cmemi.shared.core import reduction  # noqa: E402
 
 from bench import common as C  # noqa: E402

@@ -43,8 +43,9 @@ def free_port() -> int:
 def rank_main(rank: int, world: int, port: int, config: str, sets: list[str], hook_rank: int, warmup: int,
               out: str) -> None:
     """One DDP rank: the config's model, data, loss, optimizer and schedule; rank 0 writes the eval metrics."""
-    from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler, resolve
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
+    from cmemi.shared.config.lookup import resolve
+    from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler
     from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -84,7 +85,7 @@ def rank_main(rank: int, world: int, port: int, config: str, sets: list[str], ho
 
 
 def run(config: str, sets: list[str], hook_rank: int, warmup: int) -> dict:
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
 
     world = load_config(config, sets).cluster.workers
     with tempfile.TemporaryDirectory(prefix="cmemi-hook-") as tmp:
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="extra config override for every run")
     ap.add_argument("--out", default=None, help="also write the JSON object here")
     args = ap.parse_args()
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
 
     out: dict = {"bench": "hook_accuracy", **C.provenance(), "machine": C.machine(),
                  "command": " ".join([".venv/bin/python", "bench/hook_accuracy.py", *sys.argv[1:]]),

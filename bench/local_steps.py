@@ -46,7 +46,7 @@ OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0
 
 def run(steps: int, local: int, outer: str | None, every: int) -> dict[str, Any]:
     C.pin_threads(1)  # (also in a --jobs process)
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
 
     from cmemi.commands.reference import train
 

@@ -65,7 +65,7 @@ def model_facts(wl: dict[str, Any], shards: int) -> dict[str, Any]:
     """Parameter count and bytes, and each shard's slice in bytes from the real piece assignment (on the meta
     device: nothing allocated)."""
     import torch
-    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.config.lookup import resolve
     from cmemi.shared.core.grid import Partition
 
     with torch.device("meta"):
@@ -309,7 +309,7 @@ def ddp_child(wl: dict[str, Any], steps: int, ckpt_every: int, out: Path) -> Non
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.config.lookup import resolve
     from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -462,7 +462,7 @@ def main() -> None:
     finally:
         C.finish(result, work, args.keep, t_start)
         if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1, default=C._jsonable) + "\n")
+            Path(args.out).write_text(json.dumps(result, indent=1, default=C.jsonable) + "\n")
 
 
 if __name__ == "__main__":

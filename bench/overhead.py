@@ -212,7 +212,7 @@ def main() -> None:
                 "speedup_2w_over_1w": {"cmemi": C.ratio(med["cmemi_1w"], med["cmemi_2w"]),
                                        "ddp_vs_plain": C.ratio(med["plain"], med["ddp_2p"])},
             }
-        from cmemi.shared.config.plugins import resolve
+        from cmemi.shared.config.lookup import resolve
 
         from bench.models import count_params
 

@@ -55,7 +55,7 @@ def plain_loop(wl: str, steps: int, warmup: int) -> dict[str, Any]:
     """The loop a user writes first (in a fresh process with torch's default threads): batches in a fixed
     shuffled order, Adam, cross-entropy; samples read item by item (and collated) when the dataset augments."""
     import torch
-    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.config.lookup import resolve
     from torch.utils.data import default_collate
 
     ds = resolve(DATA[wl], "data")()
@@ -126,7 +126,7 @@ def wire(repeats: int = 1000) -> dict[str, Any]:
     import torch
     import zmq
     from cmemi.examples.charlm import make_model as charlm
-    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.config.lookup import resolve
     from cmemi.shared.wire import protocol
     from cmemi.shared.wire.layout import Layout
 

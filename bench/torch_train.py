@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from cmemi.shared.config.plugins import resolve  # noqa: E402
+from cmemi.shared.config.lookup import resolve  # noqa: E402
 from cmemi.shared.core.data import fetch, microbatch_indices  # noqa: E402
 
 from bench.models import WORKLOADS  # noqa: E402

@@ -92,7 +92,7 @@ def main() -> None:
 
     import torch
     import torch.nn.functional as F
-    from cmemi.shared.config.plugins import resolve
+    from cmemi.shared.config.lookup import resolve
     from cmemi.shared.core.data import fetch, microbatch_indices
     from torch.distributed import TCPStore
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo

@@ -41,8 +41,8 @@ def codec_for(variant: str):
     """The aggregator's gradient codec (compression.codec: none): no NaN/inf check per message (the aggregator
     checks the step's sum instead); protocol_check_each: with the check on every message (a step's second
     collection after a non-finite sum, and what every step did before)."""
-    from cmemi.shared.compression.codecs import make_codec
-    from cmemi.shared.config.schema import CompressionConfig
+    from cmemi.shared.compression.registry import make_codec
+    from cmemi.shared.config.system import CompressionConfig
 
     return make_codec(CompressionConfig(), check_finite=variant == "protocol_check_each")
 
@@ -138,7 +138,7 @@ def sender(data_addr: str, ctl_addr: str) -> None:
 def receive_burst(pull, req, variant: str, size: int, count: int) -> tuple[float, float]:
     """Bytes per second over messages 2..count of one burst (the first one starts the clock), and the
     receiving process's CPU seconds per GB (all its threads: ZeroMQ's I/O thread included)."""
-    from cmemi.shared.compression.codecs import all_finite
+    from cmemi.shared.compression.base import all_finite
     from cmemi.shared.wire import protocol
 
     req.send_string(f"{variant} {size} {count}")

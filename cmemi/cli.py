@@ -47,8 +47,9 @@ def _up(argv: list[str]) -> int:
 
 def _up_with(argv: list[str], zygote: Zygote | None) -> int:
     from cmemi.launcher.supervise import RunLock
+    from cmemi.shared.config.checks import ConfigError
     from cmemi.shared.config.extras import MissingExtra
-    from cmemi.shared.config.schema import ConfigError, load_config
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.runtime import startup
 
     p = argparse.ArgumentParser(prog="cmemi up", description="Run the whole cluster on this machine.")

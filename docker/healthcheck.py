@@ -23,7 +23,7 @@ def main() -> int:
         print("usage: cmemi-healthcheck {coordinator,aggregator,checkpointer,worker}", file=sys.stderr)
         return 2
     role = sys.argv[1]
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.coordination.keys import Keys
     from cmemi.shared.coordination.membership import connect
 

@@ -21,6 +21,7 @@ import functools
 import math
 import os
 import sysconfig
+from typing import cast
 
 import torch
 from torch import nn
@@ -60,14 +61,15 @@ def corpus() -> bytes:
 
 
 @functools.lru_cache(maxsize=2)
-def _split_bytes(split: str) -> torch.Tensor:
+def split_bytes(split: str) -> torch.Tensor:
+    """The corpus' bytes of `split` as token ids: train is all but the last HELD_OUT fraction, the rest is held out."""
     data = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8)
     cut = int(len(data) * (1.0 - HELD_OUT))
     return (data[:cut] if split == "train" else data[cut:]).to(torch.int64)
 
 
 def _windows(split: str, block: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-    data = _split_bytes(split)
+    data = split_bytes(split)
     if len(data) < block + 1:
         raise ValueError(f"the {split} split has {len(data)} bytes, fewer than block + 1 = {block + 1}")
     w = data.unfold(0, block + 1, stride)  # (N, block + 1), a view
@@ -115,6 +117,8 @@ class Block(nn.Module):
 class CharLM(nn.Module):
     """Token + learned position embeddings, `n_layer` causal blocks, final LayerNorm, linear LM head."""
 
+    mask: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, vocab: int = VOCAB, block: int = 64, d_model: int = 64, n_layer: int = 2,
                  n_head: int = 4, dropout: float = 0.0) -> None:
         super().__init__()
@@ -124,15 +128,16 @@ class CharLM(nn.Module):
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(block, d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout) for _ in range(n_layer))
+        blocks = [Block(d_model, n_head, dropout) for _ in range(n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
         # True above the diagonal = "may not attend" (future positions). Not a parameter, not saved.
         self.register_buffer("mask", torch.triu(torch.ones(block, block, dtype=torch.bool), diagonal=1),
                              persistent=False)
         self.apply(self._init)
-        for blk in self.blocks:  # GPT-2: scale the residual projections by depth
-            for proj in (blk.attn.out_proj, blk.mlp[2]):
+        for blk in blocks:  # GPT-2: scale the residual projections by depth
+            for proj in (blk.attn.out_proj, cast(nn.Linear, blk.mlp[2])):  # (Sequential's items are typed Module)
                 nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layer))
 
     @staticmethod

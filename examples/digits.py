@@ -32,10 +32,11 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=1)
-def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    x, y = _load_digits()
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
+def splits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_train, y_train, x_test, y_test): 80/20 by a fixed permutation, the one split every digits example reads."""
+    xs, ys = _load_digits()
+    x = torch.tensor(xs, dtype=torch.float32) / 16.0
+    y = torch.tensor(ys, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
     cut = int(0.8 * len(y))
     train, test = order[:cut], order[cut:]
@@ -43,7 +44,7 @@ def _split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def make_dataset(split: str = "train") -> TensorDataset:
-    xtr, ytr, xte, yte = _split()
+    xtr, ytr, xte, yte = splits()
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     return TensorDataset(xtr, ytr) if split == "train" else TensorDataset(xte, yte)
@@ -58,7 +59,7 @@ def make_model(hidden: int = 128, dropout: float = 0.1) -> nn.Module:
 
 
 def evaluate(model: nn.Module) -> dict[str, float]:
-    _, _, xte, yte = _split()
+    _, _, xte, yte = splits()
     with torch.no_grad():
         logits = model(xte)
     return {"accuracy": (logits.argmax(1) == yte).float().mean().item(),

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 
 import torch
-from cmemi.examples.digits import _split
+from cmemi.examples.digits import splits
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 
 @functools.lru_cache(maxsize=1)
 def _train() -> tuple[torch.Tensor, torch.Tensor]:
-    x, y, _, _ = _split()
+    x, y, _, _ = splits()
     keep = torch.ones(len(y), dtype=torch.bool)
     rare = (y < 5).nonzero().flatten()
     keep[rare[torch.arange(len(rare)) % 10 != 0]] = False  # keep every 10th sample of classes 0-4
@@ -39,7 +39,7 @@ def weighted_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(model: torch.nn.Module) -> dict[str, float]:
-    _, _, xte, yte = _split()
+    _, _, xte, yte = splits()
     pred = model(xte).argmax(1)
     recalls = [(pred[yte == c] == c).float().mean().item() for c in range(10)]
     return {"accuracy": (pred == yte).float().mean().item(), "balanced_accuracy": sum(recalls) / 10,

@@ -10,10 +10,11 @@ any number of workers (and any faults) give the bits of `cmemi reference`.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import torch
-from cmemi.examples.digits import _split
+from cmemi.examples.digits import splits
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -22,7 +23,7 @@ class AugmentedDigits(Dataset):
     """8x8 digit images (1 channel); training samples are randomly shifted, noised and brightened."""
 
     def __init__(self, split: str = "train", shift: int = 1, noise: float = 0.05, brightness: float = 0.1) -> None:
-        xtr, ytr, xte, yte = _split()
+        xtr, ytr, xte, yte = splits()
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         x, self.y = (xtr, ytr) if split == "train" else (xte, yte)
@@ -45,7 +46,7 @@ class AugmentedDigits(Dataset):
         return img, self.y[i]
 
 
-def make_dataset(split: str = "train", **kwargs: float) -> AugmentedDigits:
+def make_dataset(split: str = "train", **kwargs: Any) -> AugmentedDigits:
     return AugmentedDigits(split, **kwargs)
 
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import sys
 import typing
 
 from cmemi.shared.config import schema as C
 
 
 def field_docs() -> dict[tuple[str, str], str]:
-    tree = ast.parse(inspect.getsource(C))
+    """(class, field) -> the field's docstring, over every module that declares a section of the schema."""
+    hints = typing.get_type_hints(C.Config)
+    names = {C.__name__, *(c.__module__ for tp in hints.values() if dataclasses.is_dataclass(tp) for c in tp.__mro__)}
     docs = {}
-    for node in tree.body:
+    for node in (n for m in sorted(names - {"builtins"}) for n in ast.parse(inspect.getsource(sys.modules[m])).body):
         if isinstance(node, ast.ClassDef):
             for st, nxt in zip(node.body, node.body[1:]):  # noqa: B905 - pairs of neighbours
                 if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and isinstance(nxt, ast.Expr)

@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cmemi.shared.config.schema import load_config  # noqa: E402
+from cmemi.shared.config.loading import load_config  # noqa: E402
 
 from bench.common import provenance  # noqa: E402
 from cmemi.commands.reference import train  # noqa: E402

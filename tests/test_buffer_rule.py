@@ -84,8 +84,9 @@ def test_environment_differences_are_named() -> None:
 
 def test_signatures_of_user_functions_are_checked_at_start() -> None:
     import pytest
+    from cmemi.shared.config.checks import ConfigError
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.config.plugins import check_plugins
-    from cmemi.shared.config.schema import ConfigError, load_config
 
     from tests.conftest import DIGITS
 
@@ -97,8 +98,8 @@ def test_signatures_of_user_functions_are_checked_at_start() -> None:
 
 def test_the_step_0_evaluation_reports_a_broken_eval_fn_in_one_line() -> None:
     from cmemi.services.aggregator.common.evaluation import Probe
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.config.plugins import build_model
-    from cmemi.shared.config.schema import load_config
 
     from tests.conftest import DIGITS
     from tests.helpers.fixtures import constant_eval, raising_eval
@@ -174,7 +175,7 @@ def test_user_code_failing_twice_the_same_way_is_fatal_and_once_is_retried() -> 
 
 def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> None:
     from cmemi.services.aggregator.common.trainer import Trainer
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
 
     from tests.conftest import ROOT
 
@@ -191,8 +192,8 @@ def test_the_aggregator_refuses_buffers_that_do_not_fit_or_are_not_finite() -> N
 
 
 def test_frozen_buffers_stay_initial_and_mean_buffers_train() -> None:
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.config.plugins import build_model
-    from cmemi.shared.config.schema import load_config
 
     from cmemi.commands.reference import train
     from tests.conftest import ROOT

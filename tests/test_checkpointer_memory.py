@@ -17,10 +17,10 @@ import redis
 import torch
 import zmq
 from cmemi.services.checkpointer.store import CheckpointStore
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.wire import security, state, transfer
+from cmemi.shared.wire import assembly, security, state, transfer
 
 from tests.conftest import DIGITS, ROOT
 from tests.helpers.chaos import poll
@@ -108,7 +108,7 @@ def test_checkpointer_peak_memory_is_two_parts_whatever_the_snapshot(tmp_path: P
         t0 = time.monotonic()
         for sock in socks:
             assert sock.poll(60_000), "no answer to a snapshot within 60 s"
-            reply = transfer.Assembler("ckptmem", 1 << 20).decode(b"", sock.recv_multipart())
+            reply = assembly.Assembler("ckptmem", 1 << 20).decode(b"", sock.recv_multipart())
             assert reply is not None and reply.type == "saved" and reply.header["step"] == 10, reply
         saved_s = time.monotonic() - t0
         after_save = vm(proc.pid, "VmHWM")
@@ -120,7 +120,7 @@ def test_checkpointer_peak_memory_is_two_parts_whatever_the_snapshot(tmp_path: P
         leader = socks[0]
         leader.send_multipart(transfer.messages("restore_req", "ckptmem", {"term": 1, "shard": 0,
                                                                           "pid": os.getpid()}, CAP)[0])
-        asm, msg = transfer.Assembler("ckptmem", 1 << 30), None
+        asm, msg = assembly.Assembler("ckptmem", 1 << 30), None
         while msg is None:
             assert leader.poll(60_000), "no restore within 60 s"
             msg = asm.decode(b"", leader.recv_multipart(copy=False))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import redis
 import zmq
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.coordination.keys import Keys
-from cmemi.shared.wire import security, transfer
+from cmemi.shared.wire import assembly, security, transfer
 
 from tests.conftest import DIGITS, ROOT
 from tests.helpers.chaos import poll
@@ -46,7 +46,7 @@ def test_a_snapshot_of_an_unknown_term_is_asked_for_again_then_written(tmp_path:
         def send() -> dict:
             transfer.send(sock, transfer.messages("snapshot", "ckptretry", {**header, "final": False}, 1 << 26, tensors))
             assert sock.poll(30_000), "no answer to a snapshot"
-            reply = transfer.Assembler("ckptretry", 1 << 20).decode(b"", sock.recv_multipart())
+            reply = assembly.Assembler("ckptretry", 1 << 20).decode(b"", sock.recv_multipart())
             assert reply is not None
             return {"type": reply.type, **reply.header}
 

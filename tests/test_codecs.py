@@ -7,17 +7,12 @@ import math
 import msgpack
 import pytest
 import torch
-from cmemi.shared.compression import codecs
-from cmemi.shared.compression.codecs import (
-    CODECS,
-    CodecError,
-    CompressionConfig,
-    GradientCodec,
-    make_codec,
-    ratio,
-    wire_bytes,
-)
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.compression import dense, topk
+from cmemi.shared.compression.base import CodecError, GradientCodec, all_finite
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.compression.sizes import ratio, wire_bytes
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.system import CODECS, CompressionConfig
 from cmemi.shared.wire import protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -195,7 +190,7 @@ def test_topk_ties_go_to_the_lowest_index(n: int) -> None:
 
 def _layouts(n: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    stride = n // codecs._SAMPLE  # the topk threshold is estimated from a[::stride]
+    stride = n // topk.SAMPLE  # the topk threshold is estimated from a[::stride]
     off_grid = torch.rand(n, generator=gen) * 1e-3
     off_grid[1::stride] += 10 * torch.rand(n // stride, generator=gen)  # big values between sampled positions
     on_grid = torch.rand(n, generator=gen) * 1e-3
@@ -604,7 +599,7 @@ def test_compressed_training_converges_like_uncompressed() -> None:
 
 
 def test_all_finite_is_exact() -> None:
-    from cmemi.shared.compression.codecs import all_finite
+    from cmemi.shared.compression.base import all_finite
 
     assert all_finite([torch.randn(1000), torch.zeros(0), torch.tensor(3.0)])
     assert all_finite([torch.full((4,), 3e38)])  # finite values whose sum overflows are still finite
@@ -676,9 +671,9 @@ def test_flat_pack_zeroes_only_the_padding_and_keeps_every_slice_layout(monkeypa
         for f, t in flats.items():
             assert not t[~covered[f]].any(), f"padding of {f} is not zero"
         assert all(torch.equal(v, tensors[n]) for n, v in layout.views(flats).items())
-        assert codecs.all_finite([flats["flat.float32"]])
+        assert all_finite([flats["flat.float32"]])
     built = []
-    monkeypatch.setattr(codecs, "Layout", lambda t: built.append(1) or Layout(t))
+    monkeypatch.setattr(dense, "Layout", lambda t: built.append(1) or Layout(t))
     c = make_codec(CompressionConfig(codec="none"))
     slices = [{"w": rand(4, 3)}, {"w": rand(2, 3), "b": rand(3)}, {"v": rand(9)}]
     encoded = [c.encode(s, 1) for _ in range(3) for s in slices][-len(slices):]
@@ -686,3 +681,9 @@ def test_flat_pack_zeroes_only_the_padding_and_keeps_every_slice_layout(monkeypa
     for s, (info, frames) in zip(slices, encoded, strict=True):
         out = c.decode(info, frames, shapes={n: t.shape for n, t in s.items()})
         assert all(torch.equal(out[n], s[n]) for n in s)
+
+
+def test_every_tag_a_codec_sends_has_a_decoder_and_no_other() -> None:
+    """base.TAGS tells "unknown_codec" from "wrong_codec": it must be exactly the tags the registry's codecs send."""
+    from cmemi.shared.compression.base import TAGS
+    assert TAGS == {"raw"} | {make_codec(CompressionConfig(codec=name)).tag for name in CODECS if name != "none"}

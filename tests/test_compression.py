@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler, resolve
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler
 from cmemi.shared.core.data import fetch, microbatch_indices
 from safetensors.torch import load_file
 

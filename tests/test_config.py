@@ -6,15 +6,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config.plugins import build_optimizer, build_scheduler, check_plugins, resolve
-from cmemi.shared.config.schema import (
-    Config,
-    ConfigError,
-    config_from_dict,
-    dump_config,
-    env_overrides,
-    load_config,
-)
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import config_from_dict, dump_config, env_overrides, load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_optimizer, build_scheduler, check_plugins
+from cmemi.shared.config.schema import Config
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
 

@@ -20,7 +20,7 @@ from cmemi.services.coordinator.liveness import Liveness
 from cmemi.services.coordinator.run_state import RunPhase, RunState, phase_of
 from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, SlotState
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, read_events
 from cmemi.shared.runtime.exits import Exit

@@ -89,7 +89,7 @@ def test_the_manifests_hold_together(tmp_path: Path) -> None:
     redis = docs[("Deployment", "cmemi-redis")]["spec"]["template"]["spec"]["containers"][0]
     assert "$(" not in " ".join(redis.get("command", []) + redis.get("args", []))  # no password on its command line
     # the config the services read is a valid CMEMI config
-    from cmemi.shared.config.schema import config_from_dict
+    from cmemi.shared.config.loading import config_from_dict
 
     config_from_dict(yaml.safe_load(docs[("ConfigMap", "cmemi-config")]["data"]["config.yaml"]), [])
 
@@ -122,7 +122,7 @@ def test_every_compose_service_sees_only_its_own_roles_secret_keys(tmp_path: Pat
     """Runs the `keys` service's command for real into a directory per volume it mounts, then reads what each
     CMEMI service finds at its security.keys_dir: the public keys, and only its own role's secret keys, enough
     for curve_from_config to start that role; the volume with every secret is mounted by the keys service alone."""
-    from cmemi.shared.config.schema import SecurityConfig
+    from cmemi.shared.config.system import SecurityConfig
     from cmemi.shared.wire.security import curve_from_config
 
     from cmemi.cli import main

@@ -34,7 +34,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cmemi.examples.digits import make_dataset, make_model
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.core.data import microbatch_indices
 
 from cmemi.commands.reference import train

@@ -21,7 +21,7 @@ def one_thread():
 def test_dataset_is_deterministic_and_shifted():
     a = charlm.make_dataset("train", block=64)
     charlm.corpus.cache_clear()  # a genuine rebuild from the files, not the cached bytes
-    charlm._split_bytes.cache_clear()
+    charlm.split_bytes.cache_clear()
     b = charlm.make_dataset("train", block=64)
     assert len(a) == len(b) > 1000
     for ta, tb in zip(a.tensors, b.tensors, strict=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.core import fragments
 from cmemi.shared.core.grid import Piece
 

@@ -629,9 +629,11 @@ def test_an_admitted_worker_sending_nan_gradients_changes_nothing(tmp_path: Path
     again with each gradient checked (the NaN ones dropped and counted), and the run ends bitwise as a
     fault-free one."""
     import torch
-    from cmemi.shared.compression.codecs import make_codec
-    from cmemi.shared.config.plugins import build_model, resolve
-    from cmemi.shared.config.schema import CompressionConfig, load_config
+    from cmemi.shared.compression.registry import make_codec
+    from cmemi.shared.config.loading import load_config
+    from cmemi.shared.config.lookup import resolve
+    from cmemi.shared.config.plugins import build_model
+    from cmemi.shared.config.system import CompressionConfig
     from cmemi.shared.coordination.membership import Member
     from cmemi.shared.core.data import fingerprint
     from cmemi.shared.core.environment import environment

@@ -8,8 +8,8 @@ import torch
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.leader import dataprint
 from cmemi.shared.config import initweights
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import FactoryError, build_model, user_modules
-from cmemi.shared.config.schema import load_config
 from cmemi.shared.core.data import data_error
 from cmemi.shared.wire import limits
 from safetensors.torch import save_file
@@ -66,12 +66,12 @@ def test_messages_are_sized_from_the_model_built_and_a_factory_cache_holds_real_
 
     cfg = load_config(DIGITS, ["model.factory=tests.helpers.usercode_models:model", "model.kwargs={}",
                                "data.factory=tests.helpers.usercode_models:train_set", "data.kwargs={}"])
-    usercode_models._tokens = None
+    usercode_models.token_cache = None
     measured = limits.model_bytes(cfg)  # nothing built here yet: measured in a forked child, its cache thrown away
-    assert usercode_models._tokens is None
+    assert usercode_models.token_cache is None
     model = build_model(cfg)
     assert measured == limits.tensor_bytes(model) > 0
-    assert not usercode_models._tokens.is_meta and len(usercode_models.train_set()) > 0  # the dataset reads the cache
+    assert not usercode_models.token_cache.is_meta and len(usercode_models.train_set()) > 0  # the dataset reads the cache
 
 
 def test_a_failing_factory_names_itself_the_exception_and_where() -> None:

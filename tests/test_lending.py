@@ -15,9 +15,9 @@ from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.lending import Lend, SlotLending
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.wire import protocol
 
 from tests.conftest import DIGITS, FAST, run_up
@@ -54,7 +54,7 @@ def test_a_slot_is_lent_in_place_only_when_each_tensor_lies_in_one_run(shm_run: 
     partition = Partition(params)
     assert partition.split  # "w" is in several pieces
     inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(shm_run, "agg", False), \
-        shm.Reader(shm_run, False), _Log()
+        shm_reader.Reader(shm_run, False), _Log()
     own = params["w"].data_ptr()
     lending = SlotLending(inbox, reader, params, True, log)
     lending.mode = Lend.IN_PLACE  # (as after a first version that left the parameters unchanged: see the next test)
@@ -80,7 +80,7 @@ def test_the_first_version_is_copied_and_a_model_that_writes_its_parameters_is_n
         params = _model(64)
         partition = Partition(params)
         inbox, writer, reader, log = Inbox(partition, params, {}, torch.device("cpu")), shm.Writer(shm_run, "agg", False), \
-            shm.Reader(shm_run, False), _Log()
+            shm_reader.Reader(shm_run, False), _Log()
         lending = SlotLending(inbox, reader, params, True, log)
         desc = writer.write(_version(params, partition, 1.0))
         assert lending.load(protocol.Message({"shm": desc}, reader.views(desc))) and not inbox.lent  # copied

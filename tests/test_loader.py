@@ -18,7 +18,7 @@ import pytest
 import torch
 from cmemi.services.worker.compute.loader import Loader
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner, UserCodeError
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.usercode import RemoteFailure, describe
 from cmemi.shared.core.data import microbatch_indices, read_microbatch
 from torch.utils.data import Dataset

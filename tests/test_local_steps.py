@@ -15,8 +15,10 @@ from cmemi.services.aggregator.common.replicas import Holdings, InnerStates
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.worker.compute.local import LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
-from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import ConfigError, config_from_dict, load_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import config_from_dict, load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core import innerstate
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up

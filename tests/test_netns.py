@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.wire.security import generate
 

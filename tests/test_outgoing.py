@@ -9,7 +9,7 @@ import time
 import torch
 import zmq
 from cmemi.services.aggregator.snapshots.outgoing import Outgoing
-from cmemi.shared.wire import transfer
+from cmemi.shared.wire import assembly, transfer
 
 RUN = "r1"
 CAP = 64 << 10  # parts of 64 KiB: a 1 MiB state is 17 of them
@@ -38,7 +38,7 @@ def sockets(ctx: zmq.Context, name: str) -> tuple[zmq.Socket, zmq.Socket]:
 
 def receive(router: zmq.Socket, dealer: zmq.Socket, out: Outgoing, deadline_s: float = 10) -> dict[str, torch.Tensor]:
     """Read parts while pumping the rest, until the whole snapshot is reassembled."""
-    parts = transfer.Assembler(RUN, 1 << 30)
+    parts = assembly.Assembler(RUN, 1 << 30)
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         out.pump(dealer)

@@ -10,7 +10,7 @@ from cmemi.services.aggregator.common.admission import LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.common.misfits import CAP, LIMIT, Misfits
 from cmemi.services.aggregator.leader.leasing import Leasing
 from cmemi.services.worker.links.patience import Patience
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 
 from tests.conftest import DIGITS
 

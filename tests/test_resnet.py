@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from safetensors.torch import load_file
 
 from cmemi.commands.reference import train

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
-from cmemi.shared.config.schema import ConfigError, load_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.wire import samehost
 from cmemi.shared.wire.security import Curve, curve_from_config, generate
 

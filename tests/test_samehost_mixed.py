@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.wire.security import generate
 
 from cmemi.launcher.redis_server import redis_server_binary

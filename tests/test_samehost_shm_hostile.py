@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.core.environment import environment
 from cmemi.shared.memory import shm

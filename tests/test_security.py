@@ -29,8 +29,9 @@ import pytest
 import torch
 import zmq
 import zmq.auth
-from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.core.data import fingerprint
 from cmemi.shared.wire import protocol, samehost
@@ -163,7 +164,7 @@ class Hoarder(threading.Thread):
         sock = a.socket(a.agg_addr)
         sock.setsockopt(zmq.SNDTIMEO, 5000)
         import torch
-        from cmemi.shared.config.schema import load_config
+        from cmemi.shared.config.loading import load_config
         from cmemi.shared.core.environment import environment
 
         from tests.conftest import DIGITS

@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared.compression.codecs import make_codec
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import build_model
-from cmemi.shared.config.schema import load_config
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.core.environment import environment
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire import assembly, protocol
 
 from tests.conftest import DIGITS, LONG
 from tests.helpers.chaos import Cluster
@@ -81,7 +81,7 @@ def test_every_shard_refuses_what_the_leader_refuses(tmp_path: Path, reference: 
         # arrive: accepted, they would change the result. To the leader too (the whole model).
         shard, leader = socks["shard 1"], socks["leader"]
         term, version, injected = int(c.redis.get(c.keys.term)), c.step(), 0
-        parts = transfer.Assembler(a.run, 1 << 30)
+        parts = assembly.Assembler(a.run, 1 << 30)
         codec = make_codec(cfg.compression)  # the run's wire encoding, as a worker's
         to_shard = codec.encode({n: torch.full(p.shape, 5.0) for n, p in pieces.items()}, 0)
         to_leader = codec.encode({n: torch.full(p.shape, 5.0) for n, p in params.items()}, 0)
@@ -129,7 +129,7 @@ def misfits(a: Attacker, leader: zmq.Socket, me: dict[str, Any], term: int,
     info, frames = codec.encode({n: torch.zeros(p.shape) for n, p in params.items()}, 0)
     first = next(n for n in info if len(info[n]["shape"]) == 2)
     info[first]["shape"] = info[first]["shape"][::-1]
-    parts = transfer.Assembler(a.run, 1 << 30)
+    parts = assembly.Assembler(a.run, 1 << 30)
     protocol.send(leader, protocol.encode("want", a.run, {**me, "term": term, "version": -1}))
     for _ in range(200):  # leases until the leader rejects us (each is answered: work, pending or the reject)
         assert leader.poll(10_000), "no answer from the leader"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cmemi.shared.config.schema import ConfigError, config_from_dict
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import config_from_dict
 from cmemi.shared.core.grid import CHUNK, Partition, clip_coefficient, join
 from cmemi.shared.memory import shm
 from safetensors.torch import load_file
@@ -31,8 +32,9 @@ def reference_sha(tmp_path: Path, *sets: str) -> str:
 def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_depend_on_k() -> None:
     """compression.downlink powersgd: pieces as big as CHUNK, so a matrix is factored whole, not as thin
     slices of rows whose factors cost nearly as much as the slice (shared/core/grid.py)."""
-    from cmemi.shared.compression.codecs import make_codec, wire_bytes
-    from cmemi.shared.config.schema import CompressionConfig
+    from cmemi.shared.compression.registry import make_codec
+    from cmemi.shared.compression.sizes import wire_bytes
+    from cmemi.shared.config.system import CompressionConfig
 
     params = {"w": torch.randn(512, 784), "v": torch.randn(512, 512), "b": torch.zeros(512),
               "huge": torch.zeros(3000, 600)}  # 7.2 MB: still cut, into pieces of at most CHUNK
@@ -339,7 +341,7 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
     from cmemi.services.checkpointer import spool
     from cmemi.services.checkpointer.merge import Pending, merged
     from cmemi.services.checkpointer.store import CheckpointStore
-    from cmemi.shared.wire import transfer
+    from cmemi.shared.wire import assembly, transfer
 
     snaps = [collect(t, RunTotals(bytes_in=100 * (k + 1), bytes_out=10 * (k + 1)), 1, {"sha256": "x"}, None)
              for k, t in enumerate(trainers)]
@@ -347,7 +349,7 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
         store = CheckpointStore(Path(tmp))
         received = []
         for k, (step, meta, tensors) in enumerate(snaps):
-            asm = transfer.Assembler("r", 1 << 30, sink=lambda of, metas, k=k, step=step: spool.Spool(
+            asm = assembly.Assembler("r", 1 << 30, sink=lambda of, metas, k=k, step=step: spool.Spool(
                 store.root, step, k, metas, lambda exc, attempt: None))
             fields = {"step": step, "term": 1, "final": False, "meta": meta}
             msg = None

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 
 from tests.conftest import ROOT
 from tests.helpers.chaos import poll
@@ -31,7 +31,7 @@ def tensors(k: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 def test_round_trip_in_both_slots_bitwise(run: str) -> None:
-    w, r = shm.Writer(run, "worker", True), shm.Reader(run, True)
+    w, r = shm.Writer(run, "worker", True), shm_reader.Reader(run, True)
     for k in (1.0, 2.0, 3.0):
         desc = w.write(tensors(k))
         got = r.copied(desc)
@@ -44,7 +44,7 @@ def test_round_trip_in_both_slots_bitwise(run: str) -> None:
 
 
 def test_a_slot_rewritten_or_half_written_is_never_used(run: str) -> None:
-    w, r = shm.Writer(run, "leader", False), shm.Reader(run, False)
+    w, r = shm.Writer(run, "leader", False), shm_reader.Reader(run, False)
     old = w.write(tensors(1.0))
     w.write(tensors(2.0))
     views = r.views(w.write(tensors(3.0)) | {})  # the third write reuses the first one's slot
@@ -63,7 +63,7 @@ def test_a_slot_rewritten_or_half_written_is_never_used(run: str) -> None:
 
 
 def test_bad_descriptors_are_refused_with_a_reason(run: str, tmp_path) -> None:
-    w, r = shm.Writer(run, "worker", True), shm.Reader(run, True)
+    w, r = shm.Writer(run, "worker", True), shm_reader.Reader(run, True)
     desc = w.write(tensors())
     other = shm.Writer(f"{run}-other", "worker", False)
     foreign = other.write(tensors())
@@ -78,7 +78,7 @@ def test_bad_descriptors_are_refused_with_a_reason(run: str, tmp_path) -> None:
             "shm_missing": [{**desc, "seg": desc["seg"][:-1] + "9"}],
         }
         with pytest.raises(shm.ShmError, match="too_big"):  # more than a message may carry: refused before mapping
-            shm.Reader(run, True, bound=100).views(desc)
+            shm_reader.Reader(run, True, bound=100).views(desc)
         for reason, descs in cases.items():
             for bad in descs:
                 with pytest.raises(shm.ProtocolError) as exc:
@@ -122,7 +122,7 @@ def test_a_sigkilled_writer_leaves_no_usable_slot_and_is_swept(run: str) -> None
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
-    r = shm.Reader(run, False)
+    r = shm_reader.Reader(run, False)
     # the slot being written when it died: its sequence is odd, no descriptor of it can be made to pass
     torn = {"seg": name, "slot": 1, "seq": 2, "at": [0], "tensors": [{"name": "w", "dtype": "float32",
                                                                       "shape": [1000], "nbytes": 4000, "xxh": None}]}
@@ -143,7 +143,7 @@ def test_descriptors_are_bounded_by_the_maps_and_go_with_them(run: str) -> None:
         return sum(os.readlink(f"/proc/self/fd/{fd}").startswith(mine) for fd in os.listdir("/proc/self/fd")
                    if os.path.exists(f"/proc/self/fd/{fd}"))
 
-    w, r = shm.Writer(run, "worker", False), shm.Reader(run, False, limit=2)
+    w, r = shm.Writer(run, "worker", False), shm_reader.Reader(run, False, limit=2)
     for i in range(6):  # six segments (a bigger one each time), each read
         r.copied(w.write({"x": torch.ones(1000 * 4 ** i)}))
     assert len(r.maps) == 2  # at most `limit` maps: a replaced segment's pages go with its last map
@@ -157,6 +157,13 @@ def test_descriptors_are_bounded_by_the_maps_and_go_with_them(run: str) -> None:
 def test_slots_only_for_small_models_on_a_tmpfs_with_room(monkeypatch) -> None:
     """Big models keep frames (a slot is a second copy on each side); so does any model when /dev/shm could not hold
     every segment (a full tmpfs kills the writer of a mapping with SIGBUS)."""
-    assert shm.suits(21 << 20, 2) and not shm.suits(shm.MAX_MODEL_BYTES + 1, 2)
-    monkeypatch.setattr(shm.os, "statvfs", lambda _p: SimpleNamespace(f_bavail=100, f_frsize=1 << 20))  # 100 MiB
+    def room(mib: int) -> None:  # /dev/shm's free space, as statvfs reports it
+        monkeypatch.setattr(shm.os, "statvfs", lambda _p: SimpleNamespace(f_bavail=mib, f_frsize=1 << 20))
+
+    # each bound on its own: with room to spare only the model's size refuses (a small /dev/shm, a container's
+    # 64 MB, would refuse a model over MAX_MODEL_BYTES anyway and hide the size bound) ...
+    room(1 << 20)  # 1 TiB
+    assert shm.suits(21 << 20, 2) and shm.suits(shm.MAX_MODEL_BYTES, 2) and not shm.suits(shm.MAX_MODEL_BYTES + 1, 2)
+    # ... and for models well under MAX_MODEL_BYTES only the room refuses
+    room(100)  # 100 MiB
     assert shm.suits(16 << 20, 2) and not shm.suits(21 << 20, 2)  # 6 × 21 MiB do not fit

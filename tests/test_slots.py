@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from cmemi.services.coordinator.run_state import RunState
 from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, load_children, save_children
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.runtime.exits import Exit

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 
 from tests.conftest import DIGITS, ROOT
 from tests.helpers import netns

@@ -18,7 +18,7 @@ from cmemi.services.checkpointer.merge import Merger, merged
 from cmemi.services.checkpointer.spool import Spool
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire import assembly, protocol, transfer
 from cmemi.shared.wire.protocol import ProtocolError
 from safetensors.torch import load_file, save_file
 
@@ -74,7 +74,7 @@ def spooled(root: Path, header: dict, msgs: list[list], peer: bytes = b"p",
         return Spool(root, of["step"], of.get("shard", 0), metas, lambda exc, attempt: None)
 
     seen = drops if drops is not None else []
-    asm = transfer.Assembler(RUN, 1 << 30, sink=sink, on_abandon=lambda reason, detail: seen.append(reason))
+    asm = assembly.Assembler(RUN, 1 << 30, sink=sink, on_abandon=lambda reason, detail: seen.append(reason))
     out = None
     for m in msgs:
         out = asm.decode(peer, [bytes(f) for f in m])
@@ -211,7 +211,7 @@ def test_a_restore_read_from_the_files_is_the_message_sent_before(tmp_path: Path
     for a, b in zip(got, before, strict=True):
         assert xfer.sub(b"", a[0]) == xfer.sub(b"", bytes(b[0])) and a[1:] == [bytes(f) for f in b[1:]]
     msg = None
-    asm = transfer.Assembler(RUN, 1 << 30)
+    asm = assembly.Assembler(RUN, 1 << 30)
     for m in got:
         msg = asm.decode(b"", m)
     assert msg is not None and msg.type == "restore" and list(msg.tensors) == list(loaded)
@@ -233,6 +233,6 @@ def test_a_sharded_restore_sends_a_shard_the_model_and_its_own_state_only(tmp_pa
     assert all(restore.wanted({"m": 1}, 2, {"shard": 1, "owned": ["w#1"]})(n) for n in tensors)
     path = CheckpointStore(tmp_path).write(STEP, meta, tensors)
     _, got = restored(path, {"step": STEP, "meta": meta}, 1 << 30, 1, keep=keep)
-    msg = transfer.Assembler(RUN, 1 << 30).decode(b"", got[0])
+    msg = assembly.Assembler(RUN, 1 << 30).decode(b"", got[0])
     assert msg is not None and sorted(msg.tensors) == ["model.w", "shard1.optimizer.state.#int:0.exp_avg"]
     assert torch.equal(msg.tensors["shard1.optimizer.state.#int:0.exp_avg"], torch.ones(4, 4))

@@ -180,7 +180,7 @@ def test_a_coordinator_started_after_the_run_completed_starts_nothing(tmp_path: 
     """`cmemi up` restarts a coordinator that died; one that starts when the run has completed (it died in the
     last moments) exits 0 at once instead of starting the services of a finished run again."""
     import redis as redis_py
-    from cmemi.shared.config.schema import dump_config, load_config
+    from cmemi.shared.config.loading import dump_config, load_config
     from cmemi.shared.coordination.keys import Keys
 
     from cmemi.launcher.redis_server import EmbeddedRedis

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cmemi.shared.config.loading import config_from_dict
 from cmemi.shared.config.plugins import build_optimizer
-from cmemi.shared.config.schema import config_from_dict
 from safetensors.torch import load_file
 
 from tests.conftest import DIGITS, FAST, run_up

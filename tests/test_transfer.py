@@ -1,4 +1,4 @@
-"""Big messages in parts (shared/wire/transfer.py): bit-exact round trips, and every hostile sequence of parts is
+"""Big messages in parts (shared/wire/transfer.py cuts, shared/wire/assembly.py reassembles): bit-exact round trips, and every hostile sequence of parts is
 dropped with its reason while memory stays bounded. Fast: no processes; one pair of real sockets."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire import assembly, protocol, transfer
 from cmemi.shared.wire.protocol import ProtocolError
 
 RUN = "r1"
@@ -46,7 +46,7 @@ class Drops:
         self.reasons.append(reason)
 
 
-def feed_all(asm: transfer.Assembler, msgs: list[list[bytes]], peer: bytes = b"p", **kw) -> protocol.Message | None:
+def feed_all(asm: assembly.Assembler, msgs: list[list[bytes]], peer: bytes = b"p", **kw) -> protocol.Message | None:
     out = None
     for i, m in enumerate(msgs):
         out = asm.decode(peer, m, **kw)
@@ -64,7 +64,7 @@ def test_round_trip_in_parts_is_bit_exact_and_each_part_fits_the_cap() -> None:
     # "huge" is cut on the chunk grid: equal chunks, the last one shorter
     huge = [e[2] for h in hs for e in h["frames"] if e[0] == 0]
     assert len(huge) > 4 and len(set(huge[:-1])) == 1 and huge[-1] < huge[0] and huge[0] % 64 == 0
-    msg = feed_all(transfer.Assembler(RUN, bound=1 << 30), msgs)
+    msg = feed_all(assembly.Assembler(RUN, bound=1 << 30), msgs)
     assert msg is not None and msg.type == "snapshot" and msg.header["meta"] == FIELDS["meta"]
     for name, t in tensors.items():
         got = msg.tensors[name]
@@ -77,7 +77,7 @@ def test_a_message_that_fits_is_sent_whole_and_decodes_as_before() -> None:
     msgs = transfer.messages("snapshot", RUN, FIELDS, CAP, small)
     assert len(msgs) == 1 and msgpack.unpackb(msgs[0][0])["type"] == "snapshot"
     assert len(msgs[0]) == 2  # header + one frame, as protocol.encode builds it
-    msg = transfer.Assembler(RUN, bound=1 << 30).decode(b"p", [bytes(f) for f in msgs[0]])
+    msg = assembly.Assembler(RUN, bound=1 << 30).decode(b"p", [bytes(f) for f in msgs[0]])
     assert torch.equal(msg.tensors["w"], small["w"])
 
 
@@ -94,7 +94,7 @@ def test_parts_over_real_sockets_land_in_the_into_tensors() -> None:
         msgs = transfer.messages("snapshot", RUN, FIELDS, cap, tensors)
         assert len(msgs) >= 3 and all(protocol.message_bytes(m) <= cap for m in msgs)
         transfer.send(a, msgs)
-        asm, msg = transfer.Assembler(RUN, bound=1 << 30), None
+        asm, msg = assembly.Assembler(RUN, bound=1 << 30), None
         for _ in msgs:
             assert b.poll(10_000)
             msg = asm.recv(b, into=into)
@@ -122,7 +122,7 @@ def tamper(msgs: list[list[bytes]], i: int, **changes) -> list[list[bytes]]:
 def expect_drop(msgs: list[list[bytes]], reason: str, bound: int = 1 << 30, at: int | None = None) -> Drops:
     """Feed `msgs`; the part at `at` (default: the last) must be dropped with `reason`; nothing completes."""
     drops = Drops()
-    asm = transfer.Assembler(RUN, bound=bound, on_abandon=drops)
+    asm = assembly.Assembler(RUN, bound=bound, on_abandon=drops)
     at = len(msgs) - 1 if at is None else at
     for i, m in enumerate(msgs):
         if i == at:
@@ -141,7 +141,7 @@ def test_hostile_parts_are_dropped_with_their_reason() -> None:
     # out of order: part 2 before part 1 (a gap), then the late part 1 is stale
     drops = expect_drop([msgs[0], msgs[2]], "part_order")
     assert drops.reasons == ["transfer_abandoned"]
-    asm = transfer.Assembler(RUN, bound=1 << 30)
+    asm = assembly.Assembler(RUN, bound=1 << 30)
     assert asm.decode(b"p", msgs[0]) is None
     for m, reason in ((msgs[2], "part_order"), (msgs[1], "stale_part"), (msgs[3], "stale_part")):
         with pytest.raises(ProtocolError) as err:
@@ -181,7 +181,7 @@ def test_a_new_transfer_interleaved_with_an_unfinished_one_replaces_it_and_memor
     tensors = big_tensors()
     one, two = snapshot_parts(tensors), snapshot_parts(tensors)
     drops = Drops()
-    asm = transfer.Assembler(RUN, bound=1 << 30, peers=2, on_abandon=drops)
+    asm = assembly.Assembler(RUN, bound=1 << 30, peers=2, on_abandon=drops)
     assert asm.decode(b"p", one[0]) is None and asm.decode(b"p", one[1]) is None
     assert feed_all(asm, two) is not None and drops.reasons == ["transfer_interleaved"]
     with pytest.raises(ProtocolError, match="stale_part"):  # the old transfer's later parts are dropped
@@ -198,7 +198,7 @@ def test_a_new_transfer_interleaved_with_an_unfinished_one_replaces_it_and_memor
 
 
 def test_whole_messages_still_meet_the_old_checks() -> None:
-    asm = transfer.Assembler(RUN, bound=1 << 30)
+    asm = assembly.Assembler(RUN, bound=1 << 30)
     parts = protocol.encode("saved", RUN, {"step": 1, "path": "p"})
     assert asm.decode(b"p", parts).type == "saved"
     with pytest.raises(ProtocolError, match="frame_count"):
@@ -208,7 +208,7 @@ def test_whole_messages_still_meet_the_old_checks() -> None:
 
 
 def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does_not(monkeypatch) -> None:
-    from cmemi.shared.config.schema import load_config
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.wire import limits
 
     from tests.conftest import DIGITS

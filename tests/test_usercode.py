@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
 from safetensors.torch import save_file
 
 from cmemi.commands.reference import train

@@ -16,11 +16,11 @@ from cmemi.services.worker.compute.block import BlockComputer
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.shard_links import Link, Lost, ShardLinks
-from cmemi.shared.config.plugins import resolve
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.reduction import TreeAccumulator, add_into
-from cmemi.shared.wire import layout, transfer
+from cmemi.shared.wire import assembly, layout, transfer
 from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import DIGITS
@@ -120,7 +120,7 @@ class Shard:
                                 lambda sock, addr, peer: "tcp")  # not used: the link is made here
         views = self.partition.views(self.params, 1)
         staged = [{n: views[n] for n in names} for names in self.partition.staged(1)]
-        self.link = Link(1, dealer, [layout.Layout(s) for s in staged], transfer.Assembler(RUN, 1 << 30), staged)
+        self.link = Link(1, dealer, [layout.Layout(s) for s in staged], assembly.Assembler(RUN, 1 << 30), staged)
         self.links.links = [self.link]
         self.views = staged[0]
         self.link.asked = 4  # asked ahead: no pull goes out

@@ -27,8 +27,9 @@ from cmemi.services.worker.links.intake import NOTHING, Intake
 from cmemi.services.worker.links.leader import LeaderLink
 from cmemi.services.worker.links.outbox import Gradient, Outbox
 from cmemi.services.worker.worker import Worker
-from cmemi.shared.compression.codecs import NoneCodec
-from cmemi.shared.config.schema import Config, load_config
+from cmemi.shared.compression.dense import NoneCodec
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import allocator
 from cmemi.shared.wire import protocol

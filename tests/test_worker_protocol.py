@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from cmemi.shared.compression.codecs import NoneCodec
-from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import load_config
+from cmemi.shared.compression.dense import NoneCodec
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.core.data import fetch, microbatch_indices, microbatch_seed
-from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire import assembly, protocol, transfer
 from cmemi.shared.wire.layout import Layout
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
@@ -145,7 +146,7 @@ def test_a_lost_reply_costs_a_round_trip_and_messages_over_the_cap_travel_in_par
         sent = transfer.messages("work", RUN, fields, cap, frames)
         assert len(sent) >= 2
         transfer.send(router, sent, ident)
-        asm, grad, sizes = transfer.Assembler(RUN, bound=1 << 30), None, []
+        asm, grad, sizes = assembly.Assembler(RUN, bound=1 << 30), None, []
         deadline = time.monotonic() + 60
         while grad is None and time.monotonic() < deadline:
             if router.poll(100):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from cmemi.services.coordinator.supervisor import Child, cmdline, service_argv
-from cmemi.shared.config.schema import dump_config, load_config
+from cmemi.shared.config.loading import dump_config, load_config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.runtime.log import LOG_DIR_ENV

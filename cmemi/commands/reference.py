@@ -33,8 +33,10 @@ from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.worker.compute.device import make_deterministic, pick_device
 from cmemi.services.worker.compute.local import LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
-from cmemi.shared.compression.codecs import all_finite, make_codec
-from cmemi.shared.config.plugins import build_model, resolve
+from cmemi.shared.compression.base import all_finite
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.innerstate import through_wire
 from cmemi.shared.core.reduction import TreeAccumulator, add_into, block_size
@@ -179,8 +181,9 @@ def offer_block(cfg: Config, runner: MicrobatchRunner, trainer: Trainer, encoder
 
 def main(argv: list[str]) -> int:
     from cmemi.services.worker.compute.microbatch import UserCodeError
+    from cmemi.shared.config.checks import ConfigError
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.config.plugins import check_plugins
-    from cmemi.shared.config.schema import ConfigError, load_config
     from cmemi.shared.config.usercode import describe
 
     p = argparse.ArgumentParser(prog="cmemi reference", description="Train a config in one process, as the "

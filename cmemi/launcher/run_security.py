@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cmemi.shared.config.schema import Config, dump_config
+from cmemi.shared.config.loading import dump_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import REDIS_URL_ENV
 from cmemi.shared.wire.security import generate
 

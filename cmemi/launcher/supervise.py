@@ -27,7 +27,9 @@ import redis
 
 from cmemi.launcher.redis_server import EmbeddedRedis
 from cmemi.services.coordinator.supervisor import HEALTHY_AFTER_S, backoff, load_children, stop_all
-from cmemi.shared.config.schema import Config, ConfigError, load_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import emit
 from cmemi.shared.runtime import startup

@@ -33,7 +33,9 @@ from cmemi.launcher.teardown import stop_together
 from cmemi.launcher.zygote_up import Zygote
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
-from cmemi.shared.config.schema import Config, ConfigError, dump_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import dump_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, wait_for_redis
 from cmemi.shared.runtime import startup

@@ -110,9 +110,10 @@ def _check(config: str) -> tuple[int, str | None]:
         os.close(r)
         code, message = 0, ""
         try:
+            from cmemi.shared.config.checks import ConfigError
             from cmemi.shared.config.extras import MissingExtra
+            from cmemi.shared.config.loading import load_config
             from cmemi.shared.config.plugins import check_plugins
-            from cmemi.shared.config.schema import ConfigError, load_config
 
             user_code.after_fork()
             try:

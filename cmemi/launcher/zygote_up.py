@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cmemi.services.coordinator.supervisor import terminate
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.runtime.lifeline import die_with_parent
 from cmemi.shared.runtime.proctitle import ROOM
 from cmemi.shared.runtime.zygote import PID_ENV, SOCKET_ENV, zygote_dir

@@ -29,8 +29,9 @@ def preload(config: str) -> bool:
     zygote must not fork for this run."""
     global _threads_started
     from cmemi.launcher.launch import user_code_importable
+    from cmemi.shared.config.checks import ConfigError
+    from cmemi.shared.config.loading import load_config
     from cmemi.shared.config.plugins import user_modules
-    from cmemi.shared.config.schema import ConfigError, load_config
 
     try:
         cfg = load_config(config)

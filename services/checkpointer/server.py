@@ -26,7 +26,7 @@ from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.runtime import atomic, metrics, startup
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, transfer
 
 
 class Checkpointer:
@@ -49,7 +49,7 @@ class Checkpointer:
         self.drops = Drops(ctx.redis, ctx.keys, self.log)
         # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
         # their slices of a step at once) plus one for a restarted aggregator's new connection
-        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
                                         peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count, sink=self._spool)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
@@ -107,7 +107,7 @@ class Checkpointer:
                     return
 
     def _spool(self, of: dict, metas: list[dict]) -> Spool:
-        """The sink of a message with tensors (transfer.Assembler): only a snapshot has any."""
+        """The sink of a message with tensors (assembly.Assembler): only a snapshot has any."""
         if of["type"] != "snapshot":
             raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
         step, shard = of["step"], of.get("shard", 0) if isinstance(of.get("shard"), int) else 0

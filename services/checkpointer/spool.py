@@ -1,7 +1,7 @@
 """A snapshot's tensor bytes on disk as they arrive, so the checkpointer never holds a whole snapshot.
 
 Every snapshot the checkpointer receives goes to a spool file of its own, `.tmp-spool-…` in the
-checkpoints directory, through `transfer.Assembler`'s sink: each range is written at its place with
+checkpoints directory, through `assembly.Assembler`'s sink: each range is written at its place with
 `os.pwrite` straight from the received frame (part 0's header gives every tensor's size, so each one's
 place in the file is known up front); the Assembler still checks every range and each tensor's xxh3
 as the bytes go by. A transfer abandoned, a snapshot dropped after it arrived, a sharded step given up

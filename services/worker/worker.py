@@ -32,11 +32,12 @@ from cmemi.services.worker.links.joining import Joining
 from cmemi.services.worker.links.leader import LeaderLink
 from cmemi.services.worker.links.outbox import Outbox
 from cmemi.services.worker.links.shard_links import Lost, ShardLinks
-from cmemi.shared.config.plugins import build_model, resolve
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core.data import data_error, fingerprint
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import limits, protocol
@@ -73,7 +74,7 @@ class Worker:
         self.device = torch.device("cpu")
         # the leader's segment (and a successor's), read in place where nothing but the slot writes the parameters;
         # made first, as ever: on a CPU the inbox makes the parameters views of where they land
-        reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
+        reader = shm_reader.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4, bound=limits.logical_bytes(cfg))
         self.intake = Intake(ctx, cfg, self.partition, self.params, self.runner.step_buffers, reader,
                              cfg.compression.downlink == "none" and not cfg.train.local_steps)
         self.compute = BlockComputer(cfg, self.runner, ctx.log, ctx.fatal, lambda: self.wid)

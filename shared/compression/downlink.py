@@ -1,7 +1,7 @@
 """Compressed downlink (`compression.downlink`): workers compute on a mirror of the parameters (docs/design.md §9).
 
 Each server keeps, beside its master pieces θ, the mirror m of them that every worker holds. After step t it sends
-the change d = θ_t − m_{t−1} through a codec (bf16, int8, topk, powersgd of shared/compression/codecs.py, without their own
+the change d = θ_t − m_{t−1} through a codec (bf16, int8, topk, powersgd of shared/compression/, without their own
 error feedback: m remembers what was sent, so d already holds everything not sent yet — the residual is implicit)
 and moves its mirror by what the message decodes to: m_t = m_{t−1} + decode(C(d)). A worker at version t−1 applies
 the same message with the same function (`apply`), so every mirror is the same bits. The server keeps the last
@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from cmemi.shared.compression.codecs import CodecError, GradientCodec, make_codec
-from cmemi.shared.config.schema import CompressionConfig
+from cmemi.shared.compression.base import CodecError, GradientCodec
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.system import CompressionConfig
 
 DELTA, DENSE = "delta", "dense"  # a work or slice message's `downlink`: the change from `base`, or the mirror whole
 KEPT = 8  # changes a server keeps: a worker up to this many versions behind gets them instead of the whole mirror
@@ -78,7 +79,8 @@ class SentChanges:
     """A server's changes of the current version as sent, by base: each encoded once (a chain per base)."""
 
     def __init__(self) -> None:
-        self.version, self.by_base = -1, {}
+        self.version = -1
+        self.by_base: dict[int, Any] = {}
 
     def get(self, version: int, base: int, encode: Callable[[], Any]) -> Any:
         if version != self.version:
@@ -120,12 +122,12 @@ class Mirror:
         server kept them all and they are smaller than the mirror; else None (send the mirror whole)."""
         if type(base) is not int or base < 0 or not self.version - KEPT <= base < self.version:
             return None
-        changes = [self.deltas.get(v) for v in range(base + 1, self.version + 1)]
-        if any(c is None for c in changes):
+        if any(v not in self.deltas for v in range(base + 1, self.version + 1)):
             return None
+        changes = [self.deltas[v] for v in range(base + 1, self.version + 1)]
         if len(changes) > 1 and sum(_nbytes(f) for _, f in changes) >= _nbytes(self.tensors):
             return None
-        return chain(changes)  # type: ignore[arg-type]
+        return chain(changes)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """For a checkpoint: the mirror and the codec's state (PowerSGD's Q), by piece (the live tensors)."""

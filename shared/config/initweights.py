@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.config.checks import ConfigError
 
 if TYPE_CHECKING:
     import torch

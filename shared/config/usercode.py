@@ -18,8 +18,8 @@ import numpy
 import torch
 from cmemi.shared.errors import UserError
 
-_LIBRARY = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, numpy)) + tuple(
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+_LIBRARY = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (torch, numpy)) + tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), d) + os.sep
     for d in ("shared", "services")) + (sysconfig.get_paths()["stdlib"] + os.sep,)
 
 

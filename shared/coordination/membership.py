@@ -11,10 +11,16 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 from cmemi.shared.coordination.keys import Keys
+
+
+def text(reply: Any) -> str | None:
+    """A string reply or None: `connect`'s client decodes every response, where redis-py's annotations also allow
+    bytes (and, for a pipeline, more)."""
+    return cast("str | None", reply)
 
 
 def connect(url: str) -> redis.Redis:
@@ -45,7 +51,10 @@ def emit(client: redis.Redis, keys: Keys, kind: str, **fields: Any) -> None:
 
 def read_events(client: redis.Redis, keys: Keys, after: str = "0-0", block_ms: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     out = []
-    for _stream, entries in client.xread({keys.events: after}, block=block_ms, count=1000) or []:
+    # [(stream, [(entry id, fields)])], decoded (see `text`)
+    reply = cast("list[tuple[str, list[tuple[str, dict[str, str]]]]]",
+                 client.xread({keys.events: after}, block=block_ms, count=1000) or [])
+    for _stream, entries in reply:
         for entry_id, data in entries:
             out.append((entry_id, json.loads(data["json"])))
     return out
@@ -87,13 +96,14 @@ class Member:
     def beat(self) -> None:
         key = self.keys.heartbeat(self.role, self.ident)
         pipe = self.client.pipeline(transaction=False)  # one round trip
-        _, exists = pipe.set(key, f"{self.incarnation}:{time.time():.3f}", px=self.ttl_ms).exists(
-            self.keys.member(self.role, self.ident)).execute()
+        pipe.set(key, f"{self.incarnation}:{time.time():.3f}", px=self.ttl_ms)
+        pipe.exists(self.keys.member(self.role, self.ident))
+        _, exists = pipe.execute()
         if not exists:
             self._write_record()  # Redis lost its data: re-register
 
     def fenced(self) -> bool:
-        return self.fenced_by(self.client.get(self.keys.fence(self.role, self.ident)))
+        return self.fenced_by(text(self.client.get(self.keys.fence(self.role, self.ident))))
 
     def fenced_by(self, fence: str | None) -> bool:
         """Does this fence value (the fence key's, None if unset) fence this incarnation?"""

@@ -66,7 +66,7 @@ def seed_microbatch(seed: int, step: int, m: int, device: torch.device | None = 
     random.seed(s)
 
 
-def read_microbatch(cfg: Any, dataset: Dataset, n: int, step: int, m: int) -> Any:
+def read_microbatch(cfg: Any, dataset: Dataset[Any], n: int, step: int, m: int) -> Any:
     """The collated samples of microbatch (step, m), read with the data stream seeded: the same bits in a
     worker, a loader process or the reference. Raises whatever the user's dataset or collate raises."""
     seed_microbatch(cfg.run.seed, step, m, stream="data")
@@ -74,7 +74,7 @@ def read_microbatch(cfg: Any, dataset: Dataset, n: int, step: int, m: int) -> An
     return fetch(dataset, idx)
 
 
-def fetch(dataset: Dataset, indices: torch.Tensor) -> Any:
+def fetch(dataset: Dataset[Any], indices: torch.Tensor) -> Any:
     """Gather and collate the samples; TensorDataset is indexed in one go instead of item by item."""
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and all(isinstance(t, torch.Tensor) for t in tensors):
@@ -98,7 +98,7 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(repr(obj).encode())
 
 
-def fingerprint(dataset: Dataset, samples: int = 256) -> dict[str, Any]:
+def fingerprint(dataset: Dataset[Any], samples: int = 256) -> dict[str, Any]:
     """Length and a content hash over `samples` evenly spaced items (all of them for small datasets)."""
     try:
         n = len(dataset)  # type: ignore[arg-type]

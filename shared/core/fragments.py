@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.core.grid import Piece
 from cmemi.shared.wire import protocol
 

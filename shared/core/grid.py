@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,7 +125,7 @@ class Partition:
         return [float(torch.linalg.vector_norm(grads[p.name].reshape(-1), 2, dtype=torch.float64)) ** 2
                 for p in pieces]
 
-    def describe(self) -> dict[str, list]:
+    def describe(self) -> dict[str, list[Any]]:
         """A checkpoint's map from piece to (tensor, rows): enough to put pieces back together without the model."""
         return {p.name: [p.param, p.lo, p.hi] for p in self.pieces}
 
@@ -139,7 +140,7 @@ def clip_coefficient(partials: list[float], max_norm: float) -> tuple[float, flo
     return norm, min(1.0, max_norm / (norm + 1e-6))
 
 
-def join(pieces: Mapping[str, list], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def join(pieces: Mapping[str, list[Any]], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors from pieces (`describe()`'s map, pieces by name); tensors not cut pass through."""
     out = dict(tensors)
     by_param: dict[str, list[tuple[int, str]]] = {}

@@ -14,7 +14,7 @@ one gradient that is bitwise the sum the aggregator would have formed from its l
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -99,7 +99,7 @@ def blocks(M: int, size: int) -> Iterator[tuple[int, int]]:
     yield from walk(0, M)
 
 
-class TreeAccumulator:
+class TreeAccumulator(Generic[T]):
     """Sums the contributions of one step as they arrive, in any order, by the fixed tree.
 
     A contribution is a node [lo, hi) of the tree (a leaf, or a block a worker summed itself). Each is

@@ -9,7 +9,7 @@ reused. It holds two slots (a double buffer: a slow reader of one version is not
     {"seg": name, "slot": 0 or 1, "seq": n (even), "at": [byte offset of each tensor], "tensors": [entries]}
 
 with the entries of `protocol.encode_tensors` (dtype, shape, nbytes, and the xxh3 when cluster.checksum is on).
-The consumer (`Reader`) maps the segment once (cached by name), checks the sequence is the descriptor's before it
+The consumer (`Reader`, shm_reader.py) maps the segment once (cached by name), checks the sequence is the descriptor's before it
 reads, takes the tensors as views of the slot (checksums verified), copies them where they belong, and checks the
 sequence again after (`intact`): a slot rewritten meanwhile (its writer is two messages ahead, or was SIGKILLed
 mid-write and its slot reused by a successor's segment of another name) is never used — the consumer drops what
@@ -36,10 +36,8 @@ import mmap
 import os
 import platform
 import re
-import stat
 import struct
 import warnings
-from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -54,9 +52,9 @@ ROOT = Path("/dev/shm")
 ALIGN = 64
 HEAD = 64  # bytes before each slot's tensors: the sequence number (u64, little-endian)
 SLOTS = 2
-_SEQ = struct.Struct("<Q")
+SEQ = struct.Struct("<Q")
 _MADE = itertools.count()  # segments this process made: their names' last field, unique per process
-_NAME = re.compile(r"cmemi-([0-9a-f]{12})-([a-z0-9]{1,16})-([0-9]{1,10})-([0-9]{1,10})")
+NAME = re.compile(r"cmemi-([0-9a-f]{12})-([a-z0-9]{1,16})-([0-9]{1,10})-([0-9]{1,10})")
 
 
 ORDERED = platform.machine() in ("x86_64", "AMD64")  # TSO: see the module's docstring
@@ -124,7 +122,7 @@ def sweep() -> int:
     except OSError:
         return 0
     for name in names:
-        m = _NAME.fullmatch(name)
+        m = NAME.fullmatch(name)
         if m is None or alive(int(m.group(3))):
             continue
         path = ROOT / name
@@ -144,15 +142,15 @@ def _place(metas: list[dict[str, Any]]) -> tuple[list[int], int]:
     return at, end
 
 
-def _slot_bytes(mm: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
-    """The `nbytes` of a slot's tensors as one byte tensor on the map: every tensor is a view of it (`_tensor_at`),
+def slot_bytes(mm: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
+    """The `nbytes` of a slot's tensors as one byte tensor on the map: every tensor is a view of it (`tensor_at`),
     so a run of adjacent ones can be viewed as one (services/worker/links/inbox.py)."""
     with warnings.catch_warnings():  # a reader's map is read-only on purpose: torch warns that it is
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
 
 
-def _tensor_at(slot: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
+def tensor_at(slot: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor:
     return slot[at:at + nbytes].view(dtype).view(shape)
 
 
@@ -206,9 +204,9 @@ class Writer:
         slot = self.next
         base = slot * (HEAD + self.capacity)
         self.seqs[slot] += 1
-        _SEQ.pack_into(self.mm, base, self.seqs[slot])
-        whole = _slot_bytes(self.mm, base + HEAD, self.capacity)
-        views = [_tensor_at(whole, a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
+        SEQ.pack_into(self.mm, base, self.seqs[slot])
+        whole = slot_bytes(self.mm, base + HEAD, self.capacity)
+        views = [tensor_at(whole, a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
                  for m, a in zip(metas, at, strict=True)]
         return slot, views
 
@@ -221,7 +219,7 @@ class Writer:
         else:
             metas = [{**m, "xxh": None} for m in metas]
         self.seqs[slot] += 1
-        _SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
+        SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
         self.next = (slot + 1) % SLOTS
         return {"seg": self.path.name, "slot": slot, "seq": self.seqs[slot], "at": _place(metas)[0], "tensors": metas}
 
@@ -251,102 +249,3 @@ class Writer:
             with contextlib.suppress(BufferError):  # views still alive: the map goes with the last of them
                 self.mm.close()
             self.mm = None
-
-
-def _int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-class Reader:
-    """A consumer's maps of its peers' segments (at most `limit`, least recently used dropped first)."""
-
-    def __init__(self, run: str, checksum: bool, limit: int = 16, bound: int | None = None) -> None:
-        # bound: the most bytes one descriptor may name (limits.logical_bytes, as for a message in parts)
-        self.tag, self.checksum, self.limit, self.bound = run_tag(run), checksum, limit, bound
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
-
-    def _map(self, name: str) -> mmap.mmap:
-        mm = self.maps.get(name)
-        if mm is not None:
-            self.maps.move_to_end(name)
-            return mm
-        try:
-            fd = os.open(ROOT / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ShmError("shm_missing", f"{name}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise ShmError("shm_not_ours", f"{name}: not a regular file of mode 0600 owned by uid {os.getuid()}")
-            if st.st_size < SLOTS * (HEAD + ALIGN) or st.st_size % SLOTS:
-                raise ShmError("shm_bad_size", f"{name}: {st.st_size} bytes")
-            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        for old in [n for n in self.maps if not (ROOT / n).exists()]:  # unlinked: replaced, or its owner is gone
-            del self.maps[old]  # its pages go with the last view of them
-        self.maps[name] = mm
-        while len(self.maps) > self.limit:  # the least recently used
-            self.maps.popitem(last=False)
-        return mm
-
-    def _check(self, desc: Any) -> tuple[mmap.mmap, int, list[dict[str, Any]], list[int]]:
-        if not isinstance(desc, dict):
-            raise ShmError("shm_bad", "the descriptor is not a map")
-        name, slot, seq, at, metas = (desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors"))
-        if not isinstance(name, str) or (m := _NAME.fullmatch(name)) is None or m.group(1) != self.tag:
-            raise ShmError("shm_bad", f"segment name {str(name)[:60]!r}")
-        if not (_int(slot) and 0 <= slot < SLOTS and _int(seq) and seq > 0 and seq % 2 == 0
-                and isinstance(at, list) and isinstance(metas, list) and len(at) == len(metas)
-                and all(_int(a) and a >= 0 for a in at) and all(isinstance(x, dict) for x in metas)):
-            raise ShmError("shm_bad", "slot, seq, at or tensors")
-        for x in metas:
-            for key, types in (("name", str), ("dtype", str), ("shape", list), ("nbytes", int)):
-                if not isinstance(x.get(key), types) or isinstance(x.get(key), bool):
-                    raise ShmError("shm_bad", f"tensor entry field {key!r}")
-            if x.get("xxh") is not None and not _int(x["xxh"]):
-                raise ShmError("shm_bad", "tensor entry field 'xxh'")
-        if self.bound is not None and (total := sum(x["nbytes"] for x in metas)) > self.bound:
-            raise ShmError("too_big", f"a slot of {total} bytes, bound {self.bound}")
-        mm = self._map(name)
-        capacity = len(mm) // SLOTS - HEAD
-        for x, a in zip(metas, at, strict=True):
-            protocol.tensor_spec(x)  # dtype, shape, nbytes agree (ProtocolError)
-            if a % ALIGN or a + x["nbytes"] > capacity:
-                raise ShmError("shm_bounds", f"{x['name']!r}: [{a}, {a + x['nbytes']}) in a slot of {capacity}"[:80])
-        return mm, slot * (HEAD + capacity), metas, at
-
-    def views(self, desc: Any) -> dict[str, torch.Tensor]:
-        """The tensors a descriptor names, as read-only views of its slot (checksums verified). Copy them, then
-        check `intact(desc)` before using the copy."""
-        mm, base, metas, at = self._check(desc)
-        if _SEQ.unpack_from(mm, base)[0] != desc["seq"]:
-            raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: a newer write, or one unfinished")
-        out: dict[str, torch.Tensor] = {}
-        whole = _slot_bytes(mm, base + HEAD, len(mm) // SLOTS - HEAD)
-        for x, a in zip(metas, at, strict=True):
-            dtype, shape, n = protocol.tensor_spec(x)
-            v = _tensor_at(whole, a, dtype, shape, n)
-            if self.checksum and x["xxh"] is not None and xxhash.xxh3_64_intdigest(
-                    protocol.tensor_bytes(v) if n else b"") != x["xxh"]:
-                raise ShmError("bad_checksum", repr(x["name"])[:60])
-            out[x["name"]] = v
-        if len(out) != len(metas):
-            raise ShmError("bad_tensor", "duplicate tensor names")
-        return out
-
-    def intact(self, desc: dict[str, Any]) -> bool:
-        """Is the slot still the descriptor's (nothing wrote it since `views`)?"""
-        mm = self.maps.get(desc["seg"])
-        if mm is None:
-            return False
-        return _SEQ.unpack_from(mm, desc["slot"] * (len(mm) // SLOTS))[0] == desc["seq"]
-
-    def copied(self, desc: Any) -> dict[str, torch.Tensor]:
-        """The tensors a descriptor names, copied out of its slot (ShmError when it is torn or overwritten)."""
-        views = self.views(desc)
-        out = {n: v.clone() for n, v in views.items()}
-        del views
-        if not self.intact(desc):
-            raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
-        return out

@@ -16,6 +16,9 @@ from typing import Any
 import structlog
 
 LOG_DIR_ENV = "CMEMI_LOG_DIR"
+# CMEMI_LOG_LEVEL's names (logging.getLevelNamesMapping() is Python 3.11's, and the package runs on 3.10)
+_LEVELS = {name: getattr(logging, name) for name in ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG",
+                                                     "NOTSET")}
 
 
 def log_file_name(service: str, ident: Any = None) -> str:
@@ -48,10 +51,11 @@ def setup_logging(service: str, **bind: Any) -> structlog.stdlib.BoundLogger:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping().get(level, logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service, **bind)
-    return structlog.get_logger()
+    log: structlog.stdlib.BoundLogger = structlog.get_logger()
+    return log

@@ -18,9 +18,11 @@ from typing import Any
 import redis
 import structlog
 import zmq
-from cmemi.shared.config.schema import Config, ConfigError, load_config
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
-from cmemi.shared.coordination.membership import connect, emit, wait_for_redis
+from cmemi.shared.coordination.membership import connect, emit, text, wait_for_redis
 from cmemi.shared.runtime import lifeline, metrics, startup
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.log import setup_logging
@@ -65,13 +67,13 @@ class ServiceContext:
 
     def run_state(self) -> str | None:
         try:
-            return self.redis.get(self.keys.state)
+            return text(self.redis.get(self.keys.state))
         except redis.RedisError:
             return None
 
     @property
     def log_service(self) -> str:
-        return structlog.contextvars.get_contextvars().get("service", "?")
+        return str(structlog.contextvars.get_contextvars().get("service", "?"))
 
 
 def common_parser(role: str, doc: str | None) -> argparse.ArgumentParser:
@@ -125,7 +127,7 @@ def start_service(role: str, args: argparse.Namespace, **bind: Any) -> ServiceCo
     return ServiceContext(cfg, client, Keys(cfg.run.name), cfg.run.name, log, args, stopping, extra, curve)
 
 
-def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq.Socket, str]:
+def serve_router(ctx: ServiceContext, zctx: zmq.Context[zmq.Socket[bytes]], port: int) -> tuple[zmq.Socket[bytes], str]:
     """A service's ROUTER: CurveZMQ server (when on), messages capped, bound to cluster.host:port (0: a free port),
     and, unless cluster.transport is tcp, to an ipc:// endpoint for same-host workers (shared/wire/samehost.py); returns
     it and the address peers connect to (both endpoints, `samehost.advertise`)."""
@@ -135,7 +137,10 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context, port: int) -> tuple[zmq
 
     sock = zctx.socket(zmq.ROUTER)
     ctx.curve.serve(zctx, sock)
-    sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
+    cap = ctx.cfg.cluster.max_message_bytes
+    if cap is None:  # filled in when the model is built, or at the start of a service that builds none (`setup`)
+        raise RuntimeError("cluster.max_message_bytes is not derived yet (shared/wire/limits.py)")
+    sock.setsockopt(zmq.MAXMSGSIZE, cap)
     # at most two messages (parts of a big gradient: transfer.PART each) queued per peer in ZeroMQ; the rest waits
     # in the peer's queue (zero-copy from its tensors) and the kernel's: without it, every part of every worker's
     # gradient could sit here beside their reassembled copies (docs/design.md §8). Curve's ZAP takes one entry.

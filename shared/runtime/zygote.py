@@ -105,7 +105,7 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None = None) -> Spawn
         _given_up = True
         return None
     pid = reply.get("pid") if isinstance(reply, dict) else None
-    if not isinstance(pid, int) or not isinstance(reply.get("exits"), str):
+    if not isinstance(reply, dict) or not isinstance(pid, int) or not isinstance(reply.get("exits"), str):
         for fd in fds:
             os.close(fd)
         return None  # refused (e.g. the command line does not fit its title): Popen this one

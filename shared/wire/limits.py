@@ -79,10 +79,15 @@ def _in_child(cfg: Config, meta: bool) -> int | None:
     if pid == 0:  # pragma: no cover (a child: coverage never sees it)
         os.close(r)
         try:
-            from cmemi.shared.config.plugins import build_model
+            from cmemi.shared.config.lookup import resolve
+
+            def build(c: Config) -> torch.nn.Module:  # plugins.build_model's call, without recording (it records here)
+                torch.manual_seed(c.run.seed)
+                model: torch.nn.Module = resolve(c.model.factory, "model.factory")(**c.model.kwargs)
+                return model
 
             torch.set_num_threads(1)
-            os.write(w, struct.pack("<q", measure(cfg, build_model, meta)))
+            os.write(w, struct.pack("<q", measure(cfg, build, meta)))
         except BaseException:  # the service itself builds nothing else here: any failure means "unknown"
             pass
         os._exit(0)

@@ -94,7 +94,7 @@ def choose(addr: str, transport: str, peer: str) -> tuple[str, str]:
     return ends.tcp, "tcp"
 
 
-def connect(curve: Curve, sock: zmq.Socket, addr: str, transport: str, peer: str) -> str:
+def connect(curve: Curve, sock: zmq.Socket[bytes], addr: str, transport: str, peer: str) -> str:
     """Connect a worker's socket to the server advertised as `addr` (CurveZMQ over tcp://, or the worker's key
     proof over ipc://); returns the transport taken."""
     endpoint, kind = choose(addr, transport, peer)
@@ -121,7 +121,7 @@ def socket_dir(run_dir: Path) -> Path:
     return d
 
 
-def bind_local(curve: Curve, zctx: zmq.Context, sock: zmq.Socket, run_dir: Path, name: str) -> str:
+def bind_local(curve: Curve, zctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], run_dir: Path, name: str) -> str:
     """Bind `sock` (already bound to tcp://) to a fresh ipc:// endpoint as well; returns that endpoint. Sockets of
     processes that are gone (SIGKILLed: nobody unlinked them) are removed first."""
     d = socket_dir(run_dir)

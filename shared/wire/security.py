@@ -166,7 +166,7 @@ class _Roles:
 class _LocalAuth(ThreadAuthenticator):
     """ZAP for CurveZMQ (pyzmq's rules) and for the ipc:// endpoints' PLAIN hellos (ours: same uid, worker key)."""
 
-    def __init__(self, ctx: zmq.Context, worker_key: Callable[[bytes], bool] | None) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], worker_key: Callable[[bytes], bool] | None) -> None:
         super().__init__(ctx)
         self.worker_key = worker_key  # None: Curve is off, no keys, no roles (the uid still decides)
         self.refused = 0
@@ -222,7 +222,7 @@ class Curve:
             self._mine[name] = load_keypair(path, name)
         return self._mine[name]
 
-    def serve(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+    def serve(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> None:
         """Make `sock` a CURVE server that accepts only keys listed in keys_dir (ZAP, one thread per context)."""
         if not self.enabled:
             return
@@ -232,7 +232,7 @@ class Curve:
         sock.curve_publickey = server.public
         sock.curve_server = True
 
-    def _authenticator(self, ctx: zmq.Context) -> _LocalAuth:
+    def _authenticator(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> _LocalAuth:
         if self._auth is None:
             worker_key = None
             if self.enabled:
@@ -245,14 +245,14 @@ class Curve:
                 self._auth.configure_curve_callback(domain="*", credentials_provider=self._roles)
         return self._auth
 
-    def serve_local(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+    def serve_local(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes]) -> None:
         """Make the endpoints `sock` binds from now on (ipc:// ones) admit only same-uid workers (`_LocalAuth`).
         libzmq takes a socket's mechanism at bind time, so its tcp:// endpoint, bound before, keeps CurveZMQ."""
         self._authenticator(ctx)
         sock.plain_server = True
         sock.zap_domain = LOCAL_DOMAIN
 
-    def connect_local(self, sock: zmq.Socket) -> None:
+    def connect_local(self, sock: zmq.Socket[bytes]) -> None:
         """A worker's socket to an ipc:// endpoint: its secret key proves it is a worker (no encryption)."""
         sock.plain_username = b"worker"
         sock.plain_password = self._pair("worker").secret if self.enabled else b"-"
@@ -262,7 +262,7 @@ class Curve:
         """ipc:// peers the ZAP handler refused (another uid, no worker key)."""
         return self._auth.refused if self._auth is not None else 0
 
-    def connect_as_client(self, sock: zmq.Socket) -> None:
+    def connect_as_client(self, sock: zmq.Socket[bytes]) -> None:
         if not self.enabled:
             return
         assert self.keys_dir is not None
@@ -283,6 +283,8 @@ class Curve:
         try:
             user = frame.get("User-Id")
         except (zmq.ZMQError, AttributeError):
+            return ""
+        if not isinstance(user, str):  # libzmq's User-Id property is a string; its annotation allows an int
             return ""
         if user.startswith(LOCAL_USER):
             return user.removeprefix(LOCAL_USER)

@@ -8,7 +8,8 @@ import random
 
 import numpy as np
 import torch
-from cmemi.shared.config.plugins import build_optimizer, build_scheduler, resolve
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_optimizer, build_scheduler
 from cmemi.shared.config.schema import Config
 from torch.utils.data import default_collate
 

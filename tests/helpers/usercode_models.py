@@ -26,17 +26,17 @@ def _note(env: str) -> None:
 _note("CMEMI_TEST_IMPORTS")
 
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 30
-_tokens: torch.Tensor | None = None
+token_cache: torch.Tensor | None = None
 _pretrained: dict[str, torch.Tensor] = {}
 
 
 def tokens() -> torch.Tensor:
     """The text as token ids, built on first use and cached (the usual way)."""
-    global _tokens
-    if _tokens is None:
+    global token_cache
+    if token_cache is None:
         vocab = sorted(set(TEXT))
-        _tokens = torch.tensor([vocab.index(c) for c in TEXT])
-    return _tokens
+        token_cache = torch.tensor([vocab.index(c) for c in TEXT])
+    return token_cache
 
 
 def _windows(context: int, classes: int) -> TensorDataset:

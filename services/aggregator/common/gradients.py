@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.shared.compression.codecs import CodecError, GradientCodec
+from cmemi.shared.compression.base import CodecError, GradientCodec
 from cmemi.shared.wire import protocol
 
 

@@ -5,7 +5,7 @@ What a received multipart message passes, in this order, before any handler sees
 2. the whole message is within `cluster.max_message_bytes` (`too_big`; ZeroMQ's MAXMSGSIZE bounds one frame);
 3. its header passes the schema (`shared/wire/protocol.py`: type, run, protocol version, fields); a part of a
    bigger message is taken only from an admitted peer, which bounds what an unauthenticated flood can make
-   us allocate (`shared/wire/transfer.py`);
+   us allocate (`shared/wire/assembly.py`);
 4. its type is one this server takes (`unexpected_type`);
 5. with CurveZMQ, the sender's key has the role the type needs (`wrong_role`: `admission.ROLE_OF`).
 
@@ -33,9 +33,9 @@ import torch
 from cmemi.services.aggregator.common.admission import ROLE_OF
 from cmemi.services.aggregator.common.gradients import Spares
 from cmemi.shared.core.innerstate import PREFIX as INNER
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime import metrics
-from cmemi.shared.wire import limits, protocol, samehost, transfer
+from cmemi.shared.wire import assembly, limits, protocol, samehost
 from cmemi.shared.wire.security import Curve
 
 
@@ -65,7 +65,7 @@ class Intake:
                  borrows: bool = False, spare_bytes: int = 0) -> None:
         self.cap, self.curve, self.types, self.admitted, self.drop = cap, curve, frozenset(types), admitted, drops
         # messages bigger than one (a worker's gradient, a shard's pieces): one partial transfer per peer
-        self.parts = transfer.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
+        self.parts = assembly.Assembler(run, bound, checksum, peers=peers, on_abandon=drops)
         # peers whose last message came over ipc://, the most recent ones (a hello parked until every shard joined
         # is answered later: its sender is not admitted yet, so this is not kept to the admitted)
         self.local: OrderedDict[bytes, None] = OrderedDict()
@@ -78,7 +78,7 @@ class Intake:
         # buffers back once handled (`settle`); past two lent, a buffer is a plain allocation, freed with its message
         self.spares = Spares(limit=spare_bytes)
         self.lent: dict[str, Any] | None = None  # the descriptor whose views the message taken now holds
-        self.slots = (shm.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
+        self.slots = (shm_reader.Reader(run, shm.checksums(checksum), limit=2 * peers + 2, bound=bound)
                       if slots and shm.available() else None)
 
     def take(self, frames: list[Any]) -> tuple[bytes, protocol.Message | None, int] | None:

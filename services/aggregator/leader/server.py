@@ -34,10 +34,10 @@ from cmemi.services.aggregator.leader.roster import ShardRoster
 from cmemi.services.aggregator.leader.stepping import Stepper
 from cmemi.services.aggregator.snapshots import send as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
-from cmemi.shared.compression.codecs import make_codec
 from cmemi.shared.compression.downlink import DELTA, DENSE, SentChanges
-from cmemi.shared.config.plugins import resolve
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.coordination.membership import Member, allocate
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.core import fragments as fragmenting

@@ -27,7 +27,7 @@ from cmemi.services.aggregator.leader.reporting import Reporter
 from cmemi.services.aggregator.leader.roster import ShardRoster
 from cmemi.services.aggregator.snapshots import send as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
-from cmemi.shared.compression.codecs import all_finite
+from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
 

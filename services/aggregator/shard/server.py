@@ -44,8 +44,8 @@ from cmemi.services.aggregator.shard import join as shard_join
 from cmemi.services.aggregator.shard.pulls import SliceServer
 from cmemi.services.aggregator.snapshots import send as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
-from cmemi.shared.compression.codecs import make_codec
-from cmemi.shared.config.schema import ConfigError
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.core import reduction
@@ -55,7 +55,7 @@ from cmemi.shared.memory import shm
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext, serve_router
-from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, transfer
 
 
 class Rejoin(Interrupt):
@@ -89,7 +89,7 @@ class ShardServer:
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
                              self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp",
                              spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
-        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()

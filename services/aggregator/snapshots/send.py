@@ -25,7 +25,7 @@ from cmemi.services.aggregator.snapshots import reshard
 from cmemi.services.aggregator.snapshots.outgoing import Outgoing
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, state, transfer
+from cmemi.shared.wire import assembly, limits, protocol, state, transfer
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
 PROTECT_PATIENCE_S = 0.5
@@ -160,7 +160,7 @@ class CheckpointerLink:
         self.in_flight: Outgoing | None = None
         self.queued: list[Outgoing] = []  # unsent: milestones and the final one (kept), and at most one other
         self.saved_path: dict[int, str] = {}  # step -> where the checkpointer wrote it (the final one's is reported)
-        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
         self._retry_at: float | None = None  # when to send the in-flight snapshot again (the checkpointer's "retry")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from cmemi.services.worker.compute.local import InnerStateError, LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner, UserCodeError
-from cmemi.shared.compression.codecs import all_finite
+from cmemi.shared.compression.base import all_finite
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.usercode import describe
 from cmemi.shared.core import buffers as buffer_rule

@@ -17,7 +17,7 @@ import copy
 
 import torch
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
-from cmemi.shared.compression.codecs import all_finite
+from cmemi.shared.compression.base import all_finite
 from cmemi.shared.config.plugins import build_optimizer, build_scheduler
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import buffers as buffer_rule

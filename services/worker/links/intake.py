@@ -20,12 +20,12 @@ import torch
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.lending import SlotLending
 from cmemi.shared.compression import downlink
-from cmemi.shared.compression.codecs import CodecError
+from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core.buffers import PREFIX
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm_reader
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import protocol
 
@@ -34,7 +34,7 @@ NOTHING = -1  # the version a `want` names when the model holds none: the leader
 
 class Intake:
     def __init__(self, ctx: ServiceContext, cfg: Config, partition: Partition, params: dict[str, torch.Tensor],
-                 step_buffers: dict[str, torch.Tensor], slot_reader: shm.Reader, lends: bool) -> None:
+                 step_buffers: dict[str, torch.Tensor], slot_reader: shm_reader.Reader, lends: bool) -> None:
         self.ctx, self.log, self.partition, self.params = ctx, ctx.log, partition, params
         self.step_buffers, self.slot_reader = step_buffers, slot_reader
         # compression.downlink: the model's parameters are the mirror, moved by each version's change

@@ -17,7 +17,7 @@ import zmq
 from cmemi.services.worker.links.patience import Patience
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, transfer
 
 
 class LeaderLink:
@@ -25,7 +25,7 @@ class LeaderLink:
                  forget: Callable[[], None], holds: Callable[[], list[list[int]] | None]) -> None:
         self.ctx, self.cfg, self.landing, self.forget, self.holds = ctx, cfg, landing, forget, holds
         self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again
-        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
         self.zctx = zmq.Context()
         self.sock: zmq.Socket | None = None

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import xxhash
 from cmemi.services.worker.links.inbox import Inbox
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm_reader
 from cmemi.shared.wire import protocol
 
 
@@ -41,7 +41,7 @@ class Lend(Enum):
 
 
 class SlotLending:
-    def __init__(self, inbox: Inbox, reader: shm.Reader, params: dict[str, torch.Tensor], allowed: bool,
+    def __init__(self, inbox: Inbox, reader: shm_reader.Reader, params: dict[str, torch.Tensor], allowed: bool,
                  log: Any) -> None:
         self.inbox, self.reader, self.params, self.log = inbox, reader, params, log
         self.mode = Lend.UNDECIDED if allowed and inbox.lends else Lend.COPY

@@ -18,7 +18,7 @@ import torch
 from cmemi.services.worker.links.inflight import InFlight
 from cmemi.services.worker.links.leader import LeaderLink
 from cmemi.services.worker.links.shard_links import ShardLinks
-from cmemi.shared.compression.codecs import make_codec
+from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.buffers import PREFIX
 from cmemi.shared.core.grid import Partition

@@ -30,14 +30,14 @@ from typing import Any
 import torch
 import zmq
 from cmemi.shared.compression import downlink
-from cmemi.shared.compression.codecs import CodecError
+from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.errors import Interrupt
-from cmemi.shared.memory import shm
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
 
 
@@ -53,7 +53,7 @@ def answers(got: protocol.Message | None, version: int) -> bool:
 
 
 class Link:
-    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: transfer.Assembler,
+    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: assembly.Assembler,
                  views: list[dict[str, torch.Tensor]]) -> None:
         self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
         self.views = views  # each stage's pieces of the model: where the slice being fetched lands
@@ -87,7 +87,7 @@ class ShardLinks:
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
         self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
-        self.reader = shm.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
+        self.reader = shm_reader.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
                                  bound=limits.logical_bytes(cfg))
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
         # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
@@ -112,7 +112,7 @@ class ShardLinks:
             views = self.partition.views(self.params, k)
             staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
             layouts = [Layout(stage) for stage in staged]
-            parts = transfer.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
+            parts = assembly.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
             self.links.append(Link(k, sock, layouts, parts, staged))
             self.links[-1].slots = asks  # until its welcome says whether it grants them
         for link in self.links:
