@@ -32,7 +32,7 @@ from cmemi.services.aggregator.leader.leasing import Leasing
 from cmemi.services.aggregator.leader.reporting import Reporter
 from cmemi.services.aggregator.leader.roster import ShardRoster
 from cmemi.services.aggregator.leader.stepping import Stepper
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.codecs import make_codec
 from cmemi.shared.compression.downlink import DELTA, DENSE, SentChanges

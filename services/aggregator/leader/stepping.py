@@ -25,7 +25,7 @@ from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.leader.leasing import Leasing
 from cmemi.services.aggregator.leader.reporting import Reporter
 from cmemi.services.aggregator.leader.roster import ShardRoster
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.codecs import all_finite
 from cmemi.shared.runtime import metrics

@@ -9,7 +9,7 @@ import redis
 import zmq
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import samehost

@@ -42,7 +42,7 @@ from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.shard import join as shard_join
 from cmemi.services.aggregator.shard.pulls import SliceServer
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.codecs import make_codec
 from cmemi.shared.config.schema import ConfigError
