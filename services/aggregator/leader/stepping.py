@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.leader.leasing import Leasing
 from cmemi.services.aggregator.leader.reporting import Reporter
@@ -75,11 +76,8 @@ class Stepper:
             self.leasing.new_step(collector.step, strict=True)
             self.serve_parked()
             return
-        try:
+        with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
-        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
-            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
-                           "check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
         dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.live_workers(),
                                                    self.trainer.scaler, grads is None)
