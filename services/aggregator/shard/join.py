@@ -47,7 +47,7 @@ def restore_slice(ctx: ServiceContext, trainer: Trainer, totals: RunTotals, ckpt
         return -1
     try:
         snapshots.restore(trainer, totals, None, None, msg.header["meta"], msg.tensors)
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except snapshots.NOT_RESTORABLE as exc:
         ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
     return trainer.step
 

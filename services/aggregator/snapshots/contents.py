@@ -11,14 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from cmemi.services.aggregator.common import dataprint
 from cmemi.services.aggregator.common.evaluation import BackgroundEval
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.leader import dataprint
 from cmemi.services.aggregator.snapshots import reshard
+from cmemi.shared.errors import WireError
 from cmemi.shared.wire import state
 
 Snapshot = tuple[int, dict[str, Any], dict[str, torch.Tensor]]
+# A checkpoint that does not fit this run: the wire tree's (StateError), or what torch's load_state_dict and a
+# missing section raise. The aggregator stops with it as a fatal error: restarting would read the same checkpoint.
+NOT_RESTORABLE = (WireError, KeyError, RuntimeError, ValueError)
 
 
 def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
@@ -85,7 +89,7 @@ def _sections(trainer: Trainer, meta: dict[str, Any], tensors: dict[str, torch.T
 def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_eval: BackgroundEval | None,
             meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     """`fp`: the run's dataset fingerprint, filled from the checkpoint's when empty, else checked against it (None:
-    not checked, a shard k > 0 holds none; the leader does, services/aggregator/leader/dataprint.py). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
+    not checked, a shard k > 0 holds none; the leader does, services/aggregator/common/dataprint.py). A checkpoint of another cluster.shards is cut again for this one (reshard.py)."""
     named, model, other_k = _sections(trainer, meta, tensors)
     t = trainer
     t.model.load_state_dict(model)
