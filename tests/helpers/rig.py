@@ -89,3 +89,36 @@ class PlayedCheckpointer:
         self._thread.join(timeout=5)
         self.sock.close(linger=0)
         self.zctx.term()
+
+
+class Peer:
+    """A worker or a leader as the test plays it: a real ZeroMQ socket, whole messages in (reassembled from parts)
+    and out. `identity`: for a ROUTER, the peer it last heard from."""
+
+    def __init__(self, ctx: ServiceContext, sock: zmq.Socket) -> None:
+        self.ctx, self.sock, self.identity = ctx, sock, b""
+        self.parts = transfer.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum, peers=4)
+
+    def send(self, mtype: str, fields: dict[str, Any], tensors: dict[str, Any] | None = None,
+             encoded: Any = None) -> None:
+        routed = self.sock.type == zmq.ROUTER
+        protocol.send(self.sock, protocol.encode(mtype, self.ctx.run, fields, tensors, encoded=encoded),
+                      self.identity if routed else None)
+
+    def expect(self, *types: str, timeout: float = 10) -> protocol.Message:
+        """The next whole message of one of `types` (others are skipped); AssertionError if none comes in time."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                break
+            frames = self.sock.recv_multipart(copy=False)
+            if self.sock.type == zmq.ROUTER:
+                self.identity, frames = frames[0].bytes, frames[1:]
+            msg = self.parts.decode(self.identity, frames)
+            if msg is not None and msg.type in types:
+                return msg
+        raise AssertionError(f"no {' or '.join(types)} within {timeout:g}s")
+
+    def quiet(self, timeout: float) -> bool:
+        """Nothing arrives within `timeout` seconds."""
+        return not self.sock.poll(int(timeout * 1000))
