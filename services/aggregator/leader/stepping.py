@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,14 @@ from cmemi.shared.compression.codecs import all_finite
 from cmemi.shared.runtime import metrics
 
 
+class Ending(enum.Enum):
+    """Where the run stands: training, ended at train.steps (or restored there), or stopped early (eval.patience).
+    One state where two flags (`done`, `stopped_early`) could disagree."""
+    TRAINING = "training"
+    LAST_STEP = "last_step"
+    STOPPED_EARLY = "stopped_early"
+
+
 class Stepper:
     """`serve_parked`: hands the new step's leases to the workers parked for work (the server's)."""
 
@@ -34,8 +43,7 @@ class Stepper:
         self.evals, self.reporter, self.ckpt = parts.evals, parts.reporter, parts.ckpt
         self.drop, self.serve_parked = parts.drops, serve_parked
         self.total = self.cfg.train.rounds
-        self.done = self.trainer.step >= self.total
-        self.stopped_early = False
+        self.ending = Ending.LAST_STEP if self.trainer.step >= self.total else Ending.TRAINING
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
         self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
@@ -75,13 +83,23 @@ class Stepper:
                                                    self.trainer.scaler, grads is None)
         self.evals.after_step(step, self.weights, self.roster is not None,
                               self.roster.place_eval if self.roster is not None else lambda _s, _w: True)
-        self.stopped_early = stop
-        if step >= self.total or stop:
-            self.done = True
+        if stop:
+            self.ending = Ending.STOPPED_EARLY
+        elif step >= self.total:
+            self.ending = Ending.LAST_STEP
         self.p.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
         self.trainer.release_heap()
         self.after = (step, loss, dt, nbytes, line, snapshot)
         self.serve_parked()
+
+    @property
+    def done(self) -> bool:
+        """No step is applied any more: the run ends (finish.py)."""
+        return self.ending is not Ending.TRAINING
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.ending is Ending.STOPPED_EARLY
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_copy()
