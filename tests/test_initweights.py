@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cmemi.services.aggregator.common import dataprint
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.leader import dataprint
 from cmemi.shared.config import initweights
 from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.plugins import FactoryError, build_model, user_modules

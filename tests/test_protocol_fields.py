@@ -92,7 +92,7 @@ def test_unknown_fields_are_kept_unchecked_as_before() -> None:
 
 
 def test_any_fields_are_left_to_their_reader() -> None:
-    for value in POOL:  # a slot descriptor is checked by shm.Reader (shm_bad), part 0's `of` by transfer (bad_part)
+    for value in POOL:  # a slot descriptor is checked by shm_reader.Reader (shm_bad), part 0's `of` by transfer (bad_part)
         assert parsed(minimal("grad", shm=value))["shm"] == value
         assert parsed(minimal("part", of=value))["of"] == value
 

@@ -337,7 +337,7 @@ def _checkpoint(trainers) -> tuple[dict, dict]:
     import tempfile
 
     from cmemi.services.aggregator.common.totals import RunTotals
-    from cmemi.services.aggregator.snapshots.send import collect
+    from cmemi.services.aggregator.snapshots.contents import collect
     from cmemi.services.checkpointer import spool
     from cmemi.services.checkpointer.merge import Pending, merged
     from cmemi.services.checkpointer.store import CheckpointStore
@@ -378,7 +378,7 @@ def test_a_checkpoint_resumes_with_another_shard_count_bitwise(before: int, afte
     whose big tensor is cut into pieces that change owner."""
     from cmemi.services.aggregator.common.totals import RunTotals
     from cmemi.services.aggregator.common.trainer import Trainer
-    from cmemi.services.aggregator.snapshots.send import restore
+    from cmemi.services.aggregator.snapshots.contents import restore
 
     for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
                 {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},
@@ -471,7 +471,7 @@ def test_pipelined_stages_step_bitwise_as_one_step_and_resume_either_way() -> No
     with momentum, Adam-style state and a param group of its own."""
     from cmemi.services.aggregator.common.totals import RunTotals
     from cmemi.services.aggregator.common.trainer import Trainer
-    from cmemi.services.aggregator.snapshots.send import restore
+    from cmemi.services.aggregator.snapshots.contents import restore
 
     for opt in ({"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
                 {"name": "AdamW", "kwargs": {"lr": 0.01, "weight_decay": 0.1},

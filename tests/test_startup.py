@@ -22,7 +22,7 @@ PROCESS_PHASES = {
     "zygote": ["spawned", "imported", "user_code_imported", "plugins_checked", "listening"],
     "coordinator": ["spawned", "imported", "connected", "services_spawned"],
     "checkpointer": ["spawned", "imported", "connected", "listening"],
-    # the aggregator reads no data: the run's fingerprint is the first worker's (services/aggregator/leader/dataprint.py)
+    # the aggregator reads no data: the run's fingerprint is the first worker's (services/aggregator/common/dataprint.py)
     "aggregator": ["spawned", "imported", "connected", "model_built", "checkpoint_asked", "listening"],
     "worker w0": ["spawned", "imported", "connected", "model_built", "dataset_built", "fingerprinted", "registered",
                   "welcomed"],

@@ -66,7 +66,7 @@ class Admission:
     def __init__(self, client: redis.Redis, keys: Keys, same_data: Callable[[dict[str, Any]], bool],
                  environment: EnvironmentCheck, require_same_environment: bool, reply: Reply,
                  drop: Callable[[str, str], None], log: Any) -> None:
-        # same_data(fp): is a worker's dataset fingerprint the run's (services/aggregator/leader/dataprint.py)?
+        # same_data(fp): is a worker's dataset fingerprint the run's (services/aggregator/common/dataprint.py)?
         self.client, self.keys, self.same_data, self.environment = client, keys, same_data, environment
         self.require_same, self.reply, self.drop, self.log = require_same_environment, reply, drop, log
         self.workers: dict[bytes, WorkerInfo] = {}

@@ -18,22 +18,18 @@ from typing import Any
 import redis
 import zmq
 from cmemi.services.aggregator.common.evaluation import EvalError, run_eval
-from cmemi.services.aggregator.common.totals import RunTotals
-from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
-from cmemi.services.aggregator.leader.reporting import Reporter
-from cmemi.services.aggregator.leader.roster import ShardRoster
+from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.leader.stepping import Stepper
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.runtime import atomic
 from cmemi.shared.runtime.service import ServiceContext
 
 
-def finish(ctx: ServiceContext, trainer: Trainer, stepper: Stepper, evals: EvalSchedule, roster: ShardRoster | None,
-           reporter: Reporter, ckpt: CheckpointerLink, totals: RunTotals, term: int, drops: dict[str, int],
-           pump: Callable[[], None]) -> dict[str, Any]:
-    """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary."""
-    cfg = ctx.cfg
+def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> dict[str, Any]:
+    """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary.
+    `pump`: receives one message (the shards' final pieces come while the leader waits for them)."""
+    ctx, cfg, trainer, evals, roster = parts.ctx, parts.cfg, parts.trainer, parts.evals, parts.roster
+    reporter, ckpt, totals, term, drops = parts.reporter, parts.ckpt, parts.totals, parts.term, parts.drops.as_dict()
     wall = totals.wall_s()
     evals.finish()
     summary: dict[str, Any] = {

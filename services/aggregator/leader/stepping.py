@@ -14,42 +14,43 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from cmemi.services.aggregator.common.totals import RunTotals
-from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
-from cmemi.services.aggregator.leader.leasing import Leasing
-from cmemi.services.aggregator.leader.reporting import Reporter
-from cmemi.services.aggregator.leader.roster import ShardRoster
-from cmemi.services.aggregator.snapshots import send as snapshots
-from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.services.aggregator.common.userstep import users_step
+from cmemi.services.aggregator.leader.parts import LeaderParts
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
-from cmemi.shared.runtime.service import ServiceContext
+
+
+class Ending(enum.Enum):
+    """Where the run stands: training, ended at train.steps (or restored there), or stopped early (eval.patience).
+    One state where two flags (`done`, `stopped_early`) could disagree."""
+    TRAINING = "training"
+    LAST_STEP = "last_step"
+    STOPPED_EARLY = "stopped_early"
 
 
 class Stepper:
-    def __init__(self, ctx: ServiceContext, trainer: Trainer, leasing: Leasing, roster: ShardRoster | None,
-                 evals: EvalSchedule, reporter: Reporter, ckpt: CheckpointerLink, totals: RunTotals, term: int,
-                 fingerprint: Callable[[], dict[str, Any]], drop: Callable[[str, str], None],
-                 live_workers: Callable[[], int], serve_parked: Callable[[], None]) -> None:
-        self.ctx, self.cfg, self.trainer, self.leasing, self.roster = ctx, ctx.cfg, trainer, leasing, roster
-        self.evals, self.reporter, self.ckpt, self.totals, self.term = evals, reporter, ckpt, totals, term
-        self.fingerprint, self.drop, self.live_workers, self.serve_parked = fingerprint, drop, live_workers, serve_parked
+    """`serve_parked`: hands the new step's leases to the workers parked for work (the server's)."""
+
+    def __init__(self, parts: LeaderParts, serve_parked: Callable[[], None]) -> None:
+        self.p, self.ctx, self.cfg, self.trainer, self.roster = parts, parts.ctx, parts.cfg, parts.trainer, parts.roster
+        self.evals, self.reporter, self.ckpt = parts.evals, parts.reporter, parts.ckpt
+        self.drop, self.serve_parked = parts.drops, serve_parked
         self.total = self.cfg.train.rounds
-        self.done = trainer.step >= self.total
-        self.stopped_early = False
+        self.ending = Ending.LAST_STEP if self.trainer.step >= self.total else Ending.TRAINING
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
         self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
 
     def apply(self) -> None:
         """The step's gradient is complete here (called again as shards report theirs complete)."""
-        collector = self.leasing.collector
+        collector = self.p.leasing.collector
         if self.mean is None:
             self.mean = collector.mean()
         grads, loss = self.mean
@@ -72,26 +73,33 @@ class Stepper:
                 self.ctx.fatal(f"the summed gradient of step {self.trainer.step + 1} is not finite (it overflows); "
                                "the run diverged: lower optimizer.kwargs.lr or set train.clip_grad_norm")
             self.drop("nonfinite_step", f"step {collector.step}: collecting it again, checking each gradient")
-            self.leasing.new_step(collector.step, strict=True)
+            self.p.leasing.new_step(collector.step, strict=True)
             self.serve_parked()
             return
-        try:
+        with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
-        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
-            self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1}: {type(exc).__name__}: {exc}; "
-                           "check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
-        dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.live_workers(),
+        dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.p.live_workers,
                                                    self.trainer.scaler, grads is None)
         self.evals.after_step(step, self.weights, self.roster is not None,
                               self.roster.place_eval if self.roster is not None else lambda _s, _w: True)
-        self.stopped_early = stop
-        if step >= self.total or stop:
-            self.done = True
-        self.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
+        if stop:
+            self.ending = Ending.STOPPED_EARLY
+        elif step >= self.total:
+            self.ending = Ending.LAST_STEP
+        self.p.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
         self.trainer.release_heap()
         self.after = (step, loss, dt, nbytes, line, snapshot)
         self.serve_parked()
+
+    @property
+    def done(self) -> bool:
+        """No step is applied any more: the run ends (finish.py)."""
+        return self.ending is not Ending.TRAINING
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.ending is Ending.STOPPED_EARLY
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.state_copy()
@@ -125,10 +133,10 @@ class Stepper:
             self.stall_s.append(time.monotonic() - t0)
             metrics.CHECKPOINT_STALL.observe(self.stall_s[-1])
         if self.reporter.progress_due(force=self.done):
-            self.reporter.publish(step, loss, self.trainer.lr, nbytes / dt if dt > 0 else 0.0, self.live_workers(),
+            self.reporter.publish(step, loss, self.trainer.lr, nbytes / dt if dt > 0 else 0.0, self.p.live_workers,
                                   self.done)
 
     def snapshot(self) -> snapshots.Snapshot:
         evaluating = self.evals.settle(self.trainer.step)
-        return snapshots.collect(self.trainer, self.totals, self.term, self.fingerprint(), self.evals.bg,
+        return snapshots.collect(self.trainer, self.p.totals, self.p.term, self.p.fp, self.evals.bg,
                                  evaluating=evaluating)

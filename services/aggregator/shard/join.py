@@ -9,7 +9,7 @@ import redis
 import zmq
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import samehost
@@ -47,7 +47,7 @@ def restore_slice(ctx: ServiceContext, trainer: Trainer, totals: RunTotals, ckpt
         return -1
     try:
         snapshots.restore(trainer, totals, None, None, msg.header["meta"], msg.tensors)
-    except (ValueError, KeyError, RuntimeError) as exc:
+    except snapshots.NOT_RESTORABLE as exc:
         ctx.fatal(f"shard {shard}: cannot restore checkpoint of step {restored_step}: {exc}")
     return trainer.step
 

@@ -13,15 +13,10 @@ grid's pieces (shared/core/grid.py) and their optimizer state, and otherwise onl
   the fp16 overflow flag); the leader answers `shard_commit` with every shard's share once all are in,
   and the shard steps its pieces by the same rule as the leader (`Trainer.apply`).
 - `pull(version)` is answered with that version's slice as soon as the shard has it.
-- pipelined (`cluster.pipeline_stages`: S, no clipping, no fp16): the slice is cut into S stages, each
-  collected on its own and stepped as soon as every microbatch's copy of it is in, then sent to the
-  pulls waiting for it, while later stages still arrive; `shard_ready` follows the last stage and the
-  commit applies nothing. Version s stays servable until the commit (a microbatch leased again is
-  computed from it).
-- a new leader term (the leader restarted, or rolled back because a shard restarted) means this
-  shard's state is not the cluster's any more: it exits, and starts again from the checkpoint the
-  new term restores. Snapshots go to the checkpointer like the leader's; it writes one checkpoint
-  once it has every shard's slice of a step.
+- pipelined (`cluster.pipeline_stages`), each stage is stepped as soon as it is in (stages.py).
+- a new leader term means this shard's state is not the cluster's any more: it exits (upstream.py).
+  Snapshots go to the checkpointer like the leader's; it writes one checkpoint once it has every
+  shard's slice of a step.
 """
 
 from __future__ import annotations
@@ -33,33 +28,29 @@ import torch
 import zmq
 from cmemi.services.aggregator.common import gradients
 from cmemi.services.aggregator.common.admission import Admission, EnvironmentCheck, LeaseSeal
-from cmemi.services.aggregator.common.collector import StepCollector
 from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.intake import Drops, Intake
 from cmemi.services.aggregator.common.misfits import Misfits
 from cmemi.services.aggregator.common.outbox import Encoded, Outbox
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.common.userstep import users_step
+from cmemi.services.aggregator.shard import checks
 from cmemi.services.aggregator.shard import join as shard_join
 from cmemi.services.aggregator.shard.pulls import SliceServer
-from cmemi.services.aggregator.snapshots import send as snapshots
+from cmemi.services.aggregator.shard.stages import StepStages
+from cmemi.services.aggregator.shard.upstream import LeaderLink, Rejoin
+from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.coordination.membership import Member
-from cmemi.shared.coordination.watch import Watch
-from cmemi.shared.core import reduction
 from cmemi.shared.core.environment import environment
-from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext, serve_router
-from cmemi.shared.wire import assembly, limits, protocol, transfer
-
-
-class Rejoin(Interrupt):
-    pass
+from cmemi.shared.wire import limits, protocol
 
 
 class ShardServer:
@@ -89,8 +80,6 @@ class ShardServer:
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
                              self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp",
                              spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
-        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
-                                        on_abandon=self.drops)  # the leader's messages bigger than one
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.term, leader_addr, restored_step = shard_join.find_leader(ctx, shard)
@@ -109,16 +98,12 @@ class ShardServer:
                                   self._send, self.pipelined, run=ctx.run, mirror=mirror, changed=changed,
                                   slotted=(lambda i: i in self.intake.granted)
                                   if self.intake.slots is not None and mirror is None and changed is None else None)
-        self.collectors = self._collectors(self.trainer.step)
+        self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
-        self.applied: set[int] = set()  # pipelined: stages of the current step already stepped
-        self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # the complete step, until committed
-        self.leader = shard_join.leader_link(ctx, self.zctx, leader_addr)
-        self._to_leader("shard_join", step=joined_at, addr=self.addr)
-        # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
-        self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
-                           "shard").start()
+        self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
+                                 self.drops)
+        self.leader.send("shard_join", step=joined_at, addr=self.addr)
         self._next_ready = 0.0
         self._next_have = 0.0
         self._next_check = 0.0
@@ -132,25 +117,6 @@ class ShardServer:
         pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
         return {n: pieces[n] for n in self.stages[g]}
 
-    def _collectors(self, step: int) -> list[StepCollector]:
-        return [StepCollector(step, self.M, leased=False, strict=True) for _ in self.stages]
-
-    @property
-    def version(self) -> int:
-        """The parameter version the current step's gradients are computed from (the trainer's own step runs ahead
-        of it once a pipelined stage is stepped, until the commit)."""
-        return self.collectors[0].step
-
-    @property
-    def complete(self) -> bool:
-        return len(self.applied) == len(self.stages) if self.pipelined else self.mean is not None
-
-    def _to_leader(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
-        msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.member.incarnation,
-                                                       "term": self.term, **fields},
-                                 self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum)
-        transfer.send(self.leader, msgs)
-
     def _send(self, identity: bytes, mtype: str, encoded: Encoded | None = None, **fields: Any) -> None:
         n = self.outbox.send(identity, mtype, encoded, **fields)
         if mtype == "slice":  # a slot's bytes count as the socket's would (shm.payload_bytes)
@@ -163,12 +129,12 @@ class ShardServer:
     def run(self) -> int:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.leader, zmq.POLLIN)
+        poller.register(self.leader.sock, zmq.POLLIN)
         try:
             while not self.ctx.stopping.is_set():
                 self.ckpt.wake_for_room(poller)
                 events = dict(poller.poll(50))
-                if self.leader in events:
+                if self.leader.sock in events:
                     self._from_leader()
                 if self.sock in events:
                     for _ in range(64):
@@ -186,40 +152,21 @@ class ShardServer:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if self.complete and now >= self._next_ready:  # the leader may have missed it (restarting)
+        if self.current.complete and now >= self._next_ready:  # the leader may have missed it (restarting)
             self._ready()
-        elif not self.complete and not self.done and now >= self._next_have:
+        elif not self.current.complete and not self.done and now >= self._next_have:
             self._next_have = now + 0.5
-            have = set.intersection(*(c.received for c in self.collectors))  # in every stage
-            self._to_leader("shard_have", step=self.version, have=sorted(have))
+            self.leader.send("shard_have", step=self.current.version, have=self.current.have())
         if now < self._next_check:
             return
         self._next_check = now + 0.25
         self.ckpt.poll()
-        if (seen := self.watch.take()) is not None:
-            term, state = seen[0]
-            if term is not None and int(term) != self.term:
-                raise Rejoin(f"the leader started term {term} (this shard was in {self.term})")
-            if state in ("completed", "failed"):
-                raise SystemExit(0)
+        self.leader.check_term()
 
     def _from_leader(self) -> None:
-        while True:
-            try:
-                msg = self.parts.decode(b"leader", self.leader.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                return
-            except protocol.ProtocolError as exc:
-                self.drops(exc.reason, f"from the leader: {exc}")
-                continue
-            if msg is None:
-                continue
+        for msg in self.leader.received():
             h = msg.header
-            if msg.type == "reject":
-                raise Rejoin(h["reason"])
-            if h.get("term") != self.term:
-                continue
-            if msg.type == "shard_commit" and h["step"] == self.version:
+            if msg.type == "shard_commit" and h["step"] == self.current.version:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
                 self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
@@ -254,28 +201,18 @@ class ShardServer:
         else:
             self._on_grad(identity, msg)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
-            self.intake.settle([t for c in self.collectors for t in c.holds()])
+            self.intake.settle(self.current.holds())
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
-        node, where = (h["lo"], h["hi"]), f"{h['wid']}: step {h['step']} microbatches [{h['lo']}, {h['hi']})"
-        # the seal first: a forgery is one whatever its step (and a stale honest gradient has a valid seal)
-        if self.seal is None or not self.seal.valid(h.get("lease"), self.term, h["step"], *node, h["wid"], h["inc"]):
-            self.drops("forged_lease", where)  # not a lease the leader handed this worker
+        refused = checks.refusal(h, self.seal, self.term, self.current.version, self.M, len(self.stages))
+        if refused is not None:
+            self.drops(*refused)
             return
-        if h["step"] != self.version or h["version"] != self.version:
-            self.drops("stale_step", f"{where}, current step {self.version}")
+        node, where, g = (h["lo"], h["hi"]), checks.where(h), h.get("stage", 0)
+        collector = self.current.collectors[g]
+        if self.current.held(g, node):
             return
-        if not reduction.is_subtree(*node, self.M):
-            self.drops("bad_microbatch", where)
-            return
-        g = h.get("stage", 0)  # optional: pipelined steps only
-        if type(g) is not int or not 0 <= g < len(self.stages):
-            self.drops("bad_stage", f"{where}: stage {g} of {len(self.stages)}")
-            return
-        collector = self.collectors[g]
-        if self.mean is not None or g in self.applied or collector.check(node, None) == "duplicate":
-            return  # held already: the first complete copy won (a lease handed out again, or reopened)
         grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors,
                                          self.trainer.expected(h["step"], self.stages[g]))
         if bad is not None:
@@ -289,89 +226,75 @@ class ShardServer:
         elif collector.complete and self.pipelined:
             self._step_stage(g)
         elif collector.complete:
-            self.mean = collector.mean()
+            self.current.mean = collector.mean()
             self._ready()
 
     def _step_stage(self, g: int) -> None:
         """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
-        grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
-        self.slices.encoded(g, self.version)
-        try:
+        grads, _ = self.current.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
+        self.slices.encoded(g, self.current.version)
+        with users_step(self.ctx.fatal, self.current.version + 1, f" on shard {self.shard}"):
             self.trainer.apply_stage(grads or {})
-            if len(self.applied) == len(self.stages) - 1:
+            if len(self.current.applied) == len(self.stages) - 1:
                 self.trainer.end_step()
-        except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
-            self.ctx.fatal(f"optimizer/scheduler failed at step {self.version + 1} on shard {self.shard}: "
-                           f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
-        self.applied.add(g)
+        self.current.applied.add(g)
         self._answer_pulls()
-        if self.complete:
+        if self.current.complete:
             self._ready()
 
     def _ready(self) -> None:
-        grads, _ = self.mean if self.mean is not None else (None, 0.0)
-        self._to_leader("shard_ready", step=self.version, partials=self.trainer.partials(grads),
-                        overflow=grads is None and not self.pipelined)
+        grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
+        self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
+                         overflow=grads is None and not self.pipelined)
         self._next_ready = time.monotonic() + 1.0
 
     def _commit(self, partials: list[float], skip: bool, last: bool, snapshot: bool) -> None:
-        if not self.complete:  # the leader commits only once every shard reported its step complete: cannot happen
-            raise Rejoin(f"told to commit step {self.version}, which is not complete here")
+        version = self.current.version
+        if not self.current.complete:  # the leader commits only once every shard reported its step complete
+            raise Rejoin(f"told to commit step {version}, which is not complete here")
         if self.pipelined and skip:  # nothing overflows without fp16: a leader of another configuration
-            self.ctx.fatal(f"shard {self.shard}: told to skip step {self.version + 1} of a pipelined run; use the "
+            self.ctx.fatal(f"shard {self.shard}: told to skip step {version + 1} of a pipelined run; use the "
                            "same cluster.pipeline_stages and precision everywhere")
         if not self.pipelined:
-            assert self.mean is not None
-            grads, _ = self.mean
-            self.mean = None
-            try:
+            assert self.current.mean is not None
+            grads, _ = self.current.mean
+            self.current.mean = None
+            with users_step(self.ctx.fatal, self.trainer.step + 1, f" on shard {self.shard}"):
                 self.trainer.apply(None if skip else grads, None, partials=partials)
-            except Exception as exc:  # the user's optimizer/scheduler: restarting would fail the same way
-                self.ctx.fatal(f"optimizer/scheduler failed at step {self.trainer.step + 1} on shard {self.shard}: "
-                               f"{type(exc).__name__}: {exc}; check optimizer.kwargs and scheduler.kwargs")
         step = self.trainer.step
         self.intake.reclaim()  # the step's gradient buffers take the next step's
-        self.collectors = self._collectors(step)
+        self.current.next_step(step)
         self.trainer.release_heap()  # the step's gradient sum is gone with its collectors
-        self.applied.clear()
         self._answer_pulls()
         if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
-            self._to_leader("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
-                            step=step)
+            self.leader.send("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
+                             step=step)
         if last:  # train.steps, or the leader stopped early
             self.done = True
             self._finish()
         elif snapshot:  # the leader names the steps every shard checkpoints
-            self.ckpt.offer(self._snapshot())
+            self.ckpt.offer(snapshots.collect(self.trainer, self.totals, self.term, {}, None))
 
     def _answer_pulls(self) -> None:
-        self.slices.answer(self.version, self.applied)
-
-    def _snapshot(self) -> snapshots.Snapshot:
-        return snapshots.collect(self.trainer, self.totals, self.term, {}, None)
+        self.slices.answer(self.current.version, self.current.applied)
 
     def _finish(self) -> None:
         """The last step: the final snapshot (the checkpointer writes it with the others' slices), and the slice
         to the leader, which reports the run's result over the whole model."""
         self.intake.release()  # no gradient comes any more: the buffers kept for the next step go
         self.trainer.release_heap()
-        snap = self._snapshot()
-        self._to_leader("shard_final", tensors={n: p.detach() for n, p in self.trainer.pieces.items()},
-                        step=self.trainer.step, bytes_in=self.totals.bytes_in, bytes_out=self.totals.bytes_out,
-                        slot_in=self.totals.slot_in, slot_out=self.totals.slot_out,
-                        changes_sent=self.totals.changes_sent, mirrors_sent=self.totals.mirrors_sent,
-                        drops=self.drops.as_dict(), mirror=self.trainer.mirror_hashes())
+        snap = snapshots.collect(self.trainer, self.totals, self.term, {}, None)
+        self.leader.final(self.trainer, self.totals, self.drops.as_dict())
         self.ckpt.save_final(snap)
         self.log.info("shard finished", step=self.trainer.step)
 
     def close(self) -> None:
         self.slices.close()
-        self.watch.stop()
         self.ckpt.close()
         self.member.stop()
         self.sock.close(linger=500)
-        self.leader.close(linger=500)
+        self.leader.close()
         self.ctx.curve.close()
         self.zctx.destroy(linger=200)

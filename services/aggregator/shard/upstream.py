@@ -1,0 +1,85 @@
+"""A shard k > 0's link to its leader (shard 0): what it says (`shard_join`, `shard_have`, `shard_ready`,
+`shard_eval`, `shard_final`, each with the shard's number, incarnation and term) and what it hears.
+
+Only the leader's messages of this shard's term count; a `reject`, or a new term in Redis (the leader restarted, or
+rolled back because a shard restarted), means this shard's state is not the cluster's any more (`Rejoin`: it exits
+and starts again from the checkpoint the new term restores). The leader's messages bigger
+than one arrive in parts and are assembled here, so the shard's loop sees whole messages only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import zmq
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.shared.coordination.watch import Watch
+from cmemi.shared.errors import Interrupt
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import assembly, limits, protocol, transfer
+
+
+class Rejoin(Interrupt):
+    """This shard's state is not the cluster's any more: leave the term, start again from its checkpoint."""
+
+
+class LeaderLink:
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, addr: str, shard: int, term: int,
+                 incarnation: Callable[[], Any], drop: Callable[[str, str], None]) -> None:
+        self.ctx, self.shard, self.term, self.incarnation, self.drop = ctx, shard, term, incarnation, drop
+        self.sock = shard_join.leader_link(ctx, zctx, addr)
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
+                                        on_abandon=drop)  # the leader's messages bigger than one
+        # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
+        self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
+                           "shard").start()
+
+    def send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
+        cluster = self.ctx.cfg.cluster
+        msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.incarnation(),
+                                                       "term": self.term, **fields},
+                                 cluster.max_message_bytes, tensors, cluster.checksum)
+        transfer.send(self.sock, msgs)
+
+    def received(self) -> Iterator[protocol.Message]:
+        """The leader's whole messages of this term that are waiting now; raises Rejoin on a `reject`."""
+        while True:
+            try:
+                msg = self.parts.decode(b"leader", self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                return
+            except protocol.ProtocolError as exc:
+                self.drop(exc.reason, f"from the leader: {exc}")
+                continue
+            if msg is None:
+                continue
+            if msg.type == "reject":
+                raise Rejoin(msg.header["reason"])
+            if msg.header.get("term") == self.term:
+                yield msg
+
+    def check_term(self) -> None:
+        """Raises Rejoin once the leader started another term, SystemExit(0) once the run is over (as Redis said
+        when the watch last read it)."""
+        if (seen := self.watch.take()) is not None:
+            term, state = seen[0]
+            if term is not None and int(term) != self.term:
+                raise Rejoin(f"the leader started term {term} (this shard was in {self.term})")
+            if state in ("completed", "failed"):
+                raise SystemExit(0)
+
+    def final(self, trainer: Trainer, totals: RunTotals, drops: dict[str, int]) -> None:
+        """The last step's slice, with this shard's totals: the leader reports the run's result over the whole model."""
+        self.send("shard_final", tensors={n: p.detach() for n, p in trainer.pieces.items()},
+                  step=trainer.step, bytes_in=totals.bytes_in, bytes_out=totals.bytes_out,
+                  slot_in=totals.slot_in, slot_out=totals.slot_out,
+                  changes_sent=totals.changes_sent, mirrors_sent=totals.mirrors_sent,
+                  drops=drops, mirror=trainer.mirror_hashes())
+
+    def close(self) -> None:
+        self.watch.stop()
+        self.sock.close(linger=500)
