@@ -24,7 +24,7 @@ HANDLERS = {qual: frozenset(types) for qual, types in {
     "LeaseWork._after": {"work"}, "Intake.receive": {"work"}, "Intake._misfit": {"work"},
     "Intake.from_slot": {"work"}, "Intake.apply_change": {"work"}, "Intake.take_pieces": {"work"},
     "Replicas.hold": {"inner"}, "ShardLinks._change": {"slice"},
-    "Aggregator._take_grad": {"grad"}, "Admission.hello": {"hello"},
+    "GradIntake.take": {"grad"}, "GradIntake._refusal": {"grad"}, "GradIntake._inner_state": {"grad"}, "GradIntake._accepted": {"grad"}, "Admission.hello": {"hello"},
     "ShardRoster.join": {"shard_join"}, "ShardRoster.have": {"shard_have"}, "ShardRoster.ready": {"shard_ready"},
     "ShardRoster.eval_pieces": {"shard_eval"}, "ShardRoster.final": {"shard_final"},
     "Merger.add": {"snapshot"}, "Checkpointer._spool": {"snapshot"}, "Checkpointer._restore": {"restore_req"},
