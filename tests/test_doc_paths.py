@@ -1,6 +1,7 @@
 """Every repository path the README and the manual name in backticks exists, and every link of the README resolves,
-docs pointing at a file that is gone without a test saying which page and which path (issue 45: after the tree was
-split by job, a dozen such paths had gone stale silently: `shared/shards.py`, `leader/dataprint.py`, `codecs.py`).
+so a move or a rename cannot leave the docs pointing at a file that is gone without a test saying which page and
+which path (issue 45: after the tree was split by job, a dozen such paths had gone stale silently: `shared/shards.py`,
+`leader/dataprint.py`, `codecs.py`).
 
 A path is a backticked token that starts with one of the repository's top-level folders (`shared/wire/messages.py`,
 `services/worker/links/intake.py:121`, `tests/helpers/`); a line number or a `.name` after it is not part of it, and a
