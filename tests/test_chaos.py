@@ -156,6 +156,6 @@ def test_thirty_random_faults_over_every_role(tmp_path: Path, reference: str, ca
     restarts = [e["role"] for e in events if e["kind"] == "restarted"]
     assert restarts.count("coordinator") >= 5 and restarts.count("redis") >= 5, restarts
     assert c.summary["steps"] == STEPS and c.summary["params_sha256"] == reference
-    with capsys.disabled():  # the figure the README quotes, in every CI log
+    with capsys.disabled():  # the figure docs/concepts/faults.md states, in every CI log
         print(f"\nchaos: live_workers back to {WORKERS} {recovery_s:.1f}s after the last of 30 faults")
     assert recovery_s <= RECOVERY_S, f"live_workers took {recovery_s:.1f}s to return to {WORKERS}"

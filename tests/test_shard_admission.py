@@ -89,7 +89,7 @@ def test_every_shard_refuses_what_the_leader_refuses(tmp_path: Path, reference: 
             protocol.send(shard, protocol.encode("pull", a.run, {**me, "term": term, "version": version + 1}))
             while True:
                 assert shard.poll(10_000), "shard 1 does not answer an admitted worker's pull"
-                r = parts.recv(shard)  # a slice may come in parts (shared/wire/transfer.py)
+                r = parts.recv(shard)  # a slice may come in parts (shared/wire/assembly.py)
                 if r is not None and r.type == "slice" and r.header["asked"] == version + 1:
                     break
             version = r.header["version"]

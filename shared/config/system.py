@@ -1,7 +1,8 @@
 """The sections that say how a run is carried out: cluster, checkpoints, metrics, security and compression.
 
-Each is a dataclass whose fields carry their docstrings (scripts/config_reference.py turns them into the README's
-table) and whose `__post_init__` rejects a bad value with an error naming the field and the fix (checks.py).
+Each is a dataclass whose fields carry their docstrings (scripts/config_reference.py turns them into the
+manual's table, docs/reference/config.md) and whose `__post_init__` rejects a bad value with an error
+naming the field and the fix (checks.py).
 """
 
 from __future__ import annotations

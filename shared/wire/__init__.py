@@ -1,7 +1,9 @@
 """The wire: what goes over ZeroMQ between CMEMI processes, and how it is checked on receipt.
 
 - header      the torch-free core: protocol version and the header every message starts with
-- protocol    every message type declared once, encoded, and validated on receipt
+- messages    every message's header declared once: its fields, their types, what an absent optional reads as
+- schema      the run-time side of messages: each declared field as protocol.check_header checks it
+- protocol    every message encoded, and validated on receipt against its type's declaration
 - transfer    a message bigger than the cap cut into parts, and sent (or streamed from files)
 - assembly    parts reassembled into messages, every range and checksum checked as it arrives
 - landing     where a part's frames come from (a whole message, a socket) and land (tensors, a sink)

@@ -275,7 +275,7 @@ class Part(TypedDict):
     index: int
     count: int
     frames: list[Any]
-    of: Annotated[Any, ABSENT]  # part 0's: the logical header (checked by shared/wire/transfer.py: bad_part)
+    of: Annotated[Any, ABSENT]  # part 0's: the logical header (checked by shared/wire/assembly.py: bad_part)
 
 
 class Tensor(TypedDict):

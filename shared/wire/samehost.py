@@ -16,7 +16,7 @@ Who may use the ipc:// endpoint is decided by the kernel and by the worker's key
 a peer whose SO_PEERCRED uid is not ours, and the PLAIN hello must carry a worker secret key whose public
 key is in keys_dir. Only workers use this path: the aggregator, the coordinator and the checkpointer keep
 CurveZMQ, so no privileged role's proof ever travels over it. There is no encryption on it: a Unix socket's
-bytes never leave the kernel, and only root or our own uid could read them (see the README's threat model).
+bytes never leave the kernel, and only root or our own uid could read them (see docs/security.md's threat model).
 """
 
 from __future__ import annotations

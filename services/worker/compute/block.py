@@ -62,7 +62,7 @@ class BlockComputer:
 
     def _folding(self, step: int, lo: int, hi: int, scale: float) -> Result | None:
         """`_plain`'s sum, folded tensor by tensor as backward produces each gradient: one tree per tensor, fed leaf
-        m's tensor the moment backward has accumulated it (compute.py `take`), so the block holds its waiting partial
+        m's tensor the moment backward has accumulated it (microbatch.py `take`), so the block holds its waiting partial
         sums and one gradient tensor, not a whole second gradient. Per element it is the same `left.add_(right)` in
         the same bracketing, so the same bits. None when that could not hold (user code raised mid-block: the sums
         have part of a microbatch; a gradient accumulated twice in one backward): the caller computes it again."""
@@ -122,7 +122,7 @@ class BlockComputer:
 
     def one(self, step: int, m: int, scale: float = 1.0) -> tuple[float, dict[str, torch.Tensor],
                                                                   dict[str, torch.Tensor] | None]:
-        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see compute.py)."""
+        """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see microbatch.py)."""
         return self._twice(lambda: self.runner.run(step, m, scale))
 
     def local_round(self, local: LocalRound, rnd: int, r: int, first: int, state: InnerState | None) -> tuple[
