@@ -111,7 +111,7 @@ class Work(TypedDict):
     lease: Annotated[bytes, Default(b"")]  # its seal: the worker sends it back with the gradient, to every shard
     downlink: Annotated[str | None, Default(None)]  # "dense", "delta" (from `base`) or "pieces" (streaming)
     base: Annotated[int | None, Default(None)]  # the version a delta or the pieces are from
-    codec: Annotated[dict[str, Any] | None, Default(None)]  # a delta's encoding
+    codec: Annotated[dict[str, Any] | list[Any] | None, Default(None)]  # a delta's encoding; a chain of deltas: a list
     last: Annotated[bool, Default(False)]  # streaming: its last lease of the step, so it computes ahead once sent
     layout: Annotated[str | None, Default(None)]  # the digest of the flat frames' layout (shared/wire/layout.py)
     shm: Annotated[Any, ABSENT]  # the parameters' slot descriptor instead of frames (checked by shared/memory/shm.py)
@@ -153,7 +153,7 @@ class Slice(TypedDict):  # shard k > 0's answer to a pull
     stage: Annotated[int, Default(0)]  # cluster.pipeline_stages: one per stage; -1: that step is over, no tensors
     downlink: Annotated[str | None, Default(None)]  # as work's
     base: Annotated[int | None, Default(None)]
-    codec: Annotated[dict[str, Any] | None, Default(None)]
+    codec: Annotated[dict[str, Any] | list[Any] | None, Default(None)]  # as work's
     shm: Annotated[Any, ABSENT]  # as work's
 
 
