@@ -57,7 +57,7 @@ class WorkerInfo:
     host: str
 
 
-Reply = Callable[..., None]  # reply(identity, "reject", fatal=..., reason=...)
+Reply = Callable[..., object]  # reply(identity, "reject", fatal=..., reason=...); what it returns is not read
 
 
 class Admission:
