@@ -110,7 +110,7 @@ class Checkpointer:
         """The sink of a message with tensors (assembly.Assembler): only a snapshot has any."""
         if of["type"] != "snapshot":
             raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
-        step, shard = of["step"], of.get("shard", 0) if isinstance(of.get("shard"), int) else 0
+        step, shard = of["step"], of["shard"]
         total = sum(m["nbytes"] for m in metas)
         return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self._full(step, exc, total, attempt))
 
@@ -149,7 +149,7 @@ class Checkpointer:
                 finally:
                     spool.discard(msg.tensors)
             return
-        asked = (msg.header["term"], msg.header.get("shard", 0), msg.header.get("pid") if msg.header.get("shard") else None)
+        asked = (msg.header["term"], msg.header["shard"], msg.header["pid"] if msg.header["shard"] else None)
         if asked in self.restored_terms:  # a shard asks once, at its start
             self.drops.count("repeated_restore", f"term {asked[0]} shard {asked[1]}")
         else:
@@ -250,7 +250,7 @@ class Checkpointer:
         for exactly the step its leader restored (`step`): that one, or none."""
         latest = self._latest_step()
         infos = self.store.list()
-        if isinstance(exact := msg.header.get("step"), int):
+        if (exact := msg.header["step"]) is not None:
             infos = [i for i in infos if i.step == exact]
         infos.sort(key=lambda i: (i.step == latest, i.step))  # the pointer's target first, then newest first
         for info in reversed(infos):

@@ -170,7 +170,7 @@ class Aggregator:
         p = self.p
         if (info := p.admission.known(identity, msg.header, p.term)) is None:
             return
-        if not p.leasing.answered(identity, msg.header.get("reask")):  # its work may still be arriving
+        if not p.leasing.answered(identity, msg.header["reask"]):  # its work may still be arriving
             p.outbox.send(identity, "pending", reask=msg.header["reask"])
             return
         # A worker that asks plainly holds no lease (it works on one at a time, and the link keeps order): a
@@ -183,7 +183,7 @@ class Aggregator:
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         if (info := self.p.admission.known(identity, msg.header, self.p.term)) is None:
             return
-        self.p.leasing.answered(identity, None)
+        self.p.leasing.answered(identity, 0)  # a gradient answers its work as a plain want would
         self.grads.take(identity, info, msg.header, msg.tensors)
         self.handout.note_holds(identity, msg.header)
         self._serve(identity, info, msg.header["version"], after_grad=True)

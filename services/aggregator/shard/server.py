@@ -196,7 +196,7 @@ class ShardServer:
         if self.admission.known(identity, h, self.term) is None:
             pass
         elif msg.type == "pull":
-            self.slices.pull(identity, h["version"], h.get("have", -1))
+            self.slices.pull(identity, h["version"], h["have"])
             self._answer_pulls()
         else:
             self._on_grad(identity, msg)
@@ -209,7 +209,7 @@ class ShardServer:
         if refused is not None:
             self.drops(*refused)
             return
-        node, where, g = (h["lo"], h["hi"]), checks.where(h), h.get("stage", 0)
+        node, where, g = (h["lo"], h["hi"]), checks.where(h), h["stage"]
         collector = self.current.collectors[g]
         if self.current.held(g, node):
             return
