@@ -139,10 +139,10 @@ class Leasing:
         self.params_sent[identity] = version
         return again
 
-    def answered(self, identity: bytes, reask: int) -> bool:
+    def answered(self, identity: bytes, reask: Any) -> bool:
         """A `want` or `grad` came from `identity`: False for a re-ask while its work is still unanswered (the
         work may still be arriving: do not release or resend, answer `pending`)."""
-        if reask > 0 and identity in self.in_flight:
+        if isinstance(reask, int) and not isinstance(reask, bool) and reask > 0 and identity in self.in_flight:
             return False
         self.in_flight.discard(identity)
         return True

@@ -183,7 +183,7 @@ class Aggregator:
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         if (info := self.p.admission.known(identity, msg.header, self.p.term)) is None:
             return
-        self.p.leasing.answered(identity, 0)  # a gradient answers its work as a plain want would
+        self.p.leasing.answered(identity, None)
         self.grads.take(identity, info, msg.header, msg.tensors)
         self.handout.note_holds(identity, msg.header)
         self._serve(identity, info, msg.header["version"], after_grad=True)

@@ -29,7 +29,7 @@ def refusal(h: dict[str, Any], seal: LeaseSeal | None, term: int, version: int, 
         return "stale_step", f"{at}, current step {version}"
     if not reduction.is_subtree(h["lo"], h["hi"], microbatches):
         return "bad_microbatch", at
-    g = h["stage"]  # 0 unless pipelined
-    if not 0 <= g < stages:
+    g = h["stage"]  # 0 unless pipelined (a bool, which decode drops as bad_field, is no stage here either)
+    if type(g) is not int or not 0 <= g < stages:
         return "bad_stage", f"{at}: stage {g} of {stages}"
     return None
