@@ -186,7 +186,7 @@ def test_a_complete_step_is_reported_ready_and_the_leaders_commit_steps_it(rig: 
 
 def test_the_checks_before_decoding_name_the_first_reason() -> None:
     seal = LeaseSeal(b"k" * 32)
-    h = {"wid": "w0", "inc": 1, "step": 3, "version": 3, "lo": 0, "hi": 2}
+    h = {"wid": "w0", "inc": 1, "step": 3, "version": 3, "lo": 0, "hi": 2, "lease": b"", "stage": 0}  # as decoded
     sealed = {**h, "lease": seal.seal(TERM, 3, 0, 2, "w0", 1)}
     assert checks.refusal(sealed, seal, TERM, 3, 4, 1) is None
     assert checks.refusal(h, seal, TERM, 3, 4, 1) == ("forged_lease", "w0: step 3 microbatches [0, 2)")

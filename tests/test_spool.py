@@ -227,8 +227,10 @@ def test_a_sharded_restore_sends_a_shard_the_model_and_its_own_state_only(tmp_pa
     meta = {"shards": 2, "per_shard": [{"owned": ["w#0"]}, {"owned": ["w#1"]}]}
     keep = restore.wanted(meta, 2, {"shard": 1, "owned": ["w#1"]})
     assert [n for n in tensors if keep(n)] == ["model.w", "shard1.optimizer.state.#int:0.exp_avg"]
+    # headers as protocol.decode fills them (restore_req: an absent shard reads 0, an absent owned None)
     for header, shards in (({"shard": 1, "owned": ["w#0"]}, 2), ({"shard": 1, "owned": ["w#1"]}, 3),
-                           ({"shard": 1}, 2), ({"shard": 5, "owned": ["w#1"]}, 2), ({"owned": ["w#1"]}, 2)):
+                           ({"shard": 1, "owned": None}, 2), ({"shard": 5, "owned": ["w#1"]}, 2),
+                           ({"shard": 0, "owned": ["w#1"]}, 2)):
         assert all(restore.wanted(meta, shards, header)(n) for n in tensors), header
     assert all(restore.wanted({"m": 1}, 2, {"shard": 1, "owned": ["w#1"]})(n) for n in tensors)
     path = CheckpointStore(tmp_path).write(STEP, meta, tensors)

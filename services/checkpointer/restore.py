@@ -92,9 +92,9 @@ def wanted(meta: dict[str, Any], shards: int, header: dict[str, Any]) -> Callabl
     checkpoint a sharded run wrote with the same cluster.shards (`shards`), where that shard owned the same pieces:
     the model and that shard's own state (`shard{k}.`), not the other shards' (their optimizer state is 2/K of
     Adam's 2P each); anything else gets everything (reshard.py cuts it again there)."""
-    shard, owned, per_shard = header.get("shard"), header.get("owned"), meta.get("per_shard")
-    if (per_shard is None or meta.get("shards") != shards or type(shard) is not int or not 0 <= shard < shards
-            or len(per_shard) != shards or not isinstance(owned, list)
+    shard, owned, per_shard = header["shard"], header["owned"], meta.get("per_shard")
+    if (per_shard is None or meta.get("shards") != shards or not 0 <= shard < shards
+            or len(per_shard) != shards or owned is None
             or not isinstance(per_shard[shard], dict) or per_shard[shard].get("owned") != owned):
         return lambda _name: True
     own = f"shard{shard}."

@@ -3,7 +3,7 @@
 Its memory does not grow with the model: a snapshot's bytes go to disk as they arrive (spool.py), the
 checkpoint files are written from there (store.py), and a restore is read back a part at a time
 (restore.py). It reads a message a frame at a time, and each sender may have at most one more message
-queued in ZeroMQ (RCVHWM; the rest waits on the sender's side): about one part (cluster.max_message_bytes)
+queued in ZeroMQ (RCVHWM; the rest waits on the sender's side): about one part (cluster.message_cap())
 per aggregator sending at once."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Checkpointer:
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         ctx.curve.serve(self.zctx, self.sock)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
         # a sender's next message waits on its side while one is being read; with ZAP (Curve on) libzmq keeps one
         # entry more in each peer's pipe (RCVHWM 1 then delivers nothing at all), so 2 there queues one message too
         self.sock.setsockopt(zmq.RCVHWM, 2 if self.ctx.curve.enabled else 1)
@@ -110,7 +110,7 @@ class Checkpointer:
         """The sink of a message with tensors (assembly.Assembler): only a snapshot has any."""
         if of["type"] != "snapshot":
             raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
-        step, shard = of["step"], of.get("shard", 0) if isinstance(of.get("shard"), int) else 0
+        step, shard = of["step"], of["shard"]
         total = sum(m["nbytes"] for m in metas)
         return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self._full(step, exc, total, attempt))
 
@@ -126,7 +126,7 @@ class Checkpointer:
             self.drops.count("wrong_role", f"a message from a {role or 'unknown'} key")  # before any part is spooled
             return
         try:
-            msg = self.parts.recv(self.sock, peer=identity, first=first, cap=self.cfg.cluster.max_message_bytes)
+            msg = self.parts.recv(self.sock, peer=identity, first=first, cap=self.cfg.cluster.message_cap())
         except protocol.ProtocolError as exc:
             self.drops.count(exc.reason, str(exc))
             return
@@ -145,11 +145,11 @@ class Checkpointer:
                 self._save_slice(identity, msg)
             else:
                 try:
-                    self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], msg.tensors)
+                    self._save([identity], msg.header["step"], msg.header["final"], msg.header["meta"], spool.of_message(msg.tensors))
                 finally:
                     spool.discard(msg.tensors)
             return
-        asked = (msg.header["term"], msg.header.get("shard", 0), msg.header.get("pid") if msg.header.get("shard") else None)
+        asked = (msg.header["term"], msg.header["shard"], msg.header["pid"] if msg.header["shard"] else None)
         if asked in self.restored_terms:  # a shard asks once, at its start
             self.drops.count("repeated_restore", f"term {asked[0]} shard {asked[1]}")
         else:
@@ -169,7 +169,7 @@ class Checkpointer:
 
     def _save_slice(self, identity: bytes, msg: protocol.Message) -> None:
         """One shard's slice of a step; the checkpoint is written once every shard's is in (merge.py)."""
-        done, given_up = self.merger.add(identity, msg.header, msg.tensors)
+        done, given_up = self.merger.add(identity, msg.header, spool.of_message(msg.tensors))
         for step, senders in given_up:
             self.log.info("sharded checkpoint given up: a newer step came first", step=step)
             for ident in senders:
@@ -250,7 +250,7 @@ class Checkpointer:
         for exactly the step its leader restored (`step`): that one, or none."""
         latest = self._latest_step()
         infos = self.store.list()
-        if isinstance(exact := msg.header.get("step"), int):
+        if (exact := msg.header["step"]) is not None:
             infos = [i for i in infos if i.step == exact]
         infos.sort(key=lambda i: (i.step == latest, i.step))  # the pointer's target first, then newest first
         for info in reversed(infos):
@@ -259,7 +259,7 @@ class Checkpointer:
                 meta = json.loads((info.path / "meta.json").read_text())
                 try:
                     restore.send(self.sock, identity, self.ctx.run, {"step": info.step, "meta": meta}, info.path,
-                                 self.cfg.cluster.max_message_bytes, self.cfg.cluster.checksum,
+                                 self.cfg.cluster.message_cap(), self.cfg.cluster.checksum,
                                  restore.wanted(meta, self.cfg.cluster.shards, msg.header))
                 except transfer.TooBig as exc:
                     self.ctx.fatal(f"checkpointer: {exc}")
@@ -273,7 +273,7 @@ class Checkpointer:
 
     def _reply(self, identity: bytes, mtype: str, fields: dict) -> None:
         """A reply without tensors (the restore is sent by restore.py)."""
-        transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes),
+        transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap()),
                       identity)
 
     def close(self) -> None:

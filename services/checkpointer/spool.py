@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cmemi.shared.wire.protocol import ProtocolError
 
@@ -90,6 +90,12 @@ class Spool:
             os.close(self.fd)
             self.fd = None
             self.path.unlink(missing_ok=True)
+
+
+def of_message(tensors: Mapping[str, Any]) -> dict[str, Spooled]:
+    """A received snapshot's tensors as what they are: the checkpointer's sink (`Spool`) made each a Spooled, where
+    protocol.Message declares the torch.Tensor every other receiver gets."""
+    return cast("dict[str, Spooled]", tensors)
 
 
 def spools(tensors: Mapping[str, Any]) -> set[Spool]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import torch
 from cmemi.shared.config import initweights
@@ -15,6 +16,8 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.config.training import OptimizerConfig
 from cmemi.shared.config.usercode import describe
 from cmemi.shared.wire import limits
+
+P = TypeVar("P")  # a parameter, or anything standing for one (the servers' reshard numbers piece names)
 
 
 def _class_in(namespace: Any, base: type, name: str, field: str) -> type:
@@ -57,12 +60,12 @@ def build_model(cfg: Config) -> torch.nn.Module:
     return model
 
 
-def param_groups(spec: OptimizerConfig, named: dict[str, torch.nn.Parameter]) -> list[dict[str, Any]]:
+def param_groups(spec: OptimizerConfig, named: Mapping[str, P]) -> list[dict[str, Any]]:
     """Split parameters by the first param_groups regex of `spec` (an optimizer section) matching their name; the
     rest: default group."""
     groups: list[dict[str, Any]] = [{**{k: v for k, v in g.items() if k != "match"}, "params": []}
                                     for g in spec.param_groups]
-    default: list[torch.nn.Parameter] = []
+    default: list[P] = []
     for name, p in named.items():
         for spec_group, group in zip(spec.param_groups, groups, strict=True):
             if re.search(spec_group["match"], name):

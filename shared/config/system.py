@@ -66,6 +66,13 @@ class ClusterConfig:
     """Refuse a worker whose torch version, thread count, CPU instruction set or device differs (bitwise
     equality needs them equal); false admits it with a warning."""
 
+    def message_cap(self) -> int:
+        """max_message_bytes once derived: null in the file, it is filled in when a service builds its model (or, in
+        the checkpointer, which builds none, at its start: shared/wire/limits.py), before any socket is made."""
+        if self.max_message_bytes is None:
+            raise RuntimeError("cluster.max_message_bytes is not derived yet (shared/wire/limits.py)")
+        return self.max_message_bytes
+
     def __post_init__(self) -> None:
         if self.workers < 1:
             fail("cluster.workers", self.workers, "must be >= 1", "set cluster.workers to the number of worker processes, e.g. 2")

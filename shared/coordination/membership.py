@@ -23,6 +23,16 @@ def text(reply: Any) -> str | None:
     return cast("str | None", reply)
 
 
+def texts(reply: Any) -> list[str | None]:
+    """An HMGET reply, each field's string or None (see `text`)."""
+    return cast("list[str | None]", reply)
+
+
+def table(reply: Any) -> dict[str, str]:
+    """An HGETALL reply, field -> string (see `text`)."""
+    return cast("dict[str, str]", reply)
+
+
 def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5, health_check_interval=10,
                                 decode_responses=True)

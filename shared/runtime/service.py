@@ -13,7 +13,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 import structlog
@@ -51,7 +51,7 @@ class ServiceContext:
     def emit(self, kind: str, **fields: Any) -> None:
         emit(self.redis, self.keys, kind, **fields)
 
-    def fatal(self, message: str) -> None:
+    def fatal(self, message: str) -> NoReturn:
         """Record a one-line, user-fixable error for the run and exit with Exit.FATAL."""
         self.log.error("fatal", error=message)
         first = True
@@ -137,10 +137,7 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context[zmq.Socket[bytes]], port
 
     sock = zctx.socket(zmq.ROUTER)
     ctx.curve.serve(zctx, sock)
-    cap = ctx.cfg.cluster.max_message_bytes
-    if cap is None:  # filled in when the model is built, or at the start of a service that builds none (`setup`)
-        raise RuntimeError("cluster.max_message_bytes is not derived yet (shared/wire/limits.py)")
-    sock.setsockopt(zmq.MAXMSGSIZE, cap)
+    sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.message_cap())
     # at most two messages (parts of a big gradient: transfer.PART each) queued per peer in ZeroMQ; the rest waits
     # in the peer's queue (zero-copy from its tensors) and the kernel's: without it, every part of every worker's
     # gradient could sit here beside their reassembled copies (docs/design.md §8). Curve's ZAP takes one entry.

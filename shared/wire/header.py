@@ -20,4 +20,5 @@ def header(mtype: str, run: str, fields: dict[str, Any]) -> dict[str, Any]:
 
 def header_only(mtype: str, run: str, fields: dict[str, Any]) -> bytes:
     """A message without tensors, as `protocol.encode` would build it: its single frame."""
-    return msgpack.packb(header(mtype, run, fields))
+    frame: bytes = msgpack.packb(header(mtype, run, fields))  # msgpack ships no annotations
+    return frame

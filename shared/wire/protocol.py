@@ -49,12 +49,13 @@ class Message:
 
     @property
     def type(self) -> str:
-        return self.header["type"]
+        mtype: str = self.header["type"]  # `parse` checked it is a str; the header dict itself is untyped
+        return mtype
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data  # ndarray.data: memoryview(array), typed
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], checksum: bool = True) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -83,7 +84,7 @@ def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torc
     return [msgpack.packb(header), *encoded[1]]
 
 
-def send(sock: zmq.Socket, parts: list[Any], identity: bytes | None = None,
+def send(sock: zmq.Socket[bytes], parts: list[Any], identity: bytes | None = None,
          trackers: list[zmq.MessageTracker] | None = None) -> int:
     """Send a message built by `encode`; large frames go zero-copy (with `trackers`: tracked, each frame's
     tracker appended, so the caller knows when ZeroMQ no longer reads the buffer). Returns the bytes sent."""
@@ -172,7 +173,7 @@ def decode_body(header: dict[str, Any], metas: list[Any], frames: list[Any], che
     return Message(header, tensors)
 
 
-def recv(sock: zmq.Socket, run: str, checksum: bool = True, into: dict[str, torch.Tensor] | None = None) -> Message:
+def recv(sock: zmq.Socket[bytes], run: str, checksum: bool = True, into: dict[str, torch.Tensor] | None = None) -> Message:
     """Receive and decode one message from a socket without identity frames (DEALER, PULL).
 
     A tensor named in `into` whose dtype and shape match the header is received straight into that
@@ -186,13 +187,13 @@ def recv(sock: zmq.Socket, run: str, checksum: bool = True, into: dict[str, torc
         raise
 
 
-def drain(sock: zmq.Socket) -> None:
+def drain(sock: zmq.Socket[bytes]) -> None:
     """Read the rest of a bad message: it must not be read as the next one."""
     while sock.getsockopt(zmq.RCVMORE):
         sock.recv(copy=False)
 
 
-def recv_body(sock: zmq.Socket, header: dict[str, Any], metas: list[Any], checksum: bool = True,
+def recv_body(sock: zmq.Socket[bytes], header: dict[str, Any], metas: list[Any], checksum: bool = True,
               into: dict[str, torch.Tensor] | None = None) -> Message:
     """The tensor frames of a message whose header `parse` validated (see `recv`; the caller drains on error)."""
     if header["type"] == "part":
@@ -252,7 +253,7 @@ def message_bytes(frames: list[Any]) -> int:
     return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
-def bind(sock: zmq.Socket, host: str, port: int) -> str:
+def bind(sock: zmq.Socket[bytes], host: str, port: int) -> str:
     """Bind to host:port (port 0: a free port chosen by the OS) and return the address peers connect to."""
     if port:
         sock.bind(f"tcp://{host}:{port}")

@@ -43,9 +43,9 @@ class EnvironmentCheck:
         self.own = own  # this server's environment (shared.environment.environment)
         self.first: dict[str, str] | None = None  # the shared fields of the first worker that said hello
 
-    def differences(self, env: Any) -> list[str]:
+    def differences(self, env: dict[str, Any] | None) -> list[str]:
         """What in a worker's environment differs (from ours, or from the first worker's); empty: nothing."""
-        if self.first is None and isinstance(env, dict):
+        if self.first is None and env is not None:
             self.first = {f: str(env.get(f)) for f in SHARED}
         return differences(env, self.own, OWN) + differences(env, self.first or {}, SHARED if self.first else ())
 
@@ -57,7 +57,7 @@ class WorkerInfo:
     host: str
 
 
-Reply = Callable[..., None]  # reply(identity, "reject", fatal=..., reason=...)
+Reply = Callable[..., object]  # reply(identity, "reject", fatal=..., reason=...); what it returns is not read
 
 
 class Admission:
@@ -95,7 +95,7 @@ class Admission:
                 f"{str(fp.get('sha256'))[:12]}) than the run's; make data.factory/data.kwargs give the same "
                 "data on every host (compare the fingerprints in each service's log)"))
             return None
-        if diff := self.environment.differences(h.get("env")):
+        if diff := self.environment.differences(h["env"]):
             what = (f"worker {wid} on host {host} has a different environment: {', '.join(diff)}; results would "
                     "not be bitwise equal")
             if self.require_same:
@@ -164,5 +164,6 @@ class LeaseSeal:
         text = f"{term}:{step}:{lo}:{hi}:{wid}:{inc}".encode()
         return hmac.new(self.key, text, hashlib.sha256).digest()[:16]
 
-    def valid(self, token: Any, term: int, step: int, lo: int, hi: int, wid: str, inc: int) -> bool:
-        return isinstance(token, bytes) and hmac.compare_digest(token, self.seal(term, step, lo, hi, wid, inc))
+    def valid(self, token: bytes, term: int, step: int, lo: int, hi: int, wid: str, inc: int) -> bool:
+        """`token`: the gradient's `lease` (b"" when it sent none: never valid)."""
+        return hmac.compare_digest(token, self.seal(term, step, lo, hi, wid, inc))

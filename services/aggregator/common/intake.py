@@ -161,7 +161,7 @@ class Intake:
 
     def grant(self, identity: bytes, hello: dict[str, Any]) -> bool:
         """Does the worker just admitted get slots (this server offers them, it asked, it came over ipc://)?"""
-        if self.slots is not None and hello.get("shm") is True and identity in self.local:
+        if self.slots is not None and hello["shm"] and identity in self.local:
             self.granted.add(identity)
             return True
         self.granted.discard(identity)

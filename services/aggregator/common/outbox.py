@@ -11,7 +11,8 @@ import structlog
 import zmq
 from cmemi.shared.wire import transfer
 
-Encoded = tuple[tuple[list[dict[str, Any]], list[Any]], list[zmq.MessageTracker]]
+# a Publisher's frames and the trackers its sends append to; None: sent untracked (frames nobody reuses)
+Encoded = tuple[tuple[list[dict[str, Any]], list[Any]], list[zmq.MessageTracker] | None]
 
 
 class Outbox:

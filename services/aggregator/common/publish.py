@@ -141,7 +141,7 @@ class SlotPublisher:
             self.previous = (self.version, self.desc) if self.desc is not None else None
             self.desc = None  # a failed write leaves no descriptor of a half-written slot behind
             if self.layout is not None:  # its flat frames, the parameters copied into their places in them
-                metas = [{"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
+                metas: list[dict[str, Any]] = [{"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
                           "nbytes": n * d.itemsize, "xxh": None} for d, n in self.layout.sizes.items()]
             else:
                 metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[p.dtype], "shape": list(p.shape),

@@ -86,10 +86,10 @@ class Holdings:
         self.by: dict[bytes, set[tuple[int, int]]] = {}
         self.heard: dict[bytes, float] = {}  # identity -> when its last `holds` came (monotonic)
 
-    def note(self, identity: bytes, held: Any, admitted: Callable[[bytes], bool]) -> None:
-        """`held`: the header's `holds` (a list of [replica, round]; anything else is ignored). The entries of
-        connections no longer admitted (departed, fenced, replaced) go."""
-        if not isinstance(held, list):
+    def note(self, identity: bytes, held: list[Any] | None, admitted: Callable[[bytes], bool]) -> None:
+        """`held`: the header's `holds` (a list of [replica, round]; None: not said, and a malformed entry is
+        ignored). The entries of connections no longer admitted (departed, fenced, replaced) go."""
+        if held is None:
             return
         for gone in [i for i in self.by if i != identity and not admitted(i)]:
             del self.by[gone]

@@ -63,7 +63,8 @@ class Trainer:
                                    cfg.cluster.pipeline_stages, cfg.compression.whole_pieces)
         owned = self.partition.views(self.params, shard)
         # the optimizer's parameters: the owned pieces, each a leaf aliasing its rows of the model's tensor
-        self.pieces = {n: v if v is self.params.get(n) else torch.nn.Parameter(v) for n, v in owned.items()}
+        self.pieces: dict[str, torch.Tensor] = {n: v if v is self.params.get(n) else torch.nn.Parameter(v)
+                                                for n, v in owned.items()}  # each a Parameter
         # a shard that owns no piece (more shards than pieces) still keeps the LR schedule, on an empty tensor.
         # With train.local_steps the servers' optimizer is the outer one, stepped once a round (no schedule), and the
         # leader keeps the replicas' inner states (services/aggregator/common/replicas.py)
@@ -272,7 +273,7 @@ class Trainer:
         for group in (self.params, self.buffers):
             for n in sorted(group):
                 for _, t in sorted(rows.get(n, [(0, group[n])]), key=lambda r: r[0]):
-                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
+                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
         return h.hexdigest()
 
     def wire_state(self) -> dict[str, torch.Tensor]:
@@ -300,7 +301,7 @@ class Trainer:
         """compression.downlink: SHA-256 of each of this shard's mirror pieces (empty without a mirror)."""
         if self.mirror is None:
             return {}
-        return {n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+        return {n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).hexdigest()
                 for n, t in self.mirror.tensors.items()}
 
     def mirror_sha256(self, others: Mapping[str, str] | None = None) -> str | None:

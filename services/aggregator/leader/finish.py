@@ -21,6 +21,7 @@ from cmemi.services.aggregator.common.evaluation import EvalError, run_eval
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.leader.stepping import Stepper
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.shared.coordination.membership import table
 from cmemi.shared.runtime import atomic
 from cmemi.shared.runtime.service import ServiceContext
 
@@ -100,7 +101,7 @@ def _save_final(stepper: Stepper, ckpt: CheckpointerLink, summary: dict[str, Any
 
 def _checkpointer_drops(ctx: ServiceContext) -> dict[str, int]:
     try:
-        return {k: int(v) for k, v in ctx.redis.hgetall(ctx.keys.ckpt_dropped).items()}
+        return {k: int(v) for k, v in table(ctx.redis.hgetall(ctx.keys.ckpt_dropped)).items()}
     except redis.RedisError:
         return {}
 

@@ -90,9 +90,9 @@ class GradIntake:
         """(the replica's inner state, whether it is kept once the gradient is accepted, why it does not fit)."""
         trainer = self.p.trainer
         if trainer.fragments and not fragmenting.ships_state(h["step"], trainer.snapshot_every, h["lo"]):
-            return None, False, "bad_inner" if h.get("inner") or tensors else None  # streaming: no state this time
+            return None, False, "bad_inner" if h["inner"] or tensors else None  # streaming: no state this time
         if trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
-            inner, bad = trainer.inner.parse(h["lo"], h.get("inner"), tensors)
+            inner, bad = trainer.inner.parse(h["lo"], h["inner"], tensors)
             return inner, True, bad
         return None, False, None
 
@@ -110,7 +110,7 @@ class GradIntake:
         if keep and p.trainer.inner is not None:
             p.trainer.inner.keep(h["lo"], inner)
         p.reporter.codec_s += seconds + float(h["encode_s"])
-        if h.get("ahead") is True:  # streaming: computed before its lease, so its time says nothing of compute's
+        if h["ahead"]:  # streaming: computed before its lease, so its time says nothing of compute's
             p.totals.segments_ahead += 1
         else:
             p.leasing.reissue.accepted(info, time.monotonic(), microbatches)

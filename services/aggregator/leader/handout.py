@@ -44,7 +44,7 @@ class Handout:
     def note_holds(self, identity: bytes, h: dict[str, Any]) -> None:
         """Local steps: the (replica, round) inner states a worker says it holds (a `want` or `grad`)."""
         if self.p.holdings is not None:
-            self.p.holdings.note(identity, h.get("holds"), self.p.admission.admitted)
+            self.p.holdings.note(identity, h["holds"], self.p.admission.admitted)
 
     def work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int, last: bool = False) -> None:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's

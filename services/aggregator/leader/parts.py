@@ -35,7 +35,7 @@ from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
-from cmemi.shared.config.plugins import resolve
+from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.membership import Member, allocate
 from cmemi.shared.coordination.watch import Watch
@@ -133,7 +133,7 @@ def build(ctx: ServiceContext) -> LeaderParts:
     zctx = zmq.Context()
     sock, addr = serve_router(ctx, zctx, cfg.cluster.aggregator_port)
     drops, misfits = Drops(ctx.log), Misfits()
-    outbox = Outbox(sock, ctx.run, cfg.cluster.max_message_bytes, ctx.log, ctx.fatal)
+    outbox = Outbox(sock, ctx.run, cfg.cluster.message_cap(), ctx.log, ctx.fatal)
     term = allocate(ctx.redis, ctx.keys.term)
     seal = LeaseSeal(os.urandom(32))
     admission = Admission(ctx.redis, ctx.keys, lambda theirs: dataprint.agrees(fp, theirs),
@@ -143,7 +143,7 @@ def build(ctx: ServiceContext) -> LeaderParts:
               if trainer.sharded else None)
     # messages bigger than one, from admitted workers (gradients) and joined shards (their final and evaluation
     # slices) only: one partial transfer each, and one for a replacement
-    intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
+    intake = Intake(ctx.run, cfg.cluster.message_cap(), limits.logical_bytes(cfg), cfg.cluster.checksum,
                     cfg.cluster.workers + cfg.cluster.spare_workers + cfg.cluster.shards, ctx.curve, TYPES,
                     lambda identity: p.admitted(identity), drops, slots=cfg.cluster.transport != "tcp", borrows=True,
                     spare_bytes=2 * limits.nbytes(trainer.pieces.values()))

@@ -12,26 +12,26 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
 
 import redis
 from cmemi.shared.coordination.keys import Keys
+from redis.typing import EncodableT, FieldT
 
 
 class ProgressWriter:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.client, self.keys = client, keys
         self._cond = threading.Condition()
-        self._fields: dict[str, Any] | None = None  # the newest progress, not written yet
+        self._fields: dict[FieldT, EncodableT] | None = None  # the newest progress, not written yet
         self._counts: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not written yet
         self._busy = False  # a write is on its way
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
         self._thread.start()
 
-    def put(self, fields: Mapping[str, Any], microbatches: Mapping[str, int]) -> None:
+    def put(self, fields: Mapping[str, EncodableT], microbatches: Mapping[str, int]) -> None:
         with self._cond:
-            self._fields = dict(fields)
+            self._fields = {k: v for k, v in fields.items()}  # (typed as the keys and values redis-py takes)
             self._counts.update(microbatches)
             self._cond.notify_all()
 
@@ -56,7 +56,7 @@ class ProgressWriter:
                     if self._closed:
                         return
 
-    def _write(self, fields: dict[str, Any] | None, counts: Counter[str]) -> bool:
+    def _write(self, fields: dict[FieldT, EncodableT] | None, counts: Counter[str]) -> bool:
         try:
             pipe = self.client.pipeline(transaction=False)
             if fields is not None:

@@ -163,12 +163,12 @@ class ShardRoster:
     def final(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
         if (info := self.member(identity, h)) is not None and h["step"] == step:
             info.final = tensors
-            mirror = h.get("mirror")
-            info.mirror = {str(k): str(v) for k, v in mirror.items()} if isinstance(mirror, dict) else {}
+            mirror = h["mirror"]
+            info.mirror = {str(k): str(v) for k, v in mirror.items()} if mirror is not None else {}
+            reported = {"bytes_sent_via_slots": h.get("slot_in"), "bytes_received_via_slots": h.get("slot_out"),
+                        "changes_sent": h.get("changes_sent"), "mirrors_sent": h.get("mirrors_sent")}  # ABSENT-able
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
-                           **{k: h[f] for k, f in (("bytes_sent_via_slots", "slot_in"),
-                                                   ("bytes_received_via_slots", "slot_out"), ("changes_sent",) * 2,
-                                                   ("mirrors_sent",) * 2) if type(h.get(f)) is int},
+                           **{k: v for k, v in reported.items() if v is not None},
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
 
     def mirror_hashes(self) -> dict[str, str]:

@@ -170,7 +170,7 @@ class Aggregator:
         p = self.p
         if (info := p.admission.known(identity, msg.header, p.term)) is None:
             return
-        if not p.leasing.answered(identity, msg.header.get("reask")):  # its work may still be arriving
+        if not p.leasing.answered(identity, msg.header["reask"]):  # its work may still be arriving
             p.outbox.send(identity, "pending", reask=msg.header["reask"])
             return
         # A worker that asks plainly holds no lease (it works on one at a time, and the link keeps order): a

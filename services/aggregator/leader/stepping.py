@@ -61,7 +61,7 @@ class Stepper:
         if stop:
             self.ctx.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
         snapshot = not stop and self._snapshot_due(self.trainer.step + 1)
-        if self.roster is not None:
+        if self.roster is not None and others is not None:  # (not None once there is a roster: returned above)
             if others[1]:
                 grads = None
             partials = self.trainer.partials(grads) + others[0] if grads is not None else []

@@ -23,13 +23,13 @@ def refusal(h: dict[str, Any], seal: LeaseSeal | None, term: int, version: int, 
     """(reason, detail) of a gradient the shard drops unread, or None if it may be decoded. `seal`: None until the
     leader's welcome brought it (then every gradient is a forgery to this shard)."""
     at = where(h)
-    if seal is None or not seal.valid(h.get("lease"), term, h["step"], h["lo"], h["hi"], h["wid"], h["inc"]):
+    if seal is None or not seal.valid(h["lease"], term, h["step"], h["lo"], h["hi"], h["wid"], h["inc"]):
         return "forged_lease", at  # not a lease the leader handed this worker
     if h["step"] != version or h["version"] != version:
         return "stale_step", f"{at}, current step {version}"
     if not reduction.is_subtree(h["lo"], h["hi"], microbatches):
         return "bad_microbatch", at
-    g = h.get("stage", 0)  # optional: pipelined steps only
+    g = h["stage"]  # 0 unless pipelined (a bool, which decode drops as bad_field, is no stage here either)
     if type(g) is not int or not 0 <= g < stages:
         return "bad_stage", f"{at}: stage {g} of {stages}"
     return None

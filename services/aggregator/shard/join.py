@@ -11,6 +11,7 @@ from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.shared.coordination.membership import table
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import samehost
 
@@ -21,7 +22,7 @@ def find_leader(ctx: ServiceContext, shard: int) -> tuple[int, str, int]:
     deadline = time.monotonic() + cfg.cluster.start_timeout
     while time.monotonic() < deadline and not ctx.stopping.is_set():
         try:
-            info = ctx.redis.hgetall(ctx.keys.aggregator)
+            info = table(ctx.redis.hgetall(ctx.keys.aggregator))
         except redis.RedisError:
             info = {}
         if {"addr", "term", "restored"} <= info.keys():
@@ -56,6 +57,6 @@ def leader_link(ctx: ServiceContext, zctx: zmq.Context, addr: str) -> zmq.Socket
     sock = zctx.socket(zmq.DEALER)
     ctx.curve.connect_as_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.max_message_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.message_cap())
     sock.connect(samehost.tcp_of(addr))  # shard to leader: CurveZMQ always (only workers use ipc://)
     return sock

@@ -49,9 +49,9 @@ class SliceServer:
         for publisher in self.publishers:
             publisher.protect()
 
-    def pull(self, identity: bytes, version: int, have: Any = -1) -> None:
+    def pull(self, identity: bytes, version: int, have: int = -1) -> None:
         self.pulls[identity] = (version, set())
-        self.have[identity] = have if type(have) is int else -1
+        self.have[identity] = have
 
     def _downlink(self, identity: bytes, version: int, got: Any) -> tuple[Any, dict[str, Any]]:
         """What answers a pull of the current `version` with compression.downlink: its change, or the whole mirror."""

@@ -69,14 +69,14 @@ class ShardServer:
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops = Drops(self.log)
         self.misfits = Misfits()  # admitted workers' gradients in a row that do not fit (misfits.py)
-        self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.max_message_bytes, self.log, ctx.fatal)
+        self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.message_cap(), self.log, ctx.fatal)
         # the run's fingerprint and the lease seal come with the leader's welcome (shard_welcome)
         self.fp: dict[str, Any] | None = None
         self.seal: LeaseSeal | None = None
         self.admission = Admission(ctx.redis, ctx.keys, lambda fp: fp == self.fp,
                                    EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                                    cfg.cluster.require_same_environment, self._send, self.drops, self.log)
-        self.intake = Intake(ctx.run, cfg.cluster.max_message_bytes, limits.logical_bytes(cfg), cfg.cluster.checksum,
+        self.intake = Intake(ctx.run, cfg.cluster.message_cap(), limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
                              self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp",
                              spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
@@ -196,7 +196,7 @@ class ShardServer:
         if self.admission.known(identity, h, self.term) is None:
             pass
         elif msg.type == "pull":
-            self.slices.pull(identity, h["version"], h.get("have", -1))
+            self.slices.pull(identity, h["version"], h["have"])
             self._answer_pulls()
         else:
             self._on_grad(identity, msg)
@@ -209,7 +209,7 @@ class ShardServer:
         if refused is not None:
             self.drops(*refused)
             return
-        node, where, g = (h["lo"], h["hi"]), checks.where(h), h.get("stage", 0)
+        node, where, g = (h["lo"], h["hi"]), checks.where(h), h["stage"]
         collector = self.current.collectors[g]
         if self.current.held(g, node):
             return

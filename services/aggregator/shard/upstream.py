@@ -17,6 +17,7 @@ import zmq
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.shared.coordination.membership import text
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.errors import Interrupt
 from cmemi.shared.runtime.service import ServiceContext
@@ -35,14 +36,14 @@ class LeaderLink:
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=drop)  # the leader's messages bigger than one
         # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
-        self.watch = Watch(ctx.redis, 0.25, lambda r: (r.hget(ctx.keys.aggregator, "term"), r.get(ctx.keys.state)),
+        self.watch = Watch(ctx.redis, 0.25, lambda r: (text(r.hget(ctx.keys.aggregator, "term")), text(r.get(ctx.keys.state))),
                            "shard").start()
 
     def send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> None:
         cluster = self.ctx.cfg.cluster
         msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.incarnation(),
                                                        "term": self.term, **fields},
-                                 cluster.max_message_bytes, tensors, cluster.checksum)
+                                 cluster.message_cap(), tensors, cluster.checksum)
         transfer.send(self.sock, msgs)
 
     def received(self) -> Iterator[protocol.Message]:

@@ -20,6 +20,7 @@ import zmq
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.snapshots.contents import Snapshot
 from cmemi.services.aggregator.snapshots.outgoing import Outgoing
+from cmemi.shared.coordination.membership import texts
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
@@ -47,13 +48,13 @@ class CheckpointerLink:
         self._retry_at: float | None = None  # when to send the in-flight snapshot again (the checkpointer's "retry")
         self._polled: zmq.Socket | None = None  # registered for POLLOUT (`wake_for_room`)
         key = ctx.keys.checkpointer
-        self.where = Watch(ctx.redis, 0.5, lambda r: r.hmget(key, ["addr", "incarnation"]), "checkpointer").start()
+        self.where = Watch(ctx.redis, 0.5, lambda r: texts(r.hmget(key, ["addr", "incarnation"])), "checkpointer").start()
 
     def _lookup(self, wait: bool = True) -> str | None:
         """The checkpointer's address: read now, or (`wait=False`) the newest the watch read, if any."""
         if wait:
             try:
-                addr, inc = self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"])
+                addr, inc = texts(self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"]))
             except redis.RedisError:
                 return self.addr  # Redis is down: keep talking to the checkpointer we know
         elif (seen := self.where.take()) is not None:
@@ -76,7 +77,7 @@ class CheckpointerLink:
             self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.SNDHWM, 1)  # a snapshot's parts wait here, not in ZeroMQ (outgoing.py)
-            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
             self.sock.connect(addr)
             self.addr = addr
         return True
@@ -90,7 +91,7 @@ class CheckpointerLink:
                   part: int | None = None) -> list[list[Any]]:
         """One logical message, in parts if it is over the cap (or, with `part`, of about that many bytes each)."""
         try:
-            return transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.max_message_bytes, tensors,
+            return transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(), tensors,
                                      self.cfg.cluster.checksum, part=part)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
@@ -196,6 +197,7 @@ class CheckpointerLink:
             if not self._connect():
                 time.sleep(0.05)
                 continue
+            assert self.sock is not None, "_connect returned True without a socket"
             transfer.send(self.sock, self._messages(mtype, fields, tensors))
             sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
             while time.monotonic() < deadline:
