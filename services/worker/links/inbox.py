@@ -127,7 +127,7 @@ class Inbox:
     def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
         if not self.layout.flat:
             return msg.tensors
-        if msg.header.get("layout") != self.layout.digest or msg.tensors.keys() != self.tensors.keys():
+        if msg.header["layout"] != self.layout.digest or msg.tensors.keys() != self.tensors.keys():
             return None
         try:
             return self.layout.views(msg.tensors)
