@@ -127,10 +127,12 @@ class Intake:
             self.log.info("a parameter change from another version; asking for the whole mirror", base=h["base"],
                           have=NOTHING if self.version is None else self.version)
             return False
-        buffers = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
+        found = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
+        buffers = {n: b for n, b in found.items() if b is not None}
         try:
-            if any(b is None or b.shape != self.step_buffers[n].shape or b.dtype != self.step_buffers[n].dtype
-                   for n, b in buffers.items()):
+            if len(buffers) != len(found) or any(
+                    b.shape != self.step_buffers[n].shape or b.dtype != self.step_buffers[n].dtype
+                    for n, b in buffers.items()):
                 raise CodecError("bad_buffers", "the step's buffers are missing or do not match the model")
             pieces = self.partition.views(self.params, 0)
             downlink.apply(self.downlink, pieces, h["codec"],
