@@ -28,7 +28,7 @@ def _with_huge_pages(argv: list[str]) -> None:
     tunable); children inherit it, so this happens once. CMEMI_HUGE_PAGES=0 turns it off."""
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or os.environ.get("CMEMI_HUGE_PAGES") == "0"
-            or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")):
+            or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")):
         return
     env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
     os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
@@ -256,7 +256,7 @@ def _exit_code(fn: Callable[[], int | None]) -> int:
     """Run `fn` as `sys.exit(fn())` would, and return the exit code instead of exiting (a message given to
     SystemExit is printed, code 1). An exception other than SystemExit propagates (its traceback as usual)."""
     try:
-        code: object = fn()
+        code: str | int | None = fn()
     except SystemExit as exc:
         code = exc.code
     if isinstance(code, str):

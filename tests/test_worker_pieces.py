@@ -170,8 +170,10 @@ def _intake() -> tuple[Intake, dict[str, torch.Tensor]]:
 
 
 def _work(intake: Intake, version: int, tensors: dict[str, torch.Tensor] | None) -> protocol.Message:
-    header = {"term": TERM, "step": version, "lo": 0, "hi": 1, "version": version, "scale": 1.0,
-              "layout": intake.inbox.layout.digest}
+    """A `work` header as decode delivers it (checked, its absent optional fields filled in: messages.Work)."""
+    header, _ = protocol.check_header({"type": "work", "proto": protocol.PROTOCOL_VERSION, "run": RUN, "tensors": [],
+                                       "term": TERM, "step": version, "lo": 0, "hi": 1, "version": version,
+                                       "scale": 1.0, "layout": intake.inbox.layout.digest}, RUN)
     return protocol.Message(header, intake.inbox.layout.pack(tensors) if tensors is not None else {})
 
 

@@ -33,7 +33,7 @@ from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.worker.compute.device import make_deterministic, pick_device
 from cmemi.services.worker.compute.local import LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
-from cmemi.shared.compression.base import all_finite
+from cmemi.shared.compression.base import Codec, all_finite
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.plugins import build_model
@@ -67,8 +67,9 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
         runner.to(device)
     encoder, decoder = make_codec(cfg.compression), make_codec(cfg.compression, check_finite=False)
     M, report = cfg.train.microbatches, bool(trainer.buffers) and cfg.model.buffers == "mean"
-    # a stateful codec's result depends on what is encoded together: one worker's whole-step leases
-    block = block_size(M, 1) if encoder.stateful else 1
+    # a stateful codec's result depends on what is encoded together: one worker's whole-step leases (every codec is
+    # a Codec; the GradientCodec protocol does not declare `stateful`)
+    block = block_size(M, 1) if isinstance(encoder, Codec) and encoder.stateful else 1
     loss, stopped = float("nan"), False
     local = LocalRound(cfg, runner, trainer.partition) if cfg.train.local_steps else None
     try:
@@ -103,10 +104,10 @@ def train(cfg: Config, codec_resets: dict[int, int] | None = None) -> tuple[Trai
                     decoded = decoder.decode(info, {k: v.clone() for k, v in frames.items()}, shapes=trainer.shapes)
                 contribution = trainer.contribution(produced) if report and produced is not None else None
                 collector.offer(m, decoded, mb_loss, HOLDER, contribution)
-            grads, loss = collector.mean()
-            if grads is not None and not all_finite(grads.values()):
+            mean, loss = collector.mean()
+            if mean is not None and not all_finite(mean.values()):
                 raise ReferenceError(f"the summed gradient of step {step + 1} is not finite: the run diverged")
-            trainer.apply(grads, collector.buffer_sum())
+            trainer.apply(mean, collector.buffer_sum())
             stopped = evaluate(bg, cfg, trainer)
         if bg is not None:
             bg.collect(wait=True)

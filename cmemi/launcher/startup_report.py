@@ -29,7 +29,7 @@ class StartupReport:
         self.run_dir, self.client, self.keys = run_dir, client, keys
         self.t0 = own.get("spawned", min(own.values()))
         self.processes: dict[str, dict[str, float]] = {"cmemi up": dict(own)}
-        self.cpu_s: dict[str, float] = {}  # CPU seconds each process had used when it reported
+        self.cpu_s: dict[str, float | None] = {}  # CPU seconds each process had used when it reported
         self.expected = {"coordinator", "checkpointer", "aggregator", *(f"worker w{i}" for i in range(workers))}
         self.run: dict[str, float] = {}
         self.cursor = "0-0"

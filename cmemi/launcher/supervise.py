@@ -21,7 +21,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -122,7 +122,7 @@ def check_resume(run_dir: Path, cfg: Config, force_config: bool) -> None:
 
 def refuse_live_run(client: redis.Redis, keys: Keys) -> None:
     """Never clear the keys of a run that is live elsewhere (a shared Redis): its coordinator heartbeats."""
-    record = client.hgetall(keys.member("coordinator", "0"))
+    record = cast("dict[str, str]", client.hgetall(keys.member("coordinator", "0")))  # decoded (membership.text)
     if record and record.get("state") == "running" and client.exists(keys.heartbeat("coordinator", "0")):
         raise RunLocked(f"run {keys.prefix.split(':')[1]!r} is live in this Redis (coordinator pid "
                         f"{record.get('pid')} on host {record.get('host')}); stop it first, or choose another run.name")

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -37,7 +37,7 @@ from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.config.loading import dump_config
 from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
-from cmemi.shared.coordination.membership import connect, wait_for_redis
+from cmemi.shared.coordination.membership import connect, text, wait_for_redis
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.log import LOG_DIR_ENV
 
@@ -180,7 +180,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
             if report.poll():
                 show_startup()
             try:
-                progress.show(client.hgetall(keys.progress))
+                progress.show(cast("dict[str, Any]", client.hgetall(keys.progress)))  # decoded (`text`)
             except redis.RedisError:
                 pass
 
@@ -200,7 +200,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
         rc = sup.coordinator.wait() if sup.coordinator is not None else 1
         state = error = user_error = None
         try:
-            state, error, user_error = client.get(keys.state), client.get(keys.error), client.get(keys.user_error)
+            state, error, user_error = (text(client.get(keys.state)), text(client.get(keys.error)),
+                                        text(client.get(keys.user_error)))
         except redis.RedisError:
             pass
         if rc == 0 and state == "completed":

@@ -158,7 +158,8 @@ class Server:
     def serve(self) -> dict[str, Any]:
         """Answer requests until one forks: returns that request, in the child."""
         while True:
-            ready = select.select([self.sock, self.wake_r], [], [])[0]
+            watched: list[socket.socket | int] = [self.sock, self.wake_r]
+            ready = select.select(watched, [], [])[0]
             if self.wake_r in ready:
                 while True:
                     try:

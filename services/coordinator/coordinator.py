@@ -25,7 +25,7 @@ from cmemi.services.coordinator.run_state import RunPhase, RunState, Supervise
 from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, SlotState, stop_all, wait_for_exit
 from cmemi.shared.coordination.counters import GAP, Counters
-from cmemi.shared.coordination.membership import Member
+from cmemi.shared.coordination.membership import Member, text
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext
@@ -135,7 +135,7 @@ class Coordinator:
                 continue
             kind = self._exit_kind(child, rc)
             if kind is ExitKind.FATAL:
-                self.run_state.fail(self.ctx.redis.get(self.ctx.keys.error) or f"{child.name} exited with a fatal error")
+                self.run_state.fail(text(self.ctx.redis.get(self.ctx.keys.error)) or f"{child.name} exited with a fatal error")
                 return
             if kind is ExitKind.NORMAL and self.run_state.completed():
                 child.forget()
@@ -159,7 +159,7 @@ class Coordinator:
             kind = self._exit_kind(spare, rc)
             spare.forget()
             if kind is ExitKind.FATAL:
-                self.run_state.fail(self.ctx.redis.get(self.ctx.keys.error) or "a spare worker hit a fatal error")
+                self.run_state.fail(text(self.ctx.redis.get(self.ctx.keys.error)) or "a spare worker hit a fatal error")
                 return
             if not self.run_state.completed():
                 self.slots.replace_spare(died=kind is ExitKind.DIED)

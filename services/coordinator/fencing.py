@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import redis
 import zmq
+from cmemi.shared.coordination.membership import text
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import header as wire
@@ -70,7 +71,7 @@ class Fencer:
 
     def _tell_aggregator(self, wid: str, inc: int) -> None:
         """The leader frees the fenced worker's leases at once instead of waiting for them to time out."""
-        addr = self.ctx.redis.hget(self.ctx.keys.aggregator, "addr")
+        addr = text(self.ctx.redis.hget(self.ctx.keys.aggregator, "addr"))
         if addr is None:
             return
         if addr != self.agg_addr:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from cmemi.shared.coordination.membership import text
 from cmemi.shared.runtime.service import ServiceContext
 
 
@@ -63,7 +64,7 @@ class RunState:
     def control(self) -> Control:
         """Run state, fatal error and the requested worker count; a state lost with Redis's data is written back."""
         k = self.ctx.keys
-        state, error, scale = self.ctx.redis.mget(k.state, k.error, k.scale)
+        state, error, scale = map(text, self.ctx.redis.mget(k.state, k.error, k.scale))
         if state is None:
             self.ctx.redis.set(k.state, RunPhase.RUNNING.value)
         return Control(phase_of(state), error, scale)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import cast
 
 import redis
 from cmemi.services.coordinator.run_state import RunState
@@ -58,7 +59,7 @@ class Slots:
         for child in adopted:
             if child.spare:
                 self.spare_seq = max(self.spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)
-                if (slot := slots.get(child.pid)) is not None and f"worker:{slot}" not in self.children:
+                if child.pid is not None and (slot := slots.get(child.pid)) is not None and f"worker:{slot}" not in self.children:
                     # handed a slot just before the previous coordinator died (children.json still said spare)
                     child.ident, child.spare, child.argv = slot, False, self.argv("worker", slot)
             if child.spare:
@@ -214,8 +215,9 @@ class Slots:
 
 def registered_workers(client: redis.Redis, keys: Keys) -> dict[int, str]:
     """pid -> worker id of the worker records in Redis that are running (empty when Redis is down)."""
-    try:
-        records = [client.hgetall(key) for key in client.scan_iter(match=keys.member("worker", "*"), count=500)]
+    try:  # (the client decodes every reply: shared/coordination/membership.py, `text`)
+        records = [cast("dict[str, str]", client.hgetall(key))
+                   for key in client.scan_iter(match=keys.member("worker", "*"), count=500)]
     except redis.RedisError:
         return {}
     return {int(rec["pid"]): rec["id"] for rec in records

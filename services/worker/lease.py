@@ -86,7 +86,7 @@ class LeaseWork:
 
     def _after(self, h: dict[str, Any]) -> None:
         """While the gradient travels and the aggregator steps."""
-        if h.get("last") is True:  # streaming: no other lease of this step is coming our way; compute ahead now, while
+        if h["last"]:  # streaming: no other lease of this step is coming our way; compute ahead now, while
             self.compute_ahead(h["step"])  # the gradient travels (`parked` would come only once it has arrived)
         lo, hi = h["lo"], h["hi"]
         if self.runner.loader is not None and self.replicas.local is None and (

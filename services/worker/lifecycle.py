@@ -9,9 +9,10 @@ those facts and the aggregator's address are read off the loop (shared/coordinat
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis
-from cmemi.shared.coordination.membership import Member
+from cmemi.shared.coordination.membership import Member, text
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext
@@ -35,7 +36,7 @@ class Lifecycle:
                 time.sleep(0.1)
                 continue
             if item is not None:
-                return item[1] or None
+                return text(item[1]) or None
         return None
 
     def register(self, wid: str) -> int:
@@ -44,8 +45,13 @@ class Lifecycle:
         self.member = Member(self.ctx.redis, keys, "worker", wid, cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra=self.ctx.member_extra).start()
         # while idle: fenced? run over? another aggregator? Read off the loop (shared/coordination/watch.py)
-        self.watch = Watch(self.ctx.redis, 1.0, lambda r: r.pipeline(transaction=False).get(keys.fence("worker", wid))
-                           .get(keys.state).hgetall(keys.aggregator).execute(), "worker").start()
+        def read(r: redis.Redis) -> list[Any]:
+            pipe = r.pipeline(transaction=False)  # (queued one by one: redis-py types a queued command as its reply)
+            pipe.get(keys.fence("worker", wid))
+            pipe.get(keys.state)
+            pipe.hgetall(keys.aggregator)
+            return pipe.execute()
+        self.watch = Watch(self.ctx.redis, 1.0, read, "worker").start()
         return self.member.incarnation
 
     def transport(self, peer: str, kind: str) -> None:

@@ -121,7 +121,7 @@ def from_files(run_dir: Path, n_events: int = 8) -> dict[str, Any]:
         report["total"] = report["step"] or None
 
     workers: dict[str, dict[str, Any]] = {}
-    pids: dict[str, int] = {}  # worker id -> pid of the process started (or spare handed) for it last
+    pids: dict[str | None, int] = {}  # worker id (as the event names it) -> pid of the process started (or spare handed) for it last
     for e in events:
         if e["kind"] in ("process_started", "restarted") and e.get("role") == "worker" and e.get("pid"):
             pids[e.get("id")] = e["pid"]

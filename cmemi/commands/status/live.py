@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -38,7 +38,8 @@ def _members(client: redis.Redis, keys: Keys, who: list[tuple[str, str]], now: f
     res = pipe.execute()
     out = []
     for i, (role, ident) in enumerate(who):
-        m = _member(role, ident, *res[3 * i: 3 * i + 3], now=now)
+        rec, hb, fence_value = res[3 * i: 3 * i + 3]
+        m = _member(role, ident, rec, hb, fence_value, now=now)
         if m is not None:
             out.append(m)
     return out
@@ -136,7 +137,9 @@ def from_redis(client: redis.Redis, keys: Keys, run_dir: Path | None = None, n_e
     ckpt_step = number(ckpt, int)
     report["checkpoint"] = {"step": ckpt_step, "path": _checkpoint_path(run_dir, ckpt_step)}
     events = []
-    for entry_id, fields in reversed(client.xrevrange(keys.events, count=n_events)):
+    # [(entry id, fields)], decoded (shared/coordination/membership.py, `text`)
+    newest = cast("list[tuple[str, dict[str, str]]]", client.xrevrange(keys.events, count=n_events))
+    for entry_id, fields in reversed(newest):
         try:
             events.append({"id": entry_id, **json.loads(fields["json"])})
         except (KeyError, ValueError):

@@ -15,12 +15,13 @@ from cmemi.shared.coordination.keys import Keys
 def collect(target: Target, n_events: int = 8, timeout: float = 2.0) -> dict[str, Any]:
     """The report from Redis; from the run directory's files (with a `note` saying why) when Redis is gone."""
     reason = None
-    if target.redis_url is not None:
+    if target.redis_url is not None and target.run is not None:  # (Target names the run wherever Redis is known)
         try:
             client = redis.Redis.from_url(target.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                           decode_responses=True)
             # cluster.json is written by a live `cmemi up` right after it clears the run's keys: no key yet is "starting"
-            starting = target.from_cluster_json and not (target.run_dir / "summary.json").is_file()
+            starting = (target.from_cluster_json and target.run_dir is not None
+                        and not (target.run_dir / "summary.json").is_file())
             try:
                 report = from_redis(client, Keys(target.run), target.run_dir, n_events, starting=starting)
             finally:

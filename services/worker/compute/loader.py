@@ -130,7 +130,7 @@ def _serve(sock: socket.socket, cfg: Config, dataset: Any, slots: int) -> None:
                 for t, at in tensors:
                     if t.numel():
                         raw_bytes = t.reshape(-1).view(torch.uint8).numpy()
-                        view[at:at + raw_bytes.nbytes] = memoryview(raw_bytes)
+                        view[at:at + raw_bytes.nbytes] = raw_bytes.data
                 view.release()
             except Unsupported as exc:
                 reply.pop("tree", None)

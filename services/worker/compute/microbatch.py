@@ -38,7 +38,7 @@ class MicrobatchRunner:
         self.n = len(dataset)
         self.device = torch.device("cpu")
         self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.buffers = buffer_rule.travelling(model)  # the model's live buffers
         # The step's starting buffers (CPU): every microbatch starts from these; new versions land here.
         self.step_buffers = {n: b.detach().clone() for n, b in self.buffers.items()}

@@ -77,7 +77,7 @@ class Inbox:
         assert self.lends
         received = self._received(msg)
         whole = self._whole(received) if received is not None else None
-        if whole is None:
+        if received is None or whole is None:
             return False
         for name, p in self.params.items():
             p.data = whole[name]
@@ -113,7 +113,9 @@ class Inbox:
                 if any(v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or v.data_ptr() != end
                        for v, end in zip(run[1:], ends, strict=True)):
                     return None
-                first = torch.empty(0, dtype=p.dtype).set_(first.untyped_storage(), first.storage_offset(), p.shape)
+                # (torch's stubs name set_ with a stride or with the storage alone; the stride defaults, contiguous)
+                first = torch.empty(0, dtype=p.dtype).set_(  # type: ignore[call-overload]
+                    first.untyped_storage(), first.storage_offset(), p.shape)
             out[name] = first
         return out
 
@@ -127,7 +129,7 @@ class Inbox:
     def _received(self, msg: protocol.Message) -> dict[str, torch.Tensor] | None:
         if not self.layout.flat:
             return msg.tensors
-        if msg.header.get("layout") != self.layout.digest or msg.tensors.keys() != self.tensors.keys():
+        if msg.header["layout"] != self.layout.digest or msg.tensors.keys() != self.tensors.keys():
             return None
         try:
             return self.layout.views(msg.tensors)

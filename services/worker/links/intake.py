@@ -73,8 +73,8 @@ class Intake:
         """The parameters of `msg` into the model (`slots`: the leader granted shared-memory slots on this connection);
         True when the model then holds the version the lease names, else it holds none."""
         h = msg.header
-        delta = h.get("downlink") == downlink.DELTA  # (a change is from `base`: checked before the version moves)
-        pieces = h.get("downlink") == fragmenting.PIECES
+        delta = h["downlink"] == downlink.DELTA  # (a change is from `base`: checked before the version moves)
+        pieces = h["downlink"] == fragmenting.PIECES
         if not msg.tensors and not self.inbox.tensors and not delta and not pieces:  # nothing to receive: a leader
             self.version = h["version"]  # without pieces (pipelined, or more shards than a codec's whole-tensor pieces)
         if delta:
@@ -95,7 +95,7 @@ class Intake:
         return True
 
     def _misfit(self, h: dict[str, Any]) -> None:
-        self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h.get('layout'))[:16]}) "
+        self.ctx.fatal(f"worker {self.wid}: the aggregator's parameters (layout {str(h['layout'])[:16]}) "
                        f"do not fit this worker's model (layout {self.inbox.layout.digest}, shared/wire/layout.py): "
                        "use the same model.factory and model.kwargs on every host")
 
@@ -123,17 +123,19 @@ class Intake:
         by the function the servers use; the step's buffers come with it, dense. False, and nothing changed, when it
         is not from our version or is malformed (counted)."""
         h, tensors = msg.header, msg.tensors
-        if self.downlink is None or self.version is None or h.get("base") != self.version:
-            self.log.info("a parameter change from another version; asking for the whole mirror", base=h.get("base"),
+        if self.downlink is None or self.version is None or h["base"] != self.version:
+            self.log.info("a parameter change from another version; asking for the whole mirror", base=h["base"],
                           have=NOTHING if self.version is None else self.version)
             return False
-        buffers = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
+        found = {n: tensors.get(PREFIX + n) for n in self.step_buffers}
+        buffers = {n: b for n, b in found.items() if b is not None}
         try:
-            if any(b is None or b.shape != self.step_buffers[n].shape or b.dtype != self.step_buffers[n].dtype
-                   for n, b in buffers.items()):
+            if len(buffers) != len(found) or any(
+                    b.shape != self.step_buffers[n].shape or b.dtype != self.step_buffers[n].dtype
+                    for n, b in buffers.items()):
                 raise CodecError("bad_buffers", "the step's buffers are missing or do not match the model")
             pieces = self.partition.views(self.params, 0)
-            downlink.apply(self.downlink, pieces, h.get("codec"),
+            downlink.apply(self.downlink, pieces, h["codec"],
                            {k: t for k, t in tensors.items() if not k.startswith(PREFIX)},
                            {n: tuple(p.shape) for n, p in pieces.items()})
         except CodecError as exc:
@@ -153,10 +155,10 @@ class Intake:
         (fragments.PIECES), into the model; False when they are not from our version or do not fit it (the whole
         version is asked for then)."""
         h, buffers = msg.header, {PREFIX + n: b for n, b in self.step_buffers.items()}
-        if self.version is None or h.get("base") != self.version or not fragmenting.land(
+        if self.version is None or h["base"] != self.version or not fragmenting.land(
                 msg.tensors, {**self.partition.views(self.params, 0), **buffers}, buffers):
             self.log.info("changed pieces not from our version, or not our model's; asking for the whole version",
-                          base=h.get("base"), have=self.number)
+                          base=h["base"], have=self.number)
             return False
         self.version = h["version"]
         return True

@@ -13,14 +13,14 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
 import zmq
 from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.services.worker.links.leader import LeaderLink
-from cmemi.services.worker.links.shard_links import Lost, ShardLinks
+from cmemi.services.worker.links.shard_links import Lost, ShardLinks, asking_slots
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.environment import environment
 from cmemi.shared.memory import shm
@@ -38,7 +38,7 @@ class Joining:
 
     def _aggregator(self) -> tuple[str, int] | None:
         try:
-            info = self.ctx.redis.hgetall(self.ctx.keys.aggregator)
+            info = cast("dict[str, str]", self.ctx.redis.hgetall(self.ctx.keys.aggregator))  # decoded (membership.text)
         except redis.RedisError:
             return None
         if "addr" not in info:
@@ -67,9 +67,9 @@ class Joining:
             sock = self.link.open(f"{self.link.sender['wid']}/{self.link.sender['inc']}/{term}")
             self.dial(sock, addr, "aggregator")
             self.link.addr = addr
-            hello = {"fp": self.fp, "host": self.host, "env": environment(device, self.cfg)}
+            hello: dict[str, Any] = {"fp": self.fp, "host": self.host, "env": environment(device, self.cfg)}
             asks = self.life.links.get("aggregator") == "ipc" and shm.suits(self.param_bytes, self.cfg.cluster.workers)
-            self.link.send("hello", **hello, **({"shm": True} if asks else {}))
+            self.link.send("hello", **hello, **asking_slots(asks))
             if self._welcomed(addr, hello, asks):
                 return
             self.life.check_fenced()
@@ -86,14 +86,14 @@ class Joining:
                 self.refused(msg)
                 continue
             link.term = msg.header["term"]
-            link.slots = asks and msg.header.get("shm") is True
+            link.slots = asks and msg.header["shm"]
             if link.slots:  # status and the joined line say so: ipc:// carries descriptors only
                 self.life.transport("aggregator", "shm")
             self.forget()  # a new term may have rolled back: always take its parameters
             link.lost_reply = False  # the caller asks for work next anyway
             assert self.shard_links is not None
             try:
-                self.shard_links.connect(link.zctx, list(msg.header.get("shards") or []), link.term, hello)
+                self.shard_links.connect(link.zctx, msg.header["shards"], link.term, hello)
             except Lost as exc:
                 self.ctx.log.warning("a parameter-server shard did not welcome us; trying again", error=str(exc))
                 return False

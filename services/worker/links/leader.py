@@ -44,7 +44,7 @@ class LeaderLink:
         self.sock = self.zctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))
         return self.sock
 
     def send(self, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
@@ -54,7 +54,7 @@ class LeaderLink:
             fields["holds"] = holds  # rounds need no state sent
         try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
             msgs = transfer.messages(mtype, self.ctx.run, {**self.sender, **fields},
-                                     self.cfg.cluster.max_message_bytes, tensors, self.cfg.cluster.checksum,
+                                     limits.derive_max_message_bytes(self.cfg), tensors, self.cfg.cluster.checksum,
                                      part=transfer.PART)  # a server queues two per worker (serve_router)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"worker {self.sender.get('wid')}: {exc}")

@@ -51,7 +51,7 @@ class Outbox:
         lo, hi = h["lo"], h["hi"]
         samples = (hi - lo) * (self.cfg.train.global_batch // self.cfg.train.microbatches) * max(1, self.cfg.train.segment)
         fields = {"finite": g.finite, "term": self.link.term, "step": h["step"], "lo": lo, "hi": hi, "version": version,
-                  "losses": g.losses, "n": samples, "lease": h.get("lease", b"")}  # the leader's seal: every shard checks it
+                  "losses": g.losses, "n": samples, "lease": h["lease"]}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
         # (an fp16 overflow sends no tensors; a replica's change is by piece already: of one fragment, streaming)
         views = (g.grads if self.by_piece else self.partition.views(g.grads)) if g.finite else {}

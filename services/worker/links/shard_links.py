@@ -23,6 +23,7 @@ checkpoint under a new term) raises `Lost`; the worker says hello again.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,11 @@ def answers(got: protocol.Message | None, version: int) -> bool:
     to an earlier pull (that step is over: the current version, no tensors)."""
     return got is not None and (got.header["asked"] == version
                                 or (got.header["version"] == version and bool(got.tensors)))
+
+
+def asking_slots(asks: bool) -> dict[str, Any]:
+    """A hello's optional `shm` field (messages.Hello): sent only when it asks for shared-memory slots."""
+    return {"shm": True} if asks else {}
 
 
 class Link:
@@ -103,7 +109,7 @@ class ShardLinks:
             sock = zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.max_message_bytes)
+            sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))
             # a slice asked ahead (ask_ahead) arrives before the worker fetches it: at most two of its parts queue
             # here, the rest waits in the shard's queue (zero-copy, its live pieces), not a copy of P here meanwhile
             sock.setsockopt(zmq.RCVHWM, 2)
@@ -116,19 +122,20 @@ class ShardLinks:
             self.links.append(Link(k, sock, layouts, parts, staged))
             self.links[-1].slots = asks  # until its welcome says whether it grants them
         for link in self.links:
-            self._send(link, "hello", **hello, **({"shm": True} if link.slots else {}))
+            self._send(link, "hello", **hello, **asking_slots(link.slots))
         welcomed: set[int] = set()
 
         def welcome(link: Link, msg: protocol.Message) -> None:
             if msg.type == "welcome" and msg.header["term"] == term:
                 welcomed.add(link.k)
-                link.slots = link.slots and msg.header.get("shm") is True
+                link.slots = link.slots and msg.header["shm"]
         self._wait(lambda: len(welcomed) == len(self.links), welcome)
 
     def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
               trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
-        msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields}, self.cfg.cluster.max_message_bytes,
-                                 tensors, self.cfg.cluster.checksum, part=transfer.PART)
+        msgs = transfer.messages(mtype, self.ctx.run, {**self.ident(), **fields},
+                                 limits.derive_max_message_bytes(self.cfg), tensors, self.cfg.cluster.checksum,
+                                 part=transfer.PART)
         transfer.send(link.sock, msgs, trackers=trackers)
 
     def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
@@ -148,7 +155,7 @@ class ShardLinks:
                 quiet_since = time.monotonic()
                 try:
                     msg = link.parts.recv(sock, into=link.inbox if link.inbox is not None else
-                                          lambda header, link=link: self._landing(link, header))
+                                          functools.partial(self._landing, link))
                 except protocol.ProtocolError as exc:
                     raise Lost(f"shard {link.k}: {exc}") from None
                 if msg is None:
@@ -158,10 +165,10 @@ class ShardLinks:
                         self.ctx.fatal(msg.header["reason"])
                     raise Lost(f"shard {link.k}: {msg.header['reason']}")
                 if msg.type == "slice":  # it waits until a lease needs its version (fetch)
-                    stage = msg.header.get("stage", 0)
+                    stage = msg.header["stage"]
                     if msg.header["version"] != msg.header["asked"]:  # the step asked for is over
                         link.over = msg
-                    elif type(stage) is int and 0 <= stage < len(link.got):
+                    elif 0 <= stage < len(link.got):
                         link.got[stage] = msg
                     else:
                         raise Lost(f"shard {link.k}: a slice of stage {stage!r}, expected 0..{len(link.got) - 1}")
@@ -177,12 +184,12 @@ class ShardLinks:
         the last: `have` is -1 until `fetch` sees the whole slice, so nothing is computed on half a slice (an
         abandoned transfer leaves it -1: the next fetch pulls it again, or the shard is lost and the worker says
         hello again)."""
-        stage = header.get("stage", 0)
-        if (header.get("type") == "slice" and self.fetching is not None and link.have != self.fetching
-                and header.get("downlink") not in (downlink.DELTA, PIECES)  # a change lands aside, then goes in
-                and header.get("version") == header.get("asked") == self.fetching
-                and type(stage) is int and 0 <= stage < len(link.views)
-                and all(v.device.type == "cpu" for v in link.views[stage].values())):
+        if (header["type"] == "slice" and self.fetching is not None and link.have != self.fetching
+                and header["downlink"] not in (downlink.DELTA, PIECES)  # a change lands aside, then goes in
+                and header["version"] == header["asked"] == self.fetching
+                and 0 <= header["stage"] < len(link.views)
+                and all(v.device.type == "cpu" for v in link.views[header["stage"]].values())):
+            stage = header["stage"]
             link.have = -1
             views, before = link.views[stage], link.got[stage]
             if before is not None and any(before.tensors.get(n) is v for n, v in views.items()):
@@ -209,7 +216,7 @@ class ShardLinks:
                 if link.asked != version:
                     self._send(link, "pull", term=self.term, version=version, have=link.have)
                     link.asked = version
-                self._wait(lambda link=link: link.answered(version), lambda _l, _m: None)
+                self._wait(functools.partial(link.answered, version), lambda _l, _m: None)
             if answers(link.over, version):
                 return False
             if not self._copy(link):  # a slot rewritten while read: pull it again, when the worker asks again
@@ -224,10 +231,10 @@ class ShardLinks:
         """compression.downlink: shard k's change from the version our pieces hold into them, by the function the
         shard used on its mirror; False (nothing changed) if it is from another version or malformed (counted)."""
         h = msg.header
-        if self.downlink is None or link.have < 0 or h.get("base") != link.have or len(link.views) != 1:
+        if self.downlink is None or link.have < 0 or h["base"] != link.have or len(link.views) != 1:
             return False
         try:
-            downlink.apply(self.downlink, link.views[0], h.get("codec"), msg.tensors,
+            downlink.apply(self.downlink, link.views[0], h["codec"], msg.tensors,
                            {n: tuple(v.shape) for n, v in link.views[0].items()})
         except CodecError as exc:
             self.downlink_dropped += 1
@@ -239,11 +246,11 @@ class ShardLinks:
     def _copy(self, link: Link) -> bool:
         """Every stage of the slice received into the model's pieces of shard k (what landed there already stays);
         False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
-        if link.got[0] is not None and link.got[0].header.get("downlink") == downlink.DELTA:
+        if link.got[0] is not None and link.got[0].header["downlink"] == downlink.DELTA:
             return self._change(link, link.got[0])
-        if link.got[0] is not None and link.got[0].header.get("downlink") == PIECES:  # streaming: the changed pieces
+        if link.got[0] is not None and link.got[0].header["downlink"] == PIECES:  # streaming: the changed pieces
             got = link.got[0]
-            return link.have >= 0 and got.header.get("base") == link.have and len(link.views) == 1 and \
+            return link.have >= 0 and got.header["base"] == link.have and len(link.views) == 1 and \
                 land(got.tensors, link.views[0], ())
         descs = []
         try:
