@@ -50,8 +50,13 @@ test: dev
 chaos-test: dev
 	$(BIN)/python -m pytest -m chaos $(PYTEST_ARGS)
 
+# ruff; the layering rules (no import cycle, no private name across modules, services never import each other,
+# shared/ no service: scripts/check_imports.py); mypy, strict on cmemi.shared and check_untyped_defs elsewhere
+# (pyproject.toml [tool.mypy]; scripts/typecheck.py lays the package out as installed).
 lint: dev
 	$(BIN)/ruff check .
+	$(BIN)/python scripts/check_imports.py
+	$(BIN)/python scripts/typecheck.py -p cmemi
 
 # The manual (mkdocs.yml, docs/) into site/: --strict fails on a broken link or anchor and on a page left out of the
 # navigation. Its generated blocks are checked by tests/test_readme.py (`make test`).
