@@ -127,3 +127,63 @@ def test_a_measured_line_names_commit_date_and_uncommitted_changes(tmp_path, mon
     line = provenance.measured("scaling")
     assert line == "Measured at commit `abababa` with uncommitted changes on 2027-01-02 (`bench/results/scaling.json`)."
     assert line in overview.scaling()
+
+
+# A measured-looking figure: a number (or a range of two) followed by a unit of time, size, rate, ratio or share.
+NUM = r"\d(?:[\d,.]*\d)?"
+FIGURE = re.compile(
+    rf"(?<![\w.]){NUM}(?:\s?(?:–|-|to)\s?{NUM})?\s?"
+    r"(?:(?:ms|µs|us|ns|s|sec|seconds|min|minutes|hours|MB/s|MiB/s|GB/s|MB|GB|kB|KB|MiB|GiB|KiB)\b|×|x\b|%)")
+# What such a figure may be and still not be a measurement, each with why. Anything else outside a generated block
+# is a measurement that no results file backs: generate it (scripts/tables/) or say what the mechanism does.
+NOT_MEASURED = [
+    (re.compile(r"^(?:1|4|16|32|64|128|256) (?:KiB|MiB)$"), "a size the code sets (chunk, cap, threshold)"),
+    (re.compile(r"^\d+ ×$"), "a multiple in a formula (`2 × cluster.dead_after`, `4 × model + 16 MiB`)"),
+    (re.compile(r"^\d+s$"), "s is the optimizer-state size in the memory accounts (2s, 3s), not seconds"),
+    (re.compile(r"^(?:2|4|16|32)×$"), "ratios fixed by the format or the code: 32 bits to 1, 2 copies, rank 8 vs 2, "
+                                      "the 16× back-off cap"),
+]
+# Constants written with a unit: defaults, timeouts and intervals the code sets, by page.
+CONSTANTS = {
+    "docs/concepts/faults.md": ["60 s", "20 s", "180 s", "2 s"],  # restart-health, spare and re-ask defaults
+    "docs/contributing.md": ["300 s"],  # pytest-timeout
+    "docs/benchmarks/small.md": ["5 s", "3 s", "2 s", "20 ms", "0.1 s", "1.5×", "1.0×", "1 MiB"],  # goals, timeouts
+    "docs/guides/compression.md": ["10 %"],  # the share of warm-up steps the recipe sends dense
+    "docs/guides/recipes.md": ["10 %"],
+    "docs/benchmarks/compression.md": ["1 %"],  # topk's share of coordinates, a setting
+    "docs/security.md": ["64 MB", "100 MB", "16.4 MiB", "21 MB"],  # Docker's /dev/shm default; a test's bound; the
+    # cap's formula worked for the digits model; tests/test_lending.py's model
+    "docs/guides/scaling-out.md": ["260 kB"],  # tests/test_shards.py's slice, under its 64 KiB cap
+    "docs/design/memory.md": ["0.5 s"],  # snapshots/send.py's PROTECT_PATIENCE_S
+    "docs/memory_accounting.md": ["453 MB"],  # the case's model size (an input of the draft, not a result)
+    "docs/concepts/step.md": ["64 MB"],
+    "docs/design/downlink.md": ["1 %"],  # topk's share of coordinates, a setting
+}
+
+
+def unbacked_figures(path) -> list[str]:
+    """Measured-looking figures in the page's prose: outside generated blocks and code fences."""
+    text = path.read_text()
+    for name in readme_tables.TABLES:
+        if (bounds := readme_tables.block_bounds(text, name)) is not None:
+            text = text[:bounds[0]] + text[bounds[1]:]
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    allowed = CONSTANTS.get(readme_tables.named(path), [])
+    return [f for f in (m.group(0) for m in FIGURE.finditer(text))
+            if f not in allowed and not any(p.match(f) for p, _ in NOT_MEASURED)]
+
+
+def test_no_measured_figure_outside_a_generated_block() -> None:
+    """Every figure in the README or the manual comes from a results file: a measured one in prose is retyped,
+    and goes stale the day the code it describes changes."""
+    found = {readme_tables.named(p): f for p in readme_tables.pages() if (f := unbacked_figures(p))}
+    assert not found, ("measured figures outside a generated block (generate them with scripts/readme_tables.py "
+                       f"from bench/results, or describe the mechanism instead): {found}")
+
+
+def test_the_constants_allowed_are_still_there() -> None:
+    """An allowance whose figure left its page goes too, so the list never lets a new measurement through."""
+    for name, figures in CONSTANTS.items():
+        text = (ROOT / name).read_text()
+        for figure in figures:
+            assert figure in text, f"{name} no longer says {figure!r}: drop it from CONSTANTS"
