@@ -512,12 +512,9 @@ class CmemiRun:
         return self.redis.hgetall(self.keys.member(role, ident))
 
     def members(self, role: str) -> dict[str, dict[str, str]]:
-        out = {}
-        for key in self.redis.scan_iter(match=self.keys.member(role, "*")):
-            rec = self.redis.hgetall(key)
-            if rec.get("state") == "running" and self.redis.exists(self.keys.heartbeat(role, rec["id"])):
-                out[rec["id"]] = rec
-        return out
+        from cmemi.shared.coordination.membership import running_members
+
+        return running_members(self.redis, self.keys, role)
 
     def pid(self, role: str, ident: str) -> int | None:
         rec = self.member(role, ident)

@@ -76,6 +76,16 @@ def allocate(client: redis.Redis, key: str) -> int:
     return int(client.incr(key))
 
 
+def running_members(client: redis.Redis, keys: Keys, role: str) -> dict[str, dict[str, str]]:
+    """The members of `role` that are running and heartbeating now: id -> their record (pid, incarnation, host, ...)."""
+    out: dict[str, dict[str, str]] = {}
+    for key in client.scan_iter(match=keys.member(role, "*"), count=500):
+        rec = table(client.hgetall(key))
+        if rec.get("state") == "running" and client.exists(keys.heartbeat(role, rec["id"])):
+            out[rec["id"]] = rec
+    return out
+
+
 # Only touch the record if it is still ours: a newer incarnation may already have taken the id.
 _MARK_STOPPED = """
 if redis.call('HGET', KEYS[1], 'incarnation') == ARGV[1] then

@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 from cmemi.shared.coordination.keys import Keys
-from cmemi.shared.coordination.membership import connect, emit
+from cmemi.shared.coordination.membership import connect, emit, running_members
 
 from tests.conftest import DIGITS, ROOT, up_args
 
@@ -61,12 +61,7 @@ class Cluster:
 
     def members(self, role: str) -> dict[str, dict[str, str]]:
         """Running members of a role: id -> record (pid, incarnation, ...)."""
-        out = {}
-        for key in self.redis.scan_iter(match=self.keys.member(role, "*")):
-            rec = self.redis.hgetall(key)
-            if rec.get("state") == "running" and self.redis.exists(self.keys.heartbeat(role, rec["id"])):
-                out[rec["id"]] = rec
-        return out
+        return running_members(self.redis, self.keys, role)
 
     def replaced(self, role: str, ident: str, old_inc: int, timeout: float = 60) -> None:
         """Wait until a newer incarnation of role/ident has registered and heartbeats."""
