@@ -153,6 +153,12 @@ def _status(argv: list[str]) -> int:
     return status_main(argv)
 
 
+def _dashboard(argv: list[str]) -> int:
+    from cmemi.commands.dashboard.cli import main as dashboard_main
+
+    return dashboard_main(argv)
+
+
 def _plot(argv: list[str]) -> int:
     from cmemi.shared.config.extras import MissingExtra, require
 
@@ -206,20 +212,22 @@ def _logs(argv: list[str]) -> int:
 
 
 COMMANDS = {"up": _up, "reference": _reference, "events": _events, "scale": _scale, "checkpoints": _checkpoints, "status": _status,
-            "plot": _plot, "keys": _keys, "logs": _logs}
+            "dashboard": _dashboard, "plot": _plot, "keys": _keys, "logs": _logs}
 
 
 def main(argv: list[str] | None = None) -> None:
     from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: cmemi {up,reference,events,scale,checkpoints,status,plot,keys,logs,aggregator,worker,checkpointer,coordinator} ...\n\n"
+        print("usage: cmemi {up,reference,events,scale,checkpoints,status,dashboard,plot,keys,logs,aggregator,worker,checkpointer,coordinator} ...\n\n"
               "  up CONFIG        run the whole cluster on this machine\n"
               "  reference CONFIG train it in one process as the cluster would; prints params_sha256\n"
               "  events RUN_DIR   each fault's recovery timeline\n"
               "  scale RUN_DIR N  add or remove workers of a running cluster\n"
               "  status RUN_DIR [--watch] [--json]\n"
               "                   what a run is doing now (step, loss, workers, events)\n"
+              "  dashboard RUN_DIR [--host H] [--port P]\n"
+              "                   a live page of the run in the browser (curves, workers, events)\n"
               "  plot RUN_DIR [-o out.png]\n"
               "                   loss, eval, lr and throughput over time, faults marked\n"
               "  keys DIR [--per-role OUT]\n                   generate CurveZMQ key pairs (security.curve), one dir per role\n"

@@ -1,6 +1,7 @@
 """The `cmemi` subcommands that start no cluster: they read a run (its Redis or its files) or train in one process.
 
 - `status/`: `cmemi status`: what a run is doing now, from its Redis or its files (a package: see its map).
+- `dashboard/`: `cmemi dashboard RUN_DIR`: a live page of the run in the browser (a package: see its map).
 - `logs.py`: `cmemi logs RUN_DIR [ROLE]`: the services' logs of a run, merged in time order.
 - `events.py`: `cmemi events RUN_DIR`: each fault's recovery timeline, read back from events.jsonl.
 - `plot.py`: `cmemi plot RUN_DIR`: loss, eval, learning rate and throughput of a run, faults marked.
