@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test chaos-test lint docs bench clean
+.PHONY: install dev demo test chaos-test lint docs bench clean system-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,14 @@ dev: $(VENV)/.dev
 demo: install
 	$(BIN)/cmemi up examples/digits.yaml --overwrite
 
-test: dev
+# Debian packages tests drive for real, installed when missing (scripts/system_packages.sh; root or sudo):
+# chromium for tests/test_dashboard_browser.py.
+SYSTEM_PACKAGES ?= chromium
+
+system-packages:
+	bash scripts/system_packages.sh $(SYSTEM_PACKAGES)
+
+test: dev system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The 30-fault chaos run alone (tests/test_chaos.py; also part of `make test`).
