@@ -5,16 +5,23 @@ the DOM at the end are kept (under $CMEMI_TEST_ARTIFACTS if set, else the test's
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from cmemi.commands.dashboard.access import Access
+from cmemi.commands.dashboard.server import DashboardServer
+from cmemi.commands.dashboard.snapshot import Dashboard
 from tests.conftest import LONG, ROOT, cmemi_cmd
 from tests.helpers.browser import Browser
 from tests.helpers.chaos import Cluster, poll
+from tests.test_status_plot import write_run_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(600)]
 
@@ -108,6 +115,7 @@ def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsy
         shot = browser.screenshot(out / "dashboard-live-run.png")
         (out / "dashboard-live-run.html").write_text(browser.eval("document.documentElement.outerHTML"))
         assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert browser.problems() == []  # no exception, no console error, nothing the CSP refused
         with capsys.disabled():
             print(f"\ndashboard: page showed {victim}'s death {death_s:.1f}s and its replacement "
                   f"(incarnation {seen_back['workers'][victim]['incarnation']}) {back_s:.1f}s after the kill; "
@@ -118,3 +126,42 @@ def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsy
         dash.terminate()
         dash.communicate(timeout=20)
         c.close()
+
+
+def test_the_page_of_a_finished_run_behind_a_token_with_a_rollback(tmp_path: Path) -> None:
+    """The page in the browser, served with a token (its script and its calls carry it, the CSP lets nothing else
+    in): a finished run whose aggregator went back from step 40 to 30 and redid 31..40 shows each step once, with
+    the redone values, the faults marked, the checkpoints listed; and nothing goes wrong in the page."""
+    run_dir = tmp_path / "run"
+    write_run_files(run_dir)  # 40 steps; w1 killed, fenced and restarted; an aggregator restart at step 10
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        for step in range(31, 41):
+            f.write(json.dumps({"step": step, "loss": 9.0, "samples_per_s": 100.0, "t": 1_000_001.0 + step}) + "\n")
+    for step in (10, 20):
+        (run_dir / "checkpoints" / f"step-{step:08d}").mkdir(parents=True)
+        (run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors").write_bytes(b"x" * 1000)
+    token = secrets.token_urlsafe(32)
+    server = DashboardServer(("127.0.0.1", 0), Dashboard(run_dir), Access(token))
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    browser = Browser(tmp_path / "profile", tmp_path / "chromium.log")
+    try:
+        browser.open(server.url("127.0.0.1"))
+        p = poll(lambda: (p := browser.eval(READ))["polls"] >= 2 and p, DOM_S, "the page polled twice", interval=0.1)
+        assert p["state"] == "completed" and p["step"] == 40
+        assert p["lossPoints"] == 40 and p["lossLastStep"] == 40  # 1..30, then 31..40 once: the redone ones
+        assert browser.eval("document.getElementById('curve-loss').dataset.lastValue") == "9"
+        assert p["markers"] == 5  # died, fenced, restarted, the aggregator's restart and its restore (the first
+        # aggregator start comes before step 1: not drawn)
+        assert p["evalPoints"] == 4 and p["checkpoints"] == [20, 10]
+        assert browser.eval("document.querySelector('#checkpoints tr[data-latest=\"true\"]').dataset.step") == "10"
+        assert p["workers"] == {"w0": {"state": "exited", "incarnation": 11, "host": "h0"},
+                                "w1": {"state": "exited", "incarnation": 13, "host": "h1"}}
+        assert [e["kind"] for e in p["events"]][:3] == ["run_completed", "checkpoint_restored", "aggregator_started"]
+        assert browser.eval("document.getElementById('connection').dataset.ok") == "true"
+        assert browser.problems() == []
+    finally:
+        browser.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -62,6 +62,7 @@ class Browser:
         self.buffer = b""
         self.next_id = 0
         self.session: str | None = None
+        self.events: list[dict[str, Any]] = []
 
     def call(self, method: str, params: dict[str, Any] | None = None, session: str | None = None) -> dict[str, Any]:
         """Send one command and wait (with the deadline) for its answer; events in between are skipped."""
@@ -76,7 +77,9 @@ class Browser:
             while b"\0" in self.buffer:
                 raw, _, self.buffer = self.buffer.partition(b"\0")
                 reply = json.loads(raw)
-                if reply.get("id") == ident:
+                if "id" not in reply:
+                    self.events.append(reply)  # console messages, exceptions, ...: read by `problems`
+                elif reply["id"] == ident:
                     if "error" in reply:
                         raise RuntimeError(f"{method}: {reply['error']}")
                     return dict(reply.get("result", {}))
@@ -89,9 +92,28 @@ class Browser:
             self.buffer += chunk
 
     def open(self, url: str) -> None:
-        """Open `url` in a new tab and attach to it: later calls act on this page."""
-        target = self.call("Target.createTarget", {"url": url})["targetId"]
+        """Open `url` in a new tab and attach to it: later calls act on this page. The page's console and its
+        uncaught exceptions are recorded from the start (`problems`)."""
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
         self.session = self.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Runtime", "Log", "Page"):
+            self.call(f"{domain}.enable", session=self.session)
+        self.call("Page.navigate", {"url": url}, self.session)
+
+    def problems(self) -> list[str]:
+        """What went wrong in the page so far: uncaught exceptions, console errors, and the browser's own error
+        entries (a resource that failed to load, a Content-Security-Policy violation)."""
+        out = []
+        for e in self.events:
+            params = e.get("params", {})
+            if e.get("method") == "Runtime.exceptionThrown":
+                out.append(str(params.get("exceptionDetails", {}).get("exception", {}).get("description")))
+            elif e.get("method") == "Runtime.consoleAPICalled" and params.get("type") == "error":
+                out.append(" ".join(str(a.get("value", a.get("description"))) for a in params.get("args", [])))
+            elif e.get("method") == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
+                entry = params["entry"]
+                out.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}".strip())
+        return out
 
     def eval(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (JSON-able values only)."""

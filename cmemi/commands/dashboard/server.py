@@ -43,6 +43,7 @@ class DashboardServer(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], dashboard: Dashboard, access: Access) -> None:
         self.dashboard, self.access = dashboard, access
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET  # --host ::1 or ::
         super().__init__(address, Handler)
 
     @property

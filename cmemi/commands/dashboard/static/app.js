@@ -109,7 +109,7 @@ function draw(svg, series, markers, shared) {
   svg.dataset.points = String(main.length);
   svg.dataset.lastStep = main.length ? String(main[main.length - 1][0]) : "";
   svg.dataset.lastValue = main.length ? String(main[main.length - 1][1]) : "";
-  svg.dataset.markers = String(markers.length);
+  svg.dataset.markers = "0";
   if (!all.length) {
     svg.append(node("text", { x: w / 2, y: h / 2, "text-anchor": "middle", class: "axis" }, "no data yet"));
     return;
@@ -134,7 +134,8 @@ function draw(svg, series, markers, shared) {
   svg.append(node("text", { x: left, y: h - 4, class: "axis" }, "step " + x0));
   svg.append(node("text", { x: w - right, y: h - 4, "text-anchor": "end", class: "axis" }, "step " + x1));
   for (const m of markers) {
-    if (m.step === null || m.step < x0 || m.step > x1) continue;
+    if (m.step === null || m.step < x0 || m.step > x1) continue;  // before the first logged step: not drawn
+    svg.dataset.markers = String(Number(svg.dataset.markers) + 1);
     const line = node("line", { x1: sx(m.step), x2: sx(m.step), y1: top, y2: h - bottom, class: "marker" });
     line.append(node("title", {}, m.label));
     svg.append(line);
