@@ -114,6 +114,17 @@ def test_page_and_static_files_only(dash: DashboardServer) -> None:
     assert get(dash, "/api/state", host=f"localhost:{dash.port}")[0] == 200
 
 
+def test_an_endpoint_that_fails_answers_500_with_the_reason_and_the_server_goes_on(run_dir: Path) -> None:
+    for server in serve(run_dir):
+        def broken(target, n):
+            raise ValueError("unreadable progress")
+
+        server.dashboard.report = broken
+        status, body, _ = get(server, "/api/status")
+        assert status == 500 and body == "/api/status: ValueError: unreadable progress\n"
+        assert get(server, "/api/checkpoints")[0] == 200
+
+
 def test_every_path_needs_the_token_when_one_is_set(run_dir: Path) -> None:
     for server in serve(run_dir, token="s3cret-token"):
         for path in ("/", "/static/app.js", "/api/state", "/api/status", "/api/checkpoints", "/nothing"):
@@ -173,8 +184,8 @@ def test_cli_bad_arguments_are_one_line_and_exit_2(tmp_path: Path) -> None:
         for args, says in (([str(tmp_path / "nowhere")], "is not a directory; pass the run directory"),
                            ([str(tmp_path), "--port", str(port)], f"--port {port}: already in use"),
                            ([str(tmp_path), "--port", "70000"], "--port 70000: a port is 0..65535"),
-                           ([str(tmp_path), "--host", "no-such-host.invalid", "--port", "0"],
-                            "--host no-such-host.invalid: not an address of this machine")):
+                           ([str(tmp_path), "--host", "192.0.2.1", "--port", "0"],  # TEST-NET: not this machine's
+                            "--host 192.0.2.1 --port 0: cannot bind")):
             r = subprocess.run(cmemi_cmd("dashboard", *args), cwd=ROOT, capture_output=True, text=True, timeout=60)
             assert r.returncode == 2 and r.stderr.count("\n") == 1, (args, r.stderr)
             assert r.stderr.startswith("cmemi: error: ") and says in r.stderr, (args, r.stderr)

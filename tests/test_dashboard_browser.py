@@ -62,13 +62,14 @@ def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsy
     c = Cluster(tmp_path / "run", *LONG, f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}",
                 "cluster.workers=2", "cluster.spare_workers=1", "checkpoint.every_steps=50", "eval.every_steps=50",
                 "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.02}")
-    dash = subprocess.Popen(cmemi_cmd("dashboard", str(c.run_dir), "--port", "0"), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    dash_log = tmp_path / "dashboard.log"  # a file, not a pipe nobody reads: the server never blocks on its output
+    with open(dash_log, "w") as out:
+        dash = subprocess.Popen(cmemi_cmd("dashboard", str(c.run_dir), "--port", "0"), cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
     browser = None
     try:
-        assert dash.stdout is not None
-        line = dash.stdout.readline()
-        assert " at http://127.0.0.1:" in line, line + dash.stdout.read()
+        line = poll(lambda: dash.poll() is None and " at http://" in (text := dash_log.read_text()) and text, 60,
+                    "cmemi dashboard's URL")
         url = line.split(" at ", 1)[1].split()[0]
         browser = Browser(tmp_path / "profile", tmp_path / "chromium.log")
         browser.open(url)
@@ -107,9 +108,9 @@ def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsy
         assert any(e["kind"] == "fault_injected" and e["id"] == victim for e in seen_back["events"])
         assert seen_death["markers"] >= 1 or seen_back["markers"] >= 1  # the death marked on the loss curve
         # ... and training goes on, in the same page
-        after = poll(lambda: (p := page())["step"] > seen_back["step"] and p, DOM_S, "the step advancing after the "
-                     "replacement", interval=0.1)
-        assert after["state"] == "running" and sum(w["state"] == "running" for w in after["workers"].values()) == 2
+        after = poll(lambda: (p := page())["step"] > seen_back["step"] and p["state"] == "running"
+                     and sum(w["state"] == "running" for w in p["workers"].values()) == 2 and p, DOM_S,
+                     "the step advancing after the replacement, 2 workers running", interval=0.1)
 
         out = artifacts_dir(tmp_path)
         shot = browser.screenshot(out / "dashboard-live-run.png")
@@ -124,7 +125,7 @@ def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsy
         if browser is not None:
             browser.close()
         dash.terminate()
-        dash.communicate(timeout=20)
+        dash.wait(timeout=20)
         c.close()
 
 

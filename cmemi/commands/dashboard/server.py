@@ -83,7 +83,12 @@ class Handler(BaseHTTPRequestHandler):
             return
         route = ROUTES.get(url.path)
         if route is not None:
-            self._json(route(self.server.dashboard, query))
+            try:
+                body = route(self.server.dashboard, query)
+            except Exception as exc:  # noqa: BLE001 - the page shows why, and the server keeps serving
+                self._text(HTTPStatus.INTERNAL_SERVER_ERROR, f"{url.path}: {type(exc).__name__}: {exc}")
+                return
+            self._json(body)
         elif url.path == "/":
             page = (STATIC / "index.html").read_text().replace("{{query}}", access.query())
             self._send(HTTPStatus.OK, page.encode(), TYPES[".html"])
