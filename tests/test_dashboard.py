@@ -104,9 +104,11 @@ def test_page_and_static_files_only(dash: DashboardServer) -> None:
     assert status == 200 and 'src="static/app.js"' in page and "{{query}}" not in page
     assert "default-src 'self'" in headers["Content-Security-Policy"] and headers["Cache-Control"] == "no-store"
     assert "http://" not in page and "https://" not in page  # nothing from a CDN: the machine may be offline
-    status, script, headers = get(dash, "/static/app.js")
-    assert status == 200 and headers["Content-Type"].startswith("text/javascript") and "api/state" in script
-    assert "http" not in script.replace("http://www.w3.org/2000/svg", "")
+    assert 'src="static/curves.js"' in page
+    for name, holds in (("app.js", "api/state"), ("curves.js", "function drawCurves")):
+        status, script, headers = get(dash, f"/static/{name}")
+        assert status == 200 and headers["Content-Type"].startswith("text/javascript") and holds in script
+        assert "http" not in script.replace("http://www.w3.org/2000/svg", "")  # the SVG namespace, not a URL
     assert get(dash, "/static/style.css")[0] == 200
     for path in ("/static/index.html", "/static/../cli.py", "/static/%2e%2e/cli.py", "/api/nothing", "/cli.py"):
         assert get(dash, path)[0] == 404, path
