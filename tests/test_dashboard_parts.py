@@ -12,7 +12,14 @@ import pytest
 
 from cmemi.commands.dashboard import access as access_module
 from cmemi.commands.dashboard.access import Access, host_name, is_loopback
-from cmemi.commands.dashboard.snapshot import Dashboard, checkpoints, curve_point, finite, timeline_event
+from cmemi.commands.dashboard.snapshot import (
+    FILES_RECHECK_S,
+    Dashboard,
+    checkpoints,
+    curve_point,
+    finite,
+    timeline_event,
+)
 from cmemi.commands.dashboard.tail import JsonlTail
 from tests.test_status_plot import write_run_files
 
@@ -111,7 +118,7 @@ def test_loopback_needs_no_token_anywhere_else_a_token_compared_in_constant_time
     assert remote.query() == f"?token={remote.token}"
 
 
-def test_the_status_report_is_read_at_most_every_status_every_and_not_again_for_a_finished_run(tmp_path: Path) -> None:
+def test_the_status_report_is_read_at_most_every_status_every_and_from_unchanged_files_seldom(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_run_files(run_dir)
     now = [0.0]
@@ -136,6 +143,15 @@ def test_the_status_report_is_read_at_most_every_status_every_and_not_again_for_
     now[0] += 5
     d.state()
     assert len(calls) == 2
+    (run_dir / "summary.json").unlink()  # a run that stopped without ending: its Redis may answer again
+    now[0] += 5
+    assert d.status()["report"]["state"] == "stopped" and len(calls) == 3
+    now[0] += FILES_RECHECK_S / 2
+    d.status()
+    assert len(calls) == 3  # its files unchanged: the same report for a while
+    now[0] += FILES_RECHECK_S
+    d.status()
+    assert len(calls) == 4  # ... then read again
     empty = Dashboard(tmp_path / "nothing", clock=lambda: now[0])
     (tmp_path / "nothing").mkdir()
     st = empty.status()

@@ -126,7 +126,7 @@ function renderEvents() {
   }));
 }
 
-function renderSummary(st) {
+function renderSummary(st, now) {
   const r = st.report;
   $("note").hidden = !(st.error || (r && (r.note || r.error)));
   $("note").textContent = st.error || (r ? [r.error, r.note].filter(Boolean).join("; ") : "");
@@ -139,7 +139,10 @@ function renderSummary(st) {
   setValue("lr", "data-lr", r.lr, num(r.lr, 3));
   setValue("samples-per-s", "data-value", r.samples_per_s, num(r.samples_per_s, 4));
   setValue("live-workers", "data-value", r.live_workers, r.live_workers ?? "-");
-  setValue("progress-age", "data-value", r.progress_age_s, age(r.progress_age_s));
+  // the report may be older than this answer (one from a finished run's files is kept): age it to now
+  const progressAge = r.progress_age_s === null || r.progress_age_s === undefined ? null
+    : r.progress_age_s + Math.max(0, now - r.time);
+  setValue("progress-age", "data-value", progressAge, age(progressAge));
   setValue("term", "data-value", r.term, r.term ?? "-");
   if (r.eval) $("eval-last").textContent = "(last at step " + r.eval.step + ")";
 }
@@ -160,7 +163,7 @@ async function poll() {
     const data = await res.json();
     merge("metrics", "mgen", data.metrics);
     merge("events", "egen", data.events);
-    renderSummary(data.status);
+    renderSummary(data.status, data.time);
     renderWorkers(data.status.report);
     renderCheckpoints(data.checkpoints, data.status.report);
     drawCurves(data.status.report);
