@@ -23,7 +23,7 @@ from tests.helpers.browser import Browser
 from tests.helpers.chaos import Cluster, poll
 from tests.test_status_plot import write_run_files
 
-pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]  # real Chromium processes (and a real run)
 
 STEPS = 3000  # far more than the test watches (it stops the run once it has seen the replacement train)
 DOM_S = 60.0  # deadline for each thing the page must show; measured times are printed
@@ -58,6 +58,7 @@ def artifacts_dir(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.fault
 def test_the_page_follows_a_live_run_through_a_worker_kill(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     c = Cluster(tmp_path / "run", *LONG, f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}",
                 "cluster.workers=2", "cluster.spare_workers=1", "checkpoint.every_steps=50", "eval.every_steps=50",
