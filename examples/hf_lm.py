@@ -31,12 +31,11 @@ import tempfile
 from typing import Any
 
 import torch
+from cmemi.examples.charlm import CORPUS_MODULES
+from cmemi.shared.config.extras import require
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
-
-from cmemi.examples.charlm import CORPUS_MODULES
-from cmemi.shared.config.extras import require
 
 # Nothing of this example comes from a hub: set before `datasets` and `transformers` are imported, which read it
 # once (a user who set it either way keeps theirs).
