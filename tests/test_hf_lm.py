@@ -134,6 +134,14 @@ def test_one_and_two_workers_equal_reference_and_the_export_opens_with_from_pret
         for name, t in trained.items():
             assert torch.equal(loaded.state_dict()[name], t), name
         assert torch.equal(logits_of(loaded, x), want)
+    d = tmp_path / "hf-step-20"  # --step: that checkpoint's weights
+    e = subprocess.run(cmemi_cmd("checkpoints", "export", str(run), "--format", "hf", "--step", "20", "-o", str(d)),
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert e.returncode == 0, e.stderr[-3000:]
+    step20 = load_file(str(run / "checkpoints" / "step-00000020" / "model.safetensors"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(d)
+    assert all(torch.equal(loaded.state_dict()[name], t) for name, t in step20.items())
+    assert not torch.equal(step20["transformer.wte.weight"], trained["transformer.wte.weight"])
     assert not [p for p in (tmp_path / "home").rglob("*") if "huggingface" in str(p)]
 
 
