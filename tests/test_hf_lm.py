@@ -163,7 +163,8 @@ def test_export_of_a_run_whose_model_is_not_transformers_is_one_line(tmp_path: P
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("args", [("reference", HF_LM), ("checkpoints", "export", "RUN", "--format", "hf")])
+@pytest.mark.parametrize("args", [("reference", HF_LM), ("up", HF_LM, "--set", "run.dir={up}"),
+                                  ("checkpoints", "export", "{run}", "--format", "hf")])
 def test_without_the_hf_extra_it_is_one_line_naming_it(tmp_path: Path, args: tuple[str, ...]) -> None:
     """`transformers` made unimportable (a package of that name that raises ImportError, first on the path)."""
     (tmp_path / "hide" / "transformers").mkdir(parents=True)
@@ -172,8 +173,8 @@ def test_without_the_hf_extra_it_is_one_line_naming_it(tmp_path: Path, args: tup
     run.mkdir()
     shutil.copyfile(HF_LM, run / "config.yaml")
     env = {**offline_env(tmp_path / "home"), "PYTHONPATH": str(tmp_path / "hide")}
-    r = subprocess.run(cmemi_cmd(*[str(run) if a == "RUN" else a for a in args]), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=env)
+    argv = [a if a == HF_LM else a.format(run=run, up=tmp_path / "up") for a in args]
+    r = subprocess.run(cmemi_cmd(*argv), cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith("pip install 'cmemi[hf]'"), r.stderr

@@ -31,7 +31,7 @@ def tiny(seed: int, **kwargs: int) -> torch.nn.Module:
 
 
 def saved(model: torch.nn.Module, out: Path, shard: str | None = None) -> Path:
-    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))  # type: ignore[operator]
+    model.save_pretrained(out, **({"max_shard_size": shard} if shard else {}))
     return out
 
 
