@@ -18,7 +18,7 @@ if not __package__:  # run as `python scripts/readme_tables.py`: the repository 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.config_reference import markdown as config_reference  # noqa: E402
-from scripts.tables import cluster, compression, headlines, local, memory, overview, resnet, small  # noqa: E402
+from scripts.tables import cluster, compression, headlines, hf, local, memory, overview, resnet, small  # noqa: E402
 from scripts.tables.provenance import ROOT, ProvenanceError, check_all  # noqa: E402
 
 README = ROOT / "README.md"
@@ -30,7 +30,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "memory-table": memory.memory, "compression-table": compression.compression, "streaming-table": local.streaming,
     "local-steps-table": local.local_steps, "small-table": small.small, "cluster-table": cluster.cluster,
     "cluster-notes": cluster.cluster_notes, "resnet-accuracy": resnet.resnet_accuracy,
-    "config-reference": config_reference,
+    "hf-lm-table": hf.hf_lm, "config-reference": config_reference,
 }
 
 

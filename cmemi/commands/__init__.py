@@ -6,6 +6,7 @@
 - `events.py`: `cmemi events RUN_DIR`: each fault's recovery timeline, read back from events.jsonl.
 - `plot.py`: `cmemi plot RUN_DIR`: loss, eval, learning rate and throughput of a run, faults marked.
 - `checkpoints.py`: `cmemi checkpoints list|verify|export RUN_DIR`: inspect, check and export a run's checkpoints.
+- `hf_export.py`: `cmemi checkpoints export RUN_DIR --format hf`: a run's weights as a Hugging Face save_pretrained directory.
 - `reference.py`: `cmemi reference CONFIG`: the config trained in one process, as the cluster would; its params_sha256.
 - `configs.py`: where a config argument points: a YAML path, or the name of an example installed with the package.
 """

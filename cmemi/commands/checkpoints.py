@@ -1,4 +1,6 @@
-"""`cmemi checkpoints list|verify|export RUN_DIR`: inspect, check and export a run's checkpoints."""
+"""`cmemi checkpoints list|verify|export RUN_DIR`: inspect, check and export a run's checkpoints.
+
+`export --format hf` writes a Hugging Face save_pretrained directory instead of one file: hf_export.py."""
 
 from __future__ import annotations
 
@@ -25,15 +27,23 @@ def main(argv: list[str]) -> int:
     sub = p.add_subparsers(dest="action", required=True)
     for name, help_ in (("list", "step, size and age of each checkpoint"),
                         ("verify", "check every file against its manifest checksum (exit 1 if any is damaged)"),
-                        ("export", "write one checkpoint's model weights as a single file")):
+                        ("export", "write one checkpoint's model weights as a single file (--format hf: a Hugging "
+                                   "Face model directory of the run's final weights)")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("run_dir")
     exp = sub.choices["export"]
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest that verifies)")
-    exp.add_argument("-o", "--output", default=None, help="output file (default RUN_DIR/export-step-N.safetensors)")
-    exp.add_argument("--format", choices=["safetensors", "pt"], default="safetensors",
-                     help="safetensors (safetensors.torch.load_file) or pt (torch.load(path, weights_only=True))")
+    exp.add_argument("-o", "--output", default=None, help="output file (default RUN_DIR/export-step-N.safetensors; "
+                     "--format hf: a directory, default RUN_DIR/export-hf)")
+    exp.add_argument("--format", choices=["safetensors", "pt", "hf"], default="safetensors",
+                     help="safetensors (safetensors.torch.load_file), pt (torch.load(path, weights_only=True)) or hf "
+                     "(a save_pretrained directory for transformers' from_pretrained: the run's final weights, else "
+                     "its newest checkpoint; needs cmemi[hf] and a transformers model)")
     args = p.parse_args(argv)
+    if args.action == "export" and args.format == "hf":
+        from cmemi.commands import hf_export
+
+        return hf_export.main(args.run_dir, args.output, args.step)
     root = Path(args.run_dir) / "checkpoints"
     if not root.is_dir():
         print(f"cmemi: error: {root} not found; pass the run directory of a cmemi run", file=sys.stderr)

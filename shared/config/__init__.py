@@ -8,6 +8,7 @@
 - lookup      user code by import path ('module:attr'), a failed lookup listing the choices
 - plugins     building what the config names: model, optimizer, scheduler, param groups
 - initweights model.init_from: pretrained weights, checked name by name
+- pretrained  model.init_from on a Hugging Face save_pretrained directory: shards by their index, tied weights
 - usercode    an error raised in user code, said in one line with where
 - extras      optional dependencies, a missing one named with its extra
 """

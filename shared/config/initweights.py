@@ -1,10 +1,12 @@
 """`model.init_from`: start a run from pretrained weights or another run's, checked name by name.
 
 Where the weights come from: a .safetensors file (a run's `model.safetensors`, `cmemi checkpoints export`), a
-.pt/.pth state_dict (`torch.load(weights_only=True)`), a checkpoint directory (its model.safetensors) or a run
-directory (its final model.safetensors, else its newest checkpoint's). Names and shapes are checked against the
-model's state_dict (parameters and persistent buffers), one line per mismatch: missing (the model has it, the
-file does not), unexpected (the file has it, the model does not), wrong shape. Under `model.init_strict: false`
+.pt/.pth state_dict (`torch.load(weights_only=True)`), a checkpoint directory (its model.safetensors), a run
+directory (its final model.safetensors, else its newest checkpoint's) or a Hugging Face `save_pretrained`
+directory (model.safetensors, or shards with model.safetensors.index.json: pretrained.py). Names and shapes are
+checked against the model's state_dict (parameters and persistent buffers), one line per mismatch: missing (the
+model has it, the file does not: a name tied to one the file has, as GPT-2's `lm_head.weight`, is not missing),
+unexpected (the file has it, the model does not), wrong shape. Under `model.init_strict: false`
 what matches is loaded and the rest keeps the factory's values (a new head for another class count).
 
 Only the parameter servers load it (services/aggregator/common/trainer.py): the initial weights are one canonical
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cmemi.shared.config import pretrained
 from cmemi.shared.config.checks import ConfigError
 
 if TYPE_CHECKING:
@@ -38,11 +41,15 @@ def weights_file(path: str) -> Path:
     if p.is_dir():
         if (p / "model.safetensors").is_file():
             return p / "model.safetensors"
+        index = pretrained.index_file(p)
+        if index is not None:  # a sharded save_pretrained directory
+            return index
         steps = sorted(d for d in (p / "checkpoints").glob("step-*") if (d / "model.safetensors").is_file())
         if steps:
             return steps[-1] / "model.safetensors"
-        raise InitError(f"{FIELD} = {path!r}: the directory holds no model.safetensors and no checkpoint; give a "
-                        "run directory that completed or checkpointed, or a .safetensors file")
+        raise InitError(f"{FIELD} = {path!r}: the directory holds no model.safetensors and no checkpoint (nor a "
+                        f"{pretrained.INDEX}); give a run directory that completed or checkpointed, a save_pretrained "
+                        "directory, or a .safetensors file")
     raise InitError(f"{FIELD} = {path!r}: no such file or directory (relative paths start at {Path.cwd()}); "
                     "give a .safetensors or .pt file, a checkpoint directory or a run directory")
 
@@ -56,6 +63,8 @@ def read(path: str) -> tuple[Path, dict[str, torch.Tensor]]:
         if f.suffix in (".pt", ".pth", ".bin"):
             sd = torch.load(f, map_location="cpu", weights_only=True)
             sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+        elif f.name == pretrained.INDEX:
+            sd = pretrained.read_sharded(f)
         else:
             from safetensors.torch import load_file
 
@@ -69,10 +78,13 @@ def read(path: str) -> tuple[Path, dict[str, torch.Tensor]]:
     return f, sd
 
 
-def mismatches(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> list[str]:
-    """One line per name that does not fit: missing, unexpected, wrong shape."""
+def mismatches(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
+               tied: dict[str, list[str]] | None = None) -> list[str]:
+    """One line per name that does not fit: missing (and no name `tied` to it is in the file), unexpected, wrong
+    shape."""
+    tied = tied or {}
     lines = [f"missing: {n} {list(t.shape)} (in the model, not in the file)" for n, t in expected.items()
-             if n not in loaded]
+             if pretrained.covered(n, tied, loaded) is None]
     lines += [f"unexpected: {n} {list(t.shape)} (in the file, not in the model)" for n, t in loaded.items()
               if n not in expected]
     lines += [f"wrong shape: {n} is {list(loaded[n].shape)} in the file, {list(t.shape)} in the model"
@@ -87,17 +99,18 @@ def load_into(model: torch.nn.Module, path: str, strict: bool) -> list[str]:
 
     f, loaded = read(path)
     expected = model.state_dict()
-    lines = mismatches(expected, loaded)
+    tied = pretrained.tied_names(expected)
+    lines = mismatches(expected, loaded, tied)
     if lines and strict:
         shown = "\n  ".join(lines[:SHOWN]) + (f"\n  ... and {len(lines) - SHOWN} more" if len(lines) > SHOWN else "")
         raise InitError(f"{FIELD} = {path!r}: {len(lines)} names or shapes of {f} differ from the model's "
                         f"(set model.init_strict: false to load what matches):\n  {shown}")
     with torch.no_grad():
         for n, t in expected.items():
-            if n in loaded and loaded[n].shape == t.shape:
-                t.copy_(loaded[n])
+            src = pretrained.covered(n, tied, loaded)
+            if src is not None and loaded[src].shape == t.shape:
+                t.copy_(loaded[src])
     return lines
-
 
 
 def say_skipped(path: str, lines: list[str]) -> None:

@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.errors import UserError
 
 
 def resolve(path: str, field: str) -> Any:
@@ -19,6 +20,8 @@ def resolve(path: str, field: str) -> Any:
     except ImportError as exc:
         raise ConfigError(f"config field '{field}' = {path!r}: cannot import module {module_name!r} ({exc}); "
                           "check the spelling and that the package is installed or on PYTHONPATH") from None
+    except UserError as exc:  # the module says itself what is wrong (extras.MissingExtra: "pip install 'cmemi[hf]'")
+        raise ConfigError(f"config field '{field}' = {path!r}: {exc}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

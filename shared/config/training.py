@@ -45,8 +45,9 @@ class ModelConfig:
     (floating: tree sum / M; integer counters: advanced as one process would); frozen keeps the initial ones."""
     init_from: str | None = None
     """Start from these weights instead of the factory's: a .safetensors file (a run's model.safetensors, `cmemi
-    checkpoints export`), a .pt state_dict, a checkpoint directory or another run's directory (its model.safetensors,
-    else its latest checkpoint). Loaded by the parameter servers only; null: the factory's initial weights."""
+    checkpoints export`), a .pt state_dict, a checkpoint directory, another run's directory (its model.safetensors,
+    else its latest checkpoint) or a Hugging Face save_pretrained directory (sharded or not; tied weights written once
+    are accepted). Loaded by the parameter servers only; null: the factory's initial weights."""
     init_strict: bool = True
     """With model.init_from: every name and shape must match (one line per mismatch). false: load what matches, keep
     the factory's weights for the rest (a new head, say) and list what was skipped in the aggregator's log."""
