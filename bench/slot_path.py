@@ -2,7 +2,7 @@
 
 Issue 45's small-step floor: a 1-D CNN of 18 kB of parameters ran slower with 2 workers than before slots came
 (bench/results/floor_small.json). A whole step cannot be timed to a few microseconds on a shared machine, so this
-times the functions themselves, best of 5 rounds of N calls each (timeit: the least disturbed round), for a flat
+times the functions themselves in CPU time, best of 5 rounds of N calls each (the least disturbed round), for a flat
 model of S parameter bytes (one float32 frame, as a small model's gradient and parameters travel):
 
   reader_views       shm_reader.Reader.views of a gradient's descriptor (the leader, per gradient)
@@ -18,7 +18,7 @@ model of S parameter bytes (one float32 frame, as a small model's gradient and p
 
     .venv/bin/python bench/slot_path.py [--quick] [--sizes-kib 4,18,64,256,1024]
 
-Prints one JSON object: microseconds per call by size (`us`), and `slot_over_socket` (grad_slot / grad_socket and
+Prints one JSON object: CPU microseconds per call by size (`us`), and `slot_over_socket` (grad_slot / grad_socket and
 params_slot / params_socket; below 1: the slot is cheaper). Run it at two commits to compare the slot path.
 """
 
@@ -28,6 +28,7 @@ import argparse
 import shutil
 import sys
 import tempfile
+import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -44,8 +45,10 @@ WORK = {"term": 1, "step": 1, "lo": 0, "hi": 2, "version": 1, "scale": 1.0, "lay
 
 
 def best_us(fn: Callable[[], Any], n: int) -> float:
+    """CPU microseconds per call of `fn` (this process's every thread: ZeroMQ's I/O thread too), the best of 5 rounds:
+    CPU time, not wall, so that waiting for a core on a busy machine is not counted."""
     fn()
-    return round(min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6, 2)
+    return round(min(timeit.repeat(fn, number=n, repeat=5, timer=time.process_time)) / n * 1e6, 2)
 
 
 def measure(nbytes: int, n: int, ipc: str) -> dict[str, float]:
