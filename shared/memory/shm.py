@@ -73,6 +73,13 @@ class ShmError(ProtocolError):
 # (the writer's segment, double-buffered, and the reader's mapping of it): for a small model the copies through
 # the socket are the cost and the memory is nothing; for a big one the copies are a small part of a step and the
 # memory is what limits it (issue 34's budgets), so it keeps frames over ipc:// (docs/design.md §8).
+# No lower bound: a small model's step costs no more through slots than over ipc://. bench/slot_path.py (CPU time per
+# call, one process, flat float32 models; 2 cores at load 9-13) gives, for a worker's step (its gradient up, a version
+# down), slot / socket of 0.98-1.03 at 1 KiB (82-99 µs either way), 0.89-0.93 at 4 KiB, 0.86-0.94 at 18 KiB
+# (bench/small.py's cnn1d) and 0.56-0.70 at 64 KiB: a gradient alone costs 1.0-1.3x its socket's below 64 KiB (the
+# descriptor's message is most of a small one), a version 0.7-0.9x (the worker computes on it in place). Before a
+# slot's layout was kept (shm_reader.Segment, Writer.laid) the same step cost 1.62x its socket's at 1 and 18 KiB
+# and 1.08x at 64 KiB: issue 45's small-step floor.
 MAX_MODEL_BYTES = 64 << 20
 
 
@@ -240,9 +247,8 @@ class Writer:
         metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
                   "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in tensors.items()]
         slot, views = self.begin(metas)
-        with torch.no_grad():
-            for v, t in zip(views, tensors.values(), strict=True):
-                v.copy_(t)
+        for v, t in zip(views, tensors.values(), strict=True):
+            v.copy_(t.detach())  # (not under torch.no_grad(): entering it costs as much as copying a small gradient)
         return self.commit(slot, metas, views)
 
     def close(self) -> None:
