@@ -5,9 +5,10 @@ nothing rewrote the slot meanwhile (`intact`), the seqlock that makes a torn slo
 A peer writes the same tensors (its model's flat frames, its gradient's) into the same two slots step after step, so
 what a descriptor's layout costs is paid once per (segment, slot, layout), not per read (`Segment`): the slot's bytes
 as one tensor (a `torch.frombuffer` under a warnings filter), each tensor entry's dtype, shape and bounds checked, and
-the views made. Rebuilding them on every read cost a small model's leader more per step than decoding its gradient off
-a socket did (issue 45's small-step floor; the per-call figures: `bench/slot_path.py`). What a descriptor says that can
-change from read to read — its sequence number and checksums — is checked on every read."""
+the views made. Rebuilt on every read they cost a small model's leader more per step than decoding its gradient off a
+socket did (issue 45's small-step floor): `bench/slot_path.py` times a read of an 18 KiB slot at 12 µs of CPU rebuilt,
+4 µs kept (2 cores, busy). What a descriptor says that can change from read to read — its sequence number and
+checksums — is checked on every read."""
 
 from __future__ import annotations
 
