@@ -26,7 +26,7 @@ HANDLERS = {qual: frozenset(types) for qual, types in {
     "Replicas.hold": {"inner"}, "ShardLinks._change": {"slice"},
     "GradIntake.take": {"grad"}, "GradIntake._refusal": {"grad"}, "GradIntake._inner_state": {"grad"}, "GradIntake._accepted": {"grad"}, "Admission.hello": {"hello"},
     "ShardRoster.join": {"shard_join"}, "ShardRoster.have": {"shard_have"}, "ShardRoster.ready": {"shard_ready"},
-    "ShardRoster.eval_pieces": {"shard_eval"}, "ShardRoster.final": {"shard_final"},
+    "ShardSlices.eval_pieces": {"shard_eval"}, "ShardSlices.final": {"shard_final"},
     "Merger.add": {"snapshot"}, "Checkpointer._spool": {"snapshot"}, "Checkpointer._restore": {"restore_req"},
 }.items()}
 

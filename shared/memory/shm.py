@@ -73,6 +73,13 @@ class ShmError(ProtocolError):
 # (the writer's segment, double-buffered, and the reader's mapping of it): for a small model the copies through
 # the socket are the cost and the memory is nothing; for a big one the copies are a small part of a step and the
 # memory is what limits it (issue 34's budgets), so it keeps frames over ipc:// (docs/design.md §8).
+# No lower bound: a small model's step costs no more through slots than over ipc://. bench/slot_path.py (CPU time per
+# call, one process, flat float32 models; 2 cores at load 9-13) gives, for a worker's step (its gradient up, a version
+# down), slot / socket of 0.98-1.03 at 1 KiB (82-99 µs either way), 0.89-0.93 at 4 KiB, 0.86-0.94 at 18 KiB
+# (bench/small.py's cnn1d) and 0.56-0.70 at 64 KiB: a gradient alone costs 1.0-1.3x its socket's below 64 KiB (the
+# descriptor's message is most of a small one), a version 0.7-0.9x (the worker computes on it in place). Before a
+# slot's layout was kept (shm_reader.Segment, Writer.laid) the same step cost 1.62x its socket's at 1 and 18 KiB
+# and 1.08x at 64 KiB: issue 45's small-step floor.
 MAX_MODEL_BYTES = 64 << 20
 
 
@@ -168,6 +175,11 @@ class Writer:
         self.retired: tuple[Path | None, mmap.mmap | None] = (None, None)  # the segment a bigger one replaced
         self.seqs = [0] * SLOTS
         self.next = 0
+        # what a layout costs, paid once per (slot, layout) of this segment (shm_reader.py says why): each slot's bytes
+        # as one tensor, the tensors' offsets and their views; the last `begin`'s offsets per slot, for `commit`
+        self.wholes: list[torch.Tensor] = []
+        self.laid: dict[tuple[int, tuple[tuple[str, tuple[int, ...], int], ...]], tuple[list[int], list[torch.Tensor]]] = {}
+        self.opened: list[list[int]] = [[] for _ in range(SLOTS)]
         atexit.register(self.close)
 
     def _grow(self, need: int) -> None:
@@ -193,22 +205,28 @@ class Writer:
             raise
         os.close(fd)  # the map holds a duplicate of its own (CPython's mmap), closed with the map
         self.path, self.capacity, self.seqs, self.next = path, capacity, [0] * SLOTS, 0
+        self.wholes = [slot_bytes(self.mm, s * (HEAD + capacity) + HEAD, capacity) for s in range(SLOTS)]
 
     def begin(self, metas: list[dict[str, Any]]) -> tuple[int, list[torch.Tensor]]:
         """Open the next slot for writing tensors of `metas` (name, dtype, shape, nbytes): (slot, one view each).
         Its sequence is odd until `commit`."""
-        at, need = _place(metas)
-        if self.mm is None or need > self.capacity:
-            self._grow(need)
-        assert self.mm is not None
         slot = self.next
-        base = slot * (HEAD + self.capacity)
+        key = (slot, tuple((m["dtype"], tuple(m["shape"]), m["nbytes"]) for m in metas))
+        laid = self.laid.get(key)
+        if laid is None:
+            at, need = _place(metas)
+            if self.mm is None or need > self.capacity:
+                self._grow(need)  # (forgets every layout: they were views of the replaced segment)
+            laid = at, [tensor_at(self.wholes[slot], a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
+                        for m, a in zip(metas, at, strict=True)]
+            if len(self.laid) >= 2 * SLOTS:  # an honest writer has one layout or two
+                self.laid.clear()
+            self.laid[key] = laid
+        assert self.mm is not None
         self.seqs[slot] += 1
-        SEQ.pack_into(self.mm, base, self.seqs[slot])
-        whole = slot_bytes(self.mm, base + HEAD, self.capacity)
-        views = [tensor_at(whole, a, protocol.DTYPES[m["dtype"]], m["shape"], m["nbytes"])
-                 for m, a in zip(metas, at, strict=True)]
-        return slot, views
+        SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
+        self.opened[slot] = laid[0]
+        return slot, list(laid[1])
 
     def commit(self, slot: int, metas: list[dict[str, Any]], views: list[torch.Tensor]) -> dict[str, Any]:
         """The slot is written: its sequence even again, and its descriptor (checksums computed here)."""
@@ -221,16 +239,16 @@ class Writer:
         self.seqs[slot] += 1
         SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
         self.next = (slot + 1) % SLOTS
-        return {"seg": self.path.name, "slot": slot, "seq": self.seqs[slot], "at": _place(metas)[0], "tensors": metas}
+        return {"seg": self.path.name, "slot": slot, "seq": self.seqs[slot], "at": list(self.opened[slot]),
+                "tensors": metas}
 
     def write(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Copy `tensors` into the next slot; their descriptor."""
         metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
                   "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in tensors.items()]
         slot, views = self.begin(metas)
-        with torch.no_grad():
-            for v, t in zip(views, tensors.values(), strict=True):
-                v.copy_(t)
+        for v, t in zip(views, tensors.values(), strict=True):
+            v.copy_(t.detach())  # (not under torch.no_grad(): entering it costs as much as copying a small gradient)
         return self.commit(slot, metas, views)
 
     def close(self) -> None:
@@ -241,6 +259,7 @@ class Writer:
         self._drop()
 
     def _drop(self) -> None:
+        self.wholes, self.laid = [], {}  # views of the map: it can close only once none is left
         if self.path is not None:
             with contextlib.suppress(OSError):
                 self.path.unlink()

@@ -1,6 +1,14 @@
 """The consumer's side of shared-memory slots (shm.py lays them out and writes them): map a peer's segment once,
 check its descriptor before anything is mapped, read the tensors as views of the slot and check afterwards that
-nothing rewrote the slot meanwhile (`intact`), the seqlock that makes a torn slot unusable."""
+nothing rewrote the slot meanwhile (`intact`), the seqlock that makes a torn slot unusable.
+
+A peer writes the same tensors (its model's flat frames, its gradient's) into the same two slots step after step, so
+what a descriptor's layout costs is paid once per (segment, slot, layout), not per read (`Segment`): the slot's bytes
+as one tensor (a `torch.frombuffer` under a warnings filter), each tensor entry's dtype, shape and bounds checked, and
+the views made. Rebuilt on every read they cost a small model's leader more per step than decoding its gradient off a
+socket did (issue 45's small-step floor): `bench/slot_path.py` times a read of an 18 KiB slot at 12 µs of CPU rebuilt,
+4 µs kept (2 cores, busy). What a descriptor says that can change from read to read — its sequence number and
+checksums — is checked on every read."""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 import torch
@@ -16,9 +25,41 @@ from cmemi.shared.memory import shm
 from cmemi.shared.memory.shm import ALIGN, HEAD, NAME, SEQ, SLOTS, ShmError, run_tag, slot_bytes, tensor_at
 from cmemi.shared.wire import protocol
 
+LAYOUTS = 8  # views kept per segment: both slots of a few layouts (an honest peer sends one or two)
+Key = tuple[int, tuple[int, ...], tuple[tuple[str, str, tuple[int, ...], int], ...]]  # slot, offsets, entries
+
 
 def _int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(eq=False)
+class Segment:
+    """A peer's segment as this reader maps it: the map, each slot's bytes as one tensor (made on the slot's first
+    read), and the views of each (slot, layout) read before, checked when they were made. Everything here goes with the
+    entry (the map is closed once no view of it is left)."""
+
+    mm: mmap.mmap
+    capacity: int  # bytes per slot, header excluded
+    slots: list[torch.Tensor | None] = field(default_factory=lambda: [None] * SLOTS)
+    views: dict[Key, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def whole(self, slot: int) -> torch.Tensor:
+        t = self.slots[slot]
+        if t is None:
+            t = self.slots[slot] = slot_bytes(self.mm, slot * (HEAD + self.capacity) + HEAD, self.capacity)
+        return t
+
+    def seq(self, slot: int) -> int:
+        return int(SEQ.unpack_from(self.mm, slot * (HEAD + self.capacity))[0])
+
+
+def layout_key(slot: int, at: list[int], metas: list[dict[str, Any]]) -> Key | None:
+    """What a descriptor's views depend on, as a key of `Segment.views`; None where a shape holds anything but ints
+    (`tensor_spec` refuses it: 1.0 or True would hash as 1 and find the views checked for a valid entry)."""
+    if not all(type(d) is int for x in metas for d in x["shape"]):
+        return None
+    return slot, tuple(at), tuple((x["name"], x["dtype"], tuple(x["shape"]), x["nbytes"]) for x in metas)
 
 
 class Reader:
@@ -27,13 +68,13 @@ class Reader:
     def __init__(self, run: str, checksum: bool, limit: int = 16, bound: int | None = None) -> None:
         # bound: the most bytes one descriptor may name (limits.logical_bytes, as for a message in parts)
         self.tag, self.checksum, self.limit, self.bound = run_tag(run), checksum, limit, bound
-        self.maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self.maps: OrderedDict[str, Segment] = OrderedDict()
 
-    def _map(self, name: str) -> mmap.mmap:
-        mm = self.maps.get(name)
-        if mm is not None:
+    def _map(self, name: str) -> Segment:
+        seg = self.maps.get(name)
+        if seg is not None:
             self.maps.move_to_end(name)
-            return mm
+            return seg
         try:
             fd = os.open(shm.ROOT / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
@@ -49,12 +90,13 @@ class Reader:
             os.close(fd)
         for old in [n for n in self.maps if not (shm.ROOT / n).exists()]:  # unlinked: replaced, or its owner is gone
             del self.maps[old]  # its pages go with the last view of them
-        self.maps[name] = mm
+        self.maps[name] = seg = Segment(mm, len(mm) // SLOTS - HEAD)
         while len(self.maps) > self.limit:  # the least recently used
             self.maps.popitem(last=False)
-        return mm
+        return seg
 
-    def _check(self, desc: Any) -> tuple[mmap.mmap, int, list[dict[str, Any]], list[int]]:
+    def _check(self, desc: Any) -> tuple[Segment, int, list[dict[str, Any]], list[int]]:
+        """The checks that need nothing mapped, then the map (segment, slot, tensor entries, offsets)."""
         if not isinstance(desc, dict):
             raise ShmError("shm_bad", "the descriptor is not a map")
         name, slot, seq, at, metas = (desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors"))
@@ -72,39 +114,47 @@ class Reader:
                 raise ShmError("shm_bad", "tensor entry field 'xxh'")
         if self.bound is not None and (total := sum(x["nbytes"] for x in metas)) > self.bound:
             raise ShmError("too_big", f"a slot of {total} bytes, bound {self.bound}")
-        mm = self._map(name)
-        capacity = len(mm) // SLOTS - HEAD
+        return self._map(name), slot, metas, at
+
+    @staticmethod
+    def _sliced(seg: Segment, slot: int, metas: list[dict[str, Any]], at: list[int]) -> dict[str, torch.Tensor]:
+        """Each entry checked (dtype, shape and length agree, inside the slot) and viewed in the slot."""
         for x, a in zip(metas, at, strict=True):
             protocol.tensor_spec(x)  # dtype, shape, nbytes agree (ProtocolError)
-            if a % ALIGN or a + x["nbytes"] > capacity:
-                raise ShmError("shm_bounds", f"{x['name']!r}: [{a}, {a + x['nbytes']}) in a slot of {capacity}"[:80])
-        return mm, slot * (HEAD + capacity), metas, at
+            if a % ALIGN or a + x["nbytes"] > seg.capacity:
+                raise ShmError("shm_bounds", f"{x['name']!r}: [{a}, {a + x['nbytes']}) in a slot of {seg.capacity}"[:80])
+        whole = seg.whole(slot)
+        return {x["name"]: tensor_at(whole, a, *protocol.tensor_spec(x)) for x, a in zip(metas, at, strict=True)}
 
     def views(self, desc: Any) -> dict[str, torch.Tensor]:
         """The tensors a descriptor names, as read-only views of its slot (checksums verified). Copy them, then
-        check `intact(desc)` before using the copy."""
-        mm, base, metas, at = self._check(desc)
-        if SEQ.unpack_from(mm, base)[0] != desc["seq"]:
-            raise ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: a newer write, or one unfinished")
-        out: dict[str, torch.Tensor] = {}
-        whole = slot_bytes(mm, base + HEAD, len(mm) // SLOTS - HEAD)
-        for x, a in zip(metas, at, strict=True):
-            dtype, shape, n = protocol.tensor_spec(x)
-            v = tensor_at(whole, a, dtype, shape, n)
-            if self.checksum and x["xxh"] is not None and xxhash.xxh3_64_intdigest(
-                    protocol.tensor_bytes(v) if n else b"") != x["xxh"]:
-                raise ShmError("bad_checksum", repr(x["name"])[:60])
-            out[x["name"]] = v
-        if len(out) != len(metas):
+        check `intact(desc)` before using the copy. The dict is the caller's; the views are shared with later reads of
+        the same slot and layout (read-only: nothing may write or reshape them)."""
+        seg, slot, metas, at = self._check(desc)
+        key = layout_key(slot, at, metas)
+        views = seg.views.get(key) if key is not None else None
+        if views is None:
+            views = self._sliced(seg, slot, metas, at)
+            if key is not None:
+                if len(seg.views) >= LAYOUTS:
+                    seg.views.clear()
+                seg.views[key] = views
+        if seg.seq(slot) != desc["seq"]:
+            raise ShmError("shm_overwritten", f"{desc['seg']} slot {slot}: a newer write, or one unfinished")
+        if len(views) != len(metas):
             raise ShmError("bad_tensor", "duplicate tensor names")
-        return out
+        if self.checksum:
+            for x in metas:
+                v = views[x["name"]]
+                if x["xxh"] is not None and xxhash.xxh3_64_intdigest(
+                        protocol.tensor_bytes(v) if v.numel() else b"") != x["xxh"]:
+                    raise ShmError("bad_checksum", repr(x["name"])[:60])
+        return dict(views)
 
     def intact(self, desc: dict[str, Any]) -> bool:
         """Is the slot still the descriptor's (nothing wrote it since `views`)?"""
-        mm = self.maps.get(desc["seg"])
-        if mm is None:
-            return False
-        return bool(SEQ.unpack_from(mm, desc["slot"] * (len(mm) // SLOTS))[0] == desc["seq"])
+        seg = self.maps.get(desc["seg"])
+        return seg is not None and seg.seq(desc["slot"]) == desc["seq"]
 
     def copied(self, desc: Any) -> dict[str, torch.Tensor]:
         """The tensors a descriptor names, copied out of its slot (ShmError when it is torn or overwritten)."""

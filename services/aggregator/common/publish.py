@@ -128,6 +128,12 @@ class SlotPublisher:
         self.version = -1
         self.desc: dict[str, Any] | None = None
         self.previous: tuple[int, dict[str, Any]] | None = None  # the version before, still whole in the other slot
+        # flat: one tensor entry per dtype frame, the same for every version; and each slot's parameters as views of
+        # its frames, made once per (segment, slot) (rebuilt per version they cost more than the copy: slot_path.py)
+        self.metas: list[dict[str, Any]] | None = None if self.layout is None else [
+            {"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
+             "nbytes": n * d.itemsize, "xxh": None} for d, n in self.layout.sizes.items()]
+        self.targets: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     def kept(self, version: int) -> dict[str, Any] | None:
         """The descriptor of `version` if it is the current or the previous one (written earlier), else None."""
@@ -140,16 +146,18 @@ class SlotPublisher:
         if self.desc is None or self.version != version:
             self.previous = (self.version, self.desc) if self.desc is not None else None
             self.desc = None  # a failed write leaves no descriptor of a half-written slot behind
-            if self.layout is not None:  # its flat frames, the parameters copied into their places in them
-                metas: list[dict[str, Any]] = [{"name": self.layout.frame_name(d), "dtype": protocol.DTYPE_NAMES[d], "shape": [n],
-                          "nbytes": n * d.itemsize, "xxh": None} for d, n in self.layout.sizes.items()]
-            else:
-                metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[p.dtype], "shape": list(p.shape),
-                          "nbytes": p.numel() * p.element_size(), "xxh": None} for n, p in params.items()]
+            metas = self.metas if self.metas is not None else [
+                {"name": n, "dtype": protocol.DTYPE_NAMES[p.dtype], "shape": list(p.shape),
+                 "nbytes": p.numel() * p.element_size(), "xxh": None} for n, p in params.items()]
             slot, views = self.writer.begin(metas)
-            targets = dict(zip((m["name"] for m in metas), views, strict=True))
-            if self.layout is not None:
-                targets = self.layout.views(targets)  # the padding between tensors stays zero (never written)
+            targets: dict[str, torch.Tensor] = dict(zip((str(m["name"]) for m in metas), views, strict=True))
+            if self.layout is not None:  # its flat frames, the parameters copied into their places in them
+                assert self.writer.path is not None
+                key = (self.writer.path.name, slot)
+                if key not in self.targets:
+                    self.targets = {k: v for k, v in self.targets.items() if k[0] == key[0]}  # a replaced segment's go
+                    self.targets[key] = self.layout.views(targets)  # the padding stays zero (never written)
+                targets = self.targets[key]
             with torch.no_grad():
                 for n, p in params.items():
                     targets[n].copy_(p)
@@ -159,5 +167,6 @@ class SlotPublisher:
 
     def close(self) -> None:
         """Unlink the slots' segment, and the segments whose owners were SIGKILLed and never replaced."""
+        self.targets = {}  # views of the segment's map: it closes once none is left
         self.writer.close()
         shm.sweep()

@@ -111,7 +111,7 @@ class Trainer:
 
     def state_copy(self) -> dict[str, torch.Tensor]:
         """A copy of the model's state (for an evaluation); sharded, the rows of other shards are left for their
-        slices to fill (`ShardRoster.place`)."""
+        slices to fill (`ShardSlices.place`)."""
         out = {k: torch.empty(self.dropped[k], dtype=v.dtype) if k in self.dropped else v.clone()
                for k, v in self.model.state_dict().items()}
         self._own_rows_into(out)

@@ -3,7 +3,7 @@
 - A probe evaluates the initial weights at step 0 in the background: a broken `eval.fn` stops the run at once,
   not after training.
 - At each evaluation boundary the weights of that step are evaluated in the background; sharded, once every
-  shard's pieces of that step are in (`ShardRoster.place_eval`).
+  shard's pieces of that step are in (`ShardSlices.place_eval`).
 - Before the next boundary's step is applied, the evaluation started at the previous one is collected (waiting
   if needed) and decides early stopping — deterministic: the same evaluations decide at the same step, whatever
   ran faster.

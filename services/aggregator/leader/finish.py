@@ -29,7 +29,7 @@ from cmemi.shared.runtime.service import ServiceContext
 def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> dict[str, Any]:
     """Write the run's result (summary.json, the final checkpoint) and mark it completed; returns the summary.
     `pump`: receives one message (the shards' final pieces come while the leader waits for them)."""
-    ctx, cfg, trainer, evals, roster = parts.ctx, parts.cfg, parts.trainer, parts.evals, parts.roster
+    ctx, cfg, trainer, evals, roster = parts.ctx, parts.cfg, parts.trainer, parts.evals, parts.slices  # sharded
     reporter, ckpt, totals, term, drops = parts.reporter, parts.ckpt, parts.totals, parts.term, parts.drops.as_dict()
     wall = totals.wall_s()
     evals.finish()

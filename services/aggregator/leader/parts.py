@@ -30,6 +30,7 @@ from cmemi.services.aggregator.leader.eval_schedule import EvalSchedule
 from cmemi.services.aggregator.leader.leasing import Leasing
 from cmemi.services.aggregator.leader.reporting import Reporter
 from cmemi.services.aggregator.leader.roster import ShardRoster
+from cmemi.services.aggregator.leader.shard_slices import ShardSlices
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.compression.base import GradientCodec
@@ -77,6 +78,7 @@ class LeaderParts:
     reporter: Reporter
     evals: EvalSchedule
     member: Member | None = None
+    slices: ShardSlices | None = None  # sharded only: the shards' evaluation and final slices (shard_slices.py)
     restored_step: int = -1  # the step restored, which shards k > 0 restore exactly; -1: none (a fresh run)
     holdings: Holdings | None = None  # local steps: the (replica, round) inner states each worker holds
     advertised: Watch[int] | None = None  # is this leader still advertised (Redis may restart empty)?
@@ -163,6 +165,7 @@ def build(ctx: ServiceContext) -> LeaderParts:
                     seal, admission,
                     roster, intake, totals, ckpt, layout, publisher, slots, reporter,
                     EvalSchedule(ctx, cfg, eval_fn, reporter.eval))
+    p.slices = ShardSlices(roster) if roster is not None else None
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()

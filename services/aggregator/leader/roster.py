@@ -6,15 +6,15 @@ term's lease-seal key, so it admits workers and checks their leases by the leade
 incomplete a shard says which microbatches it holds (`shard_have`); what it lacks of a step complete here is
 leased again. Each shard reports its complete step (`shard_ready`: its pieces' partial norms, its overflow
 flag); once all did, the leader commits the step on every shard with every shard's share (`shard_commit`).
-A shard sends its pieces at each evaluation step (`shard_eval`) and after the last step (`shard_final`), which
-the leader places into the whole model. A shard that restarts within a term rolls the cluster back to the
-last complete checkpoint (a new term).
+A shard that restarts within a term rolls the cluster back to the last complete checkpoint (a new term). The
+pieces a shard sends at each evaluation step (`shard_eval`) and after the last step (`shard_final`) are
+shard_slices.py's job: it takes them only from a shard `member` names.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,69 +145,3 @@ class ShardRoster:
         """A fence the leader verified, passed on to every shard (they admit workers by the same rule)."""
         for info in self.shards.values():
             self.outbox.send(info.identity, "shard_fence", term=self.term, wid=wid, inc=inc)
-
-    def eval_pieces(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        if (info := self.member(identity, h)) is not None:
-            info.eval = (h["step"], tensors)
-
-    def place_eval(self, step: int, weights: dict[str, torch.Tensor]) -> bool:
-        """Every shard's pieces of evaluation step `step` into `weights`, once all are here; True then."""
-        if any(info.eval is None or info.eval[0] != step for info in self.shards.values()):
-            return False
-        for k, info in self.shards.items():
-            assert info.eval is not None
-            self.place(k, info.eval[1], weights)
-            info.eval = None
-        return True
-
-    def final(self, identity: bytes, h: dict[str, Any], tensors: dict[str, torch.Tensor], step: int) -> None:
-        if (info := self.member(identity, h)) is not None and h["step"] == step:
-            info.final = tensors
-            mirror = h["mirror"]
-            info.mirror = {str(k): str(v) for k, v in mirror.items()} if mirror is not None else {}
-            reported = {"bytes_sent_via_slots": h.get("slot_in"), "bytes_received_via_slots": h.get("slot_out"),
-                        "changes_sent": h.get("changes_sent"), "mirrors_sent": h.get("mirrors_sent")}  # ABSENT-able
-            info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
-                           **{k: v for k, v in reported.items() if v is not None},
-                           "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}
-
-    def mirror_hashes(self) -> dict[str, str]:
-        """Every other shard's mirror pieces' SHA-256 (compression.downlink), from their final slices."""
-        return {n: h for info in self.shards.values() for n, h in (info.mirror or {}).items()}
-
-    def gather(self, shapes: Mapping[str, torch.Size], pump: Callable[[], None],
-               timeout: float = 120) -> dict[int, dict[str, torch.Tensor]]:
-        """Every shard's pieces after the last step, checked against the whole model's tensor `shapes` (`pump`
-        receives one message). They come on their own once a shard applied the last commit."""
-        deadline = time.monotonic() + timeout
-        while any(info.final is None for info in self.shards.values()):
-            if time.monotonic() > deadline:
-                missing = sorted(k for k, info in self.shards.items() if info.final is None)
-                raise RuntimeError(f"shards {missing} did not send their final slice within {timeout:g} s")
-            pump()
-        meta = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
-        out = {}
-        for k, info in self.shards.items():
-            assert info.final is not None
-            self._check(k, info.final, self.partition.views(meta, k))
-            out[k], info.final = info.final, {}
-        return out
-
-    def place(self, k: int, pieces: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
-        """Shard k's pieces (its evaluation slice) into the whole model's tensors `into`."""
-        views = self.partition.views(into, k)
-        self._check(k, pieces, views)
-        with torch.no_grad():
-            for name, view in views.items():
-                view.copy_(pieces[name])
-
-    def _check(self, k: int, pieces: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
-        if pieces.keys() != views.keys() or any(pieces[n].shape != v.shape for n, v in views.items()):
-            self.ctx.fatal(f"shard {k}'s slice does not fit this model: use the same model.factory, model.kwargs and "
-                           "cluster.shards for every shard")
-
-    def total(self, field: str) -> int:
-        return sum(int((info.totals or {}).get(field, 0)) for info in self.shards.values())
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [{"shard": k, **(self.shards[k].totals or {})} for k in sorted(self.shards)]

@@ -45,10 +45,10 @@ class ShardMessages:
             self.stepper.apply()
 
     def on_eval(self, identity: bytes, msg: protocol.Message) -> None:
-        if self.p.roster is not None:
-            self.p.roster.eval_pieces(identity, msg.header, msg.tensors)
-            self.p.evals.pieces_in(self.p.roster.place_eval)
+        if self.p.slices is not None:
+            self.p.slices.eval_pieces(identity, msg.header, msg.tensors)
+            self.p.evals.pieces_in(self.p.slices.place_eval)
 
     def on_final(self, identity: bytes, msg: protocol.Message) -> None:
-        if self.p.roster is not None:
-            self.p.roster.final(identity, msg.header, msg.tensors, self.p.trainer.step)
+        if self.p.slices is not None:
+            self.p.slices.final(identity, msg.header, msg.tensors, self.p.trainer.step)

@@ -82,7 +82,7 @@ class Stepper:
         dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.p.live_workers,
                                                    self.trainer.scaler, grads is None)
         self.evals.after_step(step, self.weights, self.roster is not None,
-                              self.roster.place_eval if self.roster is not None else lambda _s, _w: True)
+                              self.p.slices.place_eval if self.p.slices is not None else lambda _s, _w: True)
         if stop:
             self.ending = Ending.STOPPED_EARLY
         elif step >= self.total:
