@@ -1,5 +1,6 @@
 """The generated blocks of README.md and of the manual's pages (docs/**/*.md): figure tables from
-bench/results/*.json (what `make bench` writes) and the config reference from the schema.
+bench/results/*.json (what `make bench` writes), the config reference from the schema, and the map of the tree
+(docs/design/layout.md) from each package's docstring.
 
 `python scripts/readme_tables.py` rewrites every block between `<!-- NAME:start ... -->` and `<!-- NAME:end -->` in
 whichever page holds it; `--check` exits 1 when one differs (tests/test_readme.py runs the same comparison). Each
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 if not __package__:  # run as `python scripts/readme_tables.py`: the repository root makes `scripts` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.config_reference import markdown as config_reference  # noqa: E402
-from scripts.tables import cluster, compression, headlines, hf, local, memory, overview, resnet, small  # noqa: E402
+from scripts.tables import cluster, compression, headlines, hf, layout, local, memory, overview, resnet, small  # noqa: E402
 from scripts.tables.provenance import ROOT, ProvenanceError, check_all  # noqa: E402
 
 README = ROOT / "README.md"
@@ -31,6 +33,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "local-steps-table": local.local_steps, "small-table": small.small, "cluster-table": cluster.cluster,
     "cluster-notes": cluster.cluster_notes, "resnet-accuracy": resnet.resnet_accuracy,
     "hf-lm-table": hf.hf_lm, "config-reference": config_reference,
+    "layout:over-300": layout.over_300,
+    **{name: partial(layout.module_table, name.partition(":")[2]) for name in layout.block_names()},
 }
 
 
@@ -98,7 +102,7 @@ def main(argv: list[str]) -> int:
                 stale.append(page)
                 if "--check" not in argv:
                     page.write_text(new)
-    except (ProvenanceError, MarkerError) as exc:
+    except (ProvenanceError, MarkerError, layout.LayoutError) as exc:
         print(f"readme_tables: {exc}", file=sys.stderr)
         return 2
     if "--check" in argv and stale:
