@@ -31,6 +31,7 @@ from cmemi.launcher.supervise import (
 )
 from cmemi.launcher.teardown import stop_together
 from cmemi.launcher.zygote_up import Zygote
+from cmemi.services.aggregator.leader.trackers import registry as trackers
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared.config.checks import ConfigError
@@ -106,6 +107,7 @@ class Progress:
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False,
        verbose: bool = False, lock: RunLock | None = None, zygote: Zygote | None = None) -> int:
+    trackers.check(cfg)  # a tracker's missing package is one line now, not the leader's failure after start-up
     run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config, lock)
     secure_run(cfg, run_dir)
     if zygote is not None:

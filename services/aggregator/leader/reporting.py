@@ -1,6 +1,7 @@
 """What the leader reports while it trains: one `metrics.jsonl` line per logged step (and per evaluation), the
-step's traffic and codec time, the Prometheus gauges, and the progress `cmemi up` and `cmemi status` show
-(written to Redis off the loop at most every 0.1 s: services/aggregator/leader/progress.py)."""
+same lines to the experiment trackers (`metrics.loggers`, off the loop: trackers/), the step's traffic and codec
+time, the Prometheus gauges, and the progress `cmemi up` and `cmemi status` show (written to Redis off the loop
+at most every 0.1 s: services/aggregator/leader/progress.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.leader.progress import ProgressWriter
 from cmemi.services.aggregator.leader.throughput import Throughput
+from cmemi.services.aggregator.leader.trackers.hub import Trackers
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
@@ -22,6 +24,7 @@ class Reporter:
         self.ctx, self.cfg, self.totals, self.term = ctx, cfg, totals, term
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
         self.progress = ProgressWriter(ctx.redis, ctx.keys)
+        self.trackers = Trackers(ctx)
         self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
         self.unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
         self.bytes_in = self.bytes_out = 0  # this step's
@@ -71,6 +74,11 @@ class Reporter:
 
     def write(self, line: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(line) + "\n")
+        self.trackers.line(line)
+
+    def close_trackers(self) -> dict[str, Any]:
+        """Each tracker finished, or abandoned after metrics.logger_timeout: summary.json's `trackers*` fields."""
+        return self.trackers.close(self.cfg.metrics.logger_timeout)
 
     def eval(self, entry: dict[str, Any]) -> None:
         self.write({**entry, "t": time.time()})
@@ -97,5 +105,6 @@ class Reporter:
         self.progress.flush(timeout)
 
     def close(self) -> None:
+        self.close_trackers()  # a leader stopped before the end: what its trackers have queued is still written
         self.progress.close()
         self.metrics.close()
