@@ -32,6 +32,10 @@ class Tracker:
     def event(self, step: int, kind: str, text: str, count: int) -> None:
         """A run event (a death, a fence, a restart, a checkpoint): its text and how many of its kind so far."""
 
+    def flush(self) -> None:
+        """Write what the calls since the last flush kept back (the writer calls it once the queue is empty, or
+        every writer.BATCH records)."""
+
     def close(self) -> None:
         """Finish the tracker's run (everything written)."""
 

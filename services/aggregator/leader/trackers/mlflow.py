@@ -16,6 +16,7 @@ from cmemi.shared.config.schema import Config
 
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
 PARAM_CHARS = 6000  # and on a param value's length
+METRICS_PER_BATCH = 1000  # and on metrics per log_batch call
 
 
 class MLflow(Tracker):
@@ -25,7 +26,7 @@ class MLflow(Tracker):
         return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlruns' / 'mlflow.db'}"
 
     def open(self, run_dir: Path, cfg: Config, params: dict[str, Any]) -> str:
-        from mlflow.entities import Param
+        from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
         uri = self.location(run_dir)
@@ -42,13 +43,21 @@ class MLflow(Tracker):
         for i in range(0, len(items), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[i:i + PARAMS_PER_BATCH])
         self.events = 0
+        self.pending: list[Metric] = []
         return uri
 
     def scalars(self, step: int, values: dict[str, float], t: float) -> None:
         from mlflow.entities import Metric
 
         ms = int(t * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step) for k, v in values.items()])
+        self.pending.extend(Metric(k, v, ms, step) for k, v in values.items())
+
+    def flush(self) -> None:
+        """The metrics kept since the last flush in log_batch calls of up to 1000 (MLflow's limit): on the SQLite
+        store each call is a transaction, and one per step could not keep up with a fast run."""
+        for i in range(0, len(self.pending), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=self.pending[i:i + METRICS_PER_BATCH])
+        self.pending.clear()
 
     def event(self, step: int, kind: str, text: str, count: int) -> None:
         self.events += 1
@@ -56,4 +65,5 @@ class MLflow(Tracker):
         self.client.log_metric(self.run_id, f"events/{kind}", count, int(time.time() * 1000), step)
 
     def close(self) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id)

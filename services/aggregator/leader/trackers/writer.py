@@ -18,6 +18,8 @@ import structlog
 from cmemi.services.aggregator.leader.trackers.base import Tracker
 from cmemi.shared.config.schema import Config
 
+BATCH = 256  # records handed to a tracker between two flushes
+
 
 class TrackerWriter:
     def __init__(self, tracker: Tracker, run_dir: Path, cfg: Config, params: dict[str, Any],
@@ -52,6 +54,13 @@ class TrackerWriter:
                         break
                     continue
                 getattr(self.tracker, record[0])(*record[1:])
+                for _ in range(BATCH):  # what else is queued now, then one flush (MLflow: one transaction)
+                    try:
+                        record = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    getattr(self.tracker, record[0])(*record[1:])
+                self.tracker.flush()
             self.tracker.close()
         except Exception as exc:  # noqa: BLE001 - any error of a tracker's package disables it, never the run
             self.failed = f"{type(exc).__name__}: {exc}"
