@@ -44,6 +44,7 @@ demo: install
 	$(BIN)/cmemi up examples/digits.yaml --overwrite
 
 test: dev
+	bash scripts/system_packages.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The 30-fault chaos run alone (tests/test_chaos.py; also part of `make test`).

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import redis
 
+from cmemi.launcher.prometheus_targets import TargetsFile
 from cmemi.launcher.redis_server import EmbeddedRedis
 from cmemi.launcher.run_security import child_env, secure_run
 from cmemi.launcher.startup_report import StartupReport
@@ -151,6 +152,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
               f"service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.rounds, cfg.train.segment if cfg.train.local_steps else 0)
+        scrape = TargetsFile(run_dir, client, keys, cfg.run.name) if cfg.metrics.enabled else None
         report: StartupReport | None = None
 
         def show_startup() -> None:
@@ -181,6 +183,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
                 raise
             if report.poll():
                 show_startup()
+            if scrape is not None:  # where Prometheus scrapes, as services come and go (every 0.25 s)
+                scrape.refresh()
             try:
                 progress.show(cast("dict[str, Any]", client.hgetall(keys.progress)))  # decoded (`text`)
             except redis.RedisError:

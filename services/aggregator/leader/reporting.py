@@ -45,6 +45,7 @@ class Reporter:
 
     def accepted(self, wid: str, inc: int, microbatches: int) -> None:
         self.unpublished_mb[f"{wid}:{inc}"] += microbatches
+        metrics.ACCEPTED.labels(wid).inc(microbatches)  # per-worker throughput in Grafana (docker/grafana/)
 
     def started(self, now: float) -> None:
         """The first lease of the run (or of this restart): the first step's time counts from here."""
@@ -60,6 +61,8 @@ class Reporter:
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(dt)
         metrics.LIVE_WORKERS.set(live_workers)
+        metrics.STEP.set(step)
+        metrics.LOSS.set(loss)
         line = None
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
             line = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt,
