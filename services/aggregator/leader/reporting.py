@@ -18,6 +18,8 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
 
+STOPPED_WAIT_S = 3.0  # the most a stopped leader waits for its trackers
+
 
 class Reporter:
     def __init__(self, ctx: ServiceContext, cfg: Config, totals: RunTotals, term: int) -> None:
@@ -108,6 +110,8 @@ class Reporter:
         self.progress.flush(timeout)
 
     def close(self) -> None:
-        self.close_trackers()  # a leader stopped before the end: what its trackers have queued is still written
+        # a leader stopped before the end: its trackers write what they have queued, within the coordinator's stop
+        # grace (services/coordinator/coordinator.py: SIGKILL after 5 s); after the end, closed already
+        self.trackers.close(min(self.cfg.metrics.logger_timeout, STOPPED_WAIT_S))
         self.progress.close()
         self.metrics.close()
