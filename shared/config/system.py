@@ -145,9 +145,10 @@ class MetricsConfig:
     logger_queue: int = 10000
     """Records each tracker's queue holds; a tracker that falls this far behind has new records dropped and counted
     (summary.json `trackers_dropped`), so it never holds up a step."""
-    logger_timeout: float = 10.0
-    """Seconds the leader waits at the end of the run for each tracker to write what it has queued; one still busy
-    then is abandoned (summary.json `trackers_abandoned`)."""
+    logger_timeout: float = 60.0
+    """Seconds the leader waits at the end of the run (after the final checkpoint) for the trackers to write what
+    they have queued; one still busy then is abandoned (summary.json `trackers_abandoned`). Opening MLflow's SQLite
+    store takes seconds of CPU (the leader's log says how long: `tracker open`), so a short run ends waiting for it."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -45,7 +45,10 @@ class TrackerWriter:
 
     def _run(self, run_dir: Path, cfg: Config, params: dict[str, Any]) -> None:
         try:
+            t0 = time.monotonic()
             self.where = self.tracker.open(run_dir, cfg, params)
+            self.log.info("tracker open", tracker=self.tracker.name, where=self.where,
+                          seconds=round(time.monotonic() - t0, 3))
             while True:
                 try:
                     record = self.queue.get(timeout=0.1)  # a bounded wait: `closing` is seen within 0.1 s
@@ -61,7 +64,9 @@ class TrackerWriter:
                         break
                     getattr(self.tracker, record[0])(*record[1:])
                 self.tracker.flush()
+            t0 = time.monotonic()
             self.tracker.close()
+            self.log.info("tracker closed", tracker=self.tracker.name, seconds=round(time.monotonic() - t0, 3))
         except Exception as exc:  # noqa: BLE001 - any error of a tracker's package disables it, never the run
             self.failed = f"{type(exc).__name__}: {exc}"
             self.log.warning("tracker disabled: it raised; the run goes on without it", tracker=self.tracker.name,
