@@ -118,6 +118,36 @@ def test_a_raising_tracker_is_disabled_with_one_warning(tmp_path: Path) -> None:
     w.put("scalars", 1, {"loss": 1.0}, 0.0)
     assert w.finish(time.monotonic() + 30)
     assert w.failed == "RuntimeError: injected tracker failure"
-    assert [e["tracker"] for e in warnings] == ["raising"] and "disabled" in warnings[0]["event"]
+    disabled = [e for e in warnings if "disabled" in e["event"]]
+    assert [e["tracker"] for e in disabled] == ["raising"] and disabled[0]["error"] == w.failed
     w.put("scalars", 2, {"loss": 1.0}, 0.0)  # ignored from now on, not counted as dropped
     assert w.dropped == 0
+
+
+def test_the_leaders_side_never_waits_on_the_trackers_process(redis_server, tmp_path: Path) -> None:
+    """The hub against its real child process and a real Redis, with a tracker that blocks forever: a thousand
+    lines go without a wait, and close() comes back within its bound with the blocking tracker abandoned."""
+    from types import SimpleNamespace
+
+    from cmemi.services.aggregator.leader.trackers.hub import Trackers
+    from cmemi.shared.coordination.keys import Keys
+    from cmemi.shared.coordination.membership import connect, emit
+
+    config = cfg(f"run.dir={tmp_path}", "metrics.loggers=['tests.helpers.trackers:Blocking']", "metrics.logger_queue=16")
+    client, keys = connect(redis_server.url), Keys("hub")
+    emit(client, keys, "died", role="worker", id="w0")
+    ctx = SimpleNamespace(cfg=config, redis=client, keys=keys, run_dir=tmp_path, log=structlog.get_logger("test"),
+                          fatal=pytest.fail)
+    hub = Trackers(ctx)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    for step in range(1, 1001):
+        hub.line({"step": step, "loss": 1.0, "t": 0.0})
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    s = hub.close(0.5)
+    assert time.monotonic() - t0 < 10
+    name = "tests.helpers.trackers:Blocking"
+    assert s["trackers"] == {name: str(tmp_path / "blocking")} and s["trackers_abandoned"] == [name]
+    assert s["trackers_dropped"][name] > 0 and s["trackers_failed"] == {}
+    assert hub.proc.returncode is not None  # the process is gone
+    assert hub.close(0.5) is s  # once

@@ -78,3 +78,17 @@ class TrackerWriter:
         self.closing.set()
         self.thread.join(max(0.0, deadline - time.monotonic()))
         return not self.thread.is_alive()
+
+
+def finish_all(writers: list[TrackerWriter], timeout: float, log: structlog.stdlib.BoundLogger) -> dict[str, Any]:
+    """Every writer finished together (the wait is the slowest one's, at most `timeout`); summary.json's fields."""
+    deadline = time.monotonic() + timeout
+    for w in writers:
+        w.closing.set()
+    abandoned = [w.tracker.name for w in writers if not w.finish(deadline)]
+    if abandoned:
+        log.warning("trackers abandoned: still busy at the end of the run", trackers=abandoned, timeout_s=timeout)
+    return {"trackers": {w.tracker.name: w.where for w in writers},
+            "trackers_dropped": {w.tracker.name: w.dropped for w in writers},
+            "trackers_failed": {w.tracker.name: w.failed for w in writers if w.failed is not None},
+            "trackers_abandoned": abandoned}
