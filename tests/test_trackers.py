@@ -30,7 +30,8 @@ def cfg(*sets: str):
 def test_loggers_default_empty_and_checked() -> None:
     assert cfg().metrics.loggers == []
     assert cfg("metrics.loggers=[tensorboard, mlflow, wandb]").metrics.loggers == ["tensorboard", "mlflow", "wandb"]
-    with pytest.raises(ConfigError, match=r"'metrics.loggers'.*'tensorbord' is not a tracker.*tensorboard, mlflow, wandb"):
+    with pytest.raises(ConfigError, match=r"'metrics.loggers'.*'tensorbord' is not a tracker \(did you mean "
+                                          r"'tensorboard'\?\); use any of tensorboard, mlflow, wandb"):
         cfg("metrics.loggers=[tensorbord]")
     with pytest.raises(ConfigError, match="names a tracker twice"):
         cfg("metrics.loggers=[wandb, wandb]")

@@ -7,6 +7,7 @@ naming the field and the fix (checks.py).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from cmemi.shared.config.checks import fail, positive
@@ -155,7 +156,9 @@ class MetricsConfig:
             fail("metrics.port", self.port, "must be a TCP port 0..65535", "use 0 for a free port per service")
         for name in self.loggers:
             if name not in LOGGERS and (not isinstance(name, str) or ":" not in name):
-                fail("metrics.loggers", self.loggers, f"{name!r} is not a tracker",
+                close = difflib.get_close_matches(str(name), LOGGERS, n=1)
+                fail("metrics.loggers", self.loggers, f"{name!r} is not a tracker"
+                     + (f" (did you mean {close[0]!r}?)" if close else ""),
                      f"use any of {', '.join(LOGGERS)}, or an import path 'package.module:Class'")
         if len(set(self.loggers)) != len(self.loggers):
             fail("metrics.loggers", self.loggers, "names a tracker twice", "list each tracker once")
