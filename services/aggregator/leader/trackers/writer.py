@@ -1,10 +1,10 @@
-"""One tracker's writer: a bounded queue and a daemon thread that makes every call on the tracker, so the
-training loop only ever does a `put_nowait`.
+"""One tracker's writer, in the trackers' process (child.py): a bounded queue and a daemon thread that makes every
+call on the tracker, so what feeds it only ever does a `put_nowait`.
 
 A tracker that is slow fills its queue, and then what does not fit is dropped and counted (summary.json
 `trackers_dropped`): a step never waits for it. One that raises is disabled with one warning line (what it
 wrote before stays). One that hangs is abandoned at the end after `metrics.logger_timeout`: its thread is a
-daemon, so the leader still exits (summary.json `trackers_abandoned`)."""
+daemon, so the process still exits (summary.json `trackers_abandoned`)."""
 
 from __future__ import annotations
 
