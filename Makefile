@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test chaos-test lint docs bench clean system-packages
+.PHONY: install dev demo test chaos-test lint docs bench clean system-packages system-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,8 @@ demo: install
 	$(BIN)/cmemi up examples/digits.yaml --overwrite
 
 # Debian packages tests drive for real, installed when missing (scripts/system_packages.sh; root or sudo):
-# chromium for tests/test_dashboard_browser.py.
-SYSTEM_PACKAGES ?= chromium
+# chromium for tests/test_dashboard_browser.py, prometheus for tests/test_prometheus.py.
+SYSTEM_PACKAGES ?= chromium prometheus
 
 system-packages:
 	bash scripts/system_packages.sh $(SYSTEM_PACKAGES)

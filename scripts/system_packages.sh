@@ -8,7 +8,8 @@
 # sudo), after one `apt-get update`. `make test` runs it with $(SYSTEM_PACKAGES) (Makefile). Exit 0 when every
 # package is present at the end; else 1, with one line saying which package and how to install it.
 #
-# Which tests need which package: chromium, tests/test_dashboard_browser.py (`cmemi dashboard` in a real browser).
+# Which tests need which package: chromium, tests/test_dashboard_browser.py (`cmemi dashboard` in a real browser);
+# prometheus, tests/test_prometheus.py (a real Prometheus scrapes a run through RUN_DIR/prometheus/targets.json).
 
 set -Eeuo pipefail
 

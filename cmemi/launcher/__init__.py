@@ -9,5 +9,6 @@
 - `launch.py`: one service started in this process, from the command line or in a child the zygote forked.
 - `supervise.py`: what keeps `cmemi up` free of single points of failure, itself aside.
 - `startup_report.py`: the start-up timeline of one `cmemi up`, from the command to the run's first step.
+- `prometheus_targets.py`: RUN_DIR/prometheus/targets.json, the run's /metrics endpoints for Prometheus's file_sd.
 - `teardown.py`: `cmemi up`'s end: everything it still holds is stopped at once, not one after another.
 """

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import redis
 
+from cmemi.launcher.prometheus_targets import TargetsFile
 from cmemi.launcher.redis_server import EmbeddedRedis
 from cmemi.launcher.run_security import child_env, secure_run
 from cmemi.launcher.startup_report import StartupReport
@@ -31,6 +32,7 @@ from cmemi.launcher.supervise import (
 )
 from cmemi.launcher.teardown import stop_together
 from cmemi.launcher.zygote_up import Zygote
+from cmemi.services.aggregator.leader.trackers import registry as trackers
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.coordinator.supervisor import service_argv
 from cmemi.shared.config.checks import ConfigError
@@ -106,6 +108,7 @@ class Progress:
 
 def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config: bool = False,
        verbose: bool = False, lock: RunLock | None = None, zygote: Zygote | None = None) -> int:
+    trackers.check(cfg)  # a tracker's missing package is one line now, not the leader's failure after start-up
     run_dir, lock = prepare_run_dir(cfg, resume, overwrite, force_config, lock)
     secure_run(cfg, run_dir)
     if zygote is not None:
@@ -149,6 +152,7 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
               f"{'CurveZMQ on' if cfg.security.curve else 'CurveZMQ OFF (security.curve: false)'}; "
               f"service logs: cmemi logs {run_dir})", flush=True)
         progress = Progress(cfg.train.rounds, cfg.train.segment if cfg.train.local_steps else 0)
+        scrape = TargetsFile(run_dir, client, keys, cfg.run.name) if cfg.metrics.enabled else None
         report: StartupReport | None = None
 
         def show_startup() -> None:
@@ -179,6 +183,8 @@ def up(cfg: Config, resume: bool = False, overwrite: bool = False, force_config:
                 raise
             if report.poll():
                 show_startup()
+            if scrape is not None:  # where Prometheus scrapes, as services come and go (every 0.25 s)
+                scrape.refresh()
             try:
                 progress.show(cast("dict[str, Any]", client.hgetall(keys.progress)))  # decoded (`text`)
             except redis.RedisError:

@@ -7,7 +7,8 @@ naming the field and the fix (checks.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, field
 
 from cmemi.shared.config.checks import fail, positive
 
@@ -127,6 +128,9 @@ class CheckpointConfig:
             fail("checkpoint.keep_every", self.keep_every, "must be >= 0", "use 0 for no milestones")
 
 
+LOGGERS = ("tensorboard", "mlflow", "wandb")  # metrics.loggers' names (each its pip extra of the same name)
+
+
 @dataclass
 class MetricsConfig:
     enabled: bool = False
@@ -135,10 +139,32 @@ class MetricsConfig:
     """Address the /metrics endpoints bind to."""
     port: int = 0
     """Port of the /metrics endpoint (0: a free port per service, advertised in its Redis member record as metrics_url)."""
+    loggers: list[str] = field(default_factory=list)
+    """Experiment trackers the leader logs to, off the training path: any of tensorboard (RUN_DIR/tensorboard/),
+    mlflow (RUN_DIR/mlruns, or $MLFLOW_TRACKING_URI) and wandb (offline under RUN_DIR/wandb/ unless logged in), each
+    its pip extra (cmemi[tensorboard], ...), or an import path 'package.module:Class' of your own (docs/guides/trackers.md)."""
+    logger_queue: int = 10000
+    """Records each tracker's queue holds; a tracker that falls this far behind has new records dropped and counted
+    (summary.json `trackers_dropped`), so it never holds up a step."""
+    logger_timeout: float = 60.0
+    """Seconds the leader waits at the end of the run (after the final checkpoint) for the trackers to write what
+    they have queued; one still busy then is abandoned (summary.json `trackers_abandoned`). Opening MLflow's SQLite
+    store takes seconds of CPU (the leader's log says how long: `tracker open`), so a short run ends waiting for it."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             fail("metrics.port", self.port, "must be a TCP port 0..65535", "use 0 for a free port per service")
+        for name in self.loggers:
+            if name not in LOGGERS and (not isinstance(name, str) or ":" not in name):
+                close = difflib.get_close_matches(str(name), LOGGERS, n=1)
+                fail("metrics.loggers", self.loggers, f"{name!r} is not a tracker"
+                     + (f" (did you mean {close[0]!r}?)" if close else ""),
+                     f"use any of {', '.join(LOGGERS)}, or an import path 'package.module:Class'")
+        if len(set(self.loggers)) != len(self.loggers):
+            fail("metrics.loggers", self.loggers, "names a tracker twice", "list each tracker once")
+        if self.logger_queue < 1:
+            fail("metrics.logger_queue", self.logger_queue, "must be >= 1", "use e.g. 10000")
+        positive("metrics.logger_timeout", self.logger_timeout, "use e.g. 10")
 
 
 @dataclass

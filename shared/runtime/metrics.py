@@ -36,6 +36,10 @@ STEP_SECONDS = Histogram("cmemi_step_seconds", "Wall time of a global step",
 BYTES_IN = Counter("cmemi_bytes_in", "Gradient bytes the aggregator received from workers")
 BYTES_OUT = Counter("cmemi_bytes_out", "Parameter bytes the aggregator sent to workers")
 LIVE_WORKERS = Gauge("cmemi_live_workers", "Workers the aggregator currently admits")
+STEP = Gauge("cmemi_step", "The newest global step applied (a restarted leader goes on from its checkpoint's)")
+LOSS = Gauge("cmemi_loss", "Training loss of the newest global step")
+ACCEPTED = Counter("cmemi_accepted_microbatches", "Microbatches whose gradients the leader accepted, by worker",
+                   ["worker"])
 DROPPED = Counter("cmemi_dropped_messages", "Messages dropped, by reason", ["reason"])
 DEATHS = Counter("cmemi_deaths", "Processes declared dead by the coordinator, by role", ["role"])
 RESTARTS = Counter("cmemi_restarts", "Processes restarted by the coordinator, by role", ["role"])

@@ -11,7 +11,9 @@
 - `shard_messages.py`: what each message of a shard k > 0 means for the leader's own loop.
 - `eval_schedule.py`: when the leader evaluates, and what early stopping decides.
 - `finish.py`: the end of a run: the whole model's result, the final checkpoint, then the final evaluation.
-- `reporting.py`: metrics.jsonl lines, the step's traffic and codec time, the Prometheus gauges, the progress.
+- `reporting.py`: metrics.jsonl lines (and the trackers'), the step's traffic and codec time, the Prometheus
+  gauges, the progress.
+- `trackers/`: TensorBoard, MLflow and W&B (`metrics.loggers`), written off the training path.
 - `progress.py`: progress for `cmemi up`'s bar and `cmemi status`, written to Redis off the loop.
 - `throughput.py`: samples/s, one definition everywhere: samples trained over training wall-clock seconds.
 """

@@ -80,6 +80,9 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
             summary["eval"] = run_eval(evals.fn, trainer.model, str(cfg.eval.fn))
         except EvalError as exc:
             ctx.fatal(f"{exc} (the final checkpoint {summary['final_checkpoint']} was written)")
+    if summary["eval"]:  # the final evaluation, which metrics.jsonl does not hold, goes to the trackers too
+        reporter.trackers.line({"step": trainer.step, "eval": summary["eval"]})
+    summary.update(reporter.close_trackers())  # after the final checkpoint: a hung tracker cannot lose it
     summary["checkpointer_dropped_messages"] = _checkpointer_drops(ctx)
     if stepper.stall_s:
         summary["checkpoint_stall_s_median"] = statistics.median(stepper.stall_s)

@@ -1,6 +1,7 @@
 """What the leader reports while it trains: one `metrics.jsonl` line per logged step (and per evaluation), the
-step's traffic and codec time, the Prometheus gauges, and the progress `cmemi up` and `cmemi status` show
-(written to Redis off the loop at most every 0.1 s: services/aggregator/leader/progress.py)."""
+same lines to the experiment trackers (`metrics.loggers`, off the loop: trackers/), the step's traffic and codec
+time, the Prometheus gauges, and the progress `cmemi up` and `cmemi status` show (written to Redis off the loop
+at most every 0.1 s: services/aggregator/leader/progress.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from typing import Any
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.leader.progress import ProgressWriter
 from cmemi.services.aggregator.leader.throughput import Throughput
+from cmemi.services.aggregator.leader.trackers.hub import Trackers
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
+
+STOPPED_WAIT_S = 3.0  # the most a stopped leader waits for its trackers
 
 
 class Reporter:
@@ -22,6 +26,7 @@ class Reporter:
         self.ctx, self.cfg, self.totals, self.term = ctx, cfg, totals, term
         self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
         self.progress = ProgressWriter(ctx.redis, ctx.keys)
+        self.trackers = Trackers(ctx)
         self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
         self.unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
         self.bytes_in = self.bytes_out = 0  # this step's
@@ -42,6 +47,7 @@ class Reporter:
 
     def accepted(self, wid: str, inc: int, microbatches: int) -> None:
         self.unpublished_mb[f"{wid}:{inc}"] += microbatches
+        metrics.ACCEPTED.labels(wid).inc(microbatches)  # per-worker throughput in Grafana (docker/grafana/)
 
     def started(self, now: float) -> None:
         """The first lease of the run (or of this restart): the first step's time counts from here."""
@@ -57,6 +63,8 @@ class Reporter:
         metrics.STEPS.inc()
         metrics.STEP_SECONDS.observe(dt)
         metrics.LIVE_WORKERS.set(live_workers)
+        metrics.STEP.set(step)
+        metrics.LOSS.set(loss)
         line = None
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
             line = {"step": step, "loss": loss, "lr": lr, "step_time_s": dt,
@@ -71,6 +79,11 @@ class Reporter:
 
     def write(self, line: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(line) + "\n")
+        self.trackers.line(line)
+
+    def close_trackers(self) -> dict[str, Any]:
+        """Each tracker finished, or abandoned after metrics.logger_timeout: summary.json's `trackers*` fields."""
+        return self.trackers.close(self.cfg.metrics.logger_timeout)
 
     def eval(self, entry: dict[str, Any]) -> None:
         self.write({**entry, "t": time.time()})
@@ -97,5 +110,8 @@ class Reporter:
         self.progress.flush(timeout)
 
     def close(self) -> None:
+        # a leader stopped before the end: its trackers write what they have queued, within the coordinator's stop
+        # grace (services/coordinator/coordinator.py: SIGKILL after 5 s); after the end, closed already
+        self.trackers.close(min(self.cfg.metrics.logger_timeout, STOPPED_WAIT_S))
         self.progress.close()
         self.metrics.close()
