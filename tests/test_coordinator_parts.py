@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import structlog
 from cmemi.services.coordinator.child_exit import ExitKind, exit_kind
-from cmemi.services.coordinator.events_log import EventsLog
+from cmemi.services.coordinator.events_log import START, EventsLog, last_copied
 from cmemi.services.coordinator.fencing import Fencer
 from cmemi.services.coordinator.liveness import Liveness
 from cmemi.services.coordinator.run_state import RunPhase, RunState, phase_of
@@ -69,6 +69,53 @@ def test_events_log_copies_the_stream_and_starts_over_when_redis_loses_it(ctx: S
     ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "c"})}, id="1-1")
     log.close()  # closing copies what is left
     assert [json.loads(line)["kind"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def copied(path: Path) -> list[str]:
+    return [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+
+
+def test_events_log_copies_each_event_once_across_coordinator_restarts(ctx: ServiceContext) -> None:
+    """A restarted coordinator resumes after the file's last stream id (before: from 0-0, appending it all again)."""
+    path = ctx.run_dir / "events.jsonl"
+    for kind in ("a", "b", "c"):
+        ctx.emit(kind)
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    log = EventsLog(ctx.redis, ctx.keys, path)  # restarted: nothing new yet
+    log.tail()
+    ctx.emit("d")
+    log.tail()
+    log.file.close()  # SIGKILLed: no close(), and a line torn in the middle of its write
+    with open(path, "a") as f:
+        f.write('{"t": 1.0, "kind": "e", "si')
+    ctx.emit("e")
+    for _ in range(3):  # restarted three more times
+        EventsLog(ctx.redis, ctx.keys, path).close()
+    assert copied(path) == ["a", "b", "c", "d", "e"]
+    ids = [json.loads(line)["sid"] for line in path.read_text().splitlines()]
+    assert ids == [entry_id for entry_id, _e in read_events(ctx.redis, ctx.keys)]
+
+
+def test_a_resumed_events_log_starts_over_when_the_stream_did(ctx: ServiceContext) -> None:
+    """Redis lost its data while no coordinator ran: the new stream's ids lie below the file's last one."""
+    path = ctx.run_dir / "events.jsonl"
+    ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "old"})}, id="9000-1")
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    ctx.redis.delete(ctx.keys.events)  # injected: Redis restarted empty
+    ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "new"})}, id="5-1")
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    assert copied(path) == ["old", "new"]
+
+
+def test_the_last_copied_id_is_read_from_the_tail_of_a_long_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"t": 0.0, "kind": "x", "pad": "p" * 300, "sid": f"{i}-0"}) for i in range(1, 1001)]
+    path.write_text("\n".join(lines) + "\n" + json.dumps({"kind": "no id"}) + "\n" + '{"torn')
+    assert last_copied(path) == "1000-0"
+    assert path.read_text().endswith('{"kind": "no id"}\n')  # the torn line was cut, the rest kept
+    path.write_text('{"kind": "a line from before ids"}\n')
+    assert last_copied(path) == START and last_copied(tmp_path / "missing.jsonl") == START
 
 
 # ------------------------------------------------------------------------------------------ fencing
