@@ -1,4 +1,6 @@
-"""An outage costs its length, not twice it (issue 47): the leader's port is down for D seconds on its own host
+"""Links and liveness across separate emulated hosts (issue 47). A blip fences no one: see the second test.
+
+An outage costs its length, not twice it: the leader's port is down for D seconds on its own host
 while a run trains across separate emulated hosts; no two consecutive steps are more than D + 2 s apart.
 
 Without the link options (shared/runtime/links.py) nothing notices the dead connections: what was sent during the
@@ -64,5 +66,45 @@ def test_a_leader_port_outage_stalls_training_for_its_length_only(lab: netns.Net
     assert stalled >= OUTAGE_S - 1.0, f"the outage did not stall training ({stalled:.2f}s): is the port the leader's?"
     assert longest <= OUTAGE_S + SLACK_S, f"{longest:.2f}s without a step for a {OUTAGE_S:g}s outage{run.diagnostics()}"
     assert not run.events("died") and not run.events("fenced"), "a port outage fenced a process"
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["params_sha256"] in run.reference(), "the result differs from `cmemi reference`"
+
+
+BLIP_S = 3.0  # the Redis/coordinator host's cut: longer than cluster.dead_after (2 s), shorter than 5 s
+BLIP_SETS = (f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}", "cluster.workers=2",
+             "checkpoint.every_steps=0")  # cluster.dead_after and heartbeat_interval at their defaults (2 s, 0.2 s)
+
+
+@pytest.mark.timeout(600)
+def test_a_blip_of_the_redis_host_fences_no_one(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
+    """A blip fences no one (issue 47): the host of Redis and the coordinator is cut off for 3 s, past
+    cluster.dead_after, while a run trains. Every heartbeat expires at once; judged on them alone, every worker was
+    fenced and exited with code 3. Now the coordinator sees that everyone fell silent at once, waits for the
+    heartbeats to come back (services/coordinator/witnesses.py), and no one is declared dead or fenced; training
+    goes on through the cut (the leader and the workers do not need Redis to train)."""
+    timer = Timer()
+    run = HostsRun(lab, tmp_path, BLIP_SETS, PLACEMENT)
+    assert BLIP_S > run.cfg.cluster.dead_after
+    run.start_all()
+    run.wait_step(100)
+    timer.mark(f"training at step {run.step()}; cutting the Redis/coordinator host for {BLIP_S:g}s")
+    t_cut = time.time()
+    with run.cut("coord"):
+        run.hold(BLIP_S)
+    t_back = time.time()
+    timer.mark(f"the Redis/coordinator host is back, run at step {run.step()}")
+    run.wait_step(run.step() + 100, timeout=120)
+    assert run.procs["w0"].poll() is None and run.procs["w1"].poll() is None, f"a worker exited{run.diagnostics()}"
+    codes = run.finish()
+    assert codes == {"agg": 0, "coord": 0, "w0": 0, "w1": 0}, f"{codes}{run.diagnostics()}"  # 3 = fenced
+
+    rows = run.metrics()
+    during = [m["step"] for m in rows if t_cut <= m["t"] <= t_back]
+    with capsys.disabled():
+        print(f"\n[blip] Redis/coordinator host cut {t_back - t_cut:.2f}s: {len(during)} steps trained meanwhile, "
+              f"{len(run.events('died'))} deaths, {len(run.events('fenced'))} fences", flush=True)
+    assert not run.events("died") and not run.events("fenced"), run.diagnostics()
+    assert during, "training stopped while the Redis host was cut off"
+    assert [m["step"] for m in rows] == list(range(1, STEPS + 1)), "a step was lost or redone"
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["params_sha256"] in run.reference(), "the result differs from `cmemi reference`"
