@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 import structlog
 from cmemi.services.coordinator.child_exit import ExitKind, exit_kind
-from cmemi.services.coordinator.events_log import EventsLog
+from cmemi.services.coordinator.events_log import START, EventsLog, last_copied
 from cmemi.services.coordinator.fencing import Fencer
 from cmemi.services.coordinator.liveness import Liveness
 from cmemi.services.coordinator.run_state import RunPhase, RunState, phase_of
 from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, SlotState
+from cmemi.services.coordinator.witnesses import Witnesses
 from cmemi.shared.config.loading import load_config
+from cmemi.shared.coordination.heard import HeardWriter, read_heard
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, read_events
 from cmemi.shared.runtime.exits import Exit
@@ -69,6 +71,53 @@ def test_events_log_copies_the_stream_and_starts_over_when_redis_loses_it(ctx: S
     ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "c"})}, id="1-1")
     log.close()  # closing copies what is left
     assert [json.loads(line)["kind"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
+def copied(path: Path) -> list[str]:
+    return [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+
+
+def test_events_log_copies_each_event_once_across_coordinator_restarts(ctx: ServiceContext) -> None:
+    """A restarted coordinator resumes after the file's last stream id (before: from 0-0, appending it all again)."""
+    path = ctx.run_dir / "events.jsonl"
+    for kind in ("a", "b", "c"):
+        ctx.emit(kind)
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    log = EventsLog(ctx.redis, ctx.keys, path)  # restarted: nothing new yet
+    log.tail()
+    ctx.emit("d")
+    log.tail()
+    log.file.close()  # SIGKILLed: no close(), and a line torn in the middle of its write
+    with open(path, "a") as f:
+        f.write('{"t": 1.0, "kind": "e", "si')
+    ctx.emit("e")
+    for _ in range(3):  # restarted three more times
+        EventsLog(ctx.redis, ctx.keys, path).close()
+    assert copied(path) == ["a", "b", "c", "d", "e"]
+    ids = [json.loads(line)["sid"] for line in path.read_text().splitlines()]
+    assert ids == [entry_id for entry_id, _e in read_events(ctx.redis, ctx.keys)]
+
+
+def test_a_resumed_events_log_starts_over_when_the_stream_did(ctx: ServiceContext) -> None:
+    """Redis lost its data while no coordinator ran: the new stream's ids lie below the file's last one."""
+    path = ctx.run_dir / "events.jsonl"
+    ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "old"})}, id="9000-1")
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    ctx.redis.delete(ctx.keys.events)  # injected: Redis restarted empty
+    ctx.redis.xadd(ctx.keys.events, {"json": json.dumps({"t": 0.0, "kind": "new"})}, id="5-1")
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    EventsLog(ctx.redis, ctx.keys, path).close()
+    assert copied(path) == ["old", "new"]
+
+
+def test_the_last_copied_id_is_read_from_the_tail_of_a_long_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps({"t": 0.0, "kind": "x", "pad": "p" * 300, "sid": f"{i}-0"}) for i in range(1, 1001)]
+    path.write_text("\n".join(lines) + "\n" + json.dumps({"kind": "no id"}) + "\n" + '{"torn')
+    assert last_copied(path) == "1000-0"
+    assert path.read_text().endswith('{"kind": "no id"}\n')  # the torn line was cut, the rest kept
+    path.write_text('{"kind": "a line from before ids"}\n')
+    assert last_copied(path) == START and last_copied(tmp_path / "missing.jsonl") == START
 
 
 # ------------------------------------------------------------------------------------------ fencing
@@ -207,3 +256,68 @@ def test_a_crash_loop_fails_the_run_unless_another_worker_lives(ctx: ServiceCont
     finally:
         for c in slots.children.values():
             c.kill()
+
+
+# ------------------------------------------------------------------------------------------ witnesses
+def test_witnesses_hold_judgement_while_everyone_is_silent_and_until_the_path_has_settled(ctx: ServiceContext) -> None:
+    w = Witnesses(ctx.cfg.cluster)  # dead_after 2, heartbeat 0.2: stale after 1 s, settle 7 s after a break
+    w.observe({"worker:w0": "1:a", "aggregator:0": "2:a"}, {}, now=0.0)
+    assert w.path_works(now=0.0)  # a coordinator that starts judges at once, as before
+    w.observe({"worker:w0": None, "aggregator:0": "2:b"}, {}, now=0.5)
+    assert w.may_judge("worker", "w0", 1)  # one member silent, the others beating: its silence is its own
+    w.observe({"worker:w0": None, "aggregator:0": "2:b"}, {}, now=1.6)  # nobody beat for 1.1 s: the path is gone
+    assert not w.path_works(now=1.6)
+    w.observe({"worker:w0": None, "aggregator:0": "2:c"}, {}, now=3.0)  # healed: beats again
+    assert not w.path_works(now=3.0 + w.settle_s - 0.1) and w.path_works(now=3.0 + w.settle_s)
+
+
+def test_a_worker_the_leader_still_hears_is_not_judged_on_its_heartbeat(ctx: ServiceContext) -> None:
+    w = Witnesses(ctx.cfg.cluster)
+    w.observe({"aggregator:0": "2:a"}, {"w0": "5:10"}, now=0.0)
+    assert w.leader_hears("w0", 5, now=1.9) and not w.leader_hears("w0", 4, now=1.9)
+    assert not w.leader_hears("w0", 5, now=2.0)  # its count has not moved for dead_after
+    w.observe({"aggregator:0": "2:b"}, {"w0": "5:11"}, now=2.5)
+    assert w.leader_hears("w0", 5, now=2.6) and not w.leader_hears("w1", 1, now=2.6)
+
+
+def test_liveness_fences_no_one_while_every_heartbeat_lapsed_at_once(ctx: ServiceContext) -> None:
+    """The Redis host cut off from everyone: every member's heartbeat expires; nobody is declared dead until
+    heartbeats come back and the path has worked for a while; then only the one still silent is."""
+    fencer = Fencer(ctx)
+    liveness = Liveness(ctx, fencer)
+    try:
+        register(ctx, "worker", "w0", 1, 11, heartbeat=True)
+        register(ctx, "worker", "w1", 2, 12, heartbeat=True)
+        register(ctx, "aggregator", "0", 3, 13, heartbeat=True)
+        assert list(liveness.scan({}, local=False)) == []
+        for who in (("worker", "w0"), ("worker", "w1"), ("aggregator", "0")):
+            ctx.redis.delete(ctx.keys.heartbeat(*who))  # injected: every heartbeat expired at once
+        liveness.witnesses.beats = {n: (v, t - 5.0) for n, (v, t) in liveness.witnesses.beats.items()}  # ... 5 s ago
+        assert list(liveness.scan({}, local=False)) == [], "judged while everyone was silent"
+        ctx.redis.set(ctx.keys.heartbeat("worker", "w1"), "2:later", px=60_000)  # healed: two beat again, w0 not
+        ctx.redis.set(ctx.keys.heartbeat("aggregator", "0"), "3:later", px=60_000)
+        assert list(liveness.scan({}, local=False)) == [], "judged before the others had time to beat again"
+        assert liveness.witnesses.fresh_since is not None
+        liveness.witnesses.fresh_since -= liveness.witnesses.settle_s  # injected: the path has worked since
+        ctx.redis.set(ctx.keys.heartbeat("worker", "w1"), "2:later still", px=60_000)
+        assert [(d.ident, d.how) for d in liveness.scan({}, local=False)] == [("w0", "heartbeat missing")]
+    finally:
+        fencer.close()
+
+
+def test_liveness_spares_a_worker_whose_heartbeat_lapsed_while_the_leader_hears_it(ctx: ServiceContext) -> None:
+    fencer = Fencer(ctx)
+    liveness = Liveness(ctx, fencer)
+    heard = HeardWriter(ctx.redis, ctx.keys, interval=3600)  # written by hand below
+    try:
+        register(ctx, "worker", "w0", 4, 14, heartbeat=False)  # its link to Redis cut
+        register(ctx, "aggregator", "0", 3, 13, heartbeat=True)
+        heard.note("w0", 4)
+        heard.write()
+        assert read_heard(ctx.redis, ctx.keys) == {"w0": "4:1"}
+        assert list(liveness.scan({}, local=False)) == []  # the leader heard it: alive
+        liveness.witnesses.heard["w0"] = ("4:1", time.monotonic() - ctx.cfg.cluster.dead_after)  # not since
+        assert [d.ident for d in liveness.scan({}, local=False)] == ["w0"]
+    finally:
+        heard.close()
+        fencer.close()

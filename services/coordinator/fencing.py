@@ -12,6 +12,7 @@ import redis
 import zmq
 from cmemi.shared.coordination.membership import text
 from cmemi.shared.runtime import metrics
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import header as wire
 from cmemi.shared.wire import samehost
@@ -78,6 +79,7 @@ class Fencer:
             if self.agg_sock is not None:
                 self.agg_sock.close(linger=0)
             self.agg_sock = self.zctx.socket(zmq.DEALER)
+            set_link_options(self.agg_sock, self.ctx.cfg.cluster)
             self.ctx.curve.connect_as_client(self.agg_sock)
             self.agg_sock.setsockopt(zmq.LINGER, 0)
             self.agg_sock.connect(samehost.tcp_of(addr))  # fences: CurveZMQ always (only workers use ipc://)

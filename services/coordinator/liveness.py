@@ -1,4 +1,5 @@
-"""Liveness: a process is alive only while its heartbeat key exists (a TTL of cluster.dead_after).
+"""Liveness: a process is alive while its heartbeat key exists (a TTL of cluster.dead_after), or while the witnesses
+say its silence proves nothing (witnesses.py: everyone fell silent at once, or the leader still hears it).
 
 Each scan finds the members whose heartbeat is gone and the local children that did not register in time
 (cluster.start_timeout), and yields each as a `Death` for the coordinator to fence and replace. A child of ours
@@ -13,8 +14,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import redis
 from cmemi.services.coordinator.fencing import Fencer
 from cmemi.services.coordinator.supervisor import Child
+from cmemi.services.coordinator.witnesses import Witnesses
 from cmemi.shared.runtime.service import ServiceContext
 
 
@@ -31,21 +34,35 @@ class Death:
 class Liveness:
     def __init__(self, ctx: ServiceContext, fencer: Fencer) -> None:
         self.ctx, self.cfg, self.fencer = ctx, ctx.cfg, fencer
+        self.witnesses = Witnesses(ctx.cfg.cluster)
 
     def scan(self, children: dict[str, Child], local: bool) -> Iterator[Death]:
-        """The deaths seen now. A RedisError goes to the caller (the coordinator retries every 0.2 s)."""
+        """The deaths seen now. A RedisError goes to the caller (the coordinator retries every 0.2 s), and what
+        was seen before it no longer counts (witnesses.Witnesses.lost_redis)."""
+        try:
+            yield from self._scan(children, local)
+        except redis.RedisError:
+            self.witnesses.lost_redis()
+            raise
+
+    def _scan(self, children: dict[str, Child], local: bool) -> Iterator[Death]:
         r, k = self.ctx.redis, self.ctx.keys
         member_prefix = k.member("", "")[:-1]  # ...:member:
         members = [(key, *key[len(member_prefix):].partition(":")[::2])
                    for key in r.scan_iter(match=k.member("*", "*"), count=500)]
-        # First only whose heartbeat is missing (one pipelined EXISTS each: a healthy cluster costs no more);
-        # a local child that has not registered yet needs every record (its pid), for its start deadline.
+        # Every heartbeat's value and the leader's record of whom it heard, in one pipelined round trip (the
+        # witnesses judge from how they change); then only the members whose heartbeat is missing are read. A
+        # local child that has not registered yet needs every record (its pid), for its start deadline.
+        pipe = r.pipeline(transaction=False)
+        for _key, role, ident in members:
+            pipe.get(k.heartbeat(role, ident))
+        pipe.hgetall(k.heard)
+        *beats, heard = pipe.execute()
+        self.witnesses.observe({f"{role}:{ident}": beat for (_k, role, ident), beat in zip(members, beats, strict=True)
+                                if role != "coordinator"}, heard)
         starting = local and any(not c.registered and c.alive for c in children.values())
         if not starting:
-            pipe = r.pipeline(transaction=False)
-            for _key, role, ident in members:
-                pipe.exists(k.heartbeat(role, ident))
-            members = [m for m, beating in zip(members, pipe.execute(), strict=True) if not beating]
+            members = [m for m, beat in zip(members, beats, strict=True) if beat is None]
             if not members:
                 return
         # Each record and its heartbeat in one MULTI/EXEC: a graceful exit marks the record stopped and
@@ -67,10 +84,15 @@ class Liveness:
                 continue
             child = children.get(f"{role}:{ident}")
             if child is not None and child.pid == pid and child.alive:
+                # ours, on this host: its way to Redis is ours, which this scan just used, so its silence is its own
+                # (unless we lost Redis ourselves a moment ago: then it gets the time to reconnect, as we did)
+                if not self.witnesses.own_view_settled():
+                    continue
                 child.kill()  # alive but silent: hung (or stopped); kill it, do not wait on it
                 yield Death(role, ident, "heartbeat missing (hung)", pid, inc, child)
-            elif child is None or child.pid != pid:
-                # not ours to restart (another host / orchestrator): detect, fence, re-admit later
+            elif (child is None or child.pid != pid) and self.witnesses.may_judge(role, ident, inc):
+                # not ours to restart (another host / orchestrator): detect, fence, re-admit later -- unless everyone
+                # fell silent at once (Redis, or the way to it, is what is gone) or the leader still hears it
                 yield Death(role, ident, "heartbeat missing", pid, inc, None)
 
     def _late_starters(self, children: dict[str, Child], records: list[dict[str, str]]) -> Iterator[Death]:

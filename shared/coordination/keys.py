@@ -14,6 +14,7 @@
 | `error:user` | string | a service's `ctx.fatal` | set: the failure is user-fixable (config, data, user code); `cmemi up` exits 2 |
 | `progress` | hash | aggregator, every step | step, total, loss, lr, samples_s, bytes_s, live_workers, term, t |
 | `microbatches` | hash | aggregator, every step | accepted microbatches per `wid:incarnation` |
+| `heard` | hash | leader, every heartbeat interval | per worker id: `incarnation:count` of the messages it heard from it (a second liveness channel, heard.py) |
 | `events` | stream | everyone | joins, deaths, fences, restarts, checkpoints (XADD, field `json`) |
 | `ckpt:latest` | string | checkpointer | step of the newest durable checkpoint |
 | `ckpt:dropped` | hash | checkpointer | messages it dropped, by reason (copied into `summary.json`) |
@@ -36,6 +37,7 @@ class Keys:
         self.user_error = p + "error:user"
         self.progress = p + "progress"
         self.microbatches = p + "microbatches"
+        self.heard = p + "heard"
         self.events = p + "events"
         self.ckpt_latest = p + "ckpt:latest"
         self.ckpt_dropped = p + "ckpt:dropped"

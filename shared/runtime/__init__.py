@@ -9,4 +9,5 @@
 - zygote      asking `cmemi up`'s zygote for a process, and how it ended
 - proctitle   this process's command line, as ps and pgrep read it
 - atomic      files that are the old version or the new one, never half
+- links       the options of every socket that may cross hosts: a dead link given up in seconds, re-dialled fast
 """

@@ -25,6 +25,7 @@ from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, emit, text, wait_for_redis
 from cmemi.shared.runtime import lifeline, metrics, startup
 from cmemi.shared.runtime.exits import Exit
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.log import setup_logging
 from cmemi.shared.wire import samehost
 from cmemi.shared.wire.security import Curve, SecurityError, curve_from_config
@@ -136,6 +137,7 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context[zmq.Socket[bytes]], port
     )
 
     sock = zctx.socket(zmq.ROUTER)
+    set_link_options(sock, ctx.cfg.cluster)  # a dead link noticed in seconds (shared/runtime/links.py)
     ctx.curve.serve(zctx, sock)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.message_cap())
     # at most two messages (parts of a big gradient: transfer.PART each) queued per peer in ZeroMQ; the rest waits

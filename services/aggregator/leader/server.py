@@ -23,6 +23,7 @@ from cmemi.services.aggregator.leader.handout import Handout
 from cmemi.services.aggregator.leader.parts import build
 from cmemi.services.aggregator.leader.shard_messages import Handler, ShardMessages
 from cmemi.services.aggregator.leader.stepping import Stepper
+from cmemi.shared.coordination.heard import HeardWriter
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import protocol
@@ -35,6 +36,7 @@ class Aggregator:
         self.stepper = Stepper(p, self._serve_parked)
         self.handout = Handout(p)
         self.grads = GradIntake(p, self.stepper, self._serve_parked)
+        self.heard = HeardWriter(ctx.redis, ctx.keys, self.cfg.cluster.heartbeat_interval)  # a 2nd liveness channel
         self.handlers: dict[str, Handler] = {
             "hello": self._on_hello, "want": self._on_want, "grad": self._on_grad, "leave": self._on_leave,
             "fence": self._on_fence, **ShardMessages(p, self.stepper, self._serve_parked, self._on_hello).handlers()}
@@ -115,6 +117,8 @@ class Aggregator:
         if taken is None:
             return
         identity, msg, size = taken
+        if (sender := p.admission.workers.get(identity)) is not None:
+            self.heard.note(sender.wid, sender.inc)  # the coordinator's second witness (shared/coordination/heard.py)
         if msg is None:  # a part of a bigger message (a worker's gradient, a shard's pieces); the rest is coming
             if p.admission.admitted(identity):
                 p.reporter.grad_bytes(size)
@@ -227,6 +231,7 @@ class Aggregator:
 
     def close(self) -> None:
         p = self.p
+        self.heard.close()
         if p.slots is not None:
             p.slots.close()
         p.evals.close()

@@ -12,6 +12,7 @@ from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.coordination.membership import table
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import samehost
 
@@ -55,6 +56,7 @@ def restore_slice(ctx: ServiceContext, trainer: Trainer, totals: RunTotals, ckpt
 
 def leader_link(ctx: ServiceContext, zctx: zmq.Context, addr: str) -> zmq.Socket:
     sock = zctx.socket(zmq.DEALER)
+    set_link_options(sock, ctx.cfg.cluster)
     ctx.curve.connect_as_client(sock)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, ctx.cfg.cluster.message_cap())

@@ -22,6 +22,7 @@ from cmemi.services.aggregator.snapshots.contents import Snapshot
 from cmemi.services.aggregator.snapshots.outgoing import Outgoing
 from cmemi.shared.coordination.membership import texts
 from cmemi.shared.coordination.watch import Watch
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
@@ -74,6 +75,7 @@ class CheckpointerLink:
                 self.sock.close(linger=0)
                 self.parts.keep(())  # the rest of a restore in parts will not come on a new socket
             self.sock = self.zctx.socket(zmq.DEALER)
+            set_link_options(self.sock, self.cfg.cluster)
             self.ctx.curve.connect_as_client(self.sock)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.SNDHWM, 1)  # a snapshot's parts wait here, not in ZeroMQ (outgoing.py)

@@ -16,6 +16,7 @@ import torch
 import zmq
 from cmemi.services.worker.links.patience import Patience
 from cmemi.shared.config.schema import Config
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
@@ -42,6 +43,7 @@ class LeaderLink:
             self.sock.close(linger=0)
             self.parts.keep(())
         self.sock = self.zctx.socket(zmq.DEALER)
+        set_link_options(self.sock, self.cfg.cluster)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))

@@ -37,6 +37,7 @@ from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm, shm_reader
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
@@ -107,6 +108,7 @@ class ShardLinks:
         me = self.ident()
         for k, addr in enumerate(addrs, start=1):
             sock = zctx.socket(zmq.DEALER)
+            set_link_options(sock, self.cfg.cluster)
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))
