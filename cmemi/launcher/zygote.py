@@ -6,7 +6,9 @@ with `cmemi up`'s own start. Then:
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
 3. it imports the modules the config names (cmemi/launcher/zygote_user_code.py; not under cluster.zygote_imports: false),
-   so that no service imports them again: import only, no factory is called;
+   so that no service imports them again, then builds the model and the training dataset once, as a worker would,
+   for every child to share (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false); a dataset factory
+   that raises is the run's one-line error;
 4. it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
    config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
    (after a failed check it never listens, and waits for `cmemi up` to stop it);
@@ -37,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from cmemi.launcher import zygote_data
 from cmemi.launcher import zygote_user_code as user_code
 from cmemi.shared.runtime import atomic, proctitle
 from cmemi.shared.runtime.zygote import MAX_MESSAGE, connect_path
@@ -69,9 +72,16 @@ def main(argv: list[str]) -> int:
     if not user_code.preload(config):
         return 0  # its imports made forking unsafe: every service starts fresh, `cmemi up` checks the config
     phases["user_code_imported"] = time.time()
+    data = zygote_data.build(config)
+    if data.unsafe:
+        return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
+    if data.shared:
+        phases["data_built"] = time.time()
     gc.collect()
-    gc.freeze()  # children never scan (so never copy) the pages of what is imported now
+    gc.freeze()  # children never scan (so never copy) the pages of what is imported and built now
     rc, error = _check(config)
+    if rc == 0 and data.error:
+        rc, error = 2, data.error
     phases["plugins_checked"] = time.time()
     if rc != 0:
         atomic.write_text(zdir / "ready.json", json.dumps({"rc": rc, "error": error, "phases": phases}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import warnings
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.training import OptimizerConfig
 from cmemi.shared.config.usercode import describe
+from cmemi.shared.runtime import prebuilt
 from cmemi.shared.wire import limits
 
 P = TypeVar("P")  # a parameter, or anything standing for one (the servers' reshard numbers piece names)
@@ -43,13 +45,26 @@ def user_modules(cfg: Config) -> list[str]:
     return list(dict.fromkeys(p.partition(":")[0] for p in paths if p and ":" in p))
 
 
+def model_key(cfg: Config) -> str:
+    """What the model is built from: its factory, kwargs and the seed before it (shared/runtime/prebuilt.py)."""
+    return json.dumps([cfg.model.factory, cfg.model.kwargs, cfg.run.seed], sort_keys=True, default=repr)
+
+
+def data_key(cfg: Config) -> str:
+    """What the training dataset is built from: its factory and kwargs, after the model (torch's generator)."""
+    return json.dumps([model_key(cfg), cfg.data.factory, cfg.data.kwargs], sort_keys=True, default=repr)
+
+
 def build_model(cfg: Config) -> torch.nn.Module:
     """Build the model with the run's seed, so every process starts from identical weights. The factory runs as
-    in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/wire/limits.py)."""
+    in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/wire/limits.py).
+    The zygote's model (cluster.zygote_data) stands in for the first call in a process."""
     factory = resolve(cfg.model.factory, "model.factory")
     torch.manual_seed(cfg.run.seed)
     try:
-        model = factory(**cfg.model.kwargs)
+        taken, model = prebuilt.take("model", model_key(cfg))
+        if not taken:
+            model = factory(**cfg.model.kwargs)
     except Exception as exc:  # user code may raise anything: one line with the function and its file:line
         raise FactoryError(f"config field 'model.factory': {cfg.model.factory}(**{cfg.model.kwargs}) raised "
                            f"{describe(exc).line()}") from exc
@@ -58,6 +73,13 @@ def build_model(cfg: Config) -> torch.nn.Module:
                           "not a torch.nn.Module; return the model from the factory")
     limits.record(cfg, model)
     return model
+
+
+def build_dataset(cfg: Config) -> Any:
+    """The training dataset: the zygote's when it built this one (cluster.zygote_data), else data.factory's call.
+    Raises what the factory raises (the caller says it in one line: shared/core/data.py data_error)."""
+    taken, dataset = prebuilt.take("dataset", data_key(cfg))
+    return dataset if taken else resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
 
 
 def param_groups(spec: OptimizerConfig, named: Mapping[str, P]) -> list[dict[str, Any]]:

@@ -1,0 +1,111 @@
+"""Data built once per host: the zygote calls the model and dataset factories before it forks the services.
+
+A user module that builds its dataset in its factory made every worker build the same data at the same time on
+the same cores (the issue's MNIST-1D case: first step at about twice a plain script's import-and-build time with 2
+workers; `python bench/startup_data.py` measures it). As PyTorch's DataLoader forks its workers after the dataset
+exists, the zygote (cmemi/launcher/zygote.py) builds it once, after importing the user's modules and before it
+listens, and every forked process shares it copy-on-write (shared/runtime/prebuilt.py says how a process takes it).
+
+Same bits as each process building its own: the calls are a worker's, in a worker's order and conditions —
+torch's generator seeded with run.seed, model.factory, then data.factory, with one intra-op thread (the workers'
+cluster.threads_per_worker) — and the generators' states after each call go with the object; the zygote's own
+are put back, so a process that takes nothing (the checkpointer, the leader's other models) starts as fresh.
+
+Fork safety (cmemi/launcher/zygote_user_code.py): with one intra-op thread torch runs no parallel region, so no
+OpenMP pool exists to hang a child. Not shared, with one line saying why: with cluster.threads_per_worker > 1
+(the workers build with that many threads, and a pool in the zygote would hang its children), when the calls
+started a thread (a forked child would hold the object without it), and when they opened the GPU (no forked
+child could use it: the zygote then serves nobody, every service starts fresh). A data.factory that raises is
+the user's one-line error (shared/core/data.py data_error), exit 2, before any service starts; a model.factory
+that raises is left to the config check, which says it the same way.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from cmemi.launcher import zygote_user_code as user_code
+from cmemi.shared.config.checks import ConfigError
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import data_key, model_key
+from cmemi.shared.config.schema import Config
+from cmemi.shared.core.data import data_error
+from cmemi.shared.runtime import prebuilt
+
+
+@dataclass(frozen=True)
+class Verdict:
+    shared: bool = False  # the model and dataset are kept for the children
+    error: str | None = None  # data.factory raised: the run's one-line error (exit 2)
+    unsafe: bool = False  # the zygote must fork nothing more (a factory opened the GPU)
+
+
+def say(why: str) -> None:
+    print(f"cmemi: data is built in every process, not once per host: {why}", file=sys.stderr, flush=True)
+
+
+def build(config: str) -> Verdict:
+    """Build what the config's workers would build, once, and keep it for the children (see the module)."""
+    try:
+        cfg = load_config(config)
+    except ConfigError:
+        return Verdict()  # the config check says why, in one line
+    if not (cfg.cluster.zygote_imports and cfg.cluster.zygote_data):
+        return Verdict()
+    if cfg.cluster.threads_per_worker > 1:
+        say(f"cluster.threads_per_worker={cfg.cluster.threads_per_worker} builds with that many threads, and a thread "
+            "pool in the zygote would hang the processes it forks (cluster.zygote_data needs threads_per_worker: 1)")
+        return Verdict()
+    tasks = user_code.threads()
+    verdict = _build(cfg)
+    if torch.cuda.is_initialized():
+        prebuilt.drop()
+        say("model.factory or data.factory opened the GPU in the zygote, where no forked process could use it; every "
+            "service starts fresh (set cluster.zygote_data: false to keep the zygote)")
+        return Verdict(unsafe=True)
+    if user_code.threads() > tasks:
+        prebuilt.drop()
+        user_code.note_threads()
+        say("model.factory or data.factory started a thread, which a forked process would not have; set "
+            "cluster.zygote_data: false")
+        return Verdict(error=verdict.error)
+    return verdict
+
+
+def _build(cfg: Config) -> Verdict:
+    """The worker's calls (services/worker/worker.py: build_model, then the dataset) with the zygote's generators
+    and thread count put back afterwards."""
+    threads, before = torch.get_num_threads(), prebuilt.states()
+    torch.set_num_threads(1)
+    try:
+        torch.random.default_generator.manual_seed(cfg.run.seed)  # torch.manual_seed's CPU part: no GPU queued
+        start = prebuilt.states()
+        try:
+            model = resolve(cfg.model.factory, "model.factory")(**cfg.model.kwargs)
+        except Exception:  # the config check builds it again and says it in one line (plugins.FactoryError)
+            return Verdict()
+        if not isinstance(model, torch.nn.Module):
+            return Verdict()  # likewise
+        after_model = prebuilt.moved(start)
+        start = prebuilt.states()
+        try:
+            dataset = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
+        except ConfigError as exc:
+            return Verdict(error=str(exc))
+        except Exception as exc:  # the user's data: one line naming the call, what it raised and where
+            return Verdict(error=data_error("cmemi up (building the data once per host)", cfg, exc))
+        after_data = prebuilt.moved(start)
+    finally:
+        torch.set_rng_state(before[0])
+        numpy.random.set_state(before[1])
+        random.setstate(before[2])
+        torch.set_num_threads(threads)
+    prebuilt.keep("model", model_key(cfg), model, after_model)
+    prebuilt.keep("dataset", data_key(cfg), dataset, after_data)
+    return Verdict(shared=True)
