@@ -75,8 +75,7 @@ def main(argv: list[str]) -> int:
     data = zygote_data.build(config)
     if data.unsafe:
         return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
-    if data.shared:
-        phases["data_built"] = time.time()
+    built = time.time() if data.shared else None  # beside the phases (their names are the timeline's)
     gc.collect()
     gc.freeze()  # children never scan (so never copy) the pages of what is imported and built now
     rc, error = _check(config)
@@ -89,7 +88,7 @@ def main(argv: list[str]) -> int:
             signal.pause()
     server = Server(sock_path, exits)
     phases["listening"] = time.time()
-    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases,
+    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases, "data_built": built,
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
