@@ -6,10 +6,9 @@ with `cmemi up`'s own start. Then:
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
 3. it imports the modules the config names (cmemi/launcher/zygote_user_code.py; not under cluster.zygote_imports: false),
-   so that no service imports them again, then builds the model and the training dataset once, as a worker would,
-   for every child to share (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false); a dataset factory
-   that raises is the run's one-line error;
-4. it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
+   so that no service imports them again, then builds the model and training dataset once for every child to share
+   (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false; a raising factory is the run's one line);
+4. meanwhile it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
    config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
    (after a failed check it never listens, and waits for `cmemi up` to stop it);
 5. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
@@ -72,13 +71,16 @@ def main(argv: list[str]) -> int:
     if not user_code.preload(config):
         return 0  # its imports made forking unsafe: every service starts fresh, `cmemi up` checks the config
     phases["user_code_imported"] = time.time()
+    gc.collect()
+    gc.freeze()  # children never scan (so never copy) the pages of what is imported now
+    checking = _start_check(config)  # on the other core while the data is built
     data = zygote_data.build(config)
-    if data.unsafe:
-        return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
     built = time.time() if data.shared else None  # beside the phases (their names are the timeline's)
     gc.collect()
-    gc.freeze()  # children never scan (so never copy) the pages of what is imported and built now
-    rc, error = _check(config)
+    gc.freeze()  # nor those of what was built
+    rc, error = _finish_check(*checking)
+    if data.unsafe:
+        return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
     if rc == 0 and data.error:
         rc, error = 2, data.error
     phases["plugins_checked"] = time.time()
@@ -111,8 +113,9 @@ def _stdin_to_devnull() -> None:
     os.close(fd)
 
 
-def _check(config: str) -> tuple[int, str | None]:
-    """check_plugins in a child (it builds a model and steps an optimizer: torch ops the zygote must not run)."""
+def _start_check(config: str) -> tuple[int, int]:
+    """check_plugins in a child (it builds a model and steps an optimizer: torch ops the zygote must not run);
+    returns its pid and the read end of its pipe for `_finish_check`."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -137,6 +140,11 @@ def _check(config: str) -> tuple[int, str | None]:
         sys.stderr.flush()
         os._exit(code)
     os.close(w)
+    return pid, r
+
+
+def _finish_check(pid: int, r: int) -> tuple[int, str | None]:
+    """The check's exit code and one-line error (None when it passed or printed a traceback)."""
     chunks = []
     while chunk := os.read(r, 65536):
         chunks.append(chunk)
