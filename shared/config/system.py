@@ -40,7 +40,7 @@ class ClusterConfig:
     """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
     zygote_imports: bool = True
     """`cmemi up`'s zygote imports the modules the config names (model.factory, data.factory, ...) once, before it
-    forks the services, so no process imports them again (import only: no factory is called). false: each service
+    forks the services, so no process imports them again (the factories: cluster.zygote_data). false: each service
     imports them itself (a module that starts threads, opens a GPU or a connection at import time)."""
     zygote_data: bool = True
     """With cluster.zygote_imports, the zygote also builds the model and the training dataset once (the workers' calls
