@@ -34,13 +34,12 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from cmemi.launcher import zygote_data
+from cmemi.launcher import zygote_check, zygote_data
 from cmemi.launcher import zygote_user_code as user_code
-from cmemi.shared.runtime import atomic, proctitle
+from cmemi.shared.runtime import atomic, prebuilt, proctitle
 from cmemi.shared.runtime.zygote import MAX_MESSAGE, connect_path
 
 PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own
@@ -73,12 +72,12 @@ def main(argv: list[str]) -> int:
     phases["user_code_imported"] = time.time()
     gc.collect()
     gc.freeze()  # children never scan (so never copy) the pages of what is imported now
-    checking = _start_check(config)  # on the other core while the data is built
-    data = zygote_data.build(config)
+    check = zygote_check.Check(config)  # on the other core while the data is built
+    data = zygote_data.build(config, check.model_generators)
     built = time.time() if data.shared else None  # beside the phases (their names are the timeline's)
     gc.collect()
     gc.freeze()  # nor those of what was built
-    rc, error = _finish_check(*checking)
+    rc, error = check.verdict()
     if data.unsafe:
         return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
     if rc == 0 and data.error:
@@ -111,46 +110,6 @@ def _stdin_to_devnull() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-
-
-def _start_check(config: str) -> tuple[int, int]:
-    """check_plugins in a child (it builds a model and steps an optimizer: torch ops the zygote must not run);
-    returns its pid and the read end of its pipe for `_finish_check`."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        code, message = 0, ""
-        try:
-            from cmemi.shared.config.checks import ConfigError
-            from cmemi.shared.config.extras import MissingExtra
-            from cmemi.shared.config.loading import load_config
-            from cmemi.shared.config.plugins import check_plugins
-
-            user_code.after_fork()
-            try:
-                check_plugins(load_config(config))
-            except (ConfigError, MissingExtra) as exc:
-                code, message = 2, str(exc)
-        except BaseException:  # the user's code raised something else: its traceback says where
-            traceback.print_exc()
-            code, message = 1, ""
-        os.write(w, message.encode())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(w)
-    return pid, r
-
-
-def _finish_check(pid: int, r: int) -> tuple[int, str | None]:
-    """The check's exit code and one-line error (None when it passed or printed a traceback)."""
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace") or None
 
 
 class Server:
@@ -294,6 +253,8 @@ def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = Non
 def _become(request: dict[str, Any]) -> None:
     """In the forked child: look and start like `request["argv"]` run by a fresh interpreter."""
     user_code.after_fork()
+    if request["argv"][3] != "worker":
+        prebuilt.drop()  # the dataset is the workers': freed here, not held for the run (cluster.zygote_data)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,20 +1,21 @@
-"""Data built once per host: the zygote calls the model and dataset factories before it forks the services.
+"""Data built once per host: the zygote calls the dataset factory before it forks the services.
 
 A user module that builds its dataset in its factory made every worker build the same data at the same time on
-the same cores (the issue's MNIST-1D case: first step at about twice a plain script's import-and-build time with 2
-workers; `python bench/startup_data.py` measures it). As PyTorch's DataLoader forks its workers after the dataset
-exists, the zygote (cmemi/launcher/zygote.py) builds it once, after importing the user's modules and before it
-listens, and every forked process shares it copy-on-write (shared/runtime/prebuilt.py says how a process takes it).
+the same cores (issue 46's MNIST-1D case; `python bench/startup_data.py` measures it). As PyTorch's DataLoader
+forks its workers after the dataset exists, the zygote (cmemi/launcher/zygote.py) builds it once, after importing
+the user's modules and before it listens, and every worker it forks shares it copy-on-write
+(shared/runtime/prebuilt.py says how a worker takes it; the other services free it at once).
 
-Same bits as each process building its own: the calls are a worker's, in a worker's order and conditions —
-torch's generator seeded with run.seed, model.factory, then data.factory, with one intra-op thread (the workers'
-cluster.threads_per_worker) — and the generators' states after each call go with the object; the zygote's own
-are put back, so a process that takes nothing (the checkpointer, the leader's other models) starts as fresh.
+Same bits as each worker building its own: the calls are a worker's, in a worker's order and conditions — torch's
+generator seeded with run.seed, model.factory, then data.factory, with one intra-op thread (the workers'
+cluster.threads_per_worker) — and the generators' states after the dataset's call go with it; the zygote's own are
+put back, so a process that takes nothing starts as fresh. The model's call is the config check's, in its child
+(cmemi/launcher/zygote_check.py), which sends the generators' states it leaves: the zygote holds no model.
 
 Fork safety (cmemi/launcher/zygote_user_code.py): with one intra-op thread torch runs no parallel region, so no
 OpenMP pool exists to hang a child. Not shared, with one line saying why: with cluster.threads_per_worker > 1
-(the workers build with that many threads, and a pool in the zygote would hang its children), when the calls
-started a thread (a forked child would hold the object without it), and when they opened the GPU (no forked
+(the workers build with that many threads, and a pool in the zygote would hang its children), when the factory
+started a thread (a forked child would hold the object without it), and when it opened the GPU (no forked
 child could use it: the zygote then serves nobody, every service starts fresh). A data.factory that raises is
 the user's one-line error (shared/core/data.py data_error), exit 2, before any service starts; a model.factory
 that raises is left to the config check, which says it the same way.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy
@@ -33,7 +35,7 @@ from cmemi.launcher import zygote_user_code as user_code
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.lookup import resolve
-from cmemi.shared.config.plugins import data_key, model_key
+from cmemi.shared.config.plugins import data_key
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.data import data_error
 from cmemi.shared.runtime import prebuilt
@@ -50,8 +52,9 @@ def say(why: str) -> None:
     print(f"cmemi: data is built in every process, not once per host: {why}", file=sys.stderr, flush=True)
 
 
-def build(config: str) -> Verdict:
-    """Build what the config's workers would build, once, and keep it for the children (see the module)."""
+def build(config: str, model_generators: Callable[[], prebuilt.Generators | None]) -> Verdict:
+    """Build the dataset the config's workers would build, once, and keep it for the children (see the module).
+    `model_generators`: the generators' states after a worker's build_model (cmemi/launcher/zygote_check.py)."""
     try:
         cfg = load_config(config)
     except ConfigError:
@@ -63,36 +66,31 @@ def build(config: str) -> Verdict:
             "pool in the zygote would hang the processes it forks (cluster.zygote_data needs threads_per_worker: 1)")
         return Verdict()
     tasks = user_code.threads()
-    verdict = _build(cfg)
+    verdict = _build(cfg, model_generators)
     if torch.cuda.is_initialized():
         prebuilt.drop()
-        say("model.factory or data.factory opened the GPU in the zygote, where no forked process could use it; every "
+        say("data.factory opened the GPU in the zygote, where no forked process could use it; every "
             "service starts fresh (set cluster.zygote_data: false to keep the zygote)")
         return Verdict(unsafe=True)
     if user_code.threads() > tasks:
         prebuilt.drop()
         user_code.note_threads()
-        say("model.factory or data.factory started a thread, which a forked process would not have; set "
+        say("data.factory started a thread, which a forked process would not have; set "
             "cluster.zygote_data: false")
         return Verdict(error=verdict.error)
     return verdict
 
 
-def _build(cfg: Config) -> Verdict:
-    """The worker's calls (services/worker/worker.py: build_model, then the dataset) with the zygote's generators
-    and thread count put back afterwards."""
+def _build(cfg: Config, model_generators: Callable[[], prebuilt.Generators | None]) -> Verdict:
+    """A worker's dataset call (services/worker/worker.py), from where its build_model leaves the generators, with
+    the zygote's generators and thread count put back afterwards."""
+    after_model = model_generators()
+    if after_model is None:
+        return Verdict()  # no model: the config check says what is wrong in one line
     threads, before = torch.get_num_threads(), prebuilt.states()
     torch.set_num_threads(1)
     try:
-        torch.random.default_generator.manual_seed(cfg.run.seed)  # torch.manual_seed's CPU part: no GPU queued
-        start = prebuilt.states()
-        try:
-            model = resolve(cfg.model.factory, "model.factory")(**cfg.model.kwargs)
-        except Exception:  # the config check builds it again and says it in one line (plugins.FactoryError)
-            return Verdict()
-        if not isinstance(model, torch.nn.Module):
-            return Verdict()  # likewise
-        after_model = prebuilt.moved(start)
+        prebuilt.restore(after_model)
         start = prebuilt.states()
         try:
             dataset = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
@@ -106,6 +104,5 @@ def _build(cfg: Config) -> Verdict:
         numpy.random.set_state(before[1])
         random.setstate(before[2])
         torch.set_num_threads(threads)
-    prebuilt.keep("model", model_key(cfg), model, after_model)
     prebuilt.keep("dataset", data_key(cfg), dataset, after_data)
     return Verdict(shared=True)

@@ -6,7 +6,7 @@ import inspect
 import json
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -45,26 +45,20 @@ def user_modules(cfg: Config) -> list[str]:
     return list(dict.fromkeys(p.partition(":")[0] for p in paths if p and ":" in p))
 
 
-def model_key(cfg: Config) -> str:
-    """What the model is built from: its factory, kwargs and the seed before it (shared/runtime/prebuilt.py)."""
-    return json.dumps([cfg.model.factory, cfg.model.kwargs, cfg.run.seed], sort_keys=True, default=repr)
-
-
 def data_key(cfg: Config) -> str:
-    """What the training dataset is built from: its factory and kwargs, after the model (torch's generator)."""
-    return json.dumps([model_key(cfg), cfg.data.factory, cfg.data.kwargs], sort_keys=True, default=repr)
+    """What the training dataset is built from (shared/runtime/prebuilt.py): its factory and kwargs, and the model's
+    with the seed before them (they set torch's generator where the dataset factory finds it)."""
+    return json.dumps([cfg.model.factory, cfg.model.kwargs, cfg.run.seed, cfg.data.factory, cfg.data.kwargs],
+                      sort_keys=True, default=repr)
 
 
 def build_model(cfg: Config) -> torch.nn.Module:
     """Build the model with the run's seed, so every process starts from identical weights. The factory runs as
-    in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/wire/limits.py).
-    The zygote's model (cluster.zygote_data) stands in for the first call in a process."""
+    in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/wire/limits.py)."""
     factory = resolve(cfg.model.factory, "model.factory")
     torch.manual_seed(cfg.run.seed)
     try:
-        taken, model = prebuilt.take("model", model_key(cfg))
-        if not taken:
-            model = factory(**cfg.model.kwargs)
+        model = factory(**cfg.model.kwargs)
     except Exception as exc:  # user code may raise anything: one line with the function and its file:line
         raise FactoryError(f"config field 'model.factory': {cfg.model.factory}(**{cfg.model.kwargs}) raised "
                            f"{describe(exc).line()}") from exc
@@ -137,14 +131,17 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> Any:
                           f"{cls.__name__}: {exc}") from None
 
 
-def check_plugins(cfg: Config) -> None:
-    """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker."""
+def check_plugins(cfg: Config, built: Callable[[torch.nn.Module], None] | None = None) -> None:
+    """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker. `built` is called with
+    the model as soon as it is built (the zygote reads the generators' states there: cmemi/launcher/zygote_check.py)."""
     resolve(cfg.model.factory, "model.factory")
     resolve(cfg.data.factory, "data.factory")
     check_signature(resolve(cfg.train.loss, "train.loss"), "train.loss", cfg.train.loss, "loss(output, target)", 2)
     if cfg.eval.fn:
         check_signature(resolve(cfg.eval.fn, "eval.fn"), "eval.fn", cfg.eval.fn, "evaluate(model) -> dict", 1)
     model = build_model(cfg)
+    if built is not None:
+        built(model)
     if cfg.model.init_from:  # a missing file or (strict) a mismatch fails here, in seconds, before any service
         initweights.say_skipped(cfg.model.init_from, initweights.load_into(model, cfg.model.init_from,
                                                                            cfg.model.init_strict))

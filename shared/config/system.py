@@ -43,12 +43,12 @@ class ClusterConfig:
     forks the services, so no process imports them again (the factories: cluster.zygote_data). false: each service
     imports them itself (a module that starts threads, opens a GPU or a connection at import time)."""
     zygote_data: bool = True
-    """With cluster.zygote_imports, the zygote also builds the model and the training dataset once (the workers' calls
-    of model.factory then data.factory, seeded as a worker seeds them, one intra-op thread), before it forks the
-    services: every process of the host shares them copy-on-write instead of building them again, with the global
-    random generators left as the process's own build would leave them. Not with cluster.threads_per_worker > 1 (a
-    thread pool in the zygote hangs forked children; one line says so). false: each process calls the factories
-    itself (a factory with side effects: files, connections, a GPU)."""
+    """With cluster.zygote_imports, the zygote also builds the training dataset once (data.factory, called as a worker
+    calls it: after model.factory with run.seed, one intra-op thread) before it forks the services, and the workers
+    share it copy-on-write instead of building it again, with the global random generators left as their own build
+    would leave them. Not with cluster.threads_per_worker > 1 (a thread pool in the zygote hangs forked children;
+    one line says so). false: each worker calls data.factory itself (a factory with side effects: files,
+    connections, a GPU)."""
     max_message_bytes: int | None = None
     """Largest ZeroMQ message (and frame) sent or accepted; bigger messages travel in parts of at most this size.
     null: 4 x the model's parameter + buffer bytes + 16 MiB, at most 64 MiB."""

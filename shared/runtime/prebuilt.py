@@ -1,17 +1,16 @@
-"""What `cmemi up`'s zygote built before it forked (the model, the training dataset), for the one process call that
+"""What `cmemi up`'s zygote built before it forked (the workers' training dataset), for the one process call that
 would build it again.
 
 Data built once per host (cluster.zygote_data, cmemi/launcher/zygote_data.py): the zygote calls the factories as a
-worker does, keeps each result here with the global random generators' states right after it, and forks the
-services, which share the objects copy-on-write. A process then `take`s an object once, in place of calling its
-factory, and its generators are set to the states the factory would have left them in: torch's CPU generator
-always (it was seeded with run.seed before the model, so its state is the same in every process), numpy's and
-`random`'s only where the factory moved them (a factory that seeds them itself left the state its seed gives in
-any process; one that does not has drawn as a fresh process's entropy would). A later call in the same process
-(the leader's evaluation model) builds afresh, as it always did, so no two users in one process hold one object.
+worker does, keeps the dataset here with the global random generators' states right after its factory ran, and
+forks the services; a worker shares it copy-on-write. The worker `take`s it once, in place of calling the factory,
+and its generators are set to the states the factory would have left them in: torch's CPU generator always (seeded
+with run.seed before the model, its state is the same in every process), numpy's and `random`'s only where the
+factory moved them (a factory that seeds them itself left the state its seed gives in any process; one that does
+not has drawn as a fresh process's entropy would). Any later call builds afresh, as it always did.
 
-An object is taken only under the key it was built for (the factories, their kwargs, run.seed): a process whose
-config differs builds its own. Nothing here imports the config: plugins.py asks, the zygote fills.
+It is taken only under the key it was built for (plugins.py data_key: the factories, their kwargs, run.seed): a
+process whose config differs builds its own. Nothing here imports the config: plugins.py asks, the zygote fills.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import numpy
 import torch
 
@@ -40,7 +40,7 @@ class Built:
     after: Generators
 
 
-_kept: dict[str, Built] = {}  # "model" / "dataset" -> what the zygote built; emptied by `take`
+_kept: dict[str, Built] = {}  # "dataset" -> what the zygote built; emptied by `take`
 
 
 States = tuple[torch.Tensor, Any, tuple[Any, ...]]  # torch's CPU generator, numpy's (its legacy tuple), `random`'s
@@ -64,6 +64,24 @@ def restore(after: Generators) -> None:
         numpy.random.set_state(after.numpy_state)
     if after.random_state is not None:
         random.setstate(after.random_state)
+
+
+def encode(g: Generators) -> bytes:
+    """`g` as bytes, to cross a pipe from a forked child (msgpack: no pickle, as everywhere in CMEMI)."""
+    n = g.numpy_state
+    packed: bytes = msgpack.packb({"t": g.torch_cpu.numpy().tobytes(),
+                          "n": None if n is None else [n[0], n[1].tobytes(), *n[2:]],
+                          "r": None if g.random_state is None else [g.random_state[0], list(g.random_state[1]),
+                                                                    g.random_state[2]]})
+    return packed
+
+
+def decode(data: bytes) -> Generators:
+    d = msgpack.unpackb(data)
+    n, r = d["n"], d["r"]
+    return Generators(torch.frombuffer(bytearray(d["t"]), dtype=torch.uint8),
+                      None if n is None else (n[0], numpy.frombuffer(n[1], dtype=numpy.uint32).copy(), *n[2:]),
+                      None if r is None else (r[0], tuple(r[1]), r[2]))
 
 
 def keep(name: str, key: str, value: Any, after: Generators) -> None:

@@ -89,11 +89,13 @@ def parallel_region() -> dict[str, Any]:
 def main(mode: str, config: str) -> None:
     from cmemi.shared.runtime import prebuilt
 
-    from cmemi.launcher import zygote_data, zygote_user_code
+    from cmemi.launcher import zygote_check, zygote_data, zygote_user_code
 
     before = [digest(*prebuilt.states()[0:1]), digest(numpy.random.get_state()[1]), digest(random.getstate())]
     tasks = zygote_user_code.threads()
-    verdict = zygote_data.build(config)
+    check = zygote_check.Check(config)
+    verdict = zygote_data.build(config, check.model_generators)
+    assert check.verdict() == (0, None)
     out: dict[str, Any] = {"shared": verdict.shared, "error": verdict.error, "grew": zygote_user_code.threads() - tasks,
                            "put_back": before == [digest(*prebuilt.states()[0:1]),
                                                   digest(numpy.random.get_state()[1]), digest(random.getstate())]}
