@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 from tests.helpers.zygote_data_models import write_config
 
 
-def never() -> prebuilt.Generators | None:
+def never() -> prebuilt.Generators | str | None:
     raise AssertionError("the model was asked for: the zygote decided to build the data")
 
 
@@ -102,3 +102,14 @@ def test_a_dataset_factory_that_raises_is_the_users_one_line(tmp_path: Path) -> 
     assert "cannot read the dataset" in verdict.error and "raising_dataset" in verdict.error
     assert "ValueError: the corpus has 8 lines" in verdict.error and "zygote_data_models.py:" in verdict.error
     assert prebuilt.held() == []
+
+
+def test_generators_the_check_cannot_give_mean_no_sharing_and_one_line(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The config check's child reports a model.factory that opened the GPU (cmemi/launcher/zygote_check.py) as a
+    reason, not states: the dataset is then built by each worker."""
+    config = write_config(str(tmp_path / "c.yaml"), count=str(tmp_path / "count"))
+    assert zygote_data.build(config, lambda: "model.factory opened the GPU") == zygote_data.Verdict()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "opened the GPU" in lines[0] and "cluster.zygote_data: false" in lines[0], lines
+    assert not (tmp_path / "count").exists() and prebuilt.held() == []

@@ -18,6 +18,8 @@ import traceback
 from cmemi.launcher import zygote_user_code as user_code
 from cmemi.shared.runtime import prebuilt
 
+GPU = b"gpu"  # instead of the states: model.factory opened the GPU (its generators are more than these three)
+
 
 class Check:
     """check_plugins on `config` in a forked child: `model_generators()` then `verdict()`, in the zygote."""
@@ -32,16 +34,18 @@ class Check:
             _run(config, w_verdict, w_model)
         os.close(w_verdict)
         os.close(w_model)
-        self.generators: prebuilt.Generators | None = None
+        self.generators: prebuilt.Generators | str | None = None
 
-    def model_generators(self) -> prebuilt.Generators | None:
-        """The generators' states right after the child's build_model; None when it built none (the check fails
-        before or in it, and says so in its verdict). Waits for the model, not for the rest of the check."""
+    def model_generators(self) -> prebuilt.Generators | str | None:
+        """The generators' states right after the child's build_model; a reason not to share the data when they
+        cannot be known; None when it built no model (the check fails, and says why in its verdict). Waits for the
+        model, not for the rest of the check."""
         if self.r_model >= 0:
             with os.fdopen(self.r_model, "rb") as f:
                 data = f.read()
             self.r_model = -1
-            self.generators = prebuilt.decode(data) if data else None
+            self.generators = (None if not data else "model.factory opened the GPU, whose generator a worker's "
+                               "dataset factory might draw from next" if data == GPU else prebuilt.decode(data))
         return self.generators
 
     def verdict(self) -> tuple[int, str | None]:
@@ -72,8 +76,7 @@ def _run(config: str, w_verdict: int, w_model: int) -> None:
 
         def built(_model: torch.nn.Module) -> None:
             with os.fdopen(w_model, "wb") as f:
-                if not torch.cuda.is_initialized():
-                    f.write(prebuilt.encode(prebuilt.moved(start)))
+                f.write(GPU if torch.cuda.is_initialized() else prebuilt.encode(prebuilt.moved(start)))
 
         try:
             check_plugins(load_config(config), built)

@@ -52,7 +52,7 @@ def say(why: str) -> None:
     print(f"cmemi: data is built in every process, not once per host: {why}", file=sys.stderr, flush=True)
 
 
-def build(config: str, model_generators: Callable[[], prebuilt.Generators | None]) -> Verdict:
+def build(config: str, model_generators: Callable[[], prebuilt.Generators | str | None]) -> Verdict:
     """Build the dataset the config's workers would build, once, and keep it for the children (see the module).
     `model_generators`: the generators' states after a worker's build_model (cmemi/launcher/zygote_check.py)."""
     try:
@@ -62,8 +62,9 @@ def build(config: str, model_generators: Callable[[], prebuilt.Generators | None
     if not (cfg.cluster.zygote_imports and cfg.cluster.zygote_data):
         return Verdict()
     if cfg.cluster.threads_per_worker > 1:
-        say(f"cluster.threads_per_worker={cfg.cluster.threads_per_worker} builds with that many threads, and a thread "
-            "pool in the zygote would hang the processes it forks (cluster.zygote_data needs threads_per_worker: 1)")
+        n = cfg.cluster.threads_per_worker
+        say(f"cluster.threads_per_worker={n}: a worker builds it with {n} intra-op threads, and a thread pool in the "
+            "zygote would hang the processes it forks (set cluster.threads_per_worker: 1 to build it once)")
         return Verdict()
     tasks = user_code.threads()
     verdict = _build(cfg, model_generators)
@@ -81,12 +82,15 @@ def build(config: str, model_generators: Callable[[], prebuilt.Generators | None
     return verdict
 
 
-def _build(cfg: Config, model_generators: Callable[[], prebuilt.Generators | None]) -> Verdict:
+def _build(cfg: Config, model_generators: Callable[[], prebuilt.Generators | str | None]) -> Verdict:
     """A worker's dataset call (services/worker/worker.py), from where its build_model leaves the generators, with
     the zygote's generators and thread count put back afterwards."""
     after_model = model_generators()
     if after_model is None:
         return Verdict()  # no model: the config check says what is wrong in one line
+    if isinstance(after_model, str):
+        say(f"{after_model} (set cluster.zygote_data: false to stop trying)")
+        return Verdict()
     threads, before = torch.get_num_threads(), prebuilt.states()
     torch.set_num_threads(1)
     try:
