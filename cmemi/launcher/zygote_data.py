@@ -43,7 +43,7 @@ from cmemi.shared.runtime import prebuilt
 
 @dataclass(frozen=True)
 class Verdict:
-    shared: bool = False  # the model and dataset are kept for the children
+    shared: bool = False  # the dataset is kept for the workers
     error: str | None = None  # data.factory raised: the run's one-line error (exit 2)
     unsafe: bool = False  # the zygote must fork nothing more (a factory opened the GPU)
 
@@ -70,14 +70,14 @@ def build(config: str, model_generators: Callable[[], prebuilt.Generators | str 
     verdict = _build(cfg, model_generators)
     if torch.cuda.is_initialized():
         prebuilt.drop()
-        say("data.factory opened the GPU in the zygote, where no forked process could use it; every "
-            "service starts fresh (set cluster.zygote_data: false to keep the zygote)")
+        say("data.factory opened the GPU in the zygote, where no forked process could use it; every service starts "
+            "fresh (set cluster.zygote_data: false to keep the zygote from building it)")
         return Verdict(unsafe=True)
     if user_code.threads() > tasks:
         prebuilt.drop()
         user_code.note_threads()
-        say("data.factory started a thread, which a forked process would not have; set "
-            "cluster.zygote_data: false")
+        say("data.factory started a thread, which a forked worker would not have (set cluster.zygote_data: false "
+            "to keep the zygote from building it)")
         return Verdict(error=verdict.error)
     return verdict
 

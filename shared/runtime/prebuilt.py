@@ -35,7 +35,7 @@ class Generators:
 
 @dataclass(frozen=True)
 class Built:
-    key: str  # what it was built from (plugins.py model_key / data_key)
+    key: str  # what it was built from (shared/config/plugins.py data_key)
     value: Any
     after: Generators
 
