@@ -16,13 +16,9 @@ import pytest
 import torch
 from cmemi.shared.runtime import prebuilt
 
-from cmemi.launcher import zygote_check, zygote_data
+from cmemi.launcher import zygote_data
 from tests.conftest import ROOT
 from tests.helpers.zygote_data_models import write_config
-
-
-def never() -> prebuilt.Generators | str | None:
-    raise AssertionError("the model was asked for: the zygote decided to build the data")
 
 
 def probe(mode: str, config: str) -> dict[str, Any]:
@@ -78,7 +74,7 @@ def test_more_than_one_thread_per_worker_is_not_shared_and_says_why(tmp_path: Pa
     config = tmp_path / "c.yaml"
     write_config(str(config), count=str(tmp_path / "count"))
     config.write_text(config.read_text().replace("spare_workers: 0", "spare_workers: 0, threads_per_worker: 2"))
-    assert zygote_data.build(str(config), never) == zygote_data.Verdict()
+    assert zygote_data.build(str(config)) == zygote_data.Verdict()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "cluster.threads_per_worker=2" in lines[0], lines
     assert not (tmp_path / "count").exists() and prebuilt.held() == []
@@ -88,28 +84,15 @@ def test_opted_out_builds_nothing_and_says_nothing(tmp_path: Path, capsys: pytes
     config = tmp_path / "c.yaml"
     write_config(str(config), count=str(tmp_path / "count"))
     config.write_text(config.read_text().replace("spare_workers: 0", "spare_workers: 0, zygote_data: false"))
-    assert zygote_data.build(str(config), never) == zygote_data.Verdict()
+    assert zygote_data.build(str(config)) == zygote_data.Verdict()
     assert capsys.readouterr().err == "" and not (tmp_path / "count").exists() and prebuilt.held() == []
 
 
 def test_a_dataset_factory_that_raises_is_the_users_one_line(tmp_path: Path) -> None:
     config = write_config(str(tmp_path / "c.yaml"), factory="raising_dataset", n=8)
-    check = zygote_check.Check(config)  # the model's generators come from the config check's child, as in the zygote
-    verdict = zygote_data.build(config, check.model_generators)
-    assert check.verdict() == (0, None)  # the check calls no data.factory: the zygote's build is what says it
+    verdict = zygote_data.build(config)
     assert not verdict.shared and not verdict.unsafe and verdict.error is not None
     assert "\n" not in verdict.error
     assert "cannot read the dataset" in verdict.error and "raising_dataset" in verdict.error
     assert "ValueError: the corpus has 8 lines" in verdict.error and "zygote_data_models.py:" in verdict.error
     assert prebuilt.held() == []
-
-
-def test_generators_the_check_cannot_give_mean_no_sharing_and_one_line(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """The config check's child reports a model.factory that opened the GPU (cmemi/launcher/zygote_check.py) as a
-    reason, not states: the dataset is then built by each worker."""
-    config = write_config(str(tmp_path / "c.yaml"), count=str(tmp_path / "count"))
-    assert zygote_data.build(config, lambda: "model.factory opened the GPU") == zygote_data.Verdict()
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "opened the GPU" in lines[0] and "cluster.zygote_data: false" in lines[0], lines
-    assert not (tmp_path / "count").exists() and prebuilt.held() == []

@@ -7,12 +7,17 @@ once without it); a factory that raises in the zygote is the user's one line, ex
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
+from cmemi.shared.config.loading import load_config
 
-from tests.conftest import ROOT, run_up
+from cmemi.commands.reference import train
+from tests.conftest import ROOT, cmemi_cmd, run_up
 from tests.helpers.zygote_data_models import write_config
 
 pytestmark = pytest.mark.integration
@@ -47,3 +52,25 @@ def test_a_dataset_factory_that_raises_in_the_zygote_is_one_line_and_starts_no_s
     assert "ValueError: the corpus has 8 lines" in lines[0] and "zygote_data_models.py:" in lines[0], lines[0]
     assert not (tmp_path / "run" / "logs" / "aggregator.log").exists(), "a service started before the verdict"
     assert subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, cwd=ROOT).stdout == b""
+
+
+def test_factories_sharing_a_module_cache_read_the_data_once_and_match_the_reference(tmp_path: Path) -> None:
+    """tests/helpers/usercode_models.py: the model factory reads the dataset's module-level token cache. The data is
+    read once, by the zygote (after the model factory, as a worker reads it), never by a worker or the aggregator,
+    and the run is bitwise `cmemi reference`'s."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": "zdata-usercode", "seed": 0, "dir": str(run_dir)},
+        "model": {"factory": "tests.helpers.usercode_models:model", "kwargs": {"classes": 4}},
+        "data": {"factory": "tests.helpers.usercode_models:train_set", "kwargs": {"classes": 4}},
+        "optimizer": {"name": "SGD", "kwargs": {"lr": 0.1, "momentum": 0.9}},
+        "train": {"steps": 12, "global_batch": 32, "microbatches": 4, "loss": "torch.nn.functional:cross_entropy"},
+        "cluster": {"workers": 2, "spare_workers": 0}, "checkpoint": {"every_steps": 0}}))
+    data = tmp_path / "data.txt"
+    proc = subprocess.run(cmemi_cmd("up", str(config)), cwd=ROOT, env={**os.environ, "CMEMI_TEST_DATA": str(data)},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split()[1] for line in data.read_text().splitlines()] == ["zygote"]
+    _, expected = train(load_config(str(config), []))
+    assert json.loads((run_dir / "summary.json").read_text())["params_sha256"] == expected["params_sha256"]

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()  # children never scan (so never copy) the pages of what is imported now
     check = zygote_check.Check(config)  # on the other core while the data is built
-    data = zygote_data.build(config, check.model_generators)
+    data = zygote_data.build(config)
     built = time.time() if data.shared else None  # beside the phases (their names are the timeline's)
     gc.collect()
     gc.freeze()  # nor those of what was built

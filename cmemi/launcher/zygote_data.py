@@ -8,24 +8,26 @@ the user's modules and before it listens, and every worker it forks shares it co
 
 Same bits as each worker building its own: the calls are a worker's, in a worker's order and conditions — torch's
 generator seeded with run.seed, model.factory, then data.factory, with one intra-op thread (the workers'
-cluster.threads_per_worker) — and the generators' states after the dataset's call go with it; the zygote's own are
-put back, so a process that takes nothing starts as fresh. The model's call is the config check's, in its child
-(cmemi/launcher/zygote_check.py), which sends the generators' states it leaves: the zygote holds no model.
+cluster.threads_per_worker) — so the dataset factory finds what a worker's finds: the generators where the model
+left them, and whatever module state (a cache, a vocabulary) the model factory set. The generators' states after
+the dataset's call go with it; the zygote's own are put back, so a process that takes nothing starts as fresh. The
+model itself is dropped at once: kept, it would be one more copy of the weights for the whole run (the workers
+replace theirs with the parameters they receive), in the memory of every process the zygote forks.
 
 Fork safety (cmemi/launcher/zygote_user_code.py): with one intra-op thread torch runs no parallel region, so no
 OpenMP pool exists to hang a child. Not shared, with one line saying why: with cluster.threads_per_worker > 1
-(the workers build with that many threads, and a pool in the zygote would hang its children), when the factory
-started a thread (a forked child would hold the object without it), and when it opened the GPU (no forked
+(the workers build with that many threads, and a pool in the zygote would hang its children), when a factory
+started a thread (a forked child would hold the object without it), and when one opened the GPU (no forked
 child could use it: the zygote then serves nobody, every service starts fresh). A data.factory that raises is
 the user's one-line error (shared/core/data.py data_error), exit 2, before any service starts; a model.factory
-that raises is left to the config check, which says it the same way.
+that raises is left to the config check (cmemi/launcher/zygote_check.py), which says it the same way.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy
@@ -52,9 +54,8 @@ def say(why: str) -> None:
     print(f"cmemi: data is built in every process, not once per host: {why}", file=sys.stderr, flush=True)
 
 
-def build(config: str, model_generators: Callable[[], prebuilt.Generators | str | None]) -> Verdict:
-    """Build the dataset the config's workers would build, once, and keep it for the children (see the module).
-    `model_generators`: the generators' states after a worker's build_model (cmemi/launcher/zygote_check.py)."""
+def build(config: str) -> Verdict:
+    """Build the dataset the config's workers would build, once, and keep it for them (see the module)."""
     try:
         cfg = load_config(config)
     except ConfigError:
@@ -67,34 +68,36 @@ def build(config: str, model_generators: Callable[[], prebuilt.Generators | str 
             "zygote would hang the processes it forks (set cluster.threads_per_worker: 1 to build it once)")
         return Verdict()
     tasks = user_code.threads()
-    verdict = _build(cfg, model_generators)
+    verdict = _build(cfg)
+    gc.collect()  # the model, gone before anything is forked
     if torch.cuda.is_initialized():
         prebuilt.drop()
-        say("data.factory opened the GPU in the zygote, where no forked process could use it; every service starts "
-            "fresh (set cluster.zygote_data: false to keep the zygote from building it)")
+        say("model.factory or data.factory opened the GPU in the zygote, where no forked process could use it; every "
+            "service starts fresh (set cluster.zygote_data: false to keep the zygote from calling them)")
         return Verdict(unsafe=True)
     if user_code.threads() > tasks:
         prebuilt.drop()
         user_code.note_threads()
-        say("data.factory started a thread, which a forked worker would not have (set cluster.zygote_data: false "
-            "to keep the zygote from building it)")
+        say("model.factory or data.factory started a thread, which a forked worker would not have (set "
+            "cluster.zygote_data: false to keep the zygote from calling them)")
         return Verdict(error=verdict.error)
     return verdict
 
 
-def _build(cfg: Config, model_generators: Callable[[], prebuilt.Generators | str | None]) -> Verdict:
-    """A worker's dataset call (services/worker/worker.py), from where its build_model leaves the generators, with
+def _build(cfg: Config) -> Verdict:
+    """A worker's calls (services/worker/worker.py: build_model, then the dataset), the model dropped at once, with
     the zygote's generators and thread count put back afterwards."""
-    after_model = model_generators()
-    if after_model is None:
-        return Verdict()  # no model: the config check says what is wrong in one line
-    if isinstance(after_model, str):
-        say(f"{after_model} (set cluster.zygote_data: false to stop trying)")
-        return Verdict()
     threads, before = torch.get_num_threads(), prebuilt.states()
     torch.set_num_threads(1)
     try:
-        prebuilt.restore(after_model)
+        torch.random.default_generator.manual_seed(cfg.run.seed)  # torch.manual_seed's CPU part: no GPU queued
+        try:
+            model = resolve(cfg.model.factory, "model.factory")(**cfg.model.kwargs)
+        except Exception:  # the config check builds it again and says it in one line (plugins.FactoryError)
+            return Verdict()
+        if not isinstance(model, torch.nn.Module):
+            return Verdict()  # likewise
+        del model  # built for what it leaves behind (the generators, the module's caches), not kept: see the module
         start = prebuilt.states()
         try:
             dataset = resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)

@@ -6,7 +6,7 @@ import inspect
 import json
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -131,17 +131,14 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> Any:
                           f"{cls.__name__}: {exc}") from None
 
 
-def check_plugins(cfg: Config, built: Callable[[torch.nn.Module], None] | None = None) -> None:
-    """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker. `built` is called with
-    the model as soon as it is built (the zygote reads the generators' states there: cmemi/launcher/zygote_check.py)."""
+def check_plugins(cfg: Config) -> None:
+    """Resolve every import path once, so a typo fails at `cmemi up` and not inside a worker."""
     resolve(cfg.model.factory, "model.factory")
     resolve(cfg.data.factory, "data.factory")
     check_signature(resolve(cfg.train.loss, "train.loss"), "train.loss", cfg.train.loss, "loss(output, target)", 2)
     if cfg.eval.fn:
         check_signature(resolve(cfg.eval.fn, "eval.fn"), "eval.fn", cfg.eval.fn, "evaluate(model) -> dict", 1)
     model = build_model(cfg)
-    if built is not None:
-        built(model)
     if cfg.model.init_from:  # a missing file or (strict) a mismatch fails here, in seconds, before any service
         initweights.say_skipped(cfg.model.init_from, initweights.load_into(model, cfg.model.init_from,
                                                                            cfg.model.init_strict))

@@ -19,7 +19,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy
 import torch
 
@@ -64,24 +63,6 @@ def restore(after: Generators) -> None:
         numpy.random.set_state(after.numpy_state)
     if after.random_state is not None:
         random.setstate(after.random_state)
-
-
-def encode(g: Generators) -> bytes:
-    """`g` as bytes, to cross a pipe from a forked child (msgpack: no pickle, as everywhere in CMEMI)."""
-    n = g.numpy_state
-    packed: bytes = msgpack.packb({"t": g.torch_cpu.numpy().tobytes(),
-                          "n": None if n is None else [n[0], n[1].tobytes(), *n[2:]],
-                          "r": None if g.random_state is None else [g.random_state[0], list(g.random_state[1]),
-                                                                    g.random_state[2]]})
-    return packed
-
-
-def decode(data: bytes) -> Generators:
-    d = msgpack.unpackb(data)
-    n, r = d["n"], d["r"]
-    return Generators(torch.frombuffer(bytearray(d["t"]), dtype=torch.uint8),
-                      None if n is None else (n[0], numpy.frombuffer(n[1], dtype=numpy.uint32).copy(), *n[2:]),
-                      None if r is None else (r[0], tuple(r[1]), r[2]))
 
 
 def keep(name: str, key: str, value: Any, after: Generators) -> None:
