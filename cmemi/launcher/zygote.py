@@ -6,8 +6,8 @@ with `cmemi up`'s own start. Then:
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
 3. it imports the modules the config names (cmemi/launcher/zygote_user_code.py; not under cluster.zygote_imports: false),
-   so that no service imports them again, then builds the model and training dataset once for every child to share
-   (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false; a raising factory is the run's one line);
+   so that no service imports them again, then builds the training dataset once, as a worker would, for the workers
+   to share (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false; a raising one is the run's one line);
 4. meanwhile it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
    config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
    (after a failed check it never listens, and waits for `cmemi up` to stop it);
