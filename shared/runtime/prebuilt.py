@@ -86,5 +86,6 @@ def held() -> list[str]:
 
 
 def drop() -> None:
-    """Forget everything (the zygote, when it turns out it must not fork with them)."""
+    """Forget everything: the zygote when it must not fork with it, a forked service that is no worker (freed at once
+    rather than held, copy-on-write, for the whole run)."""
     _kept.clear()
