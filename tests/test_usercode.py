@@ -51,8 +51,9 @@ def test_factories_with_side_effects_fine_tune_a_new_head_and_match_the_referenc
                             init_from=str(tmp_path / "base"), init_strict=False)
     imports, data = tmp_path / "imports.txt", tmp_path / "data.txt"
     env = {**os.environ, "CMEMI_TEST_IMPORTS": str(imports), "CMEMI_TEST_DATA": str(data)}
-    proc = subprocess.run(cmemi_cmd("up", str(cfg_path)), cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=240)
+    # each worker builds its own dataset here (the zygote's one build: tests/test_zygote_data_runs.py)
+    proc = subprocess.run(cmemi_cmd("up", str(cfg_path), "--set", "cluster.zygote_data=false"), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "tune" / "summary.json").read_text())
     _, expected = train(load_config(str(cfg_path), []))

@@ -6,6 +6,8 @@
 - `zygote.py`: one process that imports torch and the services once, then forks each service on request.
 - `zygote_up.py`: `cmemi up`'s side of the zygote: start it first, hand it the run, read its verdict.
 - `zygote_user_code.py`: the zygote's import of the user's modules, paid once per host instead of once per process.
+- `zygote_data.py`: the zygote's build of the training dataset, once per host, for the workers it forks to share.
+- `zygote_check.py`: the zygote's check of the config's functions, in a forked child while the zygote builds the data.
 - `launch.py`: one service started in this process, from the command line or in a child the zygote forked.
 - `supervise.py`: what keeps `cmemi up` free of single points of failure, itself aside.
 - `startup_report.py`: the start-up timeline of one `cmemi up`, from the command to the run's first step.

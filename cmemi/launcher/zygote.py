@@ -6,8 +6,9 @@ with `cmemi up`'s own start. Then:
    intra-op thread pool exists is unsafe, and none exists until the first parallel op;
 2. it reads one line from `cmemi up` on stdin: the run's config and where to listen;
 3. it imports the modules the config names (cmemi/launcher/zygote_user_code.py; not under cluster.zygote_imports: false),
-   so that no service imports them again: import only, no factory is called;
-4. it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
+   so that no service imports them again, then builds the training dataset once, as a worker would, for the workers
+   to share (cmemi/launcher/zygote_data.py; not under cluster.zygote_data: false; a raising one is the run's one line);
+4. meanwhile it checks the config's functions (shared/config/plugins.py check_plugins) in a forked child, so a bad
    config fails in one line before any service starts; the verdict goes to RUN_DIR/zygote/ready.json
    (after a failed check it never listens, and waits for `cmemi up` to stop it);
 5. it listens on RUN_DIR/zygote/socket (mode 0600, and only its own user's requests are served) and
@@ -33,12 +34,12 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
+from cmemi.launcher import zygote_check, zygote_data
 from cmemi.launcher import zygote_user_code as user_code
-from cmemi.shared.runtime import atomic, proctitle
+from cmemi.shared.runtime import atomic, prebuilt, proctitle
 from cmemi.shared.runtime.zygote import MAX_MESSAGE, connect_path
 
 PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own
@@ -71,7 +72,16 @@ def main(argv: list[str]) -> int:
     phases["user_code_imported"] = time.time()
     gc.collect()
     gc.freeze()  # children never scan (so never copy) the pages of what is imported now
-    rc, error = _check(config)
+    check = zygote_check.Check(config)  # on the other core while the data is built
+    data = zygote_data.build(config)
+    built = time.time() if data.shared else None  # beside the phases (their names are the timeline's)
+    gc.collect()
+    gc.freeze()  # nor those of what was built
+    rc, error = check.verdict()
+    if data.unsafe:
+        return 0  # a factory opened the GPU: every service starts fresh, `cmemi up` checks the config
+    if rc == 0 and data.error:
+        rc, error = 2, data.error
     phases["plugins_checked"] = time.time()
     if rc != 0:
         atomic.write_text(zdir / "ready.json", json.dumps({"rc": rc, "error": error, "phases": phases}))
@@ -79,7 +89,7 @@ def main(argv: list[str]) -> int:
             signal.pause()
     server = Server(sock_path, exits)
     phases["listening"] = time.time()
-    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases,
+    atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases, "data_built": built,
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
@@ -100,40 +110,6 @@ def _stdin_to_devnull() -> None:
     fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
-
-
-def _check(config: str) -> tuple[int, str | None]:
-    """check_plugins in a child (it builds a model and steps an optimizer: torch ops the zygote must not run)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        code, message = 0, ""
-        try:
-            from cmemi.shared.config.checks import ConfigError
-            from cmemi.shared.config.extras import MissingExtra
-            from cmemi.shared.config.loading import load_config
-            from cmemi.shared.config.plugins import check_plugins
-
-            user_code.after_fork()
-            try:
-                check_plugins(load_config(config))
-            except (ConfigError, MissingExtra) as exc:
-                code, message = 2, str(exc)
-        except BaseException:  # the user's code raised something else: its traceback says where
-            traceback.print_exc()
-            code, message = 1, ""
-        os.write(w, message.encode())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(w)
-    chunks = []
-    while chunk := os.read(r, 65536):
-        chunks.append(chunk)
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace") or None
 
 
 class Server:
@@ -277,6 +253,8 @@ def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = Non
 def _become(request: dict[str, Any]) -> None:
     """In the forked child: look and start like `request["argv"]` run by a fresh interpreter."""
     user_code.after_fork()
+    if request["argv"][3] != "worker":
+        prebuilt.drop()  # the dataset is the workers': freed here, not held for the run (cluster.zygote_data)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -56,6 +56,12 @@ def preload(config: str) -> bool:
     return True
 
 
+def note_threads() -> None:
+    """Something after the imports (cmemi/launcher/zygote_data.py: a factory) started threads in the zygote."""
+    global _threads_started
+    _threads_started = True
+
+
 def after_fork() -> None:
     """In a child the zygote forked: one intra-op thread when the user's imports started the pool."""
     if _threads_started:

@@ -34,7 +34,7 @@ from cmemi.services.worker.links.outbox import Outbox
 from cmemi.services.worker.links.shard_links import Lost, ShardLinks
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.config.lookup import resolve
-from cmemi.shared.config.plugins import build_model
+from cmemi.shared.config.plugins import build_dataset, build_model
 from cmemi.shared.core.data import data_error, fingerprint
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import shm, shm_reader
@@ -52,14 +52,14 @@ class Worker:
         cfg = self.cfg
         torch.set_num_threads(cfg.cluster.threads_per_worker)
         try:
-            factory = resolve(cfg.data.factory, "data.factory")
+            resolve(cfg.data.factory, "data.factory")  # a typo fails here, as a config error
             self.model = build_model(cfg)
             startup.mark("model_built")
             self.loss_fn = resolve(cfg.train.loss, "train.loss")
         except ConfigError as exc:
             ctx.fatal(str(exc))
         try:
-            self.dataset = factory(**cfg.data.kwargs)
+            self.dataset = build_dataset(cfg)  # the zygote's, when it built it (cluster.zygote_data)
             startup.mark("dataset_built")
             self.fp = fingerprint(self.dataset)
             startup.mark("fingerprinted")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import warnings
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.schema import Config
 from cmemi.shared.config.training import OptimizerConfig
 from cmemi.shared.config.usercode import describe
+from cmemi.shared.runtime import prebuilt
 from cmemi.shared.wire import limits
 
 P = TypeVar("P")  # a parameter, or anything standing for one (the servers' reshard numbers piece names)
@@ -43,6 +45,13 @@ def user_modules(cfg: Config) -> list[str]:
     return list(dict.fromkeys(p.partition(":")[0] for p in paths if p and ":" in p))
 
 
+def data_key(cfg: Config) -> str:
+    """What the training dataset is built from (shared/runtime/prebuilt.py): its factory and kwargs, and the model's
+    with the seed before them (they set torch's generator where the dataset factory finds it)."""
+    return json.dumps([cfg.model.factory, cfg.model.kwargs, cfg.run.seed, cfg.data.factory, cfg.data.kwargs],
+                      sort_keys=True, default=repr)
+
+
 def build_model(cfg: Config) -> torch.nn.Module:
     """Build the model with the run's seed, so every process starts from identical weights. The factory runs as
     in a plain script (no meta device, no patched defaults); the model's size sizes messages (shared/wire/limits.py)."""
@@ -58,6 +67,13 @@ def build_model(cfg: Config) -> torch.nn.Module:
                           "not a torch.nn.Module; return the model from the factory")
     limits.record(cfg, model)
     return model
+
+
+def build_dataset(cfg: Config) -> Any:
+    """The training dataset: the zygote's when it built this one (cluster.zygote_data), else data.factory's call.
+    Raises what the factory raises (the caller says it in one line: shared/core/data.py data_error)."""
+    taken, dataset = prebuilt.take("dataset", data_key(cfg))
+    return dataset if taken else resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs)
 
 
 def param_groups(spec: OptimizerConfig, named: Mapping[str, P]) -> list[dict[str, Any]]:

@@ -41,8 +41,15 @@ class ClusterConfig:
     """A started process that has not registered in Redis within this many seconds is taken for hung, killed and restarted."""
     zygote_imports: bool = True
     """`cmemi up`'s zygote imports the modules the config names (model.factory, data.factory, ...) once, before it
-    forks the services, so no process imports them again (import only: no factory is called). false: each service
+    forks the services, so no process imports them again (the factories: cluster.zygote_data). false: each service
     imports them itself (a module that starts threads, opens a GPU or a connection at import time)."""
+    zygote_data: bool = True
+    """With cluster.zygote_imports, the zygote also builds the training dataset once (data.factory, called as a worker
+    calls it: after model.factory with run.seed, one intra-op thread) before it forks the services, and the workers
+    share it copy-on-write instead of building it again, with the global random generators left as their own build
+    would leave them. Not with cluster.threads_per_worker > 1 (a thread pool in the zygote hangs forked children;
+    one line says so). false: each worker calls data.factory itself (a factory with side effects: files,
+    connections, a GPU)."""
     max_message_bytes: int | None = None
     """Largest ZeroMQ message (and frame) sent or accepted; bigger messages travel in parts of at most this size.
     null: 4 x the model's parameter + buffer bytes + 16 MiB, at most 64 MiB."""
