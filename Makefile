@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test chaos-test lint docs bench clean system-packages system-packages
+.PHONY: install dev demo test chaos-test lint docs bench clean system-packages
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
