@@ -9,6 +9,7 @@ they are rare, and one written twice would read as a second death."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,36 +28,46 @@ def is_eval(values: dict[str, float]) -> bool:
     return any(k.startswith("eval/") for k in values)
 
 
+@dataclass
+class Mark:
+    """How far a tracker got: the newest step, evaluation step and event stream id it wrote."""
+    step: int = 0
+    eval_step: int = 0
+    event: tuple[int, int] = (0, 0)
+
+
 class Written:
     def __init__(self, run_dir: Path, name: str) -> None:
         self.run_dir, self.name = run_dir, f"{name}-written"
         state = read_state(run_dir, self.name)
-        # a previous leader's trackers': steps, evaluations' steps, events' stream ids ("ms-seq") as (ms, seq)
-        self.before = (int(state.get("step", 0)), int(state.get("eval_step", 0)), sid(state.get("event", "0-0")))
-        self.now = list(self.before)
-        self.kept = tuple(self.before)
+        # a previous leader's trackers' mark: what this process skips
+        self.before = Mark(int(state.get("step", 0)), int(state.get("eval_step", 0)), sid(state.get("event", "0-0")))
+        self.now = replace(self.before)
+        self.kept = replace(self.before)
         self.kept_at = 0.0
 
     def fresh(self, record: tuple[Any, ...]) -> bool:
         """False for a record the tracker wrote before this process started (a replayed line or event)."""
         if record[0] == "event":
-            return sid(record[5]) > self.before[2]
-        return int(record[1]) > self.before[1 if is_eval(record[2]) else 0]
+            return sid(record[5]) > self.before.event
+        return int(record[1]) > (self.before.eval_step if is_eval(record[2]) else self.before.step)
 
     def note(self, record: tuple[Any, ...]) -> None:
         if record[0] == "event":
-            self.now[2] = max(self.now[2], sid(record[5]))
+            self.now.event = max(self.now.event, sid(record[5]))
+        elif is_eval(record[2]):
+            self.now.eval_step = max(self.now.eval_step, int(record[1]))
         else:
-            i = 1 if is_eval(record[2]) else 0
-            self.now[i] = max(self.now[i], int(record[1]))
+            self.now.step = max(self.now.step, int(record[1]))
 
     def keep(self, force: bool = False) -> None:
         """After a flush: the file says so, at most every EVERY seconds (and at the end, `force`)."""
-        if tuple(self.now) == self.kept:
+        if self.now == self.kept:
             return
-        events = self.now[2] != self.kept[2]  # rare, and a duplicate event would read as a second death: at once
+        events = self.now.event != self.kept.event  # rare, and a duplicate event would read as a second death: at once
         if not (force or events) and time.monotonic() - self.kept_at < EVERY:
             return
-        ms, seq = self.now[2]
-        keep_state(self.run_dir, self.name, {"step": self.now[0], "eval_step": self.now[1], "event": f"{ms}-{seq}"})
-        self.kept, self.kept_at = tuple(self.now), time.monotonic()
+        ms, seq = self.now.event
+        keep_state(self.run_dir, self.name, {"step": self.now.step, "eval_step": self.now.eval_step,
+                                             "event": f"{ms}-{seq}"})
+        self.kept, self.kept_at = replace(self.now), time.monotonic()
