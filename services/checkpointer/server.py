@@ -22,6 +22,8 @@ from cmemi.services.checkpointer.drops import Drops
 from cmemi.services.checkpointer.errors import DISK_FULL
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
+from cmemi.services.checkpointer.steplog import Held, StepLog
+from cmemi.services.checkpointer.steplog_replies import LogReplies
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.runtime import atomic, metrics, startup
@@ -48,9 +50,11 @@ class Checkpointer:
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.drops = Drops(ctx.redis, ctx.keys, self.log)
         # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
-        # their slices of a step at once) plus one for a restarted aggregator's new connection
+        # their slices of a step at once) plus one for a restarted aggregator's new connection; as many again for the
+        # step log's entries (each server's own connection: steplog.py)
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
-                                        peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count, sink=self._spool)
+                                        peers=2 * (self.cfg.cluster.shards + 1), on_abandon=self.drops.count,
+                                        sink=self._spool)
         self.terms = TermWatch(ctx.redis, ctx.keys)
         # a second restore_req of a (term, shard, process) is not a shard's (a shard k > 0 restarted within its leader's
         # term asks again, from a new process, before the leader rolls everyone back)
@@ -58,6 +62,10 @@ class Checkpointer:
         self.merger = Merger(spool.discard)  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
         self._advertise()
+        # held from the newest checkpoint on disk (a restart loses what was held: the servers checkpoint at once)
+        self.steplog = StepLog(self.latest or 0, self.cfg.checkpoint.step_log_memory_mb << 20,
+                               self._spool_file)
+        self.log_replies = LogReplies(self.steplog, self._reply, self._reply_tensors, ctx.emit)
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "checkpointer", "0")
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
@@ -106,10 +114,16 @@ class Checkpointer:
                     self.log.info("run completed; exiting")
                     return
 
-    def _spool(self, of: dict, metas: list[dict]) -> Spool:
-        """The sink of a message with tensors (assembly.Assembler): only a snapshot has any."""
+    def _spool(self, of: dict, metas: list[dict]) -> Spool | Held:
+        """The sink of a message with tensors (assembly.Assembler): a snapshot (spooled), or a step log entry (held in
+        memory up to its bound, steplog.py)."""
+        if of["type"] == "step_log":
+            return self.steplog.sink(of, metas)
         if of["type"] != "snapshot":
             raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
+        return self._spool_file(of, metas)
+
+    def _spool_file(self, of: dict, metas: list[dict]) -> Spool:
         step, shard = of["step"], of["shard"]
         total = sum(m["nbytes"] for m in metas)
         return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self._full(step, exc, total, attempt))
@@ -140,6 +154,9 @@ class Checkpointer:
                 # term within a second, so its snapshot is asked for again rather than lost (it waits for an answer)
                 self._reply(identity, "retry", {"step": msg.header["step"]})
             return
+        if msg.type in LogReplies.TYPES:
+            self.log_replies.handle(identity, msg)
+            return
         if msg.type == "snapshot":
             if "shards" in msg.header:
                 self._save_slice(identity, msg)
@@ -158,7 +175,7 @@ class Checkpointer:
 
     def _refused(self, msg: protocol.Message) -> tuple[str, str] | None:
         """(reason, detail) if a whole message is dropped, else None."""
-        if msg.type not in ("snapshot", "restore_req"):
+        if msg.type not in ("snapshot", "restore_req", *LogReplies.TYPES):
             return "unexpected_type", msg.type
         if not self.terms.current(msg.header["term"]):
             return "stale_term", f"{msg.type} of term {msg.header['term']}, current {self.terms.term}"
@@ -199,6 +216,7 @@ class Checkpointer:
             except OSError as exc:
                 self._disk_full(step, exc, path.stat().st_size if path.exists() else 0)
         self.latest = step
+        self.steplog.covered(step)
         self._sync_pointer()
         removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
         size = sum(f.stat().st_size for f in path.iterdir())
@@ -276,7 +294,16 @@ class Checkpointer:
         transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap()),
                       identity)
 
+    def _reply_tensors(self, identity: bytes, mtype: str, fields: dict, tensors: dict) -> None:
+        """A reply with tensors (a step log entry, for a replay)."""
+        try:
+            transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
+                                                       tensors, self.cfg.cluster.checksum), identity)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"checkpointer: {exc}")
+
     def close(self) -> None:
+        self.steplog.clear()
         self.parts.close()  # and the spool files of what did not come whole
         self.merger.clear()
         self.member.stop()
