@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import LONG
+from tests.conftest import DIGITS, LONG, ROOT, cmemi_cmd
 from tests.helpers.chaos import Cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(600)]
@@ -79,3 +80,79 @@ def test_a_run_without_the_log_trains_steps_again_after_a_kill(tmp_path: Path, r
     assert c.summary["params_sha256"] == reference
     twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
     assert len(twice) >= killed - 10 and events(c.run_dir, "step_log_replayed") == []
+
+
+def test_the_checkpointer_killed_alone_forces_a_checkpoint_and_a_later_leader_kill_still_replays(
+        tmp_path: Path, reference: str) -> None:
+    """The checkpointer's restart loses the log it held: the leader's next entry is refused (`log_gap`) and the
+    leader checkpoints at once before that step commits; killed later, it restores that checkpoint and replays the
+    log since. No step is trained twice."""
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=0", "cluster.workers=2", "train.log_every=1")
+    try:
+        c.wait_step(200)
+        c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
+        c.wait_step(600)
+        c.replaced("aggregator", "0", c.signal("aggregator", "0"))
+    finally:
+        rc = c.wait()
+    assert rc == 0, c.output()
+    assert c.summary["params_sha256"] == reference
+    twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
+    assert not twice, twice[:20]
+    forced = events(c.run_dir, "checkpoint_forced")
+    assert len(forced) == 1 and 200 <= forced[0]["step"] < 600, forced
+    replays = events(c.run_dir, "step_log_replayed")
+    assert len(replays) == 1 and replays[0]["checkpoint"] == forced[0]["step"] and replays[0]["replayed"] > 0
+    assert events(c.run_dir, "steps_redone") == []
+
+
+def test_a_double_fault_goes_back_to_the_checkpoint_and_says_how_many_steps_are_redone(
+        tmp_path: Path, reference: str) -> None:
+    """The checkpointer and the leader killed together: the log died with its holder, so the run goes back to the
+    last checkpoint as without the log, says so in events.jsonl, and ends the same."""
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=100", "cluster.workers=2", "train.log_every=1")
+    try:
+        c.wait_step(350)
+        ckpt = c.redis.hgetall(c.keys.member("checkpointer", "0"))
+        c.signal("aggregator", "0")
+        c.signal("checkpointer", "0")
+        c.replaced("checkpointer", "0", int(ckpt["incarnation"]))
+    finally:
+        rc = c.wait()
+    assert rc == 0, c.output()
+    assert c.summary["params_sha256"] == reference
+    redone = events(c.run_dir, "steps_redone")
+    assert len(redone) == 1 and redone[0]["step"] == 300 and redone[0]["steps"] >= 50, redone
+    twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
+    assert len(twice) == redone[0]["steps"], (len(twice), redone)  # each step since the checkpoint, once again
+
+
+def reference_of(tmp_path: Path, *sets: str) -> str:
+    """`cmemi reference` of DIGITS with `sets`: the single-process result a run must equal."""
+    out = tmp_path / "reference.json"
+    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["params_sha256"]
+
+
+@pytest.mark.parametrize("features", [
+    ("compression.downlink=int8",),  # the workers' mirror and its codec's error feedback: server state, replayed
+    ("precision=fp16", "train.clip_grad_norm=0.5", "model.kwargs.dropout=0.0"),  # loss-scale decisions, clipping
+])
+def test_replayed_server_state_of_each_feature_ends_bitwise_at_the_reference(tmp_path: Path,
+                                                                            features: tuple[str, ...]) -> None:
+    sets = (*LONG[:2], "checkpoint.every_steps=0", "cluster.spare_workers=0", *features)
+    ref = reference_of(tmp_path, *sets)
+    c = Cluster(tmp_path / "run", *sets, *LONG[3:], "cluster.workers=2", "train.log_every=1")
+    try:
+        for target in (250, 700):
+            c.wait_step(target)
+            c.replaced("aggregator", "0", c.signal("aggregator", "0"))
+    finally:
+        rc = c.wait()
+    assert rc == 0, c.output()
+    assert c.summary["params_sha256"] == ref
+    twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
+    assert not twice, twice[:20]
+    assert [e["replayed"] > 0 for e in events(c.run_dir, "step_log_replayed")] == [True, True]

@@ -10,7 +10,10 @@ redone by the workers, as without the log; the run says how many in events.jsonl
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
 import redis
 from cmemi.services.aggregator.common.totals import RunTotals
@@ -45,9 +48,33 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
 
 
 def last_committed(ctx: ServiceContext) -> int | None:
-    """The newest step the run reported (its progress in Redis, written once a step committed; None if unknown)."""
+    """The newest step the run committed, as far as it is known: its progress in Redis (written off the loop, a few
+    steps behind) or the last step line of metrics.jsonl (written at each commit; every train.log_every steps),
+    whichever is newer. None if neither says."""
+    found = []
     try:
         value = ctx.redis.hget(ctx.keys.progress, "step")
+        if value is not None:
+            found.append(int(value))
     except redis.RedisError:
+        pass
+    if (last := _last_metrics_step(ctx.run_dir / "metrics.jsonl")) is not None:
+        found.append(last)
+    return max(found, default=None)
+
+
+def _last_metrics_step(path: Path, tail: int = 1 << 16) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
         return None
-    return int(value) if value is not None else None
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # the first line of the tail, cut, or one a SIGKILL cut short
+        if isinstance(entry, dict) and "loss" in entry and "eval" not in entry and isinstance(entry.get("step"), int):
+            return int(entry["step"])
+    return None
