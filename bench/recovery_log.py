@@ -22,7 +22,8 @@ from bench.models import WORKLOADS
 
 WL = "small"
 BIG = 10_000_000  # training "forever": the run is stopped once its kills are measured
-WARMUP = 30  # steps before the first kill (and left out of the step-time median)
+WARMUP = 30  # steps left out of the step-time median (start-up)
+CALM = 150  # steps before the first kill and after the last one, for the step-time median
 
 
 def _kill_row(run: C.CmemiRun, role: str, ident: str, after: int) -> dict[str, Any]:
@@ -43,10 +44,10 @@ def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log
     cfg["train"]["log_every"] = 1
     rows = []
     with C.CmemiRun(cfg, work) as run:
-        run.wait_step(WARMUP, timeout=240)
+        run.wait_step(WARMUP + CALM, timeout=600)  # steps away from any kill: the step time's median
         for i in range(kills):
             rows.append(_kill_row(run, "aggregator", ident, after=max(5, every // 2 + 3 * i)))
-        run.wait_step(run.step() + 20, timeout=240)
+        run.wait_step(run.step() + CALM, timeout=600)
         time.sleep(0.5)
         run.terminate()
         metrics = [m for m in run.metrics() if "loss" in m and "eval" not in m]

@@ -81,7 +81,8 @@ class Stepper:
             return
         buffer_sum = collector.buffer_sum()
         if self.p.steplog is not None:  # its inputs go out while the optimizer steps; it commits on the ack
-            self.p.steplog.ship(self.trainer.step + 1, grads, buffer_sum, partials, loss)
+            self.p.steplog.ship(self.trainer.step + 1, grads, buffer_sum, partials, loss,
+                                copy=not self.trainer.reads_grads_only)
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         if self.p.steplog is not None and self.p.steplog.confirm(self._checkpoint_now):

@@ -1,10 +1,10 @@
 """A server's side of the step log: each step's inputs shipped to the checkpointer, the step committed on its ack.
 
 `ship` sends a step's entry before the optimizer step, `confirm` waits for its acknowledgement after it, so the
-cost on the step path is one copy of the reduced gradient slice and whatever of the ack's round trip the optimizer
-step did not cover (bench/recovery.py measures it). The entry's tensors are copies: the optimizer step (and
-clipping, in place) may change the reduced gradient while ZeroMQ still sends it, and a restarted checkpointer is
-sent the entry again.
+cost on the step path is the send and whatever of the ack's round trip the optimizer step did not cover
+(bench/recovery.py measures it). The reduced gradient goes zero-copy where the step only reads it; where clipping
+or loss scaling change it in place, the entry's tensors are a copy, since ZeroMQ may still be sending them and a
+restarted checkpointer is sent the entry again.
 
 Its own DEALER (not the snapshots' link, whose socket holds one snapshot part at a time: an entry never waits
 behind a checkpoint's parts). The checkpointer's address is read from Redis at the start and again only when an
@@ -29,9 +29,11 @@ RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the o
 GRAD, BUFFER = "g.", "b."
 
 
-def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """An entry's tensors: copies of the reduced gradient slice (`g.` names) and the step's buffer sum (`b.`)."""
-    out = {GRAD + n: g.detach().clone() for n, g in (grads or {}).items()}
+def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+               copy: bool = True) -> dict[str, torch.Tensor]:
+    """An entry's tensors: the reduced gradient slice (`g.` names; copied unless `copy` is False) and a copy of the
+    step's buffer sum (`b.`: folded into the buffers in place)."""
+    out = {GRAD + n: g.detach().clone() if copy else g.detach() for n, g in (grads or {}).items()}
     out.update({BUFFER + n: b.detach().clone() for n, b in (buffer_sum or {}).items()})
     return out
 
@@ -85,13 +87,15 @@ class StepLogLink:
             self.shipped_bytes += transfer.send(self.sock, msgs)
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
-             partials: list[float] | None, loss: float) -> None:
+             partials: list[float] | None, loss: float, copy: bool = True) -> None:
         """Send step `step`'s inputs (its reduced gradient, None if skipped; its buffer sum; sharded, the norm
-        partials it is applied with); `confirm` then waits for the acknowledgement."""
+        partials it is applied with); `confirm` then waits for the acknowledgement. `copy=False`: the gradient is
+        sent from where it lies (zero-copy), for a step that only reads it (`Trainer.reads_grads_only`: no clipping
+        or unscaling in place, one of torch's optimizers); nothing changes it before `confirm` returns."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
                   "partials": partials}
         try:
-            msgs = transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum),
+            msgs = transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
                                      self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
