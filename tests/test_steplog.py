@@ -156,3 +156,30 @@ def test_replayed_server_state_of_each_feature_ends_bitwise_at_the_reference(tmp
     twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
     assert not twice, twice[:20]
     assert [e["replayed"] > 0 for e in events(c.run_dir, "step_log_replayed")] == [True, True]
+
+
+def test_early_stopping_decides_the_same_across_replays(tmp_path: Path) -> None:
+    """Evaluations run in the background and decide early stopping at the next boundary: their results travel in
+    the log, so a replayed leader stops at the reference's step with the reference's history (kills between
+    boundaries, with an evaluation in flight)."""
+    sets = (*LONG[:2], "checkpoint.every_steps=0", "cluster.spare_workers=0", "eval.every_steps=50",
+            "eval.early_stop_metric=accuracy", "eval.patience=2")
+    out = tmp_path / "reference.json"
+    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = json.loads(out.read_text())
+    assert ref["stopped_early"] and 200 < ref["steps"] < 1200  # (the kills below come before the stop)
+    c = Cluster(tmp_path / "run", *sets, *LONG[3:], "cluster.workers=2", "train.log_every=1")
+    try:
+        for target in (120, 230):
+            c.wait_step(target)
+            c.replaced("aggregator", "0", c.signal("aggregator", "0"))
+    finally:
+        rc = c.wait()
+    assert rc == 0, c.output()
+    s = c.summary
+    assert (s["steps"], s["stopped_early"], s["params_sha256"]) == (ref["steps"], True, ref["params_sha256"])
+    assert [h["step"] for h in s["eval_history"]] == [h["step"] for h in ref["eval_history"]]
+    twice = [n for n, k in Counter(step_lines(c.run_dir)).items() if k > 1]
+    assert not twice, twice[:20]

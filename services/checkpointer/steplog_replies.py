@@ -13,7 +13,7 @@ from collections.abc import Callable
 from cmemi.services.checkpointer.steplog import StepLog
 from cmemi.shared.wire import protocol
 
-FIELDS = ("step", "skip", "loss", "partials")
+FIELDS = ("step", "skip", "loss", "partials", "evals")
 
 
 class LogReplies:

@@ -216,6 +216,7 @@ class StepLog(TypedDict):
     skip: bool  # an fp16 overflow: optimizer.step() skipped, the loss scale backs off
     loss: float
     partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
+    evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
     tensors: list[Any]
 
 

@@ -26,6 +26,7 @@ import torch
 from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.snapshots import contents as snapshots
+from cmemi.services.aggregator.steplog.evals import EvalLog
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
 
@@ -47,6 +48,9 @@ class Stepper:
         self.drop, self.serve_parked = parts.drops, serve_parked
         self.total = self.cfg.train.rounds
         self.ending = Ending.LAST_STEP if self.trainer.step >= self.total else Ending.TRAINING
+        if self.evals.stopped and self.p.steplog is not None:  # the step log replayed up to an early stop
+            self.ending = Ending.STOPPED_EARLY
+        self.evallog = EvalLog(self.evals.bg)  # the evaluations the step log holds (steplog/evals.py)
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
         self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
@@ -82,7 +86,7 @@ class Stepper:
         buffer_sum = collector.buffer_sum()
         if self.p.steplog is not None:  # its inputs go out while the optimizer steps; it commits on the ack
             self.p.steplog.ship(self.trainer.step + 1, grads, buffer_sum, partials, loss,
-                                copy=not self.trainer.reads_grads_only)
+                                copy=not self.trainer.reads_grads_only, evals=self.evallog.to_ship())
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         if self.p.steplog is not None and self.p.steplog.confirm(self._checkpoint_now):

@@ -87,13 +87,15 @@ class StepLogLink:
             self.shipped_bytes += transfer.send(self.sock, msgs)
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
-             partials: list[float] | None, loss: float, copy: bool = True) -> None:
+             partials: list[float] | None, loss: float, copy: bool = True,
+             evals: dict[str, Any] | None = None) -> None:
         """Send step `step`'s inputs (its reduced gradient, None if skipped; its buffer sum; sharded, the norm
-        partials it is applied with); `confirm` then waits for the acknowledgement. `copy=False`: the gradient is
+        partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
+        replay.py); `confirm` then waits for the acknowledgement. `copy=False`: the gradient is
         sent from where it lies (zero-copy), for a step that only reads it (`Trainer.reads_grads_only`: no clipping
         or unscaling in place, one of torch's optimizers); nothing changes it before `confirm` returns."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
-                  "partials": partials}
+                  "partials": partials, "evals": evals}
         try:
             msgs = transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
                                      self.ctx.cfg.cluster.checksum)

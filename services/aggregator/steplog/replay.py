@@ -16,22 +16,30 @@ import time
 from pathlib import Path
 
 import redis
+from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.common.userstep import users_step
+from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.shared.runtime.service import ServiceContext
 
 
-def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals, where: str = "") -> int:
-    """Replay every entry after the trainer's step; returns how many. `where`: who replays (" on shard 2")."""
+def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
+           bg: BackgroundEval | None = None, where: str = "") -> int:
+    """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
+    stopping: evals.py). `where`: who replays (" on shard 2")."""
     restored, t0 = trainer.step, time.monotonic()
+    evals = EvalReplay(bg)
     while (msg := link.fetch(trainer.step)) is not None:
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
+        evals.load(h["evals"])
         with users_step(ctx.fatal, trainer.step + 1, where):
             trainer.apply(grads, buffer_sum, partials=h["partials"])
         totals.final_loss = float(h["loss"])
+        evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
+    evals.resume()
     replayed = trainer.step - restored
     committed = last_committed(ctx)
     if replayed or restored:  # (not a fresh run's start)
