@@ -50,8 +50,7 @@ class Checkpointer:
                              self.cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.drops = Drops(ctx.redis, ctx.keys, self.log)
         # snapshots bigger than one message: one partial transfer per aggregator (K of them in a sharded run, sending
-        # their slices of a step at once) plus one for a restarted aggregator's new connection; as many again for the
-        # step log's entries (each server's own connection: steplog.py)
+        # their slices of a step at once) plus one for a restarted one's new connection; as many for step log entries
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
                                         peers=2 * (self.cfg.cluster.shards + 1), on_abandon=self.drops.count,
                                         sink=self._spool)
@@ -62,10 +61,9 @@ class Checkpointer:
         self.merger = Merger(spool.discard)  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
         self._advertise()
-        # held from the newest checkpoint on disk (a restart loses what was held: the servers checkpoint at once)
-        self.steplog = StepLog(self.latest or 0, self.cfg.checkpoint.step_log_memory_mb << 20,
-                               self._spool_file)
-        self.log_replies = LogReplies(self.steplog, self._reply, self._reply_tensors, ctx.emit)
+        # from the newest checkpoint on disk (a restart loses what was held: the servers checkpoint at once)
+        self.steplog = StepLog(self.latest or 0, self.cfg.checkpoint.step_log_memory_mb << 20, self._spool_file)
+        self.log_replies = LogReplies(self.steplog, self._reply, ctx.emit)
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "checkpointer", "0")
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
@@ -115,8 +113,7 @@ class Checkpointer:
                     return
 
     def _spool(self, of: dict, metas: list[dict]) -> Spool | Held:
-        """The sink of a message with tensors (assembly.Assembler): a snapshot (spooled), or a step log entry (held in
-        memory up to its bound, steplog.py)."""
+        """The sink of a message with tensors (assembly.Assembler): a snapshot's spool, or a step log entry's."""
         if of["type"] == "step_log":
             return self.steplog.sink(of, metas)
         if of["type"] != "snapshot":
@@ -289,13 +286,8 @@ class Checkpointer:
             self._damaged(info.step, problem)
         self._reply(identity, "no_checkpoint", {"term": msg.header["term"]})
 
-    def _reply(self, identity: bytes, mtype: str, fields: dict) -> None:
-        """A reply without tensors (the restore is sent by restore.py)."""
-        transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap()),
-                      identity)
-
-    def _reply_tensors(self, identity: bytes, mtype: str, fields: dict, tensors: dict) -> None:
-        """A reply with tensors (a step log entry, for a replay)."""
+    def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
+        """A reply (with tensors: a step log entry, for a replay; the restore is sent by restore.py)."""
         try:
             transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
                                                        tensors, self.cfg.cluster.checksum), identity)

@@ -19,9 +19,9 @@ FIELDS = ("step", "skip", "loss", "partials", "evals")
 class LogReplies:
     TYPES = ("step_log", "log_req")
 
-    def __init__(self, log: StepLog, reply: Callable[[bytes, str, dict], None],
-                 reply_tensors: Callable[[bytes, str, dict, dict], None], emit: Callable[..., None]) -> None:
-        self.log, self.reply, self.reply_tensors, self.emit = log, reply, reply_tensors, emit
+    def __init__(self, log: StepLog, reply: Callable[..., None], emit: Callable[..., None]) -> None:
+        """`reply(identity, type, fields, tensors=None)`: the checkpointer's."""
+        self.log, self.reply, self.emit = log, reply, emit
         self.replaying: set[tuple[int, int]] = set()  # (term, shard) whose replay started (one event each)
 
     def handle(self, identity: bytes, msg: protocol.Message) -> None:
@@ -44,5 +44,4 @@ class LogReplies:
         if entry is None:
             self.reply(identity, "log_end", {"after": after})
         else:
-            self.reply_tensors(identity, "log_entry", {**entry.fields, "term": h["term"], "shard": shard},
-                               entry.loaded())
+            self.reply(identity, "log_entry", {**entry.fields, "term": h["term"], "shard": shard}, entry.loaded())

@@ -168,6 +168,9 @@ def build(ctx: ServiceContext) -> LeaderParts:
                     EvalSchedule(ctx, cfg, eval_fn, reporter.eval))
     if cfg.checkpoint.step_log and not trainer.sharded and trainer.inner is None:
         p.steplog = StepLogLink(ctx, zctx, term)
+    elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
+        ctx.log.info("step log not built yet for cluster.shards > 1 or train.local_steps: a server's death goes back "
+                     "to the last checkpoint")
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()
