@@ -64,7 +64,7 @@ class PlayedCheckpointer:
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum, peers=4)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="played-checkpointer", daemon=True)
-        ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": self.addr, "incarnation": "1"})
+        ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": self.addr, "incarnation": "1", "log": self.addr})
         self._thread.start()
 
     def _serve(self) -> None:

@@ -6,9 +6,10 @@ cost on the step path is the send and whatever of the ack's round trip the optim
 or loss scaling change it in place, the entry's tensors are a copy, since ZeroMQ may still be sending them and a
 restarted checkpointer is sent the entry again.
 
-Its own DEALER (not the snapshots' link, whose socket holds one snapshot part at a time: an entry never waits
-behind a checkpoint's parts). The checkpointer's address is read from Redis at the start and again only when an
-acknowledgement is slow (a restarted checkpointer, on a new address or incarnation: the entry is sent again).
+Its own DEALER to the checkpointer's step log socket (services/checkpointer/logserver.py: its own thread there, so
+an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
+record) is read at the start and again only when an acknowledgement is slow (a restarted checkpointer, on a new
+address or incarnation: the entry is sent again).
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ class StepLogLink:
         self.cap = ctx.cfg.cluster.message_cap()
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum)
         self.sock: zmq.Socket | None = None
-        self.to: tuple[str | None, str | None] = (None, None)  # the checkpointer's (address, incarnation)
+        self.to: tuple[str | None, str | None] = (None, None)  # the checkpointer's (step log address, incarnation)
         self.pending: tuple[int, list[list[Any]]] | None = None  # (step, its messages), until acknowledged
         self.shipped_bytes = 0
 
     def _where(self) -> tuple[str | None, str | None]:
         try:
-            addr, inc = texts(self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["addr", "incarnation"]))
+            addr, inc = texts(self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["log", "incarnation"]))
         except redis.RedisError:
             return self.to  # Redis away: keep talking to the checkpointer known
         return addr, inc
