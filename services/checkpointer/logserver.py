@@ -18,6 +18,7 @@ from cmemi.services.checkpointer.admission import TermWatch
 from cmemi.services.checkpointer.drops import Drops
 from cmemi.services.checkpointer.steplog import Held, StepLog
 from cmemi.services.checkpointer.steplog_replies import LogReplies
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
@@ -26,6 +27,7 @@ class LogServer:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, log: StepLog, lock: threading.Lock) -> None:
         self.ctx, self.cfg, self.log, self.lock = ctx, ctx.cfg, log, lock
         self.sock = zctx.socket(zmq.ROUTER)
+        set_link_options(self.sock, self.cfg.cluster)  # a dead link noticed in seconds (shared/runtime/links.py)
         ctx.curve.serve(zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -27,6 +27,7 @@ from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared.coordination.membership import Member
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime import atomic, metrics, startup
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
@@ -40,6 +41,7 @@ class Checkpointer:
             self.log.info("removed leftovers of interrupted writes", leftovers=removed)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
+        set_link_options(self.sock, self.cfg.cluster)  # a dead link noticed in seconds (shared/runtime/links.py)
         ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
         # a sender's next message waits on its side while one is being read; with ZAP (Curve on) libzmq keeps one
