@@ -222,6 +222,11 @@ class CompressionConfig:
         dense, bf16 or int8 parameters down: K shards must share those bytes evenly."""
         return "powersgd" in (self.codec, self.downlink) and self.downlink in ("powersgd", "sign", "topk")
 
+    @property
+    def replica_residual(self) -> bool:
+        """sparse2 with error feedback: with train.local_steps, each replica keeps its residual in its inner state."""
+        return self.codec == "sparse2" and self.error_feedback
+
     def __post_init__(self) -> None:
         if self.downlink not in DOWNLINKS:
             fail("compression.downlink", self.downlink, f"must be one of {', '.join(DOWNLINKS)}",

@@ -65,7 +65,7 @@ def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) ->
     if cfg.train.fragments > 1:  # streaming: the replica's own parameters too
         inner["params"] = {n: p.detach() for n, p in stand_in.items()}
         inner["start"] = 1
-    if cfg.compression.codec == "sparse2" and cfg.compression.error_feedback:  # its residual, by parameter
+    if cfg.compression.replica_residual:  # sparse2's residual, by parameter
         inner["residual"] = {n: torch.zeros_like(p.detach()) for n, p in stand_in.items()}
     meta, tensors = to_wire(inner)
     return signature(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False), tensors)

@@ -48,11 +48,11 @@ class LocalRound:
         # every how many segments a replica's state goes up (docs/design.md §10)
         self.fragments = (fragmenting.split(partition.pieces, cfg.train.fragments)
                           if partition is not None and cfg.train.fragments > 1 else [])
-        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(runner.step_buffers))
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(runner.step_buffers)
+                                                          or cfg.compression.replica_residual)
         # sparse2's error feedback: the residual is the replica's (its state's `residual`), so it moves and is replayed
         # with the replica, and any worker sends the same bits (shared/compression/sparse2.py)
-        feedback = cfg.compression.codec == "sparse2" and cfg.compression.error_feedback
-        self.feedback = make_codec(cfg.compression) if feedback else None
+        self.feedback = make_codec(cfg.compression) if cfg.compression.replica_residual else None
 
     def lease(self, step: int, r: int, first: int, state: InnerState | None) -> tuple[
             float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
