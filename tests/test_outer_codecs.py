@@ -11,17 +11,19 @@ import pytest
 import torch
 from cmemi.services.aggregator.common.replicas import InnerStates
 from cmemi.services.worker.compute.local import LocalRound
+from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.shared.compression.lowbit import pack, unpack
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.compression.sparse2 import feedback_step
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.config.loading import load_config
+from cmemi.shared.config.lookup import resolve
+from cmemi.shared.config.plugins import build_model
 from cmemi.shared.config.system import CompressionConfig
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.grid import Partition
 
 from tests.conftest import DIGITS
-from tests.test_local_steps import _runner
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -117,7 +119,12 @@ def test_feedback_step_sends_the_residual_later() -> None:
     assert float((sent - meant).norm()) < float(meant.norm())  # the residual is smaller than what was meant
 
 
-def _sparse_cfg(*extra: str):
+def runner_of(cfg) -> MicrobatchRunner:
+    return MicrobatchRunner(cfg, build_model(cfg), resolve(cfg.data.factory, "data.factory")(**cfg.data.kwargs),
+                            resolve(cfg.train.loss, "train.loss"))
+
+
+def sparse_cfg(*extra: str):
     return load_config(DIGITS, ["train.local_steps=2", "train.replicas=2", "train.steps=20",
                                 "compression.codec=sparse2", "compression.min_compress_numel=256",
                                 "compression.sparse_chunk=256", *extra])
@@ -127,9 +134,9 @@ def test_a_replicas_residual_is_in_its_state_moves_with_it_and_the_leader_checks
     """sparse2 with local steps: a round's state carries the replica's residual (by parameter, nonzero where a tensor
     was compressed); the same round from that state (through the wire, on another worker's LocalRound) sends the same
     change; the leader takes the state against this model's layout and refuses it without the residual."""
-    cfg = _sparse_cfg()
-    runner = _runner(cfg)
-    a, b = LocalRound(cfg, runner, Partition(runner.params)), LocalRound(cfg, _runner(cfg), Partition(runner.params))
+    cfg = sparse_cfg()
+    runner = runner_of(cfg)
+    a, b = LocalRound(cfg, runner, Partition(runner.params)), LocalRound(cfg, runner_of(cfg), Partition(runner.params))
     _, d0, _, s0 = a.lease(0, 1, 0, None)
     assert set(s0["residual"]) == set(runner.params)
     assert any(float(t.abs().max()) > 0 for t in s0["residual"].values())
