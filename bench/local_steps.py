@@ -15,6 +15,14 @@ max(1, every / H) rounds). The target of "samples to the synchronous loss" is th
 the synchronous run's own samples to it are the first evaluation at or below it (a small model on a small corpus
 overfits late in a long run: its final loss is then reached before its last step).
 
+`--codecs` instead writes issue 48's quality table: on the Python standard library's sources (bench/stdlib_corpus.py, 8 MB:
+no overfitting within the run), synchronous training, whole rounds and streaming (F = 5 fragments) at H = 50 and 200
+with fp32, int4 and sparse2 outer changes (`compression.codec`, sparse2 with its per-replica error feedback), the mild
+outer step, eval loss at equal samples; `--quick` runs 400 inner steps of a smaller batch in a few minutes on 2 cores
+(a check that it works, not a measurement), the default 4000:
+
+    .venv/bin/python bench/local_steps.py --codecs [--quick] [--jobs 2] --out bench/results/outer_codecs.json
+
 `--reach H:OUTER:FACTOR,...` also trains local runs FACTOR times as long (the schedule over the longer run) and records
 the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
 
@@ -44,13 +52,17 @@ OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0
           "average": "{lr: 1.0, momentum: 0.0}"}
 
 
-def run(steps: int, local: int, outer: str | None, every: int) -> dict[str, Any]:
+CODECS = ("none", "int4", "sparse2")  # fp32, 4-bit and sparse 2-bit outer changes
+WIDE = ["data.factory=bench.stdlib_corpus:make_dataset", "eval.fn=bench.stdlib_corpus:evaluate"]
+
+
+def run(steps: int, local: int, outer: str | None, every: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     C.pin_threads(1)  # (also in a --jobs process)
     from cmemi.shared.config.loading import load_config
 
     from cmemi.commands.reference import train
 
-    sets = [f"train.steps={steps}", f"scheduler.kwargs.total_steps={steps}", "checkpoint.every_steps=0"]
+    sets = [f"train.steps={steps}", f"scheduler.kwargs.total_steps={steps}", "checkpoint.every_steps=0", *extra]
     if local:
         sets += [f"train.local_steps={local}", f"train.replicas={REPLICAS}", f"outer_optimizer.kwargs={OUTERS[outer]}",
                  f"eval.every_steps={max(1, every // local)}"]
@@ -83,7 +95,10 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each in a process of its own (one thread "
                    "each; the losses are the same bits at any --jobs)")
     p.add_argument("--out", default=None)
+    p.add_argument("--codecs", action="store_true", help="the outer-codec quality table on the stdlib corpus instead")
     args = p.parse_args()
+    if args.codecs:
+        return codec_table(args)
     steps = args.steps or (400 if args.quick else 1000)
     hs = [int(x) for x in (args.local or ("10,50" if args.quick else "10,50,200")).split(",")]
     if bad := [h for h in hs if steps % h]:
@@ -126,6 +141,52 @@ def main() -> None:
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
+
+
+def codec_table(args: argparse.Namespace) -> None:
+    """`--codecs`: rows {system, local_steps, fragments, codec, eval_loss, vs_sync, vs_fp32} (relative, + is worse)."""
+    steps = args.steps or (400 if args.quick else 4000)
+    batch = 16 if args.quick else 32
+    hs = [int(x) for x in (args.local or ("50,200")).split(",")]
+    if bad := [h for h in hs if steps % h or h % 5]:
+        p_error(f"--local: {bad} must divide train.steps={steps} and be multiples of the 5 fragments")
+    C.setup(threads=1)
+    base = (*WIDE, f"train.global_batch={batch}")
+    specs: list[tuple[str, int, int, str]] = [("sync", 0, 1, "none")]
+    specs += [(system, h, f, codec) for h in hs for system, f in (("whole", 1), ("streaming", 5)) for codec in CODECS]
+    result: dict[str, Any] = {"bench": "outer_codecs", **C.provenance(),
+                              "command": " ".join(["python bench/local_steps.py", *sys.argv[1:]]),
+                              "machine": C.machine(), "config": CONFIG, "corpus": "bench/stdlib_corpus.py",
+                              "steps": steps, "global_batch": batch, "replicas": REPLICAS, "outer": "mild",
+                              "codecs": []}
+    t_start = time.monotonic()
+    try:
+        C.log(f"{len(specs)} runs of charlm on the stdlib corpus ({steps} inner steps), {args.jobs} at a time")
+        extras = [(*base, *([f"compression.codec={c}"] if c != "none" else []),
+                   *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(run, [steps] * len(specs), [h for _, h, _, _ in specs],
+                                 [None if not h else "mild" for _, h, _, _ in specs], [args.every] * len(specs), extras))
+        sync = done[0]["eval_loss"]
+        fp32 = {(s, h): r["eval_loss"] for (s, h, _, c), r in zip(specs, done, strict=True) if c == "none"}
+        for (system, h, f, codec), r in zip(specs, done, strict=True):
+            result["codecs"].append({"system": system, "local_steps": h, "fragments": f, "codec": codec,
+                                     "eval_loss": r["eval_loss"], "vs_sync": round(r["eval_loss"] / sync - 1, 4),
+                                     "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4),
+                                     "curve": r["curve"], "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
+    except BaseException as exc:
+        C.record_error(result, exc)
+        raise
+    finally:
+        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+        text = json.dumps(result, indent=1)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+
+
+def p_error(message: str) -> None:
+    raise SystemExit(f"bench/local_steps.py: {message}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ GENERATOR = ".venv/bin/python scripts/readme_tables.py"
 TABLES: dict[str, Callable[[], str]] = {
     "headlines": headlines.headlines, "bench-table": overview.benchmark, "scaling-table": overview.scaling,
     "memory-table": memory.memory, "compression-table": compression.compression, "streaming-table": local.streaming,
-    "local-steps-table": local.local_steps, "small-table": small.small, "cluster-table": cluster.cluster,
+    "local-steps-table": local.local_steps, "outer-codecs-table": local.outer_codecs, "small-table": small.small, "cluster-table": cluster.cluster,
     "cluster-notes": cluster.cluster_notes, "resnet-accuracy": resnet.resnet_accuracy,
     "hf-lm-table": hf.hf_lm, "config-reference": config_reference,
     "layout:over-300": layout.over_300,

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 STATELESS = ("none", "fp16", "bf16", "int8")
+FEW_BITS = ("int4", "int2", "sparse2")  # deterministic too, but too lossy for the closeness checks of STATELESS
 
 
 def codec(name: str, **kw) -> GradientCodec:
@@ -58,7 +59,7 @@ def test_config_defaults_and_factory() -> None:
     for name in CODECS:
         c = codec(name)
         assert isinstance(c, GradientCodec) and c.name == name
-        assert c.deterministic == (name in STATELESS)
+        assert c.deterministic == (name in STATELESS or name in FEW_BITS)
     assert codec("topk", error_feedback=False).deterministic
 
 
@@ -104,7 +105,7 @@ def test_int8_error_bound(numel: int, chunk: int) -> None:
     assert bool(((out - g).abs() <= scale * 0.5 * (1 + 1e-5) + 1e-30).all())
 
 
-@pytest.mark.parametrize("name", [*STATELESS, "topk-noef", "sign-noef"])
+@pytest.mark.parametrize("name", [*STATELESS, *FEW_BITS, "topk-noef", "sign-noef"])
 def test_stateless_codecs_are_deterministic(name: str) -> None:
     kw = {"error_feedback": False} if name.endswith("-noef") else {}
     name = name.split("-")[0]
@@ -123,8 +124,9 @@ def test_non_contiguous_and_non_float32_gradients() -> None:
     for name in CODECS:
         c = codec(name, min_compress_numel=16, topk_ratio=0.5, powersgd_rank=200)  # topk/psgd: goes dense
         out = roundtrip(c, {"w": g, "d": g.double(), "h": g.half()})
-        if name == "sign":  # 1 bit: the same as the contiguous fp32 gradient's
-            want = roundtrip(codec(name, min_compress_numel=16), {"w": g.contiguous(), "h": g.half().float()})
+        if name in ("sign", *FEW_BITS):  # a few bits: the same as the contiguous fp32 gradient's
+            want = roundtrip(codec(name, min_compress_numel=16, topk_ratio=0.5),
+                             {"w": g.contiguous(), "h": g.half().float()})
             assert torch.equal(out["w"], want["w"]) and torch.equal(out["d"], want["w"]), name
             assert torch.equal(out["h"], want["h"]), name
             continue
@@ -397,7 +399,8 @@ SHAPES = {"w": (96, 64), "b": (8,)}
 def hostile_cases(name: str):
     """(label, info mutator, frames mutator, expected reason) for codec `name`."""
     parts = {"none": ["v"], "fp16": ["v"], "bf16": ["v"], "int8": ["q", "s"], "topk": ["v", "i"],
-             "powersgd": ["p", "q"], "sign": ["b", "s"]}[name]
+             "powersgd": ["p", "q"], "sign": ["b", "s"], "int4": ["q", "s"], "int2": ["q", "s"],
+             "sparse2": ["i", "q", "s"]}[name]
     yield "unknown codec", lambda i: i["w"].update(codec="zip"), None, "unknown_codec"
     yield "codec not a str", lambda i: i["w"].update(codec=3), None, "unknown_codec"
     yield "wrong shape", lambda i: i["w"].update(shape=[64, 96]), None, "bad_shape"
@@ -414,7 +417,8 @@ def hostile_cases(name: str):
     yield "truncated", None, lambda f: f.update({f"w#{parts[0]}": f[f"w#{parts[0]}"].reshape(-1)[:-1]}), "bad_size"
     yield "wrong frame dtype", None, lambda f: f.update({f"w#{parts[-1]}": f[f"w#{parts[-1]}"].double()}), "bad_dtype"
     yield "raw truncated", None, lambda f: f.update({"b#v": f["b#v"][:-1]}), "bad_size"
-    nan_part = {"int8": "s", "powersgd": "p", "topk": "v", "sign": "s"}.get(name, "v")
+    nan_part = {"int8": "s", "powersgd": "p", "topk": "v", "sign": "s", "int4": "s", "int2": "s",
+                "sparse2": "s"}.get(name, "v")
     if name not in ("fp16", "bf16", "none"):
         yield "NaN payload", None, lambda f: f[f"w#{nan_part}"].view(-1).__setitem__(0, float("nan")), "nonfinite"
     yield "NaN raw", None, lambda f: f["b#v"].__setitem__(0, float("nan")), "nonfinite"
@@ -432,6 +436,17 @@ def hostile_cases(name: str):
         yield "chunk mismatch", lambda i: i["w"].update(chunk=512), None, "bad_size"
         yield "chunk missing", lambda i: i["w"].pop("chunk"), None, "bad_param"
         yield "overflowing scale", None, lambda f: f["w#s"].fill_(3e38), "nonfinite"
+    if name in ("int4", "int2"):
+        yield "chunk 0", lambda i: i["w"].update(chunk=0), None, "bad_param"
+        yield "chunk mismatch", lambda i: i["w"].update(chunk=512), None, "bad_size"
+        yield "code above the levels", None, lambda f: f["w#q"].fill_(255), "bad_code"
+    if name == "sparse2":
+        yield "position out of its chunk", None, lambda f: f["w#i"].__setitem__(-1, 5000), "bad_index"
+        yield "negative position", None, lambda f: f["w#i"].__setitem__(0, -1), "bad_index"
+        yield "duplicate position", None, lambda f: f["w#i"].__setitem__(1, f["w#i"][0]), "bad_index"
+        yield "k too big", lambda i: i["w"].update(k=i["w"]["chunk"] + 1), None, "bad_param"
+        yield "k mismatch", lambda i: i["w"].update(k=i["w"]["k"] - 1), None, "bad_size"
+        yield "chunk above int16", lambda i: i["w"].update(chunk=1 << 16), None, "bad_param"
     if name == "topk":
         yield "index out of range", None, lambda f: f["w#i"].__setitem__(-1, 96 * 64), "bad_index"
         yield "negative index", None, lambda f: f["w#i"].__setitem__(0, -1), "bad_index"

@@ -31,6 +31,8 @@ and test_fragments.py pass with the merge removed, the mix ignored or swapped, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from cmemi.examples.digits import make_dataset, make_model
@@ -41,6 +43,13 @@ from cmemi.commands.reference import train
 from tests.conftest import DIGITS
 
 SEED, BATCH, HIDDEN, INNER_LR = 0, 24, 32, 0.1
+# What the servers receive of replica r's change (tests/test_outer_codecs_oracle.py: a codec written again in plain
+# torch, with its residual kept per replica); the identity by default
+Code = Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def exact(r: int, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return delta
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer step, CMEMI's default outer_optimizer (Nesterov SGD)
 
 
@@ -117,7 +126,7 @@ def outer_step(theta: dict[str, torch.Tensor], outer: torch.optim.Optimizer,
     outer.zero_grad(set_to_none=True)
 
 
-def diloco(H: int, R: int, rounds: int) -> dict[str, torch.Tensor]:
+def diloco(H: int, R: int, rounds: int, code: Code = exact) -> dict[str, torch.Tensor]:
     """DiLoCo: every round, each replica from θ_t takes H inner steps; the outer step takes θ_t to θ_{t+1}."""
     theta = initial()
     outer = outer_optimizer(theta)
@@ -129,7 +138,7 @@ def diloco(H: int, R: int, rounds: int) -> dict[str, torch.Tensor]:
                 for n, p in rep.params.items():
                     p.copy_(theta[n])
             rep.inner_steps(t * H, H, r, R)
-            deltas.append({n: theta[n].detach() - p.detach() for n, p in rep.params.items()})
+            deltas.append(code(r, {n: theta[n].detach() - p.detach() for n, p in rep.params.items()}))
         outer_step(theta, outer, deltas)
     return {n: p.detach() for n, p in theta.items()}
 
@@ -147,7 +156,7 @@ def cut(theta: dict[str, torch.Tensor], F: int) -> list[list[str]]:
     return out
 
 
-def streaming(H: int, F: int, R: int, mix: float, segments: int) -> dict[str, torch.Tensor]:
+def streaming(H: int, F: int, R: int, mix: float, segments: int, code: Code = exact) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo: segment s is H/F inner steps of each replica, whose own θ_r carries on; it first merges
     global fragment (s − 2) mod F into θ_r, and ends sending the change of fragment s mod F, which the outer step
     (step s) moves alone."""
@@ -167,7 +176,7 @@ def streaming(H: int, F: int, R: int, mix: float, segments: int) -> dict[str, to
                     for n in fragments[(s - 2) % F]:
                         rep.params[n].mul_(mix).add_(theta[n], alpha=1 - mix)
             rep.inner_steps(s * L, L, r, R)
-            deltas.append({n: theta[n].detach() - rep.params[n].detach() for n in fragments[s % F]})
+            deltas.append(code(r, {n: theta[n].detach() - rep.params[n].detach() for n in fragments[s % F]}))
         outer_step(theta, outer, deltas)
     return {n: p.detach() for n, p in theta.items()}
 

@@ -1,12 +1,13 @@
 """Local steps' and streaming's tables: quality at equal samples, bytes per sample, and the emulated cluster's
 samples/s (bench/local_steps.py, bench/streaming.py, bench/cluster.py's cmemi_local runs), for
-docs/benchmarks/local-steps.md."""
+docs/benchmarks/local-steps.md; and the outer codecs' quality (bench/local_steps.py --codecs), for
+docs/guides/local-steps.md."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from scripts.tables.provenance import load, measured, sec
+from scripts.tables.provenance import RESULTS, load, measured, sec
 
 
 def streaming() -> str:
@@ -121,3 +122,32 @@ def local_steps() -> str:
               "that H reached the synchronous run's final loss, and its outer step (the outer step costs no time).",
               "", measured("cluster_local")]
     return "\n".join(lines)
+
+
+OUTER_CODECS = "outer_codecs"
+OUTER_CODECS_RUN = ".venv/bin/python bench/local_steps.py --codecs --jobs 2 --out bench/results/outer_codecs.json"
+
+
+def outer_codecs() -> str:
+    """bench/local_steps.py --codecs (issue 48): eval loss at equal samples on the stdlib corpus, synchronous against
+    whole rounds and streaming at each H with fp32, int4 and sparse2 outer changes. Not measured yet: a line that says
+    how; a results file without the rows: an error naming the command, as every table here."""
+    if not (RESULTS / f"{OUTER_CODECS}.json").exists():
+        return f"Not measured yet: run `{OUTER_CODECS_RUN}`, then `.venv/bin/python scripts/readme_tables.py`."
+    d = load(OUTER_CODECS)
+    if not d.get("codecs"):
+        raise KeyError(f"bench/results/{OUTER_CODECS}.json has no 'codecs' rows (an old or failed run): run "
+                       f"`{OUTER_CODECS_RUN}` again")
+    names = {"none": "fp32", "int4": "int4", "sparse2": "sparse2 (1 %, 2-bit, per-replica error feedback)"}
+    lines = [f"charlm on the Python standard library's sources ({d['corpus']}; {d['steps']} inner steps of a global "
+             f"batch of {d['global_batch']}, {d['replicas']} replicas, the {d['outer']} outer step; eval loss on the "
+             "held-out files at equal samples; + is worse):", "",
+             "| system | H | outer change | eval loss | vs synchronous | vs fp32 changes |", "|---|---|---|---|---|---|"]
+    for r in d["codecs"]:
+        local = r["system"] != "sync"
+        system = {"sync": "synchronous", "whole": "whole rounds"}.get(r["system"], f"streaming, F = {r['fragments']}")
+        vs_sync = f"{r['vs_sync']:+.1%}" if local else "—"
+        vs_fp32 = f"{r['vs_fp32']:+.1%}" if local and r["codec"] != "none" else "—"
+        lines.append(f"| {system} | {r['local_steps'] if local else '—'} | {names[r['codec']] if local else '—'} | "
+                     f"{r['eval_loss']:.3f} | {vs_sync} | {vs_fp32} |")
+    return "\n".join([*lines, "", measured(OUTER_CODECS)])

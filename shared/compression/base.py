@@ -11,7 +11,7 @@ finite (NaN/inf) is never compressed: it goes dense as it is (and the tensor's e
 dropped, so one bad step does not poison the following ones), and `decode` rejects it with reason
 "nonfinite" unless the codec was built with `check_finite=False`.
 
-Each codec family (dense.py, int8.py, topk.py, powersgd.py, sign.py) subclasses `Codec` with its
+Each codec family (dense.py, int8.py, lowbit.py, sparse2.py, topk.py, powersgd.py, sign.py) subclasses `Codec` with its
 `_encode` for one tensor and its `decoder` for one tag; registry.py picks one by name.
 """
 
@@ -33,7 +33,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
                torch.float64: "float64"}
 # Every tag a decoder exists for: an entry with another tag is "unknown_codec", one with a known tag this side does
 # not run is "wrong_codec" (tests/test_codecs.py checks this set against the registry's codecs).
-TAGS = frozenset({"raw", "fp16", "bf16", "int8", "topk", "powersgd", "sign"})
+TAGS = frozenset({"raw", "fp16", "bf16", "int8", "topk", "powersgd", "sign", "int4", "int2", "sparse2"})
 
 
 class CodecError(WireError, ValueError):

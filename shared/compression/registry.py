@@ -9,6 +9,9 @@ Codecs (per tensor; small, empty and, for powersgd, 1-D tensors always go dense 
 - powersgd  rank-r P @ Q^T of the gradient viewed as (shape[0], -1), one warm-started power iteration per step,
             with error feedback (powersgd.py).
 - sign      scaled sign, 1 bit per element, one fp32 scale per chunk; with error feedback (sign.py).
+- int4/int2 per-chunk absmax scale (one per `lowbit_chunk` elements), 4 or 2 bits per element (lowbit.py).
+- sparse2   per chunk the top-k magnitudes at 2 bits and an fp32 scale; stateless: with train.local_steps its error
+            feedback lives in each replica's state (sparse2.py).
 
 The contract every codec keeps (info and frames, hostile decoding, non-finite gradients) is base.py's.
 """
@@ -21,8 +24,10 @@ import torch
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.dense import CastCodec, NoneCodec
 from cmemi.shared.compression.int8 import Int8Codec
+from cmemi.shared.compression.lowbit import Int2Codec, Int4Codec
 from cmemi.shared.compression.powersgd import PowerSGDCodec
 from cmemi.shared.compression.sign import SignCodec
+from cmemi.shared.compression.sparse2 import Sparse2Codec
 from cmemi.shared.compression.topk import TopKCodec
 from cmemi.shared.config.checks import fail
 from cmemi.shared.config.system import CODECS, CompressionConfig
@@ -37,6 +42,12 @@ def make_codec(cfg: CompressionConfig, **kw: Any) -> GradientCodec:
         return CastCodec(cfg, dtype=torch.float16 if cfg.codec == "fp16" else torch.bfloat16, **kw)
     if cfg.codec == "int8":
         return Int8Codec(cfg, **kw)
+    if cfg.codec == "int4":
+        return Int4Codec(cfg, **kw)
+    if cfg.codec == "int2":
+        return Int2Codec(cfg, **kw)
+    if cfg.codec == "sparse2":
+        return Sparse2Codec(cfg, **kw)
     if cfg.codec == "topk":
         return TopKCodec(cfg, **kw)
     if cfg.codec == "powersgd":

@@ -66,6 +66,9 @@ class Config:
                       f"use one of {', '.join(sorted(ELEMENTWISE_OPTIMIZERS))}, or cluster.shards: 1")
         if self.train.local_steps:
             self._check_local()
+        elif self.compression.codec == "sparse2" and self.compression.error_feedback:
+            fail("compression.codec", self.compression.codec, "keeps its residual in a replica's state, which only "
+                  "train.local_steps has", "use topk for synchronous steps, or compression.error_feedback: false")
         if self.cluster.pipeline_stages:  # a pipelined stage is stepped before the step's global quantities exist
             if self.train.clip_grad_norm is not None:
                 fail("train.clip_grad_norm", self.train.clip_grad_norm, "needs the whole step's gradient norm, "
@@ -91,8 +94,8 @@ class Config:
                   "set compression.downlink: none with train.local_steps")
         if self.compression.codec in ("topk", "powersgd", "sign") and self.compression.error_feedback:
             fail("compression.codec", self.compression.codec, "keeps a residual per worker, but a replica's round "
-                  "may go to any worker", "use none, bf16 or int8 for the replicas' changes, or "
-                  "compression.error_feedback: false")
+                  "may go to any worker", "use sparse2 (its residual is the replica's), or none, bf16, int8, int4 or "
+                  "int2, or compression.error_feedback: false")
         if self.outer_optimizer.name not in ELEMENTWISE_OPTIMIZERS and self.cluster.shards > 1:
             fail("outer_optimizer.name", self.outer_optimizer.name, "is not known to update each element on its own, "
                   f"so cluster.shards: {self.cluster.shards} could change its result",

@@ -191,27 +191,35 @@ class SecurityConfig:
     """Key directory from `cmemi keys DIR` (a host needs its role's *.key_secret and the public *.key files); null: `cmemi up` makes RUN_DIR/keys."""
 
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign")
+CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign", "int4", "int2", "sparse2")
 DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
 
 
 @dataclass
 class CompressionConfig:
     codec: str = "none"
-    """Gradient codec: none, fp16, bf16, int8, topk, powersgd or sign (worker encodes, aggregator decodes)."""
+    """Gradient codec: none, fp16, bf16, int8, topk, powersgd, sign, int4, int2 or sparse2 (worker encodes, aggregator
+    decodes). With train.local_steps it encodes each replica's outer change Δ: int4 and int2 (per-chunk scales) and
+    sparse2 (SparseLoCo's top-k with 2-bit values, its residual kept in the replica's state) are built for that."""
     topk_ratio: float = 0.01
-    """topk: fraction of each tensor's entries sent, k = max(1, ceil(ratio * numel)); 0 < ratio <= 1."""
+    """topk: fraction of each tensor's entries sent, k = max(1, ceil(ratio * numel)); sparse2: of each chunk's
+    (sparse_chunk), SparseLoCo's 1-3 %; 0 < ratio <= 1."""
     powersgd_rank: int = 2
     """powersgd: rank of the per-tensor low-rank approximation P @ Q^T."""
     int8_chunk: int = 1024
     """int8 and sign: elements per fp32 scale (int8: the chunk's absmax, sign: its mean magnitude)."""
+    lowbit_chunk: int = 128
+    """int4 and int2: elements per fp32 scale (the chunk's absmax; small, since one outlier flattens its chunk)."""
+    sparse_chunk: int = 4096
+    """sparse2: elements per chunk, of which the topk_ratio largest magnitudes go (at most 32768: int16 positions)."""
     min_compress_numel: int = 1024
     """Tensors with fewer elements (biases, norms) are sent dense fp32."""
     warmup_steps: int = 0
     """Global steps < warmup_steps send dense fp32 gradients whatever the codec, and (with downlink) their parameter
     changes raw fp32 too."""
     error_feedback: bool = True
-    """topk, powersgd and sign: keep what was not sent and add it to the next step's gradient (per worker)."""
+    """topk, powersgd and sign: keep what was not sent and add it to the next step's gradient (per worker); sparse2
+    (train.local_steps only): to the replica's next change, the residual kept in the replica's state."""
     downlink: str = "none"
     """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
     topk, powersgd or sign (same options as above); the servers keep what was not sent (docs/design.md §9)."""
@@ -222,6 +230,11 @@ class CompressionConfig:
         chunk grid's pieces are whole tensors up to 4 MiB (shared/core/grid.py), so matrices are factored whole. Not with
         dense, bf16 or int8 parameters down: K shards must share those bytes evenly."""
         return "powersgd" in (self.codec, self.downlink) and self.downlink in ("powersgd", "sign", "topk")
+
+    @property
+    def replica_residual(self) -> bool:
+        """sparse2 with error feedback: with train.local_steps, each replica keeps its residual in its inner state."""
+        return self.codec == "sparse2" and self.error_feedback
 
     def __post_init__(self) -> None:
         if self.downlink not in DOWNLINKS:
@@ -236,6 +249,11 @@ class CompressionConfig:
             fail("compression.powersgd_rank", self.powersgd_rank, "must be >= 1", "use e.g. 2")
         if self.int8_chunk < 1:
             fail("compression.int8_chunk", self.int8_chunk, "must be >= 1", "use e.g. 1024")
+        if self.lowbit_chunk < 1:
+            fail("compression.lowbit_chunk", self.lowbit_chunk, "must be >= 1", "use e.g. 128")
+        if not 1 <= self.sparse_chunk <= 1 << 15:
+            fail("compression.sparse_chunk", self.sparse_chunk, "must be in [1, 32768] (positions are int16)",
+                  "use e.g. 4096")
         if self.min_compress_numel < 0:
             fail("compression.min_compress_numel", self.min_compress_numel, "must be >= 0", "use e.g. 1024")
         if self.warmup_steps < 0:

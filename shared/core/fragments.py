@@ -62,9 +62,10 @@ def merge(local: Mapping[str, torch.Tensor], outer: Mapping[str, torch.Tensor], 
 
 def snapshot_period(fragments: int, buffers: bool) -> int:
     """Every how many segments a replica's state goes up (docs/design.md §10): F − 1, so that a replay from the last
-    one merges only fragments the lease's version still holds as they were merged; every segment for a model with
-    travelling buffers (BatchNorm statistics), whose segments start from the step's buffers, which a replay at a later
-    version no longer has."""
+    one merges only fragments the lease's version still holds as they were merged; every segment (`buffers`) for a
+    model with travelling buffers (BatchNorm statistics), whose segments start from the step's buffers, which a replay at
+    a later version no longer has, and with a per-replica residual (sparse2), whose every update needs that segment's
+    change against the global fragment of its own version, which a replay at a later version no longer has either."""
     return 1 if buffers else max(1, fragments - 1)
 
 

@@ -16,7 +16,8 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.wire import state
 
 # {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict() or None}; streaming (train.fragments > 1)
-# also "params": the replica's own parameters by tensor name, which carry on from one segment to the next
+# also "params": the replica's own parameters by tensor name, which carry on from one segment to the next; with sparse2's
+# error feedback "residual": what the replica's changes have not yet sent, by tensor name (shared/compression/sparse2.py)
 InnerState = dict[str, Any]
 
 # The tensors' wire names start with ".inner.": beside a gradient's frames, which are named by the model's parameters,
@@ -64,6 +65,8 @@ def layout_of(cfg: Config, shapes: dict[str, tuple[torch.Size, torch.dtype]]) ->
     if cfg.train.fragments > 1:  # streaming: the replica's own parameters too
         inner["params"] = {n: p.detach() for n, p in stand_in.items()}
         inner["start"] = 1
+    if cfg.compression.replica_residual:  # sparse2's residual, by parameter
+        inner["residual"] = {n: torch.zeros_like(p.detach()) for n, p in stand_in.items()}
     meta, tensors = to_wire(inner)
     return signature(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False), tensors)
 
@@ -85,8 +88,9 @@ def from_wire(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[st
     if set(meta) != {PREFIX}:
         raise state.StateError(f"an inner state's metadata has sections {sorted(meta)[:4]}")
     out = state.unflatten(meta, tensors)[PREFIX]
-    if not isinstance(out, dict) or set(out) - {"params", "start"} != {"optimizer", "scheduler"}:
-        raise state.StateError("an inner state is {optimizer, scheduler} (streaming: and params, start)")
+    if not isinstance(out, dict) or set(out) - {"params", "start", "residual"} != {"optimizer", "scheduler"}:
+        raise state.StateError("an inner state is {optimizer, scheduler} (streaming: and params, start; sparse2: and "
+                               "residual)")
     return out
 
 

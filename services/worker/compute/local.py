@@ -18,6 +18,8 @@ import copy
 import torch
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.shared.compression.base import all_finite
+from cmemi.shared.compression.registry import make_codec
+from cmemi.shared.compression.sparse2 import feedback_step
 from cmemi.shared.config.plugins import build_optimizer, build_scheduler
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import buffers as buffer_rule
@@ -46,7 +48,11 @@ class LocalRound:
         # every how many segments a replica's state goes up (docs/design.md §10)
         self.fragments = (fragmenting.split(partition.pieces, cfg.train.fragments)
                           if partition is not None and cfg.train.fragments > 1 else [])
-        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(runner.step_buffers))
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(runner.step_buffers)
+                                                          or cfg.compression.replica_residual)
+        # sparse2's error feedback: the residual is the replica's (its state's `residual`), so it moves and is replayed
+        # with the replica, and any worker sends the same bits (shared/compression/sparse2.py)
+        self.feedback = make_codec(cfg.compression) if cfg.compression.replica_residual else None
 
     def lease(self, step: int, r: int, first: int, state: InnerState | None) -> tuple[
             float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
@@ -57,7 +63,7 @@ class LocalRound:
             return self.replay(first, step, r, state)
         assert self.views is not None and first == step
         loss, delta, contribution, new = self.run(step, r, state)
-        return loss, self.views(delta), contribution, new
+        return loss, self.with_feedback(step, self.views(delta), state, new), contribution, new
 
     def ships_state(self, step: int, r: int) -> bool:
         """Does replica r's state after this step's lease go up beside its change? (Whole rounds: always.)"""
@@ -141,7 +147,22 @@ class LocalRound:
             with torch.no_grad():
                 for n, p in params.items():
                     p.copy_(start[n])
-        return self._finish(seg, r, losses, delta, {**self.state(), "params": own, "start": seg + 1})
+        new = {**self.state(), "params": own, "start": seg + 1}
+        return self._finish(seg, r, losses, self.with_feedback(seg, delta, state, new), new)
+
+    def with_feedback(self, step: int, delta: dict[str, torch.Tensor], state: InnerState | None,
+                      new: InnerState) -> dict[str, torch.Tensor]:
+        """sparse2 with error feedback: the change to send, Δ + the replica's residual (by piece of the grid), and
+        the residual left after its encoding into `new` (by parameter, as `params`); the residual starts at zero.
+        Other codecs: Δ as it is."""
+        if self.feedback is None:
+            return delta
+        assert self.views is not None
+        old = state.get("residual") if state is not None else None
+        residual = ({n: t.clone() for n, t in old.items()} if old is not None
+                    else {n: torch.zeros_like(p, device="cpu") for n, p in self.runner.params.items()})
+        new["residual"] = residual
+        return feedback_step(self.feedback, delta, self.views(residual), step)
 
     def replay(self, first: int, seg: int, r: int, state: InnerState | None) -> tuple[
             float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:

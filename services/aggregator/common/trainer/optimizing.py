@@ -51,7 +51,8 @@ class Trainer(OwnRows, Outward):
         # streaming (train.fragments > 1): the grid's pieces in fragments; step s steps fragment s mod F alone
         self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
                           if self.local and cfg.train.fragments > 1 else [])
-        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(buffer_rule.travelling(self.model)))
+        self.snapshot_every = fragmenting.snapshot_period(cfg.train.fragments, bool(buffer_rule.travelling(self.model))
+                                                          or cfg.compression.replica_residual)
         self.scaler = LossScaler(cfg.precision == "fp16")
         self.step = 0  # number of global steps consumed == parameter version
         self.skipped = 0  # steps whose optimizer.step() was skipped (fp16 overflow)
