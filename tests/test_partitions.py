@@ -104,6 +104,12 @@ def partitioned(lab: netns.NetLab, tmp_path: Path, capsys, shards: int, fault: C
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason=(
+    "split brain, found by this test (2026-12-06, wt-soak): the leader cut off past cluster.dead_after is declared "
+    "dead and fenced in Redis and a new leader takes term 2, but once the link is healed the deposed leader keeps "
+    "committing steps under term 1 (steps 880-900, interleaved in metrics.jsonl with term 2's steps 101-131) "
+    "because the workers still answer its work: nothing makes it stop on losing its term. Remove this mark with "
+    "the fix (strict: an unexpected pass fails)."))
 def test_leader_host_cut_longer_than_dead_after(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     out = partitioned(lab, tmp_path, capsys, 1, lambda f: f.cut(Fault("cut", "agg", OUTAGE_S)), "the leader's host cut")
     assert "agg" in out["deposed"], "a leader cut off past cluster.dead_after was not declared dead"
