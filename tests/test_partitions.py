@@ -32,7 +32,7 @@ from tests.test_netns import Timer, poll
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
-STEPS = 900
+STEPS = 3000  # ~30 s of training: the cut lands early in the run even on a loaded machine
 OUTAGE_S = 4.0  # > cluster.dead_after (1 s): long enough to be declared dead
 SETS = (f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}", "cluster.dead_after=1.0",
         "cluster.heartbeat_interval=0.1", "cluster.workers=2", "checkpoint.every_steps=100")
