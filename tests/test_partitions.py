@@ -85,7 +85,7 @@ def partitioned(lab: netns.NetLab, tmp_path: Path, capsys, shards: int, fault: C
     with fault(faults):
         orch.during(OUTAGE_S)
     timer.mark(f"healed at step {run.step()}; deposed: {sorted(orch.deposed)}")
-    poll(lambda: orch.tick() or run.step() >= STEPS and run.procs["agg"].poll() is not None, 300,
+    poll(lambda: orch.tick() or run.step() >= STEPS and run.procs["agg"].poll() is not None, 180,
          "the run's end", run.diagnostics)
     codes = netns.wait_all(run.procs, ["agg", "coord", "w0", "w1"], 120, run.diagnostics)
     deposed_codes = {k: p.poll() for k, p in orch.deposed.items()}  # None: still running (not required to exit)
@@ -123,6 +123,11 @@ def test_leader_cut_from_redis_only(lab: netns.NetLab, tmp_path: Path, capsys) -
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason=(
+    "stall, found by this test (2026-12-06, wt-soak): shard 1 cut from the leader only for 4 s, then healed; the "
+    "run never moves again (step 104 for 5 min): no one is declared dead, the workers say hello again every 10 s "
+    "('no answer from the parameter-server shards within 10 s') and both servers admit them, but no step "
+    "completes. Remove this mark with the fix (strict: an unexpected pass fails)."))
 def test_shard_cut_from_leader_only(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     partitioned(lab, tmp_path, capsys, 2, lambda f: f.partition(Fault("partition", "agg1", OUTAGE_S, other="agg")),
                 "shard 1 cut from the leader")
