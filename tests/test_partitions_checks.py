@@ -34,3 +34,11 @@ def test_a_lost_step_and_a_line_without_term_are_found() -> None:
     out = fencing(rows, 3)
     assert "line 2 (step 3) has no term" in out["violations"]
     assert "1 steps never logged (first [2])" in out["violations"]
+
+
+def test_a_deposed_leader_committing_after_a_newer_term_started_is_found() -> None:
+    rows = [{**line(s, 1), "t": float(s)} for s in range(1, 6)] + [{**line(s, 2), "t": 10.0 + s} for s in range(3, 6)]
+    events = [{"kind": "aggregator_started", "term": 1, "t": 0.0}, {"kind": "aggregator_started", "term": 2, "t": 3.5}]
+    out = fencing(rows, 5, events)
+    assert out["violations"] == ["2 steps committed under term 1 after a newer term's leader started (steps 4..5)"]
+    assert fencing(rows, 5, events[:1])["violations"] == []  # without the takeover's time only the order is checked

@@ -2,8 +2,9 @@
 
 The leader writes one line per step with its term (services/aggregator/leader/reporting.py), appended across
 restarts. From those lines alone:
-- **fenced by term**: in file order a term never goes back. A line of term t after one of term t' > t is a deposed
-  leader committing after its successor took over: two live servers for one run.
+- **fenced by term**: in file order a term never goes back (a line of term t after one of term t' > t), and no line
+  of term t is written after a newer term's leader started (its `aggregator_started` event in events.jsonl, when
+  given): either is a deposed leader committing after its successor took over, two live servers for one run.
 - **no split result**: a step logged under two terms has the same loss in both (bitwise: the JSON float is the
   float's shortest repr); a differing loss is two histories.
 - **steps redone**: every step number logged more than once counts once per extra line.
@@ -21,10 +22,18 @@ def step_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if "loss" in r and "eval" not in r]
 
 
-def fencing(rows: list[dict[str, Any]], steps: int) -> dict[str, Any]:
-    """The checks above over metrics.jsonl's lines; `violations` lists each broken rule in words (empty: none)."""
+def fencing(rows: list[dict[str, Any]], steps: int, events: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The checks above over metrics.jsonl's lines (and events.jsonl's `aggregator_started` events, when given);
+    `violations` lists each broken rule in words (empty: none)."""
     rows = step_rows(rows)
     violations: list[str] = []
+    started = {e["term"]: e["t"] for e in events or [] if e.get("kind") == "aggregator_started"}
+    for term in sorted({r["term"] for r in rows if "term" in r}):
+        newer = [t for k, t in started.items() if k > term]
+        late = [r for r in rows if r.get("term") == term and newer and r["t"] > min(newer)]
+        if late:
+            violations.append(f"{len(late)} steps committed under term {term} after a newer term's leader started "
+                              f"(steps {late[0]['step']}..{late[-1]['step']})")
     newest = 0
     seen: dict[int, dict[int, float]] = defaultdict(dict)  # step -> term -> loss
     for i, r in enumerate(rows):

@@ -26,6 +26,7 @@ from tests.helpers import netns
 from tests.helpers.netns_checks import fencing
 from tests.helpers.netns_cluster import HostsRun
 from tests.helpers.netns_faults import Faults, role_of, schedule
+from tests.test_netns import read_jsonl
 
 PLACEMENT = {"redis": "ctl", "coord": "ctl", "agg": "agg", "agg1": "shard", "ckpt": "ckpt",
              "w0": "h0", "w1": "h1", "w2": "h2"}
@@ -93,7 +94,7 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
     reference = found.group(0) if found else None
     summary_path = run.run_dir / "summary.json"
     sha = json.loads(summary_path.read_text())["params_sha256"] if summary_path.is_file() else None
-    checks = fencing(run.metrics(), steps)
+    checks = fencing(run.metrics(), steps, read_jsonl(run.run_dir / "events.jsonl"))
     hits = [r for r in done if r["hit"]]
     return {
         "faults_asked": faults, "faults": len(hits), "faults_missed": len(done) - len(hits), "seed": seed,
