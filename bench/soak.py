@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench/soak.py: {why}; run it as root on Linux with iproute2 and iptables", file=sys.stderr)
         return 2
+    measured = C.provenance()  # the commit the soak runs, read before it starts
     lab = netns.NetLab()
     try:
         with tempfile.TemporaryDirectory(prefix="cmemi-soak-") as tmp:
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
     finally:
         lab.close()
-    result = {"bench": "soak", **C.provenance(), "machine": C.machine(),
+    result = {"bench": "soak", **measured, "machine": C.machine(),
               "command": "sudo .venv/bin/python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               **r}
     print(json.dumps({k: v for k, v in result.items() if k not in ("schedule", "machine")}, indent=1, default=C.jsonable))
