@@ -117,6 +117,11 @@ def test_leader_host_cut_longer_than_dead_after(lab: netns.NetLab, tmp_path: Pat
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason=(
+    "split brain, found by this test (2026-12-06, wt-soak): the leader cut from the Redis/coordinator host only is "
+    "declared dead (its heartbeat lapses) and a new leader starts term 2, while the deposed one, still reaching the "
+    "workers, goes on committing under term 1 (1,842 steps after term 2's leader started, steps 1159..3000): it "
+    "never learns it lost its term. Remove this mark with the fix (strict: an unexpected pass fails)."))
 def test_leader_cut_from_redis_only(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     partitioned(lab, tmp_path, capsys, 1, lambda f: f.partition(Fault("partition", "agg", OUTAGE_S, other="coord")),
                 "the leader cut from the Redis/coordinator host")
