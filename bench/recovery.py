@@ -14,6 +14,10 @@
    kill -> the first step of the restarted group; steps redone likewise. Run with and without
    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13's c10d rendezvous often fails to re-form without it).
 
+4. The step log (`--parts steplog`, bench/recovery_log.py): leader SIGKILLs at K = 1 and 2 and shard SIGKILLs at
+   K = 2, each run with and without `checkpoint.step_log` on the same config: steps redone, seconds from the kill
+   to the next new step, and the step-time overhead of the log.
+
     .venv/bin/python bench/recovery.py [--quick] [--worker-kills N] [--aggregator-kills M] [--torchrun-kills K]
 
 Prints one JSON object.
@@ -32,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
+from bench import recovery_log  # noqa: E402
 from bench.models import WORKLOADS  # noqa: E402
 
 WL = "small"
@@ -285,6 +290,9 @@ def main() -> None:
         if "aggregator" in parts:
             C.log(f"CMEMI: {ak} aggregator kills")
             result["cmemi_aggregator_kills"] = aggregator_kills(work, ak, args.checkpoint_every)
+        if "steplog" in parts:
+            C.log(f"CMEMI: step log rows, checkpoint every {args.checkpoint_every}")
+            result["cmemi_step_log"] = recovery_log.rows(work, args.checkpoint_every, 2 if args.quick else 3)
         if "torchrun" in parts:
             result["torchrun"] = {}
             for share in (True, False):
@@ -300,6 +308,12 @@ def main() -> None:
             a = result["cmemi_aggregator_kills"]
             summary["cmemi_aggregator_recovery_s_median"] = a["recovery_s_median"]
             summary["cmemi_aggregator_steps_redone_median"] = a["steps_redone_median"]
+        for key, r in result.get("cmemi_step_log", {}).items():
+            summary[f"step_log[{key}]_steps_redone_with_without"] = [r["with_log"]["steps_redone"],
+                                                                       r["without_log"]["steps_redone"]]
+            summary[f"step_log[{key}]_kill_to_next_new_step_s_with_without"] = [
+                r["with_log"]["kill_to_next_new_step_s_median"], r["without_log"]["kill_to_next_new_step_s_median"]]
+            summary[f"step_log[{key}]_step_time_overhead"] = r["step_time_overhead"]
         for key, t in result.get("torchrun", {}).items():
             summary[f"torchrun[{key}]_recovery_s_median"] = t["recovery_s_median"]
             summary[f"torchrun[{key}]_recovered"] = f"{t['recovered']}/{t['kills_attempted']}"

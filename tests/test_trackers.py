@@ -85,12 +85,37 @@ def test_every_call_is_made_on_the_trackers_own_thread_in_order(tmp_path: Path) 
     w = writer(rec, tmp_path)
     for step in (1, 2, 3):
         w.put("scalars", step, {"loss": 1.0 / step}, time.time())
-    w.put("event", 3, "died", "{}", 1)
+    w.put("event", 3, "died", "{}", 1, "1700000000000-0")
     assert w.finish(time.monotonic() + 30) and w.dropped == 0 and w.failed is None
     assert rec.calls == [("open", {"train.steps": 3}), ("scalars", 1, {"loss": 1.0}), ("scalars", 2, {"loss": 0.5}),
                          ("scalars", 3, {"loss": 1 / 3}), ("event", 3, "died", 1), ("close",)]
     assert rec.threads == {"tracker-rec"}
     assert w.where == "recorded"
+
+
+def test_a_restarted_leaders_tracker_skips_what_it_wrote_before_and_writes_the_rest(tmp_path: Path) -> None:
+    """A successor's writer on the same run directory is handed everything again (hub.py's replay, events from the
+    stream's start): it writes only what its tracker had not written (written.py), each line and event once."""
+    first = Recording()
+    first.name = "rec"
+    w = writer(first, tmp_path)
+    for step in (1, 2):
+        w.put("scalars", step, {"loss": 1.0 / step}, time.time())
+    w.put("scalars", 2, {"eval/accuracy": 0.5}, time.time())
+    w.put("event", 2, "died", "{}", 1, "1700000000000-0")
+    assert w.finish(time.monotonic() + 30)
+    again = Recording()
+    again.name = "rec"
+    w = writer(again, tmp_path)
+    for step in (1, 2, 3):
+        w.put("scalars", step, {"loss": 1.0 / step}, time.time())
+    w.put("scalars", 2, {"eval/accuracy": 0.5}, time.time())
+    w.put("scalars", 3, {"eval/accuracy": 0.75}, time.time())
+    w.put("event", 2, "died", "{}", 1, "1700000000000-0")
+    w.put("event", 3, "restarted", "{}", 1, "1700000000000-1")
+    assert w.finish(time.monotonic() + 30)
+    assert again.calls[1:] == [("scalars", 3, {"loss": 1 / 3}), ("scalars", 3, {"eval/accuracy": 0.75}),
+                               ("event", 3, "restarted", 1), ("close",)]
 
 
 def test_a_blocking_tracker_never_blocks_the_caller_and_is_abandoned(tmp_path: Path) -> None:

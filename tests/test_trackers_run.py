@@ -1,6 +1,7 @@
 """Experiment trackers in a real run (`cmemi up`, real processes, a real redis-server): TensorBoard, MLflow and W&B
 at once, each read back with the tool's own reader — the steps' scalars equal to metrics.jsonl's, the evaluations,
-the config as hyperparameters, and a SIGKILLed worker's death and replacement among the events. And a tracker that
+the config as hyperparameters, and a SIGKILLed worker's death and replacement among the events; the leader SIGKILLed
+too, and its successor's trackers carry on the same runs (one MLflow run, one W&B run id), each event once. And a tracker that
 blocks forever beside one that raises: the run completes with the same params_sha256 and its checkpoints."""
 
 from __future__ import annotations
@@ -75,18 +76,23 @@ def mlflow_runs(uri: str, run_name: str) -> dict[str, Any]:
             "events": [json.loads(Path(client.download_artifacts(rid, a)).read_text()) for a in artifacts]}
 
 
-def wandb_read(run_dir: str) -> dict[str, Any]:
-    """The offline run's .wandb transaction log, read by W&B's own reader (`wandb leet inspect --json`)."""
-    (log,) = Path(run_dir).glob("run-*.wandb")
-    out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(log)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    history = [r["history"]["item"] for r in records if r["type"] == "history"]
-    (config,) = [r["run"]["config"]["update"] for r in records if r["type"] == "run"]
+def wandb_read(wandb_dir: Path) -> dict[str, Any]:
+    """Every offline run directory's .wandb transaction log, read by W&B's own reader (`wandb leet inspect --json`):
+    a restarted leader resumes the same run id in a directory of its own (`wandb sync` merges them), so all must
+    hold one run id, and their histories together are the run's."""
+    logs = sorted(log for log in wandb_dir.glob("offline-run-*/run-*.wandb"))  # not `latest-run`, a link to one
+    assert logs and len({log.name for log in logs}) == 1, logs  # one run id, resumed
+    history, configs = [], []
+    for log in logs:
+        out = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(log)],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        history += [r["history"]["item"] for r in records if r["type"] == "history"]
+        configs += [r["run"]["config"]["update"] for r in records if r["type"] == "run"]
     return {"loss": {h["_step"]: h["loss"] for h in history if "loss" in h},
             "eval": [h["eval/step"] for h in history if "eval/accuracy" in h],
-            "steps_param": config["train.steps"],
+            "steps_param": configs[0]["train.steps"],
             "events": [json.loads(line) for h in history if "event" in h for line in h["event"].splitlines()]}
 
 
@@ -95,6 +101,8 @@ def test_three_trackers_read_back_with_their_own_readers(tmp_path: Path, offline
     try:
         c.wait_step(STEPS // 4)
         c.replaced("worker", "w0", c.signal("worker", "w0"))
+        c.wait_step(STEPS // 2)
+        c.replaced("aggregator", "0", c.signal("aggregator", "0"))  # its successor's trackers carry on the same runs
     finally:
         rc = c.wait()
     assert rc == 0, c.output()
@@ -111,7 +119,7 @@ def test_three_trackers_read_back_with_their_own_readers(tmp_path: Path, offline
     assert evals == [100, 200, 300]  # the final one is in summary.json, and in the trackers at the last step
     read = {"tensorboard": tensorboard_read(s["trackers"]["tensorboard"]),
             "mlflow": mlflow_read(s["trackers"]["mlflow"], c.run),
-            "wandb": wandb_read(s["trackers"]["wandb"])}
+            "wandb": wandb_read(run_dir / "wandb")}
     for name, got in read.items():
         assert sorted(got["loss"]) == sorted(losses), name
         # MLflow and W&B keep the double; TensorBoard's scalars are float32
@@ -123,8 +131,8 @@ def test_three_trackers_read_back_with_their_own_readers(tmp_path: Path, offline
         for kind in ("coordinator_started", "worker_admitted", "checkpoint_saved", "fault_injected", "died",
                      "fenced", "restarted"):
             assert kind in kinds, (name, kind, sorted(set(kinds)))
-        died = next(e for e in got["events"] if e["kind"] == "died")
-        assert died["role"] == "worker" and died["id"] == "w0", died
+        died = [(e["role"], e["id"]) for e in got["events"] if e["kind"] == "died"]
+        assert died == [("worker", "w0"), ("aggregator", "0")], (name, died)  # each event once, across leaders
 
 
 def test_a_blocking_and_a_raising_tracker_change_no_result_and_lose_no_checkpoint(tmp_path: Path) -> None:

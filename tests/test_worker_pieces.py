@@ -321,3 +321,12 @@ def test_a_worker_asks_again_after_pending_for_work_lost_and_computes_the_work_t
     grad = leader.recv()
     assert grad is not None and grad.type == "grad"
     assert (grad.header["version"], grad.header["step"], grad.header["finite"]) == (0, 0, True)
+
+
+def test_a_loss_given_a_model_output_object_is_told_to_read_its_logits():
+    from cmemi.services.worker.compute.microbatch import output_hint
+
+    hint = output_hint(SimpleNamespace(logits=torch.zeros(2, 3)))
+    assert ".logits" in hint and "SimpleNamespace" in hint
+    assert output_hint(torch.zeros(2, 3)) == ""
+    assert output_hint((torch.zeros(1),)) == ""

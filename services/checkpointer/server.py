@@ -8,23 +8,26 @@ per aggregator sending at once."""
 
 from __future__ import annotations
 
-import errno
 import json
-import shutil
+import threading
 import time
-from pathlib import Path
+from typing import Any
 
 import redis
 import zmq
 from cmemi.services.checkpointer import restore, spool
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
+from cmemi.services.checkpointer.diskfull import DiskFull
 from cmemi.services.checkpointer.drops import Drops
-from cmemi.services.checkpointer.errors import DISK_FULL
+from cmemi.services.checkpointer.logserver import LogServer
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
+from cmemi.services.checkpointer.steplog import StepLog
 from cmemi.services.checkpointer.store import CheckpointStore
 from cmemi.shared.coordination.membership import Member
+from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime import atomic, metrics, startup
+from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
@@ -38,6 +41,7 @@ class Checkpointer:
             self.log.info("removed leftovers of interrupted writes", leftovers=removed)
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
+        set_link_options(self.sock, self.cfg.cluster)  # a dead link noticed in seconds (shared/runtime/links.py)
         ctx.curve.serve(self.zctx, self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
         # a sender's next message waits on its side while one is being read; with ZAP (Curve on) libzmq keeps one
@@ -57,6 +61,13 @@ class Checkpointer:
         self.restored_terms: set[tuple[int, int, object]] = set()
         self.merger = Merger(spool.discard)  # a sharded run's slices of a step, until all K are in (merge.py)
         self.latest: int | None = None
+        self.disk = DiskFull(ctx, self.store, lambda: self.latest)
+        self.latest_on_disk()
+        # the step log, from the newest checkpoint on disk (a restart loses what was held: the servers checkpoint at
+        # once), served on its own socket and thread (logserver.py): a checkpoint's write never delays a step
+        self.steplog, self.steplog_lock = StepLog(self.latest or 0, self.cfg.checkpoint.step_log_memory_mb << 20,
+                                                  self._spool_file), threading.Lock()
+        self.logserver = LogServer(ctx, self.zctx, self.steplog, self.steplog_lock).start()
         self._advertise()
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "checkpointer", "0")
@@ -72,9 +83,16 @@ class Checkpointer:
         except redis.RedisError as exc:
             self.log.warning("cannot move the latest pointer yet", step=self.latest, error=str(exc))
 
+    @property
+    def record(self) -> dict[Any, Any]:
+        """Where the servers find this checkpointer: its address, incarnation and step log's address."""
+        return {"addr": self.addr, "incarnation": self.member.incarnation, "log": self.logserver.addr}
+
     def _advertise(self) -> None:
-        self.ctx.redis.hset(self.ctx.keys.checkpointer, mapping={"addr": self.addr,
-                                                                 "incarnation": self.member.incarnation})
+        self.ctx.redis.hset(self.ctx.keys.checkpointer, mapping=self.record)
+        self._sync_pointer()
+
+    def latest_on_disk(self) -> None:
         if self.latest is None:  # rebuilt from the manifests on disk: the newest checkpoint that verifies
             for info in reversed(self.store.list()):
                 problem = self.store.verify(info.path)
@@ -82,37 +100,45 @@ class Checkpointer:
                     self.latest = info.step
                     break
                 self._damaged(info.step, problem)
-        self._sync_pointer()
 
     def _damaged(self, step: int, problem: str) -> None:
         self.log.error("checkpoint damaged, falling back to an older one", step=step, problem=problem)
         self.ctx.emit("checkpoint_damaged", step=step, problem=problem)
 
+    def _housekeeping(self, r: redis.Redis) -> str | None:
+        """Once a second, off the loop (a Watch's thread: the step log's acknowledgements never wait on Redis):
+        re-advertise if Redis lost its data, move the pointer; returns the run's state."""
+        if not r.exists(self.ctx.keys.checkpointer):
+            r.hset(self.ctx.keys.checkpointer, mapping=self.record)
+        self._sync_pointer()
+        return self.ctx.run_state()
+
     def run(self) -> None:
         next_check = 0.0
-        while not self.ctx.stopping.is_set():
-            if self.sock.poll(100):
-                self._receive()
-            if time.monotonic() > next_check:  # Redis may have lost its data: re-advertise
-                next_check = time.monotonic() + 1.0
-                try:
-                    if not self.ctx.redis.exists(self.ctx.keys.checkpointer):
-                        self._advertise()
-                    self._sync_pointer()
-                except redis.RedisError:
-                    pass
-                self.drops.publish()
-                if self.ctx.run_state() == "completed":  # the final checkpoint is on disk: nothing left to do
-                    self.log.info("run completed; exiting")
-                    return
+        watch = Watch(self.ctx.redis, 1.0, self._housekeeping, "checkpointer-housekeeping").start()
+        try:
+            while not self.ctx.stopping.is_set():
+                if self.sock.poll(100):
+                    self._receive()
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + 1.0
+                    self.drops.publish()
+                    if (seen := watch.take()) is not None and seen[0] == "completed":  # the final checkpoint is on disk
+                        self.log.info("run completed; exiting")
+                        return
+        finally:
+            watch.stop()
 
     def _spool(self, of: dict, metas: list[dict]) -> Spool:
         """The sink of a message with tensors (assembly.Assembler): only a snapshot has any."""
         if of["type"] != "snapshot":
             raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
+        return self._spool_file(of, metas)
+
+    def _spool_file(self, of: dict, metas: list[dict]) -> Spool:
         step, shard = of["step"], of["shard"]
         total = sum(m["nbytes"] for m in metas)
-        return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self._full(step, exc, total, attempt))
+        return Spool(self.store.root, step, shard, metas, lambda exc, attempt: self.disk.full(step, exc, total, attempt))
 
     def _receive(self) -> None:
         """One ZeroMQ message, read a frame at a time."""
@@ -190,15 +216,17 @@ class Checkpointer:
 
     def _save(self, senders: list[bytes], step: int, final: bool, meta: dict, tensors: dict[str, Spooled]) -> None:
         t0 = time.monotonic()
-        path = self._write(step, meta, tensors)
+        path = self.disk.write(step, meta, tensors)
         write_s = time.monotonic() - t0
         metrics.CHECKPOINT_SECONDS.observe(write_s)
         if final:
             try:
                 atomic.copy_file(path / "model.safetensors", self.ctx.run_dir / "model.safetensors")
             except OSError as exc:
-                self._disk_full(step, exc, path.stat().st_size if path.exists() else 0)
+                self.disk.stop(step, exc, path.stat().st_size if path.exists() else 0)
         self.latest = step
+        with self.steplog_lock:
+            self.steplog.covered(step)
         self._sync_pointer()
         removed = self.store.retain(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every, protect=step)
         size = sum(f.stat().st_size for f in path.iterdir())
@@ -208,35 +236,6 @@ class Checkpointer:
         self.drops.publish()  # before the ack: the final summary reads them right after it
         for identity in senders:
             self._reply(identity, "saved", {"step": step, "path": str(path)})
-
-    def _write(self, step: int, meta: dict, tensors: dict[str, Spooled]) -> Path:
-        """Write a checkpoint (a failed write leaves nothing behind); on a full disk apply retention as if it were
-        written, then try once more."""
-        for attempt in (1, 2):
-            try:
-                return self.store.write(step, meta, tensors)
-            except OSError as exc:
-                if exc.errno not in spool.FULL:
-                    raise
-                self._full(step, exc, sum(t.nbytes for t in tensors.values()), attempt)
-        raise AssertionError("not reached: _disk_full exits")
-
-    def _full(self, step: int, exc: OSError, need: int, attempt: int) -> None:
-        """The disk filled up writing step `step`: make room once (retention, as if it were written), then stop."""
-        if attempt == 2:
-            self._disk_full(step, exc, need)
-        removed = self.store.retain(max(1, self.cfg.checkpoint.keep_last - 1),
-                                    self.cfg.checkpoint.keep_every, protect=self.latest)
-        self.log.warning("disk full; applied retention before writing", step=step, removed=removed)
-
-    def _disk_full(self, step: int, exc: OSError, need: int) -> None:
-        """One clear line and a clean stop; the run resumes from the last checkpoint once there is room."""
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise exc
-        free = shutil.disk_usage(self.store.root).free
-        self.ctx.fatal(f"{DISK_FULL} writing checkpoint of step {step} to {self.store.root}: need "
-                       f"{need / 1e6:.1f} MB, {free / 1e6:.1f} free; free some space, then continue with "
-                       "`cmemi up --resume`")
 
     def _latest_step(self) -> int | None:
         try:
@@ -271,12 +270,17 @@ class Checkpointer:
             self._damaged(info.step, problem)
         self._reply(identity, "no_checkpoint", {"term": msg.header["term"]})
 
-    def _reply(self, identity: bytes, mtype: str, fields: dict) -> None:
-        """A reply without tensors (the restore is sent by restore.py)."""
-        transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap()),
-                      identity)
+    def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
+        """A reply (with tensors: a step log entry, for a replay; the restore is sent by restore.py)."""
+        try:
+            transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
+                                                       tensors, self.cfg.cluster.checksum), identity)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"checkpointer: {exc}")
 
     def close(self) -> None:
+        self.logserver.close()
+        self.steplog.clear()
         self.parts.close()  # and the spool files of what did not come whole
         self.merger.clear()
         self.member.stop()

@@ -9,7 +9,7 @@ model has it, the file does not: a name tied to one the file has, as GPT-2's `lm
 unexpected (the file has it, the model does not), wrong shape. Under `model.init_strict: false`
 what matches is loaded and the rest keeps the factory's values (a new head for another class count).
 
-Only the parameter servers load it (services/aggregator/common/trainer.py): the initial weights are one canonical
+Only the parameter servers load it (services/aggregator/common/trainer/): the initial weights are one canonical
 copy, sent to the workers with the first parameters, and `cmemi reference` loads it the same way.
 """
 

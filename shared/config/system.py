@@ -125,8 +125,17 @@ class CheckpointConfig:
     """How many of the newest checkpoints to keep."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (milestones); 0 for none."""
+    step_log: bool = True
+    """Ship each step's reduced gradient and decisions to the checkpointer before it commits, so a restarted
+    aggregator replays the steps since the last checkpoint instead of redoing them (docs/design.md §11); false: a
+    server's death goes back to the last checkpoint and the workers redo the steps since."""
+    step_log_memory_mb: int = 256
+    """The checkpointer holds the step log in memory up to this many MiB; past it, entries are spooled to disk."""
 
     def __post_init__(self) -> None:
+        if self.step_log_memory_mb < 0:
+            fail("checkpoint.step_log_memory_mb", self.step_log_memory_mb, "must be >= 0",
+                 "use e.g. 256 (0: every entry spooled to disk)")
         if self.every_steps < 0:
             fail("checkpoint.every_steps", self.every_steps, "must be >= 0", "use 0 for final-only")
         if self.keep_last < 1:

@@ -206,6 +206,43 @@ class NoCheckpoint(TypedDict):
     term: int
 
 
+# ---------------------------------------------------------------- a server <-> the checkpointer: the step log
+class StepLog(TypedDict):
+    """A committed step's inputs (services/checkpointer/steplog.py): its reduced gradient slice (`g.` tensors, none if
+    skipped) and buffer sum (`b.`), the decisions that are not a function of the step and the checkpoint."""
+    step: int  # the step these inputs make (the server's step after applying them)
+    term: int
+    shard: Annotated[int, Default(0)]
+    skip: bool  # an fp16 overflow: optimizer.step() skipped, the loss scale backs off
+    loss: float
+    partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
+    evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
+    tensors: list[Any]
+
+
+class Logged(TypedDict):  # the entry of `step` is held: the step may commit
+    step: int
+
+
+class LogGap(TypedDict):  # not held: the log has no run from its checkpoint to it (a restart); checkpoint now
+    step: int
+    base: int
+
+
+class LogReq(TypedDict):  # a restarted server, after restoring step `after`: the entry of step after + 1
+    term: int
+    after: int
+    shard: Annotated[int, Default(0)]
+
+
+class LogEntry(StepLog):  # the answer to a log_req (its `term` is the requester's)
+    pass
+
+
+class LogEnd(TypedDict):  # no entry after `after`: the replay is over
+    after: int
+
+
 # ---------------------------------------------------------------- shard k > 0 <-> shard 0 (the leader)
 class ShardMember(TypedDict):
     shard: int
@@ -295,5 +332,6 @@ KINDS: dict[str, type] = {
     "restore": Restore, "no_checkpoint": NoCheckpoint, "pull": Pull, "slice": Slice,
     "shard_join": ShardJoin, "shard_have": ShardHave, "shard_ready": ShardReady, "shard_commit": ShardCommit,
     "shard_welcome": ShardWelcome, "shard_fence": ShardFence, "shard_eval": ShardEval, "shard_final": ShardFinal,
-    "part": Part,
+    "part": Part, "step_log": StepLog, "logged": Logged, "log_gap": LogGap, "log_req": LogReq,
+    "log_entry": LogEntry, "log_end": LogEnd,
 }

@@ -48,11 +48,14 @@ def until(condition: Callable[[], Any], timeout: float, what: str, step: Callabl
 class PlayedCheckpointer:
     """A checkpointer's ROUTER, advertised in Redis: `restore_req` is answered `no_checkpoint` (or the restore
     `restore` returns), each snapshot with the next of `answers` ("retry", "saved", "skipped"; "saved" once they
-    run out). `snapshots` lists the steps of the snapshots received, whole, in order (a resend counts again)."""
+    run out). `snapshots` lists the steps of the snapshots received, whole, in order (a resend counts again). The
+    step log (checkpoint.step_log): each entry is held and acknowledged (`logged`: its steps, in order), and a
+    replay's `log_req` is answered `log_end` (it holds no log from before the test)."""
 
     def __init__(self, ctx: ServiceContext, answers: list[str] | None = None) -> None:
         self.ctx, self.answers = ctx, list(answers or [])
         self.snapshots: list[int] = []
+        self.logged: list[int] = []
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -61,7 +64,7 @@ class PlayedCheckpointer:
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum, peers=4)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="played-checkpointer", daemon=True)
-        ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": self.addr, "incarnation": "1"})
+        ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": self.addr, "incarnation": "1", "log": self.addr})
         self._thread.start()
 
     def _serve(self) -> None:
@@ -74,6 +77,11 @@ class PlayedCheckpointer:
                 continue
             if msg.type == "restore_req":
                 self._reply(identity.bytes, "no_checkpoint", {"term": msg.header["term"]})
+            elif msg.type == "step_log":
+                self.logged.append(msg.header["step"])
+                self._reply(identity.bytes, "logged", {"step": msg.header["step"]})
+            elif msg.type == "log_req":
+                self._reply(identity.bytes, "log_end", {"after": msg.header["after"]})
             elif msg.type == "snapshot":
                 step = msg.header["step"]
                 self.snapshots.append(step)

@@ -5,7 +5,7 @@
 - `gradients.py`: a gradient (or a shard's slice) decoded by the run's codec, its tensors checked before allocation.
 - `misfits.py`: gradients an admitted worker sent that this server cannot take, counted per worker.
 - `collector.py`: leases and the ordered summation of one global step's M microbatch gradients (no sockets).
-- `trainer.py`: the aggregator's model, optimizer and LR scheduler: one step of each per global step.
+- `trainer/`: the aggregator's model, optimizer and LR scheduler: one step of each per global step (`Trainer`).
 - `userstep.py`: the user's optimizer and scheduler step; if it raises, one fatal error that names the step.
 - `replicas.py`: the replicas' inner optimizer states (`train.local_steps`, DiLoCo), kept between rounds.
 - `publish.py`: the parameters sent out: one copy and one wire encoding per parameter version.

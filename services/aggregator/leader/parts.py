@@ -33,6 +33,8 @@ from cmemi.services.aggregator.leader.roster import ShardRoster
 from cmemi.services.aggregator.leader.shard_slices import ShardSlices
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.services.aggregator.steplog.link import StepLogLink
+from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
@@ -82,6 +84,7 @@ class LeaderParts:
     restored_step: int = -1  # the step restored, which shards k > 0 restore exactly; -1: none (a fresh run)
     holdings: Holdings | None = None  # local steps: the (replica, round) inner states each worker holds
     advertised: Watch[int] | None = None  # is this leader still advertised (Redis may restart empty)?
+    steplog: StepLogLink | None = None  # checkpoint.step_log: each step's inputs held by the checkpointer
     leasing: Leasing = field(init=False)
     told_stop: set[bytes] = field(default_factory=set)  # workers told that the run is over
     waiting: list[tuple[bytes, protocol.Message]] = field(default_factory=list)  # hellos before every shard joined
@@ -166,6 +169,11 @@ def build(ctx: ServiceContext) -> LeaderParts:
                     roster, intake, totals, ckpt, layout, publisher, slots, reporter,
                     EvalSchedule(ctx, cfg, eval_fn, reporter.eval))
     p.slices = ShardSlices(roster) if roster is not None else None
+    if cfg.checkpoint.step_log and not trainer.sharded and trainer.inner is None:
+        p.steplog = StepLogLink(ctx, zctx, term)
+    elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
+        ctx.log.info("step log not built yet for cluster.shards > 1 or train.local_steps: a server's death goes back "
+                     "to the last checkpoint")
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()
@@ -183,14 +191,16 @@ def build(ctx: ServiceContext) -> LeaderParts:
 
 
 def _restore(p: LeaderParts) -> None:
-    """The newest checkpoint, if any: the run goes on from it, and `restored_step` says which it was."""
+    """The newest checkpoint, if any: the run goes on from it, and `restored_step` says which it was; then, with the
+    step log, the steps after it (none on a fresh run): optimizer steps only (steplog/replay.py)."""
     restored = p.ckpt.fetch_latest(timeout=120, trainer=p.trainer)
     startup.mark("checkpoint_asked")
-    if restored is None:
-        return
-    try:
-        snapshots.restore(p.trainer, p.totals, p.fp, p.evals.bg, restored.header["meta"], restored.tensors)
-    except snapshots.NOT_RESTORABLE as exc:
-        p.ctx.fatal(f"cannot restore checkpoint of step {restored.header['step']}: {exc}")
-    p.ctx.log.info("restored from checkpoint", step=p.trainer.step)
-    p.restored_step = p.trainer.step
+    if restored is not None:
+        try:
+            snapshots.restore(p.trainer, p.totals, p.fp, p.evals.bg, restored.header["meta"], restored.tensors)
+        except snapshots.NOT_RESTORABLE as exc:
+            p.ctx.fatal(f"cannot restore checkpoint of step {restored.header['step']}: {exc}")
+        p.ctx.log.info("restored from checkpoint", step=p.trainer.step)
+        p.restored_step = p.trainer.step
+    if p.steplog is not None:
+        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg)

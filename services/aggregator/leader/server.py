@@ -239,6 +239,8 @@ class Aggregator:
             p.advertised.stop()
         p.reporter.close()
         p.ckpt.close()
+        if p.steplog is not None:
+            p.steplog.close()
         if p.member is not None:
             p.member.stop()
         p.sock.close(linger=500)

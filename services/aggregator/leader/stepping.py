@@ -10,6 +10,9 @@
 - Which steps are checkpointed (checkpoint.every_steps; sharded, the leader picks the same steps for every
   shard), early stopping (services/aggregator/leader/eval_schedule.py), and what a step leaves for after its
   parameters went out: the metrics line, the snapshot, progress.
+- With checkpoint.step_log, a step's inputs go to the checkpointer before its optimizer step, and the step commits
+  (its parameters go out, its metrics line is written) only once the checkpointer holds them
+  (services/aggregator/steplog/).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.snapshots import contents as snapshots
+from cmemi.services.aggregator.steplog.evals import EvalLog
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
 
@@ -44,6 +48,9 @@ class Stepper:
         self.drop, self.serve_parked = parts.drops, serve_parked
         self.total = self.cfg.train.rounds
         self.ending = Ending.LAST_STEP if self.trainer.step >= self.total else Ending.TRAINING
+        if self.evals.stopped and self.p.steplog is not None:  # the step log replayed up to an early stop
+            self.ending = Ending.STOPPED_EARLY
+        self.evallog = EvalLog(self.evals.bg)  # the evaluations the step log holds (steplog/evals.py)
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
         self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
@@ -76,8 +83,14 @@ class Stepper:
             self.p.leasing.new_step(collector.step, strict=True)
             self.serve_parked()
             return
+        buffer_sum = collector.buffer_sum()
+        if self.p.steplog is not None:  # its inputs go out while the optimizer steps; it commits on the ack
+            self.p.steplog.ship(self.trainer.step + 1, grads, buffer_sum, partials, loss,
+                                copy=not self.trainer.reads_grads_only, evals=self.evallog.to_ship())
         with users_step(self.ctx.fatal, self.trainer.step + 1):
-            self.trainer.apply(grads, collector.buffer_sum(), partials=partials)
+            self.trainer.apply(grads, buffer_sum, partials=partials)
+        if self.p.steplog is not None and self.p.steplog.confirm(self._checkpoint_now):
+            snapshot = False  # (written just now)
         step = self.trainer.step
         dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.p.live_workers,
                                                    self.trainer.scaler, grads is None)
@@ -135,6 +148,12 @@ class Stepper:
         if self.reporter.progress_due(force=self.done):
             self.reporter.publish(step, loss, self.trainer.lr, nbytes / dt if dt > 0 else 0.0, self.p.live_workers,
                                   self.done)
+
+    def _checkpoint_now(self, step: int) -> None:
+        """The step log holds nothing since the last checkpoint (the checkpointer restarted): the state after `step`
+        is made durable now, before the step commits (steplog/link.py)."""
+        self.ckpt.save_final(self.snapshot(), final=False)
+        self.ctx.emit("checkpoint_forced", step=step, reason="step log lost with a checkpointer restart")
 
     def snapshot(self) -> snapshots.Snapshot:
         evaluating = self.evals.settle(self.trainer.step)

@@ -216,10 +216,11 @@ class CheckpointerLink:
     def close(self) -> None:
         self.where.stop()
 
-    def save_final(self, snap: Snapshot, timeout: float = 300) -> str:
-        """Send the final snapshot (after any still queued) and wait until it is written; returns its path."""
+    def save_final(self, snap: Snapshot, timeout: float = 300, final: bool = True) -> str:
+        """Send the final snapshot (after any still queued) and wait until it is written; returns its path.
+        `final=False`: a checkpoint wanted now, mid-run (the step log lost with a checkpointer restart)."""
         step = snap[0]
-        self.queued.append(self._outgoing(snap, True))
+        self.queued.append(self._outgoing(snap, final))
         deadline = time.monotonic() + timeout
         while step not in self.saved_path:
             if time.monotonic() > deadline:

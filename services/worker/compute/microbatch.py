@@ -28,6 +28,15 @@ class UserCodeError(UserError, RuntimeError):
         self.phase, self.cause = phase, cause
 
 
+def output_hint(out: Any) -> str:
+    """What to change when the loss got a model output that is not a tensor but holds one: a `transformers`
+    model returns a ModelOutput whose `.logits` the loss must read (examples/hf_lm.py's loss does)."""
+    if isinstance(out, torch.Tensor) or not hasattr(out, "logits"):
+        return ""
+    return (f" (the model returned a {type(out).__name__}, not a tensor: write a train.loss that reads its .logits, "
+            "as examples/hf_lm.py:loss does)")
+
+
 def _nothing() -> None:
     pass
 
@@ -133,7 +142,8 @@ class MicrobatchRunner:
             try:
                 loss = self.loss_fn(out, y)
             except Exception as exc:
-                raise UserCodeError(f"loss {cfg.train.loss} on microbatch {m} of step {step}", exc) from exc
+                raise UserCodeError(f"loss {cfg.train.loss} on microbatch {m} of step {step}{output_hint(out)}",
+                                    exc) from exc
         M = cfg.train.microbatches
         try:
             if cfg.precision == "fp16":

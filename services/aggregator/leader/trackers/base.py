@@ -7,10 +7,12 @@ or raise: the writer drops what does not fit its queue, disables one that raises
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 from cmemi.shared.config.schema import Config
+from cmemi.shared.runtime import atomic
 
 
 class Tracker:
@@ -38,6 +40,27 @@ class Tracker:
 
     def close(self) -> None:
         """Finish the tracker's run (everything written)."""
+
+
+def state_file(run_dir: Path, name: str) -> Path:
+    """RUN_DIR/trackers/NAME.json: what a restarted leader's trackers carry on from — each tracker's run id (its
+    `open` keeps it, under the tracker's name), and the events already handed to the trackers (hub.py keeps the
+    stream cursor and counts, under `events`). One file per writer, so no two processes ever write one file."""
+    return run_dir / "trackers" / f"{name}.json"
+
+
+def read_state(run_dir: Path, name: str) -> dict[str, Any]:
+    try:
+        state = json.loads(state_file(run_dir, name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def keep_state(run_dir: Path, name: str, state: dict[str, Any]) -> None:
+    """The state file replaced atomically: the old one or the new one, never half."""
+    state_file(run_dir, name).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(state_file(run_dir, name), json.dumps(state, sort_keys=True))
 
 
 def hyperparameters(cfg: Config) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import select
 import subprocess
@@ -47,10 +48,17 @@ class Trackers:
         self.queue: queue.Queue[list[Any]] = queue.Queue(cfg.metrics.logger_queue)
         self.dropped = 0  # records the process could not take in time (every tracker misses them)
         self.step = 0  # the newest step logged: events are logged at it
+        # every event of the run, from the stream's start: a restarted leader's trackers carry on the same runs
+        # (each keeps its run id in RUN_DIR/trackers/: base.state_file) and skip the events they wrote before
+        # (written.py, by stream id), so each event is written once whichever leader handed it over
         self.counts: Counter[str] = Counter()  # events so far, by kind
-        self.cursor = "0-0"  # every event of the run: a restarted leader's trackers start a run of their own, whole
-        self.proc = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+        self.cursor = "0-0"
+        metrics = ctx.run_dir / "metrics.jsonl"
+        # a restarted (or resumed) leader: the lines written before it, handed to the trackers again (written.py
+        # skips, per tracker, what it wrote already); read on the feeder thread, up to where the file ends now
+        self.replay = (metrics, metrics.stat().st_size) if metrics.exists() else None
+        self.proc = subprocess.Popen([sys.executable, "-m", CHILD, str(os.getpid())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
         first = {"config": dataclasses.asdict(cfg), "run_dir": str(ctx.run_dir), "params": hyperparameters(cfg)}
         self._feeder = threading.Thread(target=self._feed, args=(json.dumps(first),), name="tracker-feed", daemon=True)
         self._feeder.start()
@@ -77,6 +85,8 @@ class Trackers:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(first + "\n")
+            for record in self._replayed():
+                self.proc.stdin.write(json.dumps(record) + "\n")
             while True:
                 record = self.queue.get()
                 self.proc.stdin.write(json.dumps(record) + "\n")
@@ -87,6 +97,25 @@ class Trackers:
             self.proc.stdin.close()
         except (BrokenPipeError, OSError, ValueError):
             pass  # the process died: what follows is dropped; close() reports it
+
+    def _replayed(self) -> list[list[Any]]:
+        """The lines a previous leader logged, each (step, evaluation or not) once."""
+        if self.replay is None:
+            return []
+        path, size = self.replay
+        with path.open("rb") as f:
+            text = f.read(size).decode(errors="replace")
+        seen, out = set(), []
+        for raw in text.splitlines():
+            try:
+                line = json.loads(raw)
+                key = (int(line["step"]), "eval" in line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the death
+            if key not in seen:
+                seen.add(key)
+                out.append(["scalars", key[0], scalars_of(line), float(line.get("t", 0.0))])
+        return out
 
     def _tail(self) -> None:
         with self._lock:
@@ -100,7 +129,7 @@ class Trackers:
                 if kind in SKIPPED_EVENTS:
                     continue
                 self.counts[kind] += 1
-                self._put(["event", self.step, kind, json.dumps(event, sort_keys=True), self.counts[kind]])
+                self._put(["event", self.step, kind, json.dumps(event, sort_keys=True), self.counts[kind], entry_id])
 
     def _tail_events(self) -> None:
         while not self._stop.is_set():

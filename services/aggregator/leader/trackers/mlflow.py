@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cmemi.services.aggregator.leader.trackers.base import Tracker
+from cmemi.services.aggregator.leader.trackers.base import Tracker, keep_state, read_state
 from cmemi.shared.config.schema import Config
 
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
@@ -38,13 +38,31 @@ class MLflow(Tracker):
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
             name, artifact_location=(run_dir / "mlruns" / "artifacts").as_uri() if own_store else None)
-        self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
-        items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
-        for i in range(0, len(items), PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=items[i:i + PARAMS_PER_BATCH])
-        self.events = 0
+        resumed = self.resumable(read_state(run_dir, self.name).get("run_id"))
+        if resumed:  # a restarted leader: the same MLflow run goes on (its params are logged already)
+            self.run_id = resumed
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(experiment_id, run_name=cfg.run.name).info.run_id
+            keep_state(run_dir, self.name, {"run_id": self.run_id})
+            items = [Param(k, str(v)[:PARAM_CHARS]) for k, v in params.items()]
+            for i in range(0, len(items), PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=items[i:i + PARAMS_PER_BATCH])
+        self.events = len(self.client.list_artifacts(self.run_id, "events")) if resumed else 0
         self.pending: list[Metric] = []
         return uri
+
+    def resumable(self, run_id: object) -> str | None:
+        """The run a previous leader of this run directory opened, if its store still holds it, not deleted."""
+        from mlflow.exceptions import MlflowException
+
+        if not isinstance(run_id, str):
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        return run_id if run.info.lifecycle_stage == "active" else None
 
     def scalars(self, step: int, values: dict[str, float], t: float) -> None:
         from mlflow.entities import Metric

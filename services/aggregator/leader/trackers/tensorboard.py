@@ -41,5 +41,10 @@ class TensorBoard(Tracker):
         self.writer.add_text("events", text, step)
         self.writer.add_scalar(f"events/{kind}", count, step)
 
+    def flush(self) -> None:
+        """To disk now, not at SummaryWriter's 120 s flush: the process dies with its leader (child.py), and what
+        it held back would die with it."""
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from cmemi.services.aggregator.leader.trackers.base import Tracker
+from cmemi.services.aggregator.leader.trackers.base import Tracker, keep_state, read_state
 from cmemi.shared.config.schema import Config
 
 Mode = Literal["online", "offline", "disabled", "shared"]
@@ -42,8 +42,11 @@ class WandB(Tracker):
         # console capture and system stats off: the leader's output is its own, and stats would sample the CPU
         settings = wandb.Settings(console="off", x_disable_stats=True, disable_git=True, save_code=False,
                                   silent=True)
+        saved = read_state(run_dir, self.name).get("run_id")  # a restarted leader: the same W&B run goes on
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "cmemi"), name=cfg.run.name,
-                              dir=str(run_dir), mode=mode(), config=params, settings=settings, reinit="create_new")
+                              dir=str(run_dir), mode=mode(), config=params, settings=settings, reinit="create_new",
+                              id=saved if isinstance(saved, str) else None, resume="allow")
+        keep_state(run_dir, self.name, {"run_id": self.run.id})
         self.run.define_metric("eval/*", step_metric="eval/step")
         self.last = 0  # the newest step logged
         self.eval_row = -1  # the newest row an evaluation went in

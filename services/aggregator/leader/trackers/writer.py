@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 from cmemi.services.aggregator.leader.trackers.base import Tracker
+from cmemi.services.aggregator.leader.trackers.written import Written
 from cmemi.shared.config.schema import Config
 
 BATCH = 256  # records handed to a tracker between two flushes
@@ -30,12 +31,14 @@ class TrackerWriter:
         self.dropped = 0
         self.failed: str | None = None
         self.closing = threading.Event()  # set: write what is queued, then close
+        self.written = Written(run_dir, tracker.name)
         self.thread = threading.Thread(target=self._run, args=(run_dir, cfg, params), name=f"tracker-{tracker.name}",
                                        daemon=True)
         self.thread.start()
 
     def put(self, *record: Any) -> None:
-        """Queue a call (`"scalars", step, values, t` or `"event", step, kind, text, count`); never blocks."""
+        """Queue a call (`"scalars", step, values, t` or `"event", step, kind, text, count, stream id`); never
+        blocks."""
         if self.failed is not None:
             return
         try:
@@ -56,21 +59,29 @@ class TrackerWriter:
                     if self.closing.is_set():
                         break
                     continue
-                getattr(self.tracker, record[0])(*record[1:])
+                self._call(record)
                 for _ in range(BATCH):  # what else is queued now, then one flush (MLflow: one transaction)
                     try:
                         record = self.queue.get_nowait()
                     except queue.Empty:
                         break
-                    getattr(self.tracker, record[0])(*record[1:])
+                    self._call(record)
                 self.tracker.flush()
+                self.written.keep()
             t0 = time.monotonic()
             self.tracker.close()
+            self.written.keep(force=True)
             self.log.info("tracker closed", tracker=self.tracker.name, seconds=round(time.monotonic() - t0, 3))
         except Exception as exc:  # noqa: BLE001 - any error of a tracker's package disables it, never the run
             self.failed = f"{type(exc).__name__}: {exc}"
             self.log.warning("tracker disabled: it raised; the run goes on without it", tracker=self.tracker.name,
                              error=self.failed)
+
+    def _call(self, record: tuple[Any, ...]) -> None:
+        if self.written.fresh(record):  # not a replayed line or event the tracker wrote before (written.py)
+            args = record[1:5] if record[0] == "event" else record[1:]  # an event's stream id is written.py's
+            getattr(self.tracker, record[0])(*args)
+            self.written.note(record)
 
     def finish(self, deadline: float) -> bool:
         """Wait until `deadline` (monotonic) for what is queued to be written and the tracker closed (`closing` was

@@ -1,13 +1,17 @@
-"""The aggregator's model, optimizer and LR scheduler: one optimizer.step() and scheduler.step() per global step."""
+"""The aggregator's model, optimizer and LR scheduler: one optimizer.step() and scheduler.step() per global step.
+
+The step and the schedule live here; a sharded server's rows (rows.py) and what goes out of the state (outward.py)
+are mixins beside it, each its own job, on the same object (callers keep one `Trainer`)."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from cmemi.services.aggregator.common.replicas import InnerStates
+from cmemi.services.aggregator.common.trainer.outward import Outward
+from cmemi.services.aggregator.common.trainer.rows import OwnRows
+from cmemi.services.aggregator.common.trainer.scaler import LossScaler
 from cmemi.shared.compression.downlink import Mirror
 from cmemi.shared.config import initweights
 from cmemi.shared.config.plugins import build_model, build_optimizer, build_scheduler
@@ -19,37 +23,7 @@ from cmemi.shared.memory import allocator
 from cmemi.shared.wire import limits
 
 
-class LossScaler:
-    """Dynamic loss scaling for fp16, with torch.amp.GradScaler's defaults and update rule, coordinated
-    across workers: the aggregator owns the scale; one overflowing microbatch skips the whole step."""
-
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
-        self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.growth_tracker = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.enabled:
-            return
-        if overflow:
-            self.scale *= self.backoff_factor
-            self.growth_tracker = 0
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.scale *= self.growth_factor
-                self.growth_tracker = 0
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
-
-    def load_state_dict(self, sd: dict[str, float]) -> None:
-        self.scale, self.growth_tracker = float(sd["scale"]), int(sd["growth_tracker"])
-
-
-class Trainer:
+class Trainer(OwnRows, Outward):
     def __init__(self, cfg: Config, shard: int = 0, shards: int | None = None) -> None:
         """Shard `shard` of `shards` (default cluster.shards) steps the pieces of the chunk grid it owns
         (shared/core/grid.py); the whole model is built everywhere (the same initial weights), and shard 0 also
@@ -93,55 +67,6 @@ class Trainer:
         self.before_change: list[Callable[[], None]] = []
         self._trims = allocator.worth_trimming(limits.nbytes(self.params.values()))
 
-    def keep_own_rows(self) -> None:
-        """Sharded, after start-up (restore, the evaluation probe): keep only this shard's rows. Each owned piece of
-        a tensor shared with other shards gets storage of its own (the same Parameter, so the optimizer and its
-        state are untouched), and every trained tensor not wholly owned here gives its storage up (an empty tensor
-        in the model; its shape kept in `dropped`). The leader rebuilds the whole model at the end (`materialize`)."""
-        if not self.sharded:
-            return
-        with torch.no_grad():
-            for n, piece in self.pieces.items():
-                if piece is not self.params.get(n):
-                    piece.data = piece.detach().clone()
-            for n, p in self.params.items():
-                if self.pieces.get(n) is not p:
-                    self.dropped[n] = p.shape
-                    p.data = torch.empty(0, dtype=p.dtype)
-
-    def state_copy(self) -> dict[str, torch.Tensor]:
-        """A copy of the model's state (for an evaluation); sharded, the rows of other shards are left for their
-        slices to fill (`ShardSlices.place`)."""
-        out = {k: torch.empty(self.dropped[k], dtype=v.dtype) if k in self.dropped else v.clone()
-               for k, v in self.model.state_dict().items()}
-        self._own_rows_into(out)
-        return out
-
-    @property
-    def whole_shapes(self) -> dict[str, torch.Size]:
-        """Each trained tensor's shape in the whole model (also of those whose rows live on other shards)."""
-        return {n: self.dropped.get(n, p.shape) for n, p in self.params.items()}
-
-    def materialize(self, others: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
-        """The whole model again (the leader, at the end), from its own pieces and the other shards' final ones
-        (`others`: shard -> piece name -> tensor, checked to fit). A tensor another shard owned whole takes the
-        received tensor as its storage; one split between shards is allocated and filled; each own piece moves into
-        its rows and aliases them again, as before `keep_own_rows`. No second copy of any row is left."""
-        with torch.no_grad():
-            for n, shape in self.dropped.items():
-                whole = others.get(self.partition.owner.get(n, -1), {}).get(n)  # a piece named as its tensor: whole
-                p = self.params[n]
-                p.data = whole if whole is not None and whole.dtype == p.dtype else torch.empty(shape, dtype=p.dtype)
-            self.dropped = {}
-            for k, pieces in others.items():
-                for name, view in self.partition.views(self.params, k).items():
-                    if view.data_ptr() != pieces[name].data_ptr():
-                        view.copy_(pieces[name])
-            for name, view in self.partition.views(self.params, self.shard).items():
-                if (piece := self.pieces[name]) is not view:
-                    view.copy_(piece)
-                    piece.data = view
-
     @property
     def reads_grads_only(self) -> bool:
         """Does a step only read the gradients it is given (no clipping, no loss scaling, one of torch's own optimizers,
@@ -153,13 +78,6 @@ class Trainer:
         """The run is over and its final checkpoint written: the optimizer's state is not needed any more."""
         self.optimizer.state.clear()
 
-    def _own_rows_into(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.sharded:
-            with torch.no_grad():
-                for name, view in self.partition.views({n: tensors[n] for n in self.params}, self.shard).items():
-                    if view is not self.pieces[name]:
-                        view.copy_(self.pieces[name])
-
     def release_heap(self) -> None:
         """After a step, its gradient sum freed: the heap's free pages go back to the kernel (a model of 64 MiB or
         more, shared/memory/allocator.py), so that freed gradient pieces do not raise the next step's peak."""
@@ -169,10 +87,6 @@ class Trainer:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    @property
-    def sharded(self) -> bool:
-        return self.partition.shards > 1
 
     def expected(self, step: int, names: list[str] | None = None) -> list[str] | None:
         """The pieces (of `names`, default all of this shard's: None) whose gradients step `step` takes: streaming
@@ -257,57 +171,3 @@ class Trainer:
             self.inner.advance()
         if self.mirror is not None:
             self.mirror.advance(self.pieces, self.step)
-
-    def params_sha256(self, others: Mapping[int, Mapping[str, torch.Tensor]] | None = None) -> str:
-        """SHA-256 of the parameters' bytes (sorted by name), then the travelling buffers' (sorted by name):
-        trained statistics are part of the result. A model without buffers hashes its parameters only.
-        Sharded (the leader at the end), the other shards' final pieces are `others` (as `materialize` takes them):
-        each tensor's rows are hashed piece by piece, in row order, from whichever shard holds them, which gives
-        the bytes of the whole tensor without building it."""
-        h = hashlib.sha256()
-        rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        if others is not None:
-            for p in self.partition.pieces:
-                k = self.partition.owner[p.name]
-                rows.setdefault(p.param, []).append((p.lo, self.pieces[p.name] if k == self.shard else others[k][p.name]))
-        for group in (self.params, self.buffers):
-            for n in sorted(group):
-                for _, t in sorted(rows.get(n, [(0, group[n])]), key=lambda r: r[0]):
-                    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)  # no copy
-        return h.hexdigest()
-
-    def wire_state(self) -> dict[str, torch.Tensor]:
-        """What goes out with a new parameter version: this shard's pieces — with compression.downlink, their mirror,
-        which is what workers compute on — and (shard 0) the step's buffers."""
-        pieces = self.pieces if self.mirror is None else self.mirror.tensors
-        if not self.buffers:
-            return pieces
-        return {**pieces, **self.wire_buffers()}
-
-    def changed_since(self, base: Any, version: int) -> dict[str, torch.Tensor] | None:
-        """Streaming: what moves a worker's copy of this shard's slice from version `base` to `version`, the current
-        one: the pieces the steps since changed (each syncs its fragment) and the step's buffers (live tensors); None
-        where that is not known to be less than the whole slice (fragments.changed)."""
-        names = fragmenting.changed(base, version, self.fragments) if version == self.step else None
-        if names is None:
-            return None
-        return {**{n: p for n, p in self.pieces.items() if n in names}, **self.wire_buffers()}
-
-    def wire_buffers(self) -> dict[str, torch.Tensor]:
-        """The step's buffers as they travel (shard 0; empty elsewhere)."""
-        return {buffer_rule.PREFIX + n: b for n, b in self.buffers.items()}
-
-    def mirror_hashes(self) -> dict[str, str]:
-        """compression.downlink: SHA-256 of each of this shard's mirror pieces (empty without a mirror)."""
-        if self.mirror is None:
-            return {}
-        return {n: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data).hexdigest()
-                for n, t in self.mirror.tensors.items()}
-
-    def mirror_sha256(self, others: Mapping[str, str] | None = None) -> str | None:
-        """SHA-256 of the workers' mirror (compression.downlink): over every piece's SHA-256 in grid order, the same
-        at any cluster.shards; `others`: the other shards' `mirror_hashes`. None without a mirror."""
-        if self.mirror is None:
-            return None
-        hashes = {**(others or {}), **self.mirror_hashes()}
-        return hashlib.sha256("".join(hashes[p.name] for p in self.partition.pieces).encode()).hexdigest()

@@ -1,0 +1,82 @@
+"""bench/recovery.py's step-log rows (issue 47, docs/design/step-log.md): a server SIGKILLed with and without
+`checkpoint.step_log`, at `cluster.shards` 1 and 2.
+
+For each (role killed, shards, checkpoint.every_steps) one run with the log and one without, in the same
+invocation and on the same config: per kill, the steps redone (step numbers written twice to metrics.jsonl, which is
+appended across restarts, one line per step) and the seconds from the kill to the first new step (a step number
+above the last one written before the kill); and the median step time of each run away from its kills, whose
+ratio is the log's step-time overhead.
+
+    .venv/bin/python bench/recovery.py --parts steplog [--checkpoint-every 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench import common as C
+from bench.models import WORKLOADS
+
+WL = "small"
+BIG = 10_000_000  # training "forever": the run is stopped once its kills are measured
+WARMUP = 30  # steps left out of the step-time median (start-up)
+CALM = 150  # steps before the first kill and after the last one, for the step-time median
+
+
+def _kill_row(run: C.CmemiRun, role: str, ident: str, after: int) -> dict[str, Any]:
+    """SIGKILL role/ident once the run is `after` steps on; wait for a new step past the last one before it."""
+    run.wait_step(run.step() + after, timeout=240)
+    pid, t_kill = run.kill(role, ident)
+    step_at_kill = run.step()
+    C.log(f"step log bench: killed {role}:{ident} pid {pid} at step {step_at_kill}")
+    C.poll(lambda: run.step() > step_at_kill, 240, f"a new step after killing {role}:{ident}", interval=0.01)
+    return {"role": role, "id": ident, "pid": pid, "t": t_kill, "step_at_kill": step_at_kill}
+
+
+def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log: bool, kills: int) -> dict[str, Any]:
+    """`ident`: the server killed (aggregator "0", the leader; "1", shard 1)."""
+    cfg = C.cmemi_config(name, work / name, WORKLOADS[WL], steps=BIG, microbatches=4, workers=2, spares=0,
+                         ckpt_every=every, keep_last=2, shards=shards)
+    cfg["checkpoint"]["step_log"] = step_log
+    cfg["train"]["log_every"] = 1
+    rows = []
+    with C.CmemiRun(cfg, work) as run:
+        run.wait_step(WARMUP + CALM, timeout=600)  # steps away from any kill: the step time's median
+        for i in range(kills):
+            rows.append(_kill_row(run, "aggregator", ident, after=max(5, every // 2 + 3 * i)))
+        run.wait_step(run.step() + CALM, timeout=600)
+        time.sleep(0.5)
+        run.terminate()
+        metrics = [m for m in run.metrics() if "loss" in m and "eval" not in m]
+    counts = Counter(m["step"] for m in metrics)
+    for r in rows:
+        last_before = max((m["step"] for m in metrics if m["t"] < r["t"]), default=0)
+        new = [m for m in metrics if m["t"] > r["t"] and m["step"] > last_before]
+        r["last_step_before_kill"] = last_before
+        r["kill_to_next_new_step_s"] = new[0]["t"] - r["t"] if new else None
+    killed_at = [r["t"] for r in rows]
+    calm = [m["step_time_s"] for m in metrics if m["step"] > WARMUP
+            and all(abs(m["t"] - t) > 3.0 for t in killed_at)]
+    return {
+        "step_log": step_log, "kills": len(rows),
+        "steps_redone": sum(k - 1 for k in counts.values() if k > 1),
+        "kill_to_next_new_step_s_median": C.rnd(C.median(r["kill_to_next_new_step_s"] for r in rows)),
+        "step_time_median_s": C.rnd(C.median(calm)),
+        "per_kill": C.rnd(rows),
+    }
+
+
+def rows(work: Path, every: int, kills: int) -> dict[str, Any]:
+    """Leader kills at K = 1 and K = 2, shard kills at K = 2: each with and without the log."""
+    out: dict[str, Any] = {}
+    for ident, shards in (("0", 1), ("0", 2), ("1", 2)):
+        key = f"{'leader' if ident == '0' else 'shard'}_k{shards}_every{every}"
+        with_log = one_run(work, f"log_{key}", ident, shards, every, True, kills)
+        without = one_run(work, f"nolog_{key}", ident, shards, every, False, kills)
+        a, b = with_log["step_time_median_s"], without["step_time_median_s"]
+        out[key] = {"with_log": with_log, "without_log": without,
+                    "step_time_overhead": C.rnd(a / b) if a and b else None}
+    return out

@@ -1,0 +1,6 @@
+"""The step log, a server's side (docs/design.md §11): no committed step is trained twice.
+
+- `link.py`: each step's inputs shipped to the checkpointer before its optimizer step; the step commits on the ack.
+- `evals.py`: early stopping's state in the log: the evaluations collected before each step, loaded on a replay.
+- `replay.py`: a restarted server replays the log after its checkpoint: optimizer steps only, bitwise the same.
+"""

@@ -1,0 +1,166 @@
+"""A server's side of the step log: each step's inputs shipped to the checkpointer, the step committed on its ack.
+
+`ship` sends a step's entry before the optimizer step, `confirm` waits for its acknowledgement after it, so the
+cost on the step path is the send and whatever of the ack's round trip the optimizer step did not cover
+(bench/recovery.py measures it). The reduced gradient goes zero-copy where the step only reads it; where clipping
+or loss scaling change it in place, the entry's tensors are a copy, since ZeroMQ may still be sending them and a
+restarted checkpointer is sent the entry again.
+
+Its own DEALER to the checkpointer's step log socket (services/checkpointer/logserver.py: its own thread there, so
+an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
+record) is read at the start and again only when an acknowledgement is slow (a restarted checkpointer, on a new
+address or incarnation: the entry is sent again).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import torch
+import zmq
+from cmemi.shared.coordination.membership import texts
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import assembly, limits, protocol, transfer
+
+ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
+RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
+GRAD, BUFFER = "g.", "b."
+
+
+def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+               copy: bool = True) -> dict[str, torch.Tensor]:
+    """An entry's tensors: the reduced gradient slice (`g.` names; copied unless `copy` is False) and a copy of the
+    step's buffer sum (`b.`: folded into the buffers in place)."""
+    out = {GRAD + n: g.detach().clone() if copy else g.detach() for n, g in (grads or {}).items()}
+    out.update({BUFFER + n: b.detach().clone() for n, b in (buffer_sum or {}).items()})
+    return out
+
+
+def inputs_of(tensors: dict[str, torch.Tensor], skip: bool) -> tuple[dict[str, torch.Tensor] | None,
+                                                                     dict[str, torch.Tensor] | None]:
+    """(the reduced gradient or None for a skipped step, the buffer sum or None): what `tensors_of` shipped."""
+    grads = None if skip else {n[len(GRAD):]: t for n, t in tensors.items() if n.startswith(GRAD)}
+    bufs = {n[len(BUFFER):]: t for n, t in tensors.items() if n.startswith(BUFFER)}
+    return grads, bufs or None
+
+
+class StepLogLink:
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int = 0) -> None:
+        self.ctx, self.zctx, self.term, self.shard = ctx, zctx, term, shard
+        self.cap = ctx.cfg.cluster.message_cap()
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum)
+        self.sock: zmq.Socket | None = None
+        self.to: tuple[str | None, str | None] = (None, None)  # the checkpointer's (step log address, incarnation)
+        self.pending: tuple[int, list[list[Any]]] | None = None  # (step, its messages), until acknowledged
+        self.shipped_bytes = 0
+
+    def _where(self) -> tuple[str | None, str | None]:
+        try:
+            addr, inc = texts(self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["log", "incarnation"]))
+        except redis.RedisError:
+            return self.to  # Redis away: keep talking to the checkpointer known
+        return addr, inc
+
+    def _connect(self) -> bool:
+        """(Re)connect if the checkpointer moved; True if the one now connected is not the one sent to before."""
+        where = self._where()
+        if where[0] is None or where == self.to:
+            return False
+        if where[0] != self.to[0] or self.sock is None:
+            if self.sock is not None:
+                self.sock.close(linger=0)
+                self.parts.keep(())
+            self.sock = self.zctx.socket(zmq.DEALER)
+            self.ctx.curve.connect_as_client(self.sock)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cap)
+            self.sock.connect(where[0])
+        self.to = where
+        return True
+
+    def _send(self, msgs: list[list[Any]]) -> None:
+        if self.sock is None:
+            self._connect()
+        if self.sock is not None:
+            self.shipped_bytes += transfer.send(self.sock, msgs)
+
+    def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+             partials: list[float] | None, loss: float, copy: bool = True,
+             evals: dict[str, Any] | None = None) -> None:
+        """Send step `step`'s inputs (its reduced gradient, None if skipped; its buffer sum; sharded, the norm
+        partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
+        replay.py); `confirm` then waits for the acknowledgement. `copy=False`: the gradient is
+        sent from where it lies (zero-copy), for a step that only reads it (`Trainer.reads_grads_only`: no clipping
+        or unscaling in place, one of torch's optimizers); nothing changes it before `confirm` returns."""
+        fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
+                  "partials": partials, "evals": evals}
+        try:
+            msgs = transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
+                                     self.ctx.cfg.cluster.checksum)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"aggregator: {exc}")
+        self.pending = (step, msgs)
+        self._send(msgs)
+
+    def _replies(self, timeout_ms: int) -> list[protocol.Message]:
+        out = []
+        while self.sock is not None and self.sock.poll(timeout_ms):
+            try:
+                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
+                if msg is not None:
+                    out.append(msg)
+            except protocol.ProtocolError as exc:
+                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
+            timeout_ms = 0
+        return out
+
+    def confirm(self, on_gap: Callable[[int], None]) -> bool:
+        """Wait until the checkpointer holds the pending entry. `on_gap(step)`: it cannot (it restarted since the
+        last checkpoint and lost the log): the caller makes the state after `step` durable at once (a checkpoint);
+        True then."""
+        assert self.pending is not None, "confirm without ship"
+        step, msgs = self.pending
+        msg = self._wait(lambda m: m.type in ("logged", "log_gap") and m.header["step"] == step,
+                         lambda: self._send(msgs), f"the step log entry of step {step}")
+        self.pending = None
+        if msg.type == "log_gap":
+            self.ctx.log.info("step log: the checkpointer holds no log since its checkpoint; checkpointing now",
+                              step=step, base=msg.header["base"])
+            self.ctx.emit("step_log_rebased", step=step, base=msg.header["base"], shard=self.shard)
+            on_gap(step)
+            return True
+        return False
+
+    def fetch(self, after: int) -> protocol.Message | None:
+        """The entry of step `after` + 1, or None if the log holds none (a restarted server's replay)."""
+        msgs = transfer.messages("log_req", self.ctx.run, {"term": self.term, "after": after, "shard": self.shard},
+                                 self.cap)
+        self._send(msgs)
+        msg = self._wait(lambda m: (m.type == "log_entry" and m.header["step"] == after + 1)
+                         or (m.type == "log_end" and m.header["after"] == after),
+                         lambda: self._send(msgs), f"the step log's entry after step {after}")
+        return msg if msg.type == "log_entry" else None
+
+    def _wait(self, accept: Callable[[protocol.Message], bool], resend: Callable[[], None],
+              what: str) -> protocol.Message:
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        waited = 0
+        while time.monotonic() < deadline:
+            for msg in self._replies(int(RECHECK_S * 1000) if waited else 10):
+                if accept(msg):
+                    return msg
+            waited += 1
+            if waited > 1 and self._connect():  # the checkpointer restarted (or was not known yet): again, to it
+                resend()
+            elif self.sock is None:
+                time.sleep(0.05)
+        self.ctx.fatal(f"the checkpointer did not answer {what} within {ACK_TIMEOUT_S:g}s; is `cmemi checkpointer` "
+                       "running and reachable? (checkpoint.step_log: false trains without the step log)")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.parts.close()

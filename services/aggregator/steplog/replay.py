@@ -1,0 +1,88 @@
+"""A restarted server replays the step log: the checkpoint restored, each logged step's inputs go through its
+optimizer again — optimizer steps only, no forward or backward anywhere, no worker recomputes a committed step.
+
+CPU torch gives the same bits for the same inputs, and an entry holds every input of a step that is not a function
+of the step and the checkpoint (the reduced gradient, a skipped step, the buffer sum; the LR schedule, the loss scale
+and the downlink mirror follow from those), so the state after the replay is bitwise the one the dead server had.
+The steps the log does not hold (none, unless the checkpointer died too, or the newest checkpoint was damaged) are
+redone by the workers, as without the log; the run says how many in events.jsonl (`steps_redone`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import redis
+from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_boundary
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.common.userstep import users_step
+from cmemi.services.aggregator.steplog.evals import EvalReplay
+from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
+from cmemi.shared.runtime.service import ServiceContext
+
+
+def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
+           bg: BackgroundEval | None = None, where: str = "") -> int:
+    """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
+    stopping: evals.py). `where`: who replays (" on shard 2")."""
+    restored, t0 = trainer.step, time.monotonic()
+    evals = EvalReplay(bg)
+    while (msg := link.fetch(trainer.step)) is not None:
+        h = msg.header
+        grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
+        evals.load(h["evals"])
+        with users_step(ctx.fatal, trainer.step + 1, where):
+            trainer.apply(grads, buffer_sum, partials=h["partials"])
+        totals.final_loss = float(h["loss"])
+        evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
+    evals.resume()
+    replayed = trainer.step - restored
+    committed = last_committed(ctx)
+    if replayed or restored:  # (not a fresh run's start)
+        ctx.emit("step_log_replayed", checkpoint=restored, replayed=replayed, step=trainer.step, shard=trainer.shard,
+                 seconds=round(time.monotonic() - t0, 4))
+        ctx.log.info("step log replayed", checkpoint=restored, replayed=replayed, step=trainer.step)
+    if committed is not None and committed > trainer.step:  # the log did not hold them: the workers redo them
+        ctx.emit("steps_redone", steps=committed - trainer.step, step=trainer.step, committed=committed,
+                 shard=trainer.shard, reason="not in the step log (the checkpointer restarted, or a checkpoint "
+                                             "was damaged): back to the checkpoint")
+        ctx.log.warning("steps redone: the step log did not hold them", steps=committed - trainer.step,
+                        step=trainer.step, committed=committed)
+    return replayed
+
+
+def last_committed(ctx: ServiceContext) -> int | None:
+    """The newest step the run committed, as far as it is known: its progress in Redis (written off the loop, a few
+    steps behind) or the last step line of metrics.jsonl (written at each commit; every train.log_every steps),
+    whichever is newer. None if neither says."""
+    found = []
+    try:
+        value = ctx.redis.hget(ctx.keys.progress, "step")
+        if value is not None:
+            found.append(int(value))
+    except redis.RedisError:
+        pass
+    if (last := _last_metrics_step(ctx.run_dir / "metrics.jsonl")) is not None:
+        found.append(last)
+    return max(found, default=None)
+
+
+def _last_metrics_step(path: Path, tail: int = 1 << 16) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # the first line of the tail, cut, or one a SIGKILL cut short
+        if isinstance(entry, dict) and "loss" in entry and "eval" not in entry and isinstance(entry.get("step"), int):
+            return int(entry["step"])
+    return None

@@ -1,0 +1,98 @@
+"""The step log's own socket, on its own thread: a server's step waits for this acknowledgement, so it must never
+wait behind what the checkpointer's loop does — writing a checkpoint (seconds for a big model, with its fsyncs) or
+a Redis call while Redis is away (docs/design.md §6).
+
+A ROUTER of its own (CurveZMQ, aggregator keys only, port 0), advertised beside the checkpointer's address in its
+Redis record (`log`); the servers' StepLogLink connects to it. It takes `step_log` and `log_req` only, of the
+current term (admission.TermWatch, its own, which reads Redis only when a message names a term it has not seen).
+The log itself (steplog.py) is shared with the loop, which drops what each checkpoint covers: one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+from cmemi.services.checkpointer import spool
+from cmemi.services.checkpointer.admission import TermWatch
+from cmemi.services.checkpointer.drops import Drops
+from cmemi.services.checkpointer.steplog import Held, StepLog
+from cmemi.services.checkpointer.steplog_replies import LogReplies
+from cmemi.shared.runtime.links import set_link_options
+from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import assembly, limits, protocol, transfer
+
+
+class LogServer:
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, log: StepLog, lock: threading.Lock) -> None:
+        self.ctx, self.cfg, self.log, self.lock = ctx, ctx.cfg, log, lock
+        self.sock = zctx.socket(zmq.ROUTER)
+        set_link_options(self.sock, self.cfg.cluster)  # a dead link noticed in seconds (shared/runtime/links.py)
+        ctx.curve.serve(zctx, self.sock)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.addr = protocol.bind(self.sock, self.cfg.cluster.host, 0)
+        self.drops = Drops(ctx.redis, ctx.keys, ctx.log)  # published from this thread, when it has any
+        # one partial entry per server (K of them), plus one for a restarted server's new connection
+        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
+                                        peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count,
+                                        sink=self._sink)
+        self.terms = TermWatch(ctx.redis, ctx.keys)
+        self.replies = LogReplies(log, self._reply, ctx.emit)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="step-log", daemon=True)
+
+    def start(self) -> LogServer:
+        self._thread.start()
+        return self
+
+    def _sink(self, of: dict, metas: list[dict]) -> Held | spool.Spool:
+        if of["type"] != "step_log":
+            raise protocol.ProtocolError("unexpected_type", f"a {of['type']!r} with tensors")
+        return self.log.sink(of, metas)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(100):
+                self._receive()
+            elif self.drops.unpublished:
+                self.drops.publish()
+
+    def _receive(self) -> None:
+        identity = self.sock.recv()
+        if not self.sock.getsockopt(zmq.RCVMORE):
+            self.drops.count("no_identity")
+            return
+        first = self.sock.recv(copy=False)
+        if (role := self.ctx.curve.role(first)) is not None and role != "aggregator":
+            protocol.drain(self.sock)
+            self.drops.count("wrong_role", f"a step log message from a {role or 'unknown'} key")
+            return
+        try:
+            msg = self.parts.recv(self.sock, peer=identity, first=first, cap=self.cfg.cluster.message_cap())
+        except protocol.ProtocolError as exc:
+            self.drops.count(exc.reason, str(exc))
+            return
+        if msg is None:  # a part of a bigger entry; the rest is still coming
+            return
+        if msg.type not in LogReplies.TYPES or not self.terms.current(msg.header["term"]):
+            spool.discard(msg.tensors)
+            reason = "unexpected_type" if msg.type not in LogReplies.TYPES else "stale_term"
+            self.drops.count(reason, f"{msg.type} of term {msg.header.get('term')}")
+            return
+        with self.lock:
+            self.replies.handle(identity, msg)
+
+    def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
+        try:
+            transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
+                                                       tensors, self.cfg.cluster.checksum), identity)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"checkpointer: {exc}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        self.parts.close()
+        self.sock.close(linger=0)

@@ -1,0 +1,155 @@
+"""The step log: each committed step's inputs, held here until a checkpoint covers them (docs/design.md §11).
+
+A parameter server ships every step's reduced gradient slice (after reduction, before its optimizer), the step's
+decisions (a skipped step, the loss) and its buffer sum, and counts the step committed only once this process has
+acknowledged it (`logged`). A restarted server restores the checkpoint and asks for the entries after it
+(`log_req`), one at a time, and replays them through its optimizer: no worker recomputes a committed step.
+
+- The log of a server is a contiguous run of steps `base + 1 .. last`, `base` the newest checkpoint's step (0: none,
+  a fresh run's state is a pure function of the config). An entry that would leave a gap (this checkpointer restarted
+  and lost what it held) is answered `log_gap`: the server then takes a checkpoint at once, which rebases the log.
+- A written checkpoint drops the entries it covers. A `log_req` is the current term's server restarting: if it
+  restored a checkpoint older than the log's base (the newest was damaged), the log starts again there.
+- Memory: entries are held as tensors while they total under checkpoint.step_log_memory_mb; past it, they are
+  spooled to disk (spool.py) and read back only for a replay. A restart of this process loses the log (the
+  spool files are leftovers, removed at start): the servers take a checkpoint at once (`log_gap`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from cmemi.services.checkpointer import spool
+from cmemi.shared.wire.protocol import DTYPES
+
+
+class Held:
+    """An entry's tensor bytes in memory (the Assembler's sink: each range written at its place as it arrives)."""
+
+    def __init__(self, metas: list[dict[str, Any]]) -> None:
+        self.tensors = {m["name"]: torch.empty(tuple(m["shape"]), dtype=DTYPES[m["dtype"]]) for m in metas}
+        self.order = [m["name"] for m in metas]
+        self.nbytes = sum(m["nbytes"] for m in metas)
+
+    def write(self, ti: int, off: int, buf: memoryview) -> None:
+        flat = self.tensors[self.order[ti]].reshape(-1).view(torch.uint8).numpy()
+        flat[off:off + buf.nbytes] = np.frombuffer(buf, dtype=np.uint8)
+
+    def result(self) -> dict[str, Any]:
+        return dict(self.tensors)
+
+    def discard(self) -> None:
+        self.tensors = {}
+
+
+def _read(t: spool.Spooled) -> torch.Tensor:
+    """A spooled tensor back in memory (for a replay: the log past its memory bound)."""
+    out = bytearray(t.nbytes)
+    at = 0
+    for e in t.extents:
+        assert e.spool.fd is not None, "a spooled log entry read after it was discarded"
+        chunk = os.pread(e.spool.fd, e.nbytes, e.offset)
+        out[at:at + len(chunk)] = chunk
+        at += e.nbytes
+    return torch.frombuffer(out, dtype=DTYPES[t.dtype]).reshape(t.shape) if out else \
+        torch.empty(t.shape, dtype=DTYPES[t.dtype])
+
+
+@dataclass
+class Entry:
+    fields: dict[str, Any]  # step, skip, loss, partials, extra: as the server sent them
+    tensors: dict[str, Any]  # torch.Tensor (held) or spool.Spooled (past the memory bound)
+    nbytes: int
+
+    def loaded(self) -> dict[str, torch.Tensor]:
+        return {n: _read(t) if isinstance(t, spool.Spooled) else t for n, t in self.tensors.items()}
+
+
+@dataclass
+class ShardLog:
+    base: int  # the newest checkpoint's step: the log holds base + 1 .. last
+    entries: dict[int, Entry] = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return max(self.entries, default=self.base)
+
+
+class StepLog:
+    """Every server's log (one per shard), bounded in memory by `memory_bytes`; `spill(header, metas)` makes a
+    spool file for an entry past the bound."""
+
+    def __init__(self, base: int, memory_bytes: int, spill: Callable[[dict, list[dict]], spool.Spool]) -> None:
+        self.base, self.memory_bytes, self.spill = base, memory_bytes, spill
+        self.logs: dict[int, ShardLog] = {}
+        self.in_memory = 0  # bytes of entries held as tensors
+        self.spilled = 0  # entries ever spooled to disk (the bound passed)
+
+    def sink(self, header: dict[str, Any], metas: list[dict[str, Any]]) -> Held | spool.Spool:
+        """Where an arriving entry's bytes go: memory, or a spool file past the bound."""
+        nbytes = sum(m["nbytes"] for m in metas)
+        if self.in_memory + nbytes <= self.memory_bytes:
+            return Held(metas)
+        self.spilled += 1
+        return self.spill(header, metas)
+
+    def _log(self, shard: int) -> ShardLog:
+        return self.logs.setdefault(shard, ShardLog(self.base))
+
+    def add(self, shard: int, fields: dict[str, Any], tensors: dict[str, Any]) -> bool:
+        """Hold a step's entry; False (and nothing held) if it would leave a gap after what is held."""
+        log, step = self._log(shard), int(fields["step"])
+        if step <= log.base or step in log.entries:  # covered by a checkpoint, or sent again: held already
+            self._drop(tensors)
+            return True
+        if step != log.last + 1:
+            self._drop(tensors)
+            return False
+        held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
+        nbytes = sum(int(t.nbytes) for t in tensors.values())
+        log.entries[step] = Entry(fields, tensors, nbytes if held else 0)
+        self.in_memory += log.entries[step].nbytes
+        return True
+
+    def base_of(self, shard: int) -> int:
+        return self._log(shard).base
+
+    def covered(self, step: int) -> None:
+        """A checkpoint of `step` is written: the entries up to it go."""
+        self.base = max(self.base, step)
+        for log in self.logs.values():
+            for s in [s for s in log.entries if s <= step]:
+                self._forget(log, s)
+            log.base = max(log.base, step)
+
+    def restart_at(self, shard: int, after: int) -> None:
+        """A server of the current term restored step `after` and replays from there. Restored from a checkpoint
+        older than the log's base (the newest was damaged), it cannot replay what the log holds (the steps between
+        are in no entry): the log starts again at `after`, and the steps since are redone."""
+        log = self._log(shard)
+        if after < log.base:
+            for old in list(log.entries):
+                self._forget(log, old)
+            log.base = after
+
+    def entry(self, shard: int, step: int) -> Entry | None:
+        return self._log(shard).entries.get(step)
+
+    def _forget(self, log: ShardLog, step: int) -> None:
+        e = log.entries.pop(step)
+        self.in_memory -= e.nbytes
+        self._drop(e.tensors)
+
+    @staticmethod
+    def _drop(tensors: dict[str, Any]) -> None:
+        spool.discard(tensors)
+
+    def clear(self) -> None:
+        for log in self.logs.values():
+            for s in list(log.entries):
+                self._forget(log, s)
