@@ -71,7 +71,7 @@ class Reporter:
                     **({"loss_scale": scaler.scale, "skipped": skipped} if scaler.enabled else {}),
                     "samples_per_s": self.cfg.train.samples_per_round / dt if dt > 0 else None,
                     "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "codec_s": self.codec_s,
-                    "live_workers": live_workers, "t": time.time()}
+                    "live_workers": live_workers, "term": self.term, "t": time.time()}
         nbytes = self.bytes_in + self.bytes_out
         self.bytes_in = self.bytes_out = 0
         self.codec_s = 0.0

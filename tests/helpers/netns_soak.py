@@ -1,0 +1,112 @@
+"""The soak (issue 47): one training run across emulated hosts under a seeded schedule of faults of every kind.
+
+    result = soak(lab, work_dir, faults=1000, seed=47)    # bench/soak.py (`make soak`) and tests/test_soak.py
+
+Hosts: `ctl` (Redis and the coordinator), `agg` (the leader), `shard` (shard 1 of cluster.shards = 2), `ckpt` (the
+checkpointer), `h0`..`h2` (a worker each). Faults come one after another (tests/helpers/netns_faults.py: each held
+for a seeded 0.3-1.5 s, the next `gap` s after it is healed) and anything that exits early is restarted on its host
+with the same arguments, as an orchestrator would. The run is long enough not to end before the last fault
+(`steps`); once the faults are done it is left to finish. The result: faults by kind and by role, restarts, steps
+redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill:
+their recovery may overlap, so a fallback to a checkpoint is allowed there) and the final params_sha256 against
+`cmemi reference` of the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import netns
+from tests.helpers.netns_checks import fencing
+from tests.helpers.netns_cluster import HostsRun
+from tests.helpers.netns_faults import Faults, role_of, schedule
+from tests.test_netns import read_jsonl
+
+PLACEMENT = {"redis": "ctl", "coord": "ctl", "agg": "agg", "agg1": "shard", "ckpt": "ckpt",
+             "w0": "h0", "w1": "h1", "w2": "h2"}
+WORKERS = ("w0", "w1", "w2")
+SERVER_KILLS = ("agg", "agg1", "ckpt")
+DOUBLE_S = 5.0
+
+
+def argv() -> dict[str, tuple[str, ...]]:
+    """How each key is (re)started."""
+    return {"coord": ("coordinator", "--supervise", "none"), "ckpt": ("checkpointer",), "agg": ("aggregator",),
+            "agg1": ("aggregator", "--shard", "1"), **{w: ("worker", "--worker-id", w) for w in WORKERS}}
+
+
+def sets(steps: int) -> tuple[str, ...]:
+    return (f"train.steps={steps}", f"scheduler.kwargs.T_max={steps}", "cluster.shards=2",
+            f"cluster.workers={len(WORKERS)}", "checkpoint.every_steps=200")
+
+
+def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap: float = 0.5,
+         hold: tuple[float, float] = (0.3, 1.5), deadline_s: float = 2400) -> dict[str, Any]:
+    """Run it; the result (see the module docstring). Past `deadline_s` the faults stop (TimeoutError) or, once
+    they are done, the result says why the run did not finish (`error`, with the services' logs)."""
+    t0 = time.monotonic()
+    rng = random.Random(seed)
+    run = HostsRun(lab, work, sets(steps), PLACEMENT)
+    f = Faults(run, rng, argv())
+    for key, args in argv().items():
+        run.start(key, *args)
+    run.wait_step(20, timeout=300)
+    done: list[dict[str, Any]] = []
+    last_server_kill: tuple[str, float] | None = None
+    double = 0
+    for kind, key, seconds in schedule(rng, list(PLACEMENT), 2 * faults, hold):
+        if sum(r["hit"] for r in done) >= faults:
+            break
+        if run.procs["agg"].poll() == 0:
+            break  # the run ended before the schedule: reported as fewer faults than asked
+        if time.monotonic() - t0 > deadline_s:
+            raise TimeoutError(f"the soak ran past {deadline_s:g}s after {len(done)} faults at step {run.step()}")
+        fault = f.inject(kind, key, seconds)
+        row = {**fault.row(), "role": role_of(key), "step": run.step()}
+        if kind == "kill" and key in SERVER_KILLS and fault.hit:
+            if last_server_kill and last_server_kill[0] != key and fault.t - last_server_kill[1] < DOUBLE_S:
+                row["double"] = True
+                double += 1
+            last_server_kill = (key, fault.t)
+        done.append(row)
+        print(f"[soak {time.monotonic() - t0:7.1f}s] fault {len(done)}: {kind} {key} {seconds:.2f}s at step {row['step']}"
+              f"{'' if fault.hit else ' (missed: no such process or port)'}", flush=True)
+        f.hold(gap)
+    t_faults = time.monotonic() - t0
+    error = None
+    try:
+        while run.procs["agg"].poll() != 0:  # the run finishes; a crash meanwhile is restarted
+            if time.monotonic() - t0 > deadline_s:
+                raise TimeoutError(f"the run did not finish within {deadline_s:g}s (step {run.step()})")
+            f.hold(0.5)
+        netns.wait_all(run.procs, ["coord", *WORKERS], 120, run.diagnostics)
+    except (TimeoutError, AssertionError) as exc:
+        error = f"{exc}{run.diagnostics()}"
+    for proc in lab.procs:
+        lab.stop(proc)
+    found = re.search(r"\b[0-9a-f]{64}\b", run.reference())
+    reference = found.group(0) if found else None
+    summary_path = run.run_dir / "summary.json"
+    sha = json.loads(summary_path.read_text())["params_sha256"] if summary_path.is_file() else None
+    checks = fencing(run.metrics(), steps, read_jsonl(run.run_dir / "events.jsonl"))
+    hits = [r for r in done if r["hit"]]
+    return {
+        "faults_asked": faults, "faults": len(hits), "faults_missed": len(done) - len(hits), "seed": seed,
+        "steps": steps, "hosts": len(run.hosts), "shards": 2, "workers": len(WORKERS),
+        "by_kind": dict(Counter(r["kind"] for r in hits)),
+        "by_role": dict(Counter(r["role"] for r in hits)),
+        "by_kind_role": dict(Counter(f"{r['kind']}:{r['role']}" for r in hits)),
+        "restarts": f.restarts, "exit_codes": dict(Counter(f"{k}={rc}" for k, rc in f.exit_codes)),
+        "double_faults": double, "steps_redone": checks["steps_redone"],
+        "steps_logged_twice": checks["steps_logged_twice"], "terms": len(checks["terms"]),
+        "violations": checks["violations"][:20],
+        "params_sha256": sha, "reference_params_sha256": reference, "bitwise_equal": sha is not None and sha == reference,
+        "error": error[-6000:] if error else None,
+        "faults_s": round(t_faults, 1), "wall_s": round(time.monotonic() - t0, 1), "schedule": done,
+    }
