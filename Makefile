@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install dev demo test chaos-test soak lint docs bench clean system-packages
+.PHONY: install dev demo test chaos-test soak lint docs bench clean system-packages known-bugs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,11 @@ system-packages:
 	bash scripts/system_packages.sh $(SYSTEM_PACKAGES)
 
 test: dev system-packages
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not known_bug" $(PYTEST_ARGS)
+
+# The tests that reproduce open bugs (marked known_bug, each naming its bug): expected to fail until fixed.
+known-bugs: dev system-packages
+	$(BIN)/python -m pytest -m known_bug $(PYTEST_ARGS)
 
 # The 30-fault chaos run alone (tests/test_chaos.py; also part of `make test`).
 chaos-test: dev
