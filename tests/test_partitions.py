@@ -104,12 +104,6 @@ def partitioned(lab: netns.NetLab, tmp_path: Path, capsys, shards: int, fault: C
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.known_bug(reason=(
-    "split brain, found by this test (2026-12-06, wt-soak): the leader cut off past cluster.dead_after is declared "
-    "dead and fenced in Redis and a new leader starts term 2, but once the link is healed the deposed leader goes "
-    "on committing steps under term 1 after term 2's leader started (2,505 steps in one run; in another, steps "
-    "880-900 interleaved in metrics.jsonl with term 2's 101-131) because the workers still answer its work: nothing "
-    "makes it stop on losing its term. Remove this mark with the fix."))
 def test_leader_host_cut_longer_than_dead_after(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     out = partitioned(lab, tmp_path, capsys, 1, lambda f: f.cut(Fault("cut", "agg", OUTAGE_S)), "the leader's host cut")
     assert "agg" in out["deposed"], "a leader cut off past cluster.dead_after was not declared dead"
@@ -117,11 +111,6 @@ def test_leader_host_cut_longer_than_dead_after(lab: netns.NetLab, tmp_path: Pat
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.known_bug(reason=(
-    "split brain, found by this test (2026-12-06, wt-soak): the leader cut from the Redis/coordinator host only is "
-    "declared dead (its heartbeat lapses) and a new leader starts term 2, while the deposed one, still reaching the "
-    "workers, goes on committing under term 1 (1,842 steps after term 2's leader started, steps 1159..3000): it "
-    "never learns it lost its term. Remove this mark with the fix."))
 def test_leader_cut_from_redis_only(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     partitioned(lab, tmp_path, capsys, 1, lambda f: f.partition(Fault("partition", "agg", OUTAGE_S, other="coord")),
                 "the leader cut from the Redis/coordinator host")
