@@ -56,7 +56,9 @@ def test_a_step_is_published_before_its_ack_committed_after_it_and_never_two_are
     assert work.header["step"] == 0
     rig.grad(w, work.header)  # completes step 1: applied, shipped, and its parameters go out at once
     work = w.expect("work", timeout=30)
-    assert work.header["step"] == 1 and ckpt.logged == [1] and ckpt.acked == []
+    assert work.header["step"] == 1
+    until(lambda: ckpt.logged == [1], 30, "step 1's entry")  # (shipped right after its parameters went out)
+    assert ckpt.acked == []
     assert lines(rig) == []  # published, not committed: no metrics line before the ack
 
     rig.grad(w, work.header)  # step 2 is complete, but step 1 is not acknowledged: the leader waits
@@ -66,7 +68,9 @@ def test_a_step_is_published_before_its_ack_committed_after_it_and_never_two_are
         released.add(1)
     until(lambda: lines(rig) == [1], 30, "step 1's metrics line after its ack")
     work = w.expect("work", timeout=30)
-    assert work.header["step"] == 2 and ckpt.logged == [1, 2] and ckpt.acked == [1]
+    assert work.header["step"] == 2
+    until(lambda: ckpt.logged == [1, 2], 30, "step 2's entry")
+    assert ckpt.acked == [1]
     assert lines(rig) == [1]  # step 2 published, its ack held
 
     with lock:

@@ -10,8 +10,8 @@
 - Which steps are checkpointed (checkpoint.every_steps; sharded, the leader picks the same steps for every
   shard), early stopping (services/aggregator/leader/eval_schedule.py), and what a step leaves for after its
   parameters went out: the metrics line, the snapshot, progress.
-- With checkpoint.step_log, a step's inputs go to the checkpointer before its optimizer step; its parameters go out
-  at once, and the step commits (its metrics line, its snapshot, its evaluation's start, the run's end) only once
+- With checkpoint.step_log, a step's inputs are copied before its optimizer step; its parameters go out at once,
+  then its entry goes to the checkpointer, and the step commits (its metrics line, its snapshot, its evaluation's start, the run's end) only once
   the checkpointer holds them. That ack is taken after each message the loop reads (`after_step`) and waited for
   only when the next step is ready to apply: at most one step is ever unacknowledged, so a leader's death redoes
   at most that uncommitted step (docs/design/step-log.md). Waiting for the ack before publishing cost 1.2-1.45x
@@ -41,6 +41,10 @@ class Ending(enum.Enum):
     TRAINING = "training"
     LAST_STEP = "last_step"
     STOPPED_EARLY = "stopped_early"
+
+
+def copied(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+    return {n: t.detach().clone() for n, t in tensors.items()} if tensors is not None else None
 
 
 @dataclass(frozen=True)
@@ -102,25 +106,33 @@ class Stepper:
             self.serve_parked()
             return
         buffer_sum = collector.buffer_sum()
-        if self.p.steplog is not None:  # its inputs go out while the optimizer steps; it commits on the ack
-            # a copy: the next step's sums may reuse the gradient's memory before the ack comes (steplog/link.py)
-            self.p.steplog.ship(self.trainer.step + 1, grads, buffer_sum, partials, loss, copy=True,
-                                evals=self.evallog.to_ship())
+        entry = None
+        if self.p.steplog is not None:  # its inputs, copied now: the step changes them in place, the next reuses them
+            entry = (self.trainer.step + 1, copied(grads), copied(buffer_sum), partials, loss, self.evallog.to_ship())
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         step = self.trainer.step
         dt, nbytes, line = self.reporter.step_done(step, loss, self.trainer.lr, self.p.live_workers,
                                                    self.trainer.scaler, grads is None)
         applied = Applied(step, loss, dt, nbytes, line, snapshot, stop)
-        if self.p.steplog is None:
+        last = stop or step >= self.total
+        if entry is None:
             self._commit(applied, forced=False)
         else:
             self.unacked = applied
-            if stop or step >= self.total:
-                self.settle(block=True)  # the run's end (its final checkpoint, the summary) waits for the last ack
+            if last:  # the run's end (its final checkpoint, the summary) waits for the last ack
+                self._ship(entry)
+                self.settle(block=True)
         self.p.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
         self.trainer.release_heap()
-        self.serve_parked()  # the step's parameters go out now, acknowledged or not
+        self.serve_parked()  # the step's parameters go out now, before its entry is even encoded
+        if entry is not None and not last:
+            self._ship(entry)  # (a death before this: the step was never committed, and is computed again)
+
+    def _ship(self, entry: tuple[int, Any, Any, list[float] | None, float, dict[str, Any] | None]) -> None:
+        assert self.p.steplog is not None
+        step, grads, buffer_sum, partials, loss, evals = entry
+        self.p.steplog.ship(step, grads, buffer_sum, partials, loss, copy=False, evals=evals)
 
     def settle(self, block: bool) -> None:
         """Commit the unacknowledged step once the checkpointer holds it (`block`: wait for that). The trainer has

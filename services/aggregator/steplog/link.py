@@ -1,11 +1,12 @@
 """A server's side of the step log: each step's inputs shipped to the checkpointer, the step committed on its ack.
 
-`ship` sends a step's entry before the optimizer step. The leader does not wait for its acknowledgement there: it
+`ship` sends a step's entry (the leader's: right after the step's parameters went out). The leader does not wait for its acknowledgement there: it
 publishes the step's parameters at once and commits the step when the ack comes (`poll`, from its loop), waiting
 (`confirm`) only if the ack is still missing when the next step is ready, so at most one entry is ever
 unacknowledged (docs/design/step-log.md). The reduced gradient goes zero-copy where nothing can change it until the
-ack (`copy=False`); the pipelined leader ships a copy, since its next step's sums may reuse that memory while
-ZeroMQ is still sending it and a restarted checkpointer is sent the entry again.
+ack (`copy=False`); the pipelined leader ships a copy it took before the optimizer step, since the step changes the
+gradient in place, the next step's sums may reuse its memory while ZeroMQ still sends it, and a restarted
+checkpointer is sent the entry again.
 
 Its own DEALER to the checkpointer's step log socket (services/checkpointer/logserver.py: its own thread there, so
 an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
