@@ -50,12 +50,17 @@ class PlayedCheckpointer:
     `restore` returns), each snapshot with the next of `answers` ("retry", "saved", "skipped"; "saved" once they
     run out). `snapshots` lists the steps of the snapshots received, whole, in order (a resend counts again). The
     step log (checkpoint.step_log): each entry is held and acknowledged (`logged`: its steps, in order), and a
-    replay's `log_req` is answered `log_end` (it holds no log from before the test)."""
+    replay's `log_req` is answered `log_end` (it holds no log from before the test). `acks_when(step)`: an entry's
+    `logged` is held back until it returns True (checked on the checkpointer's thread, every 20 ms at most); `acked`
+    lists the steps acknowledged, in order."""
 
-    def __init__(self, ctx: ServiceContext, answers: list[str] | None = None) -> None:
-        self.ctx, self.answers = ctx, list(answers or [])
+    def __init__(self, ctx: ServiceContext, answers: list[str] | None = None,
+                 acks_when: Callable[[int], bool] | None = None) -> None:
+        self.ctx, self.answers, self.acks_when = ctx, list(answers or []), acks_when
         self.snapshots: list[int] = []
         self.logged: list[int] = []
+        self.acked: list[int] = []
+        self.held: list[tuple[bytes, int]] = []
         self.zctx = zmq.Context()
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -69,6 +74,7 @@ class PlayedCheckpointer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            self._release()
             if not self.sock.poll(20):
                 continue
             identity, *frames = self.sock.recv_multipart(copy=False)
@@ -79,7 +85,8 @@ class PlayedCheckpointer:
                 self._reply(identity.bytes, "no_checkpoint", {"term": msg.header["term"]})
             elif msg.type == "step_log":
                 self.logged.append(msg.header["step"])
-                self._reply(identity.bytes, "logged", {"step": msg.header["step"]})
+                self.held.append((identity.bytes, msg.header["step"]))
+                self._release()
             elif msg.type == "log_req":
                 self._reply(identity.bytes, "log_end", {"after": msg.header["after"]})
             elif msg.type == "snapshot":
@@ -88,6 +95,12 @@ class PlayedCheckpointer:
                 answer = self.answers.pop(0) if self.answers else "saved"
                 self._reply(identity.bytes, answer, {"step": step, **({"path": f"ckpt-{step}"}
                                                                        if answer == "saved" else {})})
+
+    def _release(self) -> None:
+        while self.held and (self.acks_when is None or self.acks_when(self.held[0][1])):
+            identity, step = self.held.pop(0)
+            self.acked.append(step)
+            self._reply(identity, "logged", {"step": step})
 
     def _reply(self, identity: bytes, mtype: str, fields: dict[str, Any]) -> None:
         protocol.send(self.sock, protocol.encode(mtype, self.ctx.run, fields), identity)

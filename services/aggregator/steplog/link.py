@@ -1,10 +1,12 @@
 """A server's side of the step log: each step's inputs shipped to the checkpointer, the step committed on its ack.
 
-`ship` sends a step's entry before the optimizer step, `confirm` waits for its acknowledgement after it, so the
-cost on the step path is the send and whatever of the ack's round trip the optimizer step did not cover
-(bench/recovery.py measures it). The reduced gradient goes zero-copy where the step only reads it; where clipping
-or loss scaling change it in place, the entry's tensors are a copy, since ZeroMQ may still be sending them and a
-restarted checkpointer is sent the entry again.
+`ship` sends a step's entry (the leader's: right after the step's parameters went out). The leader does not wait for its acknowledgement there: it
+publishes the step's parameters at once and commits the step when the ack comes (`poll`, from its loop), waiting
+(`confirm`) only if the ack is still missing when the next step is ready, so at most one entry is ever
+unacknowledged (docs/design/step-log.md). The reduced gradient goes zero-copy where nothing can change it until the
+ack (`copy=False`); the pipelined leader ships a copy it took before the optimizer step, since the step changes the
+gradient in place, the next step's sums may reuse its memory while ZeroMQ still sends it, and a restarted
+checkpointer is sent the entry again.
 
 Its own DEALER to the checkpointer's step log socket (services/checkpointer/logserver.py: its own thread there, so
 an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
@@ -92,9 +94,8 @@ class StepLogLink:
              evals: dict[str, Any] | None = None) -> None:
         """Send step `step`'s inputs (its reduced gradient, None if skipped; its buffer sum; sharded, the norm
         partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
-        replay.py); `confirm` then waits for the acknowledgement. `copy=False`: the gradient is
-        sent from where it lies (zero-copy), for a step that only reads it (`Trainer.reads_grads_only`: no clipping
-        or unscaling in place, one of torch's optimizers); nothing changes it before `confirm` returns."""
+        replay.py); `poll` or `confirm` then takes the acknowledgement. `copy=False`: the gradient is
+        sent from where it lies (zero-copy), only where nothing changes that memory before the ack is taken."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
                   "partials": partials, "evals": evals}
         try:
@@ -117,14 +118,35 @@ class StepLogLink:
             timeout_ms = 0
         return out
 
+    @property
+    def unacknowledged(self) -> int | None:
+        """The step whose entry was shipped and not acknowledged yet (None: every entry is)."""
+        return self.pending[0] if self.pending is not None else None
+
+    def poll(self, on_gap: Callable[[int], None]) -> bool | None:
+        """`confirm` without waiting: None while the pending entry's acknowledgement has not come."""
+        assert self.pending is not None, "poll without ship"
+        step = self.pending[0]
+        for msg in self._replies(0):
+            if self._acks(msg, step):
+                return self._settled(msg, on_gap)
+        return None
+
     def confirm(self, on_gap: Callable[[int], None]) -> bool:
         """Wait until the checkpointer holds the pending entry. `on_gap(step)`: it cannot (it restarted since the
         last checkpoint and lost the log): the caller makes the state after `step` durable at once (a checkpoint);
         True then."""
         assert self.pending is not None, "confirm without ship"
         step, msgs = self.pending
-        msg = self._wait(lambda m: m.type in ("logged", "log_gap") and m.header["step"] == step,
-                         lambda: self._send(msgs), f"the step log entry of step {step}")
+        msg = self._wait(lambda m: self._acks(m, step), lambda: self._send(msgs), f"the step log entry of step {step}")
+        return self._settled(msg, on_gap)
+
+    @staticmethod
+    def _acks(msg: protocol.Message, step: int) -> bool:
+        return msg.type in ("logged", "log_gap") and msg.header["step"] == step
+
+    def _settled(self, msg: protocol.Message, on_gap: Callable[[int], None]) -> bool:
+        step = msg.header["step"]
         self.pending = None
         if msg.type == "log_gap":
             self.ctx.log.info("step log: the checkpointer holds no log since its checkpoint; checkpointing now",
