@@ -133,7 +133,9 @@ def outer_codecs() -> str:
     whole rounds and streaming at each H with fp32, int4 and sparse2 outer changes. Not measured yet: a line that says
     how; a results file without the rows: an error naming the command, as every table here."""
     if not (RESULTS / f"{OUTER_CODECS}.json").exists():
-        return f"Not measured yet: run `{OUTER_CODECS_RUN}`, then `.venv/bin/python scripts/readme_tables.py`."
+        return ("Not measured yet: `.venv/bin/python bench/local_steps.py --codecs --jobs 2` measures it (with `--out` "
+                "naming `outer_codecs.json` in `bench/results/`), then `.venv/bin/python scripts/readme_tables.py` "
+                "writes this table.")
     d = load(OUTER_CODECS)
     if not d.get("codecs"):
         raise KeyError(f"bench/results/{OUTER_CODECS}.json has no 'codecs' rows (an old or failed run): run "
