@@ -575,7 +575,7 @@ class CmemiRun:
 
 def step_stats(metrics: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Median step_time_s after `warmup` steps, and the wall time per step over the same steps (from `t`)."""
-    rows = [m for m in metrics if m["step"] > warmup]
+    rows = [m for m in metrics if m["step"] > warmup and "step_time_s" in m]  # (a replayed line has no times)
     out: dict[str, Any] = {"steps_measured": len(rows)}
     if not rows:
         return out

@@ -89,7 +89,7 @@ def worker_kills(work: Path, kills: int, spacing: float) -> dict[str, Any]:
     cols = ("detect_s", "reassign_s", "joined_s", "first_grad_s")
     med = {c: C.median(r.get(c) for r in rows) for c in cols}
     # the stall a kill causes: the longest step around each kill vs the median step
-    base = C.median(m["step_time_s"] for m in metrics[10:]) if len(metrics) > 10 else None
+    base = C.median(m["step_time_s"] for m in metrics[10:] if "step_time_s" in m) if len(metrics) > 10 else None
     stalls = []
     for i, k in enumerate(kill_log):
         end = kill_log[i + 1]["t"] if i + 1 < len(kill_log) else k["t"] + 5

@@ -58,7 +58,7 @@ def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log
         r["last_step_before_kill"] = last_before
         r["kill_to_next_new_step_s"] = new[0]["t"] - r["t"] if new else None
     killed_at = [r["t"] for r in rows]
-    calm = [m["step_time_s"] for m in metrics if m["step"] > WARMUP
+    calm = [m["step_time_s"] for m in metrics if m["step"] > WARMUP and "step_time_s" in m  # (not a replayed line)
             and all(abs(m["t"] - t) > 3.0 for t in killed_at)]
     return {
         "step_log": step_log, "kills": len(rows),

@@ -138,7 +138,9 @@ def test_different_data_on_a_worker_is_refused(tmp_path: Path) -> None:
     # steps enough that the run cannot end before both workers said hello (it fails at the second's hello)
     r = run_up(tmp_path / "run", *FAST, "train.steps=20000", "scheduler.kwargs.T_max=20000",
                "data.factory=tests.helpers.fixtures:worker_sees_other_data", "data.kwargs={}",
-               timeout=300)  # workers must start to be refused: minutes on a loaded machine
+               # data built in each worker, as on separate hosts: the zygote's one build (cluster.zygote_data) would
+               # give every worker of this host the same dataset, which is what it is for
+               "cluster.zygote_data=false", timeout=300)  # workers must start to be refused: minutes on a loaded machine
     assert r.rc == 2
     error = [line for line in r.stderr.splitlines() if line.startswith("cmemi: error:")][-1]
     assert "has a different dataset" in error and "on host" in error and "same data on every host" in error

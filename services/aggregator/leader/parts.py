@@ -203,4 +203,4 @@ def _restore(p: LeaderParts) -> None:
         p.ctx.log.info("restored from checkpoint", step=p.trainer.step)
         p.restored_step = p.trainer.step
     if p.steplog is not None:
-        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg)
+        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line)

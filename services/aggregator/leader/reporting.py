@@ -77,6 +77,12 @@ class Reporter:
         self.codec_s = 0.0
         return dt, nbytes, line
 
+    def replayed_line(self, step: int, loss: float, lr: float) -> None:
+        """The line of a step its leader committed but died before logging, written by the leader that replayed it
+        (steplog/replay.py); its times and bytes died with the process that knew them (`replayed` says so)."""
+        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
+            self.write({"step": step, "loss": loss, "lr": lr, "replayed": True, "term": self.term, "t": time.time()})
+
     def write(self, line: dict[str, Any]) -> None:
         self.metrics.write(json.dumps(line) + "\n")
         self.trackers.line(line)

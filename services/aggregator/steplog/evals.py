@@ -43,7 +43,11 @@ class EvalReplay:
         steps = [int(e["step"]) for e in evals["new"]]
         if self.bg.running is not None and steps and self.bg.running[0] <= max(steps):
             self.bg.running = None  # (a restore restarted it: its result is in the log)
-        self.bg.load_state_dict({"history": self.bg.history + list(evals["new"]), "best": evals["best"],
+        # an evaluation the restored checkpoint holds already (a snapshot settles the running evaluation into the
+        # history, and the next entry carries it too) is not added twice
+        held = {int(e["step"]) for e in self.bg.history}
+        new = [e for e in evals["new"] if int(e["step"]) not in held]
+        self.bg.load_state_dict({"history": self.bg.history + new, "best": evals["best"],
                                  "since_best": evals["since_best"]})
 
     def replayed(self, step: int, weights: dict[str, torch.Tensor] | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -26,10 +27,14 @@ from cmemi.shared.runtime.service import ServiceContext
 
 
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
-           bg: BackgroundEval | None = None, where: str = "") -> int:
+           bg: BackgroundEval | None = None, where: str = "",
+           unlogged: Callable[[int, float, float], None] | None = None) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
-    stopping: evals.py). `where`: who replays (" on shard 2")."""
+    stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
+    step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
+    before writing its line (the leader writes it then: every committed step has its line, once)."""
     restored, t0 = trainer.step, time.monotonic()
+    logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
     while (msg := link.fetch(trainer.step)) is not None:
         h = msg.header
@@ -38,6 +43,8 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         with users_step(ctx.fatal, trainer.step + 1, where):
             trainer.apply(grads, buffer_sum, partials=h["partials"])
         totals.final_loss = float(h["loss"])
+        if unlogged is not None and trainer.step > (logged or 0):
+            unlogged(trainer.step, float(h["loss"]), trainer.lr)
         evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
     evals.resume()
     replayed = trainer.step - restored
