@@ -18,7 +18,7 @@ import os
 import sysconfig
 
 import torch
-from cmemi.examples.charlm import loss
+from cmemi.examples import charlm
 from torch.utils.data import TensorDataset
 
 MAX_BYTES = 8 << 20
@@ -73,12 +73,5 @@ def _eval_batch(block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def evaluate(model: torch.nn.Module) -> dict[str, float]:
     """Held-out loss (nats per byte) and bits per byte on EVAL_WINDOWS evenly spaced held-out windows."""
-    x, y = _eval_batch(int(getattr(model, "block", 64)))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            value = loss(model(x), y).item()
-    finally:
-        model.train(was_training)
+    value = charlm.held_out_loss(model, *_eval_batch(int(getattr(model, "block", 64))))
     return {"loss": value, "bits_per_char": value / math.log(2)}

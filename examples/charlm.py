@@ -180,12 +180,16 @@ def _eval_batch(block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def evaluate(model: nn.Module) -> dict[str, float]:
     """Held-out loss (nats per byte) and bits per character on a fixed subset of the 'val' split."""
-    x, y = _eval_batch(int(getattr(model, "block", 64)))
+    value = held_out_loss(model, *_eval_batch(int(getattr(model, "block", 64))))
+    return {"loss": value, "bits_per_char": value / math.log(2)}
+
+
+def held_out_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The loss on (x, y) in eval mode, without gradients; the model's mode is put back after."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            value = loss(model(x), y).item()
+            return float(loss(model(x), y).item())
     finally:
         model.train(was_training)
-    return {"loss": value, "bits_per_char": value / math.log(2)}

@@ -23,6 +23,16 @@ from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 
 
+def reply(ctx: ServiceContext, sock: zmq.Socket, identity: bytes, mtype: str, fields: dict,
+          tensors: dict | None = None) -> None:
+    """One reply of the checkpointer's (either socket's), in parts past the message cap."""
+    try:
+        transfer.send(sock, transfer.messages(mtype, ctx.run, fields, ctx.cfg.cluster.message_cap(), tensors,
+                                              ctx.cfg.cluster.checksum), identity)
+    except transfer.TooBig as exc:
+        ctx.fatal(f"checkpointer: {exc}")
+
+
 class LogServer:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, log: StepLog, lock: threading.Lock) -> None:
         self.ctx, self.cfg, self.log, self.lock = ctx, ctx.cfg, log, lock
@@ -84,11 +94,7 @@ class LogServer:
             self.replies.handle(identity, msg)
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
-        try:
-            transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
-                                                       tensors, self.cfg.cluster.checksum), identity)
-        except transfer.TooBig as exc:
-            self.ctx.fatal(f"checkpointer: {exc}")
+        reply(self.ctx, self.sock, identity, mtype, fields, tensors)
 
     def close(self) -> None:
         self._stop.set()

@@ -19,7 +19,7 @@ from cmemi.services.checkpointer import restore, spool
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.diskfull import DiskFull
 from cmemi.services.checkpointer.drops import Drops
-from cmemi.services.checkpointer.logserver import LogServer
+from cmemi.services.checkpointer.logserver import LogServer, reply
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
 from cmemi.services.checkpointer.steplog import StepLog
@@ -271,12 +271,8 @@ class Checkpointer:
         self._reply(identity, "no_checkpoint", {"term": msg.header["term"]})
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
-        """A reply (with tensors: a step log entry, for a replay; the restore is sent by restore.py)."""
-        try:
-            transfer.send(self.sock, transfer.messages(mtype, self.ctx.run, fields, self.cfg.cluster.message_cap(),
-                                                       tensors, self.cfg.cluster.checksum), identity)
-        except transfer.TooBig as exc:
-            self.ctx.fatal(f"checkpointer: {exc}")
+        """A reply (the restore is sent by restore.py)."""
+        reply(self.ctx, self.sock, identity, mtype, fields, tensors)
 
     def close(self) -> None:
         self.logserver.close()
