@@ -71,7 +71,8 @@ def test_a_leader_port_outage_stalls_training_for_its_length_only(lab: netns.Net
 
 
 BLIP_S = 3.0  # the Redis/coordinator host's cut: longer than cluster.dead_after (2 s), shorter than 5 s
-BLIP_SETS = (f"train.steps={STEPS}", f"scheduler.kwargs.T_max={STEPS}", "cluster.workers=2",
+BLIP_STEPS = 5000  # training goes on through the cut (~250 steps/s here): the run must outlast it by far
+BLIP_SETS = (f"train.steps={BLIP_STEPS}", f"scheduler.kwargs.T_max={BLIP_STEPS}", "cluster.workers=2",
              "checkpoint.every_steps=0")  # cluster.dead_after and heartbeat_interval at their defaults (2 s, 0.2 s)
 
 
@@ -93,8 +94,7 @@ def test_a_blip_of_the_redis_host_fences_no_one(lab: netns.NetLab, tmp_path: Pat
         run.hold(BLIP_S)
     t_back = time.time()
     timer.mark(f"the Redis/coordinator host is back, run at step {run.step()}")
-    run.wait_step(run.step() + 100, timeout=120)
-    assert run.procs["w0"].poll() is None and run.procs["w1"].poll() is None, f"a worker exited{run.diagnostics()}"
+    run.wait_step(min(run.step() + 100, BLIP_STEPS), timeout=120)
     codes = run.finish()
     assert codes == {"agg": 0, "coord": 0, "w0": 0, "w1": 0}, f"{codes}{run.diagnostics()}"  # 3 = fenced
 
@@ -105,6 +105,6 @@ def test_a_blip_of_the_redis_host_fences_no_one(lab: netns.NetLab, tmp_path: Pat
               f"{len(run.events('died'))} deaths, {len(run.events('fenced'))} fences", flush=True)
     assert not run.events("died") and not run.events("fenced"), run.diagnostics()
     assert during, "training stopped while the Redis host was cut off"
-    assert [m["step"] for m in rows] == list(range(1, STEPS + 1)), "a step was lost or redone"
+    assert [m["step"] for m in rows] == list(range(1, BLIP_STEPS + 1)), "a step was lost or redone"
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["params_sha256"] in run.reference(), "the result differs from `cmemi reference`"
