@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import zmq
-from cmemi.services.worker.compute.block import BlockComputer
+from cmemi.services.worker.compute.block import FOLD_MIN_BYTES, BlockComputer
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
 from cmemi.services.worker.links.inbox import Inbox
 from cmemi.services.worker.links.shard_links import Link, Lost, ShardLinks
@@ -20,7 +20,7 @@ from cmemi.shared.config.loading import load_config
 from cmemi.shared.config.lookup import resolve
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.reduction import TreeAccumulator, add_into
-from cmemi.shared.wire import assembly, layout, transfer
+from cmemi.shared.wire import assembly, layout, limits, transfer
 from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import DIGITS
@@ -66,6 +66,7 @@ def test_a_block_folds_each_gradient_as_it_appears_with_the_bits_of_whole_gradie
     logged: list[str] = []
     block = BlockComputer(CFG, r, SimpleNamespace(info=lambda event, **_: logged.append(event)),
                           lambda message: pytest.fail(message), lambda: "w0")
+    block.fold = True  # (a model this small folds only when told: block.py FOLD_MIN_BYTES)
     losses, total, _, finite = block.block(3, 0, 4, 1.0)
     assert finite and len(losses) == 4
     assert total.keys() == expected.keys() == {n for n, p in r.model.named_parameters() if p.requires_grad}
@@ -77,6 +78,22 @@ def test_a_block_folds_each_gradient_as_it_appears_with_the_bits_of_whole_gradie
     else:  # folded as backward went: only the unused layer's zeros came back whole from the last microbatch
         assert not r.twice and not logged and r.taken == {"a.weight", "a.bias", "b.weight", "b.bias", "head.weight",
                                                           "head.bias"}
+
+
+def test_a_small_models_block_sums_whole_gradients_with_no_hook() -> None:
+    """Below FOLD_MIN_BYTES a block does not fold: no hook is registered (none runs per parameter per backward), and
+    the sum has the same bits."""
+    expected = whole_gradients_summed(Tied(), step=3)
+    r = runner(Tied())
+    block = BlockComputer(CFG, r, SimpleNamespace(info=lambda event, **_: pytest.fail(event)),
+                          lambda message: pytest.fail(message), lambda: "w0")
+    assert not block.fold and limits.nbytes(r.params.values()) < FOLD_MIN_BYTES
+    _, total, _, finite = block.block(3, 0, 4, 1.0)
+    assert finite and total.keys() == expected.keys()
+    for n, g in expected.items():
+        assert torch.equal(total[n].view(torch.int32), g.view(torch.int32)), n
+    assert not r.hooked and not r.taken and all(p.grad is None for p in r.model.parameters())
+    assert all(not p._post_accumulate_grad_hooks for p in r.params.values()), "a hook registered"
 
 
 def test_a_microbatch_leaves_no_gradient_in_the_model() -> None:

@@ -20,6 +20,12 @@ from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import allocator
 from cmemi.shared.wire import limits
 
+# Blocks fold (`_folding`) only where the gradient it keeps from being held twice is this big: below, a Python hook per
+# parameter per microbatch costs more than the memory is worth. bench/small.py's cnn1d (12 KB of parameters, a lease
+# of 2 microbatches), in one process, blocks alternated: 2.48-2.51 ms of CPU per block folded, 2.41-2.43 ms summed
+# whole (the same bits), about 2 % of the whole cluster's CPU per step (issue 45).
+FOLD_MIN_BYTES = 16 << 20
+
 Result = tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, bool]
 
 
@@ -39,7 +45,9 @@ class BlockComputer:
         self.cfg, self.runner, self.log, self.fatal, self.who = cfg, runner, log, fatal, who
         # the last block's gradient is gone by the next one (sent, and the step it was part of is over): its pages
         # go back to the kernel first, so that the heap does not grow by a tensor or two (shared/memory/allocator.py)
-        self.trim = allocator.worth_trimming(limits.nbytes(runner.params.values()))
+        nbytes = limits.nbytes(runner.params.values())
+        self.trim = allocator.worth_trimming(nbytes)
+        self.fold = nbytes >= FOLD_MIN_BYTES  # (see FOLD_MIN_BYTES)
         # are the parameters still those of the lease? (false only when a slot read in place was rewritten)
         self.valid: Callable[[], bool] = lambda: True
 
@@ -57,8 +65,8 @@ class BlockComputer:
     def _folds(self, n: int) -> bool:
         """Fold each tensor as backward produces it? Not for one microbatch (nothing to fold into), not with fp16 (a
         microbatch's overflow is known only once all of it is there) and on a CPU only (a GPU's hooks run on
-        autograd's device threads)."""
-        return n > 1 and self.cfg.precision != "fp16" and self.runner.device.type == "cpu" and not self.runner.twice
+        autograd's device threads), and only a model of FOLD_MIN_BYTES or more."""
+        return self.fold and n > 1 and self.cfg.precision != "fp16" and self.runner.device.type == "cpu" and not self.runner.twice
 
     def _folding(self, step: int, lo: int, hi: int, scale: float) -> Result | None:
         """`_plain`'s sum, folded tensor by tensor as backward produces each gradient: one tree per tensor, fed leaf
@@ -67,6 +75,7 @@ class BlockComputer:
         the same bracketing, so the same bits. None when that could not hold (user code raised mid-block: the sums
         have part of a microbatch; a gradient accumulated twice in one backward): the caller computes it again."""
         runner = self.runner
+        runner.hook()
         trees = {n: TreeAccumulator(hi - lo, _add) for n in runner.params}
         buffers: TreeAccumulator = TreeAccumulator(hi - lo, add_into)
         losses: list[float] = []

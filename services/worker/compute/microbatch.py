@@ -59,8 +59,15 @@ class MicrobatchRunner:
         self.take: Callable[[str, torch.Tensor], None] | None = None
         self.taken: set[str] = set()
         self.twice = False  # a gradient accumulated twice in one backward (reentrant checkpointing): see _taker
-        for name, p in self.params.items():
-            p.register_post_accumulate_grad_hook(self._taker(name))
+        self.hooked = False  # the hooks `take` needs, registered by the first block that folds (`hook`)
+
+    def hook(self) -> None:
+        """Register the hooks that hand each gradient to `take`, once, when a block first folds: a model too small to
+        fold (block.py FOLD_MIN_BYTES) never pays a Python call per parameter per backward pass for them."""
+        if not self.hooked:
+            for name, p in self.params.items():
+                p.register_post_accumulate_grad_hook(self._taker(name))
+            self.hooked = True
 
     def _taker(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
