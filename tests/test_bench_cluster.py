@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster import BOTH_WAYS, SYSTEMS, compressed_system, rate_bit_s, rates_by_n
+from bench.cluster import (
+    BOTH_WAYS,
+    SYSTEMS,
+    compressed_system,
+    emulated_compute_bound,
+    of_bound,
+    rate_bit_s,
+    rates_by_n,
+)
 from bench.physics import comm_bounds_s
 
 
@@ -59,3 +67,12 @@ def test_system_names_say_codec_downlink_and_rank() -> None:
     assert compressed_system("cmemi_k1_powersgd2_r8") == {"codec": "powersgd", "downlink": "powersgd", "rank": 8}
     both = {k for k in SYSTEMS if compressed_system(k)["downlink"] != "none" and k.startswith("cmemi")}
     assert both == set(BOTH_WAYS) and "cmemi_kn_dedicated_powersgd2_r8" in both
+
+
+def test_local_steps_against_the_compute_bound() -> None:
+    # N replicas each sleep 20 ms per inner step of 64 samples: 8 · 64 / 0.02 = 25 600 samples/s at N = 8
+    assert emulated_compute_bound(8, 20.0) == pytest.approx(25_600)
+    assert emulated_compute_bound(16, 20.0) == pytest.approx(2 * emulated_compute_bound(8, 20.0))
+    assert of_bound({"samples_per_s": 12_800.0}, emulated_compute_bound(8, 20.0)) == 0.5
+    assert of_bound({"error": "failed"}, 25_600.0) is None
+    assert of_bound({"samples_per_s": 100.0}, None) is None
