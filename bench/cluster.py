@@ -249,6 +249,7 @@ class Cluster:
         self.lab, self.server, self.hosts, self.work, self.servers = lab, server, hosts, work, servers
         self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
         self.runs = 0
+        self.patience = 1.0  # --patience: every run's deadline times this (a machine loaded by others)
 
     def _wait(self, procs: dict[str, subprocess.Popen], names: list[str], deadline: float, logs: Path) -> None:
         for k in names:
@@ -339,7 +340,8 @@ class Cluster:
         self.sampler.watch({p.pid: ROLES.get(k.rstrip("0123456789"), k) for k, p in procs.items()})
         try:
             self._wait(procs, ["aggregator", *(f"w{i}" for i in range(n))],
-                       time.monotonic() + 240 + steps * (1 + 0.5 * n), logs)
+                       time.monotonic() + self.patience * (240 + steps * (1 + 0.5 * n + 2 * segment * SLEEP_MS / 1000)),
+                       logs)
         finally:
             for p in procs.values():
                 self.lab.stop(p)
@@ -533,6 +535,8 @@ def main() -> None:
     p.add_argument("--compute-bound", action="store_true", help="measure cmemi_local(_stream) again with every link "
                    "at --bound-rate: the compute bound of the same run (`of_measured_compute_bound`)")
     p.add_argument("--bound-rate", default="10gbit", help="the links' rate of the --compute-bound runs (default 10gbit)")
+    p.add_argument("--patience", type=float, default=1.0, help="every CMEMI run's deadline times this (default 1; "
+                   "more on a machine that others load)")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
@@ -635,6 +639,7 @@ def main() -> None:
         keys = work / "keys"
         generate(keys)
         cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys, servers)
+        cluster.patience = args.patience
         for n in ns_:
             rate = rate_bit_s(rates[n])
             for h in shaped:
