@@ -36,7 +36,9 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 Local steps (`cmemi_local`, `cmemi_local_stream`) record their samples/s as a fraction of the emulated compute
 bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
 `--compute-bound`, of the same system measured again in the same run with every link at `--bound-rate`
-(`of_measured_compute_bound`: what the links cost, on the machine's CPU at about the same load).
+(`of_measured_compute_bound`: what the links cost, on the machine's CPU at about the same load), and the
+step time each placement of the replicas' states would take on these links (`placement_bounds_s`,
+bench/physics.py's `local_step_bounds_s`).
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
@@ -75,7 +77,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
-from bench.physics import comm_bounds_s  # noqa: E402
+from bench.physics import comm_bounds_s, local_step_bounds_s  # noqa: E402
 from tests.helpers import netns  # noqa: E402
 
 SCRIPT = C.ROOT / "bench" / "torch_train.py"
@@ -672,6 +674,10 @@ def main() -> None:
                     step_ms = SLEEP_MS + args.backward_ms
                     runs[system]["emulated_compute_bound_samples_per_s"] = emulated_compute_bound(n, step_ms)
                     runs[system]["of_emulated_compute_bound"] = of_bound(runs[system], emulated_compute_bound(n, step_ms))
+                    frags = args.fragments if system == "cmemi_local_stream" else 1
+                    # SGD with momentum: a replica's inner state is as big as the parameters
+                    runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
+                        n, pbytes, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
                     if args.compute_bound and "error" not in runs[system]:
                         C.log(f"N = {n}: {system} again, links at {args.bound_rate} (--compute-bound)")
                         bound = with_compute_bound(lab, shaped, args.bound_rate, rates[n], args.burst, functools.partial(
