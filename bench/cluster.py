@@ -33,6 +33,13 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
   `compression.powersgd_rank: 8` (the rank that keeps an AdamW transformer's loss within 2 % of dense both ways,
   bench/compression.py); DDP's hook stays at rank 2.
 
+Local steps (`cmemi_local`, `cmemi_local_stream`) record their samples/s as a fraction of the emulated compute
+bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
+`--compute-bound`, of the same system measured again in the same run with every link at `--bound-rate`
+(`of_measured_compute_bound`: what the links cost, on the machine's CPU at about the same load), and the
+step time each placement of the replicas' states would take on these links (`placement_bounds_s`,
+bench/physics.py's `local_step_bounds_s`).
+
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
 
@@ -53,6 +60,7 @@ Prints one JSON object (also on failure, with `error`); `--out PATH` saves it to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -62,13 +70,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
-from bench.physics import comm_bounds_s  # noqa: E402
+from bench.physics import comm_bounds_s, local_step_bounds_s  # noqa: E402
 from tests.helpers import netns  # noqa: E402
 
 SCRIPT = C.ROOT / "bench" / "torch_train.py"
@@ -242,6 +251,7 @@ class Cluster:
         self.lab, self.server, self.hosts, self.work, self.servers = lab, server, hosts, work, servers
         self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
         self.runs = 0
+        self.patience = 1.0  # --patience: every run's deadline times this (a machine loaded by others)
 
     def _wait(self, procs: dict[str, subprocess.Popen], names: list[str], deadline: float, logs: Path) -> None:
         for k in names:
@@ -332,7 +342,8 @@ class Cluster:
         self.sampler.watch({p.pid: ROLES.get(k.rstrip("0123456789"), k) for k, p in procs.items()})
         try:
             self._wait(procs, ["aggregator", *(f"w{i}" for i in range(n))],
-                       time.monotonic() + 240 + steps * (1 + 0.5 * n), logs)
+                       time.monotonic() + self.patience * (240 + steps * (1 + 0.5 * n + 2 * segment * SLEEP_MS / 1000)),
+                       logs)
         finally:
             for p in procs.values():
                 self.lab.stop(p)
@@ -452,6 +463,37 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     }
 
 
+LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream")
+
+
+def emulated_compute_bound(n: int, step_ms: float) -> float:
+    """Samples/s of N replicas that do nothing but their emulated compute: each inner step is one forward (and
+    backward) of `step_ms` on BATCH samples, all N at once (a round or a segment trains BATCH · N per inner step)."""
+    return BATCH * n / (step_ms / 1000)
+
+
+def of_bound(run: dict[str, Any], bound: float | None) -> float | None:
+    """A run's samples/s as a fraction of a bound (None where either is missing)."""
+    got = run.get("samples_per_s")
+    return round(got / bound, 3) if got and bound else None
+
+
+def with_compute_bound(lab: netns.NetLab, shaped: list[netns.Host], rate: str, back: str, burst: str,
+                       measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The same system measured again with every link at `rate` (far above what the run needs, so what is left is its
+    compute, the CPU and the servers), then the links shaped back to `back`: the compute bound of the same run, on
+    the same machine at about the same load."""
+    for h in shaped:
+        lab.shape(h, rate, burst)
+    try:
+        return dict(measure())
+    except Exception as exc:  # the shaped run's figures stand without it
+        return {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    finally:
+        for h in shaped:
+            lab.shape(h, back, burst)
+
+
 def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
                local_steps: int = LOCAL_STEPS, fragments: int = FRAGMENTS) -> dict[str, Any]:
     if system.startswith("ddp"):
@@ -492,6 +534,11 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8, help="cluster.pipeline_stages of cmemi_kn_pipelined")
     p.add_argument("--local-steps", type=int, default=LOCAL_STEPS, help="train.local_steps of cmemi_local(_stream)")
     p.add_argument("--fragments", type=int, default=FRAGMENTS, help="train.fragments of cmemi_local_stream")
+    p.add_argument("--compute-bound", action="store_true", help="measure cmemi_local(_stream) again with every link "
+                   "at --bound-rate: the compute bound of the same run (`of_measured_compute_bound`)")
+    p.add_argument("--bound-rate", default="10gbit", help="the links' rate of the --compute-bound runs (default 10gbit)")
+    p.add_argument("--patience", type=float, default=1.0, help="every CMEMI run's deadline times this (default 1; "
+                   "more on a machine that others load)")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
@@ -594,6 +641,7 @@ def main() -> None:
         keys = work / "keys"
         generate(keys)
         cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys, servers)
+        cluster.patience = args.patience
         for n in ns_:
             rate = rate_bit_s(rates[n])
             for h in shaped:
@@ -622,6 +670,20 @@ def main() -> None:
                     C.log(f"N = {n}: {system} failed ({first_error.splitlines()[0][:200]}); once more")
                 if first_error is not None:
                     runs[system]["first_attempt_error"] = first_error
+                if system in LOCAL_SYSTEMS:
+                    step_ms = SLEEP_MS + args.backward_ms
+                    runs[system]["emulated_compute_bound_samples_per_s"] = emulated_compute_bound(n, step_ms)
+                    runs[system]["of_emulated_compute_bound"] = of_bound(runs[system], emulated_compute_bound(n, step_ms))
+                    frags = args.fragments if system == "cmemi_local_stream" else 1
+                    # SGD with momentum: a replica's inner state is as big as the parameters
+                    runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
+                        n, pbytes, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
+                    if args.compute_bound and "error" not in runs[system]:
+                        C.log(f"N = {n}: {system} again, links at {args.bound_rate} (--compute-bound)")
+                        bound = with_compute_bound(lab, shaped, args.bound_rate, rates[n], args.burst, functools.partial(
+                            run_system, cluster, system, n, steps, warmup, args.stages, args.local_steps, args.fragments))
+                        runs[system]["compute_bound"] = bound
+                        runs[system]["of_measured_compute_bound"] = of_bound(runs[system], bound.get("samples_per_s"))
                 C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
                 result["by_n"][str(n)] = {"link": link, **summarise(n, runs, pbytes, rate)}
         failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cluster import BOTH_WAYS, SYSTEMS, compressed_system, rate_bit_s, rates_by_n
-from bench.physics import comm_bounds_s
+from bench.cluster import (
+    BOTH_WAYS,
+    SYSTEMS,
+    compressed_system,
+    emulated_compute_bound,
+    of_bound,
+    rate_bit_s,
+    rates_by_n,
+)
+from bench.physics import comm_bounds_s, local_step_bounds_s
 
 
 def test_bounds_at_200_mbit() -> None:
@@ -59,3 +67,30 @@ def test_system_names_say_codec_downlink_and_rank() -> None:
     assert compressed_system("cmemi_k1_powersgd2_r8") == {"codec": "powersgd", "downlink": "powersgd", "rank": 8}
     both = {k for k in SYSTEMS if compressed_system(k)["downlink"] != "none" and k.startswith("cmemi")}
     assert both == set(BOTH_WAYS) and "cmemi_kn_dedicated_powersgd2_r8" in both
+
+
+def test_local_steps_against_the_compute_bound() -> None:
+    # N replicas each sleep 20 ms per inner step of 64 samples: 8 · 64 / 0.02 = 25 600 samples/s at N = 8
+    assert emulated_compute_bound(8, 20.0) == pytest.approx(25_600)
+    assert emulated_compute_bound(16, 20.0) == pytest.approx(2 * emulated_compute_bound(8, 20.0))
+    assert of_bound({"samples_per_s": 12_800.0}, emulated_compute_bound(8, 20.0)) == 0.5
+    assert of_bound({"error": "failed"}, 25_600.0) is None
+    assert of_bound({"samples_per_s": 100.0}, None) is None
+
+
+def test_local_step_bounds_follow_where_the_states_go() -> None:
+    p, mbit50 = 2_678_824, 50e6  # the sleepy MLP in fp32; SGD with momentum: a state is P
+    ingress = 7 / 8 * p * 8 / mbit50  # a host's slices of the changes (or of the parameters) at N = 8
+    whole = local_step_bounds_s(8, p, p, mbit50, 4.0)
+    assert whole["no_states_s"] == pytest.approx(4.0 + 2 * ingress)
+    assert whole["leader_s"] == pytest.approx(whole["no_states_s"] + 7 * p * 8 / mbit50)  # 7 hosts' states, in series
+    assert whole["spread_s"] == pytest.approx(whole["no_states_s"] + 7 / 8 * p * 8 / mbit50)
+    assert whole["after_change_s"] == pytest.approx(whole["no_states_s"])  # 7 states fit in a round's compute
+    assert local_step_bounds_s(8, p, p, 20e6, 4.0)["after_change_s"] == pytest.approx(7 * p * 8 / 20e6)  # they do not
+    # streaming, F = 4: R / 3 snapshots a segment, each the inner state and the replica's parameters; overlapped
+    stream = local_step_bounds_s(8, p, p, mbit50, 1.0, fragments=4)
+    assert stream["leader_s"] == pytest.approx((2 * ingress / 4 * mbit50 / 8 + 7 / 3 * 2 * p) * 8 / mbit50)
+    assert stream["spread_s"] == stream["no_states_s"] == 1.0  # the link's share fits under the compute
+    assert "after_change_s" not in stream
+    with pytest.raises(ValueError, match="need n >= 1"):
+        local_step_bounds_s(8, p, p, mbit50, 1.0, fragments=0)
