@@ -52,7 +52,12 @@ OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0
           "average": "{lr: 1.0, momentum: 0.0}"}
 
 
-CODECS = ("none", "int4", "sparse2")  # fp32, 4-bit and sparse 2-bit outer changes
+# (row name, compression.codec, its extra settings): fp32, 4-bit and sparse 2-bit outer changes; sparse2 also at a
+# top-k fraction of 10 %: at the default 1 % a replica sends at most 1 % of each chunk per sync, so a run of R syncs
+# moves at most R % of a replica's coordinates, and this short run's R (5 to 20 rounds) leaves most of the model where
+# it started (the --quick pass: +17 % to +61 % against fp32 changes). SparseLoCo's 1-3 % is meant for thousands of syncs.
+CODECS = (("none", "none", ()), ("int4", "int4", ()), ("sparse2", "sparse2", ()),
+          ("sparse2_10pct", "sparse2", ("compression.topk_ratio=0.1",)))
 WIDE = ["data.factory=bench.stdlib_corpus:make_dataset", "eval.fn=bench.stdlib_corpus:evaluate"]
 
 
@@ -74,9 +79,11 @@ def run(steps: int, local: int, outer: str | None, every: int, extra: tuple[str,
     per_step = cfg.train.samples_per_round  # samples per step of the servers (a round: H inner steps)
     curve = [{"samples": e["step"] * per_step, "loss": e["eval"]["loss"]} for e in summary["eval_history"]]
     curve.append({"samples": summary["steps"] * per_step, "loss": summary["eval"]["loss"]})
-    return {"local_steps": local, "outer": outer, "replicas": REPLICAS if local else None, "sets": sets,
+    out = {"local_steps": local, "outer": outer, "replicas": REPLICAS if local else None, "sets": sets,
             "eval_loss": summary["eval"]["loss"], "curve": curve, "params_sha256": summary["params_sha256"],
             "wall_s": round(time.monotonic() - t0, 1)}
+    C.log(f"done: H={local} {' '.join(extra[2:])}: eval loss {out['eval_loss']:.4f} in {out['wall_s']} s")
+    return out
 
 
 def samples_to(curve: list[dict[str, Any]], target: float) -> int | None:
@@ -96,6 +103,8 @@ def main() -> None:
                    "each; the losses are the same bits at any --jobs)")
     p.add_argument("--out", default=None)
     p.add_argument("--codecs", action="store_true", help="the outer-codec quality table on the stdlib corpus instead")
+    p.add_argument("--batch", type=int, default=None, help="--codecs: train.global_batch (default 32; --quick 16)")
+    p.add_argument("--note", default="", help="--codecs: a note saved in the results file (why these steps)")
     args = p.parse_args()
     if args.codecs:
         return codec_table(args)
@@ -146,23 +155,24 @@ def main() -> None:
 def codec_table(args: argparse.Namespace) -> None:
     """`--codecs`: rows {system, local_steps, fragments, codec, eval_loss, vs_sync, vs_fp32} (relative, + is worse)."""
     steps = args.steps or (400 if args.quick else 4000)
-    batch = 16 if args.quick else 32
+    batch = args.batch or (16 if args.quick else 32)
     hs = [int(x) for x in (args.local or ("50,200")).split(",")]
     if bad := [h for h in hs if steps % h or h % 5]:
         p_error(f"--local: {bad} must divide train.steps={steps} and be multiples of the 5 fragments")
     C.setup(threads=1)
     base = (*WIDE, f"train.global_batch={batch}")
     specs: list[tuple[str, int, int, str]] = [("sync", 0, 1, "none")]
-    specs += [(system, h, f, codec) for h in hs for system, f in (("whole", 1), ("streaming", 5)) for codec in CODECS]
+    specs += [(system, h, f, row) for h in hs for system, f in (("whole", 1), ("streaming", 5)) for row, _, _ in CODECS]
+    codecs = {row: (codec, sets) for row, codec, sets in CODECS}
     result: dict[str, Any] = {"bench": "outer_codecs", **C.provenance(),
                               "command": " ".join(["python bench/local_steps.py", *sys.argv[1:]]),
                               "machine": C.machine(), "config": CONFIG, "corpus": "bench/stdlib_corpus.py",
                               "steps": steps, "global_batch": batch, "replicas": REPLICAS, "outer": "mild",
-                              "codecs": []}
+                              **({"note": args.note} if args.note else {}), "codecs": []}
     t_start = time.monotonic()
     try:
         C.log(f"{len(specs)} runs of charlm on the stdlib corpus ({steps} inner steps), {args.jobs} at a time")
-        extras = [(*base, *([f"compression.codec={c}"] if c != "none" else []),
+        extras = [(*base, *([f"compression.codec={codecs[c][0]}", *codecs[c][1]] if c != "none" else []),
                    *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             done = list(pool.map(run, [steps] * len(specs), [h for _, h, _, _ in specs],
@@ -170,7 +180,8 @@ def codec_table(args: argparse.Namespace) -> None:
         sync = done[0]["eval_loss"]
         fp32 = {(s, h): r["eval_loss"] for (s, h, _, c), r in zip(specs, done, strict=True) if c == "none"}
         for (system, h, f, codec), r in zip(specs, done, strict=True):
-            result["codecs"].append({"system": system, "local_steps": h, "fragments": f, "codec": codec,
+            result["codecs"].append({"system": system, "local_steps": h, "fragments": f, "codec": codecs[codec][0],
+                                     "row": codec, "codec_sets": list(codecs[codec][1]),
                                      "eval_loss": r["eval_loss"], "vs_sync": round(r["eval_loss"] / sync - 1, 4),
                                      "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4),
                                      "curve": r["curve"], "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
