@@ -17,11 +17,14 @@ overfits late in a long run: its final loss is then reached before its last step
 
 `--codecs` instead writes issue 48's quality table: on the Python standard library's sources (bench/stdlib_corpus.py, 8 MB:
 no overfitting within the run), synchronous training, whole rounds and streaming (F = 5 fragments) at H = 50 and 200
-with fp32, int4 and sparse2 outer changes (`compression.codec`, sparse2 with its per-replica error feedback), the mild
-outer step, eval loss at equal samples; `--quick` runs 400 inner steps of a smaller batch in a few minutes on 2 cores
-(a check that it works, not a measurement), the default 4000:
+with fp32, int4 and sparse2 outer changes (`compression.codec`, sparse2 with its per-replica error feedback, at the
+default top-k fraction of 1 % and at 10 %: CODECS says why), the mild outer step, eval loss at equal samples; `--quick`
+runs 400 inner steps of a global batch of 16 (a check that it works, not a measurement: about 11 minutes at --jobs 2
+on 2 cores shared with other work), the default 4000 of 32 (about 20 times the work of --quick); `--steps` and
+`--batch` size a shorter run, and `--note` says why in the results file:
 
-    .venv/bin/python bench/local_steps.py --codecs [--quick] [--jobs 2] --out bench/results/outer_codecs.json
+    .venv/bin/python bench/local_steps.py --codecs [--quick] [--steps N] [--batch B] [--jobs 2] [--note TEXT] \
+        --out bench/results/outer_codecs.json
 
 `--reach H:OUTER:FACTOR,...` also trains local runs FACTOR times as long (the schedule over the longer run) and records
 the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
@@ -37,7 +40,7 @@ import json
 import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -170,30 +173,60 @@ def codec_table(args: argparse.Namespace) -> None:
                               "steps": steps, "global_batch": batch, "replicas": REPLICAS, "outer": "mild",
                               **({"note": args.note} if args.note else {}), "codecs": []}
     t_start = time.monotonic()
+    extras = [(*base, *([f"compression.codec={codecs[c][0]}", *codecs[c][1]] if c != "none" else []),
+               *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
+    # The synchronous run first, then every fp32 row, then each codec's: a run cut short (a deadline, a signal) has
+    # saved the rows the others are compared with.
+    order = sorted(range(len(specs)), key=lambda i: (i > 0, [row for row, _, _ in CODECS].index(specs[i][3]), i))
+    done: dict[int, dict[str, Any]] = {}
     try:
         C.log(f"{len(specs)} runs of charlm on the stdlib corpus ({steps} inner steps), {args.jobs} at a time")
-        extras = [(*base, *([f"compression.codec={codecs[c][0]}", *codecs[c][1]] if c != "none" else []),
-                   *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(run, [steps] * len(specs), [h for _, h, _, _ in specs],
-                                 [None if not h else "mild" for _, h, _, _ in specs], [args.every] * len(specs), extras))
-        sync = done[0]["eval_loss"]
-        fp32 = {(s, h): r["eval_loss"] for (s, h, _, c), r in zip(specs, done, strict=True) if c == "none"}
-        for (system, h, f, codec), r in zip(specs, done, strict=True):
-            result["codecs"].append({"system": system, "local_steps": h, "fragments": f, "codec": codecs[codec][0],
-                                     "row": codec, "codec_sets": list(codecs[codec][1]),
-                                     "eval_loss": r["eval_loss"], "vs_sync": round(r["eval_loss"] / sync - 1, 4),
-                                     "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4),
-                                     "curve": r["curve"], "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
+            futures = {pool.submit(run, steps, specs[i][1], "mild" if specs[i][1] else None, args.every, extras[i]): i
+                       for i in order}
+            for fut in as_completed(futures):
+                done[futures[fut]] = fut.result()
+                result["codecs"] = codec_rows(specs, codecs, done)
+                save(result, t_start, args.out)
+        result.pop("missing", None)
     except BaseException as exc:
         C.record_error(result, exc)
         raise
     finally:
-        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-        text = json.dumps(result, indent=1)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        result["codecs"] = codec_rows(specs, codecs, done)
+        if missing := [f"{s} H={h} {c}" for i, (s, h, _, c) in enumerate(specs) if i not in done]:
+            result["missing"] = missing
+        print(save(result, t_start, args.out))
+
+
+def codec_rows(specs: list[tuple[str, int, int, str]], codecs: dict[str, tuple[str, tuple[str, ...]]],
+               done: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the finished runs that can be compared (the synchronous run's and their fp32 row's done), in the
+    order of `specs`."""
+    if 0 not in done:
+        return []
+    sync = done[0]["eval_loss"]
+    fp32 = {(s, h): done[i]["eval_loss"] for i, (s, h, _, c) in enumerate(specs) if c == "none" and i in done}
+    rows = []
+    for i, (system, h, f, codec) in enumerate(specs):
+        if i not in done or (system, h) not in fp32:
+            continue
+        r = done[i]
+        rows.append({"system": system, "local_steps": h, "fragments": f, "codec": codecs[codec][0], "row": codec,
+                     "codec_sets": list(codecs[codec][1]), "eval_loss": r["eval_loss"],
+                     "vs_sync": round(r["eval_loss"] / sync - 1, 4),
+                     "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4), "curve": r["curve"],
+                     "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
+    return rows
+
+
+def save(result: dict[str, Any], t_start: float, out: str | None) -> str:
+    """The result so far as JSON, written to `out` (rewritten as each run finishes)."""
+    result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+    return text
 
 
 def p_error(message: str) -> None:
