@@ -163,6 +163,8 @@ def outer_codecs() -> str:
         vs_fp32 = f"{r['vs_fp32']:+.1%}" if local and r["codec"] != "none" else "—"
         lines.append(f"| {system} | {r['local_steps'] if local else '—'} | {codec_name(r) if local else '—'} | "
                      f"{r['eval_loss']:.3f} | {vs_sync} | {vs_fp32} |")
+    if d.get("note"):
+        lines += ["", f"Run length: {d['note']}"]
     sync = next(r for r in d["codecs"] if r["system"] == "sync")
     tail = list({p["samples"]: p["loss"] for p in sync["curve"]}.values())[-4:]  # the final eval may repeat the last
     falling = all(b < a for a, b in zip(tail, tail[1:], strict=False))
@@ -176,6 +178,4 @@ def outer_codecs() -> str:
               f"({', '.join(sorted({codec_name(r) for r in near})) or 'none'})."]
     if d.get("missing"):
         lines += ["", f"Not measured (the run was cut short before them): {', '.join(d['missing'])}."]
-    if d.get("note"):
-        lines += ["", f"Run length: {d['note']}"]
     return "\n".join([*lines, "", measured(OUTER_CODECS)])
