@@ -17,11 +17,14 @@ overfits late in a long run: its final loss is then reached before its last step
 
 `--codecs` instead writes issue 48's quality table: on the Python standard library's sources (bench/stdlib_corpus.py, 8 MB:
 no overfitting within the run), synchronous training, whole rounds and streaming (F = 5 fragments) at H = 50 and 200
-with fp32, int4 and sparse2 outer changes (`compression.codec`, sparse2 with its per-replica error feedback), the mild
-outer step, eval loss at equal samples; `--quick` runs 400 inner steps of a smaller batch in a few minutes on 2 cores
-(a check that it works, not a measurement), the default 4000:
+with fp32, int4 and sparse2 outer changes (`compression.codec`, sparse2 with its per-replica error feedback, at the
+default top-k fraction of 1 % and at 10 %: CODECS says why), the mild outer step, eval loss at equal samples; `--quick`
+runs 400 inner steps of a global batch of 16 (a check that it works, not a measurement: about 11 minutes at --jobs 2
+on 2 cores shared with other work), the default 4000 of 32 (about 20 times the work of --quick); `--steps` and
+`--batch` size a shorter run, and `--note` says why in the results file:
 
-    .venv/bin/python bench/local_steps.py --codecs [--quick] [--jobs 2] --out bench/results/outer_codecs.json
+    .venv/bin/python bench/local_steps.py --codecs [--quick] [--steps N] [--batch B] [--jobs 2] [--note TEXT] \
+        --out bench/results/outer_codecs.json
 
 `--reach H:OUTER:FACTOR,...` also trains local runs FACTOR times as long (the schedule over the longer run) and records
 the samples each needs to reach the synchronous run's final eval loss, when the equal-samples run does not.
@@ -37,7 +40,7 @@ import json
 import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +55,12 @@ OUTERS = {"paper": "{lr: 0.7, momentum: 0.9, nesterov: true}", "mild": "{lr: 1.0
           "average": "{lr: 1.0, momentum: 0.0}"}
 
 
-CODECS = ("none", "int4", "sparse2")  # fp32, 4-bit and sparse 2-bit outer changes
+# (row name, compression.codec, its extra settings): fp32, 4-bit and sparse 2-bit outer changes; sparse2 also at a
+# top-k fraction of 10 %: at the default 1 % a replica sends at most 1 % of each chunk per sync, so a run of R syncs
+# moves at most R % of a replica's coordinates, and this short run's R (5 to 20 rounds) leaves most of the model where
+# it started (the --quick pass: +17 % to +61 % against fp32 changes). SparseLoCo's 1-3 % is meant for thousands of syncs.
+CODECS = (("none", "none", ()), ("int4", "int4", ()), ("sparse2", "sparse2", ()),
+          ("sparse2_10pct", "sparse2", ("compression.topk_ratio=0.1",)))
 WIDE = ["data.factory=bench.stdlib_corpus:make_dataset", "eval.fn=bench.stdlib_corpus:evaluate"]
 
 
@@ -74,9 +82,11 @@ def run(steps: int, local: int, outer: str | None, every: int, extra: tuple[str,
     per_step = cfg.train.samples_per_round  # samples per step of the servers (a round: H inner steps)
     curve = [{"samples": e["step"] * per_step, "loss": e["eval"]["loss"]} for e in summary["eval_history"]]
     curve.append({"samples": summary["steps"] * per_step, "loss": summary["eval"]["loss"]})
-    return {"local_steps": local, "outer": outer, "replicas": REPLICAS if local else None, "sets": sets,
+    out = {"local_steps": local, "outer": outer, "replicas": REPLICAS if local else None, "sets": sets,
             "eval_loss": summary["eval"]["loss"], "curve": curve, "params_sha256": summary["params_sha256"],
             "wall_s": round(time.monotonic() - t0, 1)}
+    C.log(f"done: H={local} {' '.join(extra[2:])}: eval loss {out['eval_loss']:.4f} in {out['wall_s']} s")
+    return out
 
 
 def samples_to(curve: list[dict[str, Any]], target: float) -> int | None:
@@ -96,6 +106,8 @@ def main() -> None:
                    "each; the losses are the same bits at any --jobs)")
     p.add_argument("--out", default=None)
     p.add_argument("--codecs", action="store_true", help="the outer-codec quality table on the stdlib corpus instead")
+    p.add_argument("--batch", type=int, default=None, help="--codecs: train.global_batch (default 32; --quick 16)")
+    p.add_argument("--note", default="", help="--codecs: a note saved in the results file (why these steps)")
     args = p.parse_args()
     if args.codecs:
         return codec_table(args)
@@ -146,43 +158,75 @@ def main() -> None:
 def codec_table(args: argparse.Namespace) -> None:
     """`--codecs`: rows {system, local_steps, fragments, codec, eval_loss, vs_sync, vs_fp32} (relative, + is worse)."""
     steps = args.steps or (400 if args.quick else 4000)
-    batch = 16 if args.quick else 32
+    batch = args.batch or (16 if args.quick else 32)
     hs = [int(x) for x in (args.local or ("50,200")).split(",")]
     if bad := [h for h in hs if steps % h or h % 5]:
         p_error(f"--local: {bad} must divide train.steps={steps} and be multiples of the 5 fragments")
     C.setup(threads=1)
     base = (*WIDE, f"train.global_batch={batch}")
     specs: list[tuple[str, int, int, str]] = [("sync", 0, 1, "none")]
-    specs += [(system, h, f, codec) for h in hs for system, f in (("whole", 1), ("streaming", 5)) for codec in CODECS]
+    specs += [(system, h, f, row) for h in hs for system, f in (("whole", 1), ("streaming", 5)) for row, _, _ in CODECS]
+    codecs = {row: (codec, sets) for row, codec, sets in CODECS}
     result: dict[str, Any] = {"bench": "outer_codecs", **C.provenance(),
                               "command": " ".join(["python bench/local_steps.py", *sys.argv[1:]]),
                               "machine": C.machine(), "config": CONFIG, "corpus": "bench/stdlib_corpus.py",
                               "steps": steps, "global_batch": batch, "replicas": REPLICAS, "outer": "mild",
-                              "codecs": []}
+                              **({"note": args.note} if args.note else {}), "codecs": []}
     t_start = time.monotonic()
+    extras = [(*base, *([f"compression.codec={codecs[c][0]}", *codecs[c][1]] if c != "none" else []),
+               *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
+    # The synchronous run first, then every fp32 row, then each codec's: a run cut short (a deadline, a signal) has
+    # saved the rows the others are compared with.
+    order = sorted(range(len(specs)), key=lambda i: (i > 0, [row for row, _, _ in CODECS].index(specs[i][3]), i))
+    done: dict[int, dict[str, Any]] = {}
     try:
         C.log(f"{len(specs)} runs of charlm on the stdlib corpus ({steps} inner steps), {args.jobs} at a time")
-        extras = [(*base, *([f"compression.codec={c}"] if c != "none" else []),
-                   *([f"train.fragments={f}"] if f > 1 else [])) for _, _, f, c in specs]
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(run, [steps] * len(specs), [h for _, h, _, _ in specs],
-                                 [None if not h else "mild" for _, h, _, _ in specs], [args.every] * len(specs), extras))
-        sync = done[0]["eval_loss"]
-        fp32 = {(s, h): r["eval_loss"] for (s, h, _, c), r in zip(specs, done, strict=True) if c == "none"}
-        for (system, h, f, codec), r in zip(specs, done, strict=True):
-            result["codecs"].append({"system": system, "local_steps": h, "fragments": f, "codec": codec,
-                                     "eval_loss": r["eval_loss"], "vs_sync": round(r["eval_loss"] / sync - 1, 4),
-                                     "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4),
-                                     "curve": r["curve"], "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
+            futures = {pool.submit(run, steps, specs[i][1], "mild" if specs[i][1] else None, args.every, extras[i]): i
+                       for i in order}
+            for fut in as_completed(futures):
+                done[futures[fut]] = fut.result()
+                result["codecs"] = codec_rows(specs, codecs, done)
+                save(result, t_start, args.out)
+        result.pop("missing", None)
     except BaseException as exc:
         C.record_error(result, exc)
         raise
     finally:
-        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
-        text = json.dumps(result, indent=1)
-        print(text)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        result["codecs"] = codec_rows(specs, codecs, done)
+        if missing := [f"{s} H={h} {c}" for i, (s, h, _, c) in enumerate(specs) if i not in done]:
+            result["missing"] = missing
+        print(save(result, t_start, args.out))
+
+
+def codec_rows(specs: list[tuple[str, int, int, str]], codecs: dict[str, tuple[str, tuple[str, ...]]],
+               done: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the finished runs that can be compared (the synchronous run's and their fp32 row's done), in the
+    order of `specs`."""
+    if 0 not in done:
+        return []
+    sync = done[0]["eval_loss"]
+    fp32 = {(s, h): done[i]["eval_loss"] for i, (s, h, _, c) in enumerate(specs) if c == "none" and i in done}
+    rows = []
+    for i, (system, h, f, codec) in enumerate(specs):
+        if i not in done or (system, h) not in fp32:
+            continue
+        r = done[i]
+        rows.append({"system": system, "local_steps": h, "fragments": f, "codec": codecs[codec][0], "row": codec,
+                     "codec_sets": list(codecs[codec][1]), "eval_loss": r["eval_loss"],
+                     "vs_sync": round(r["eval_loss"] / sync - 1, 4),
+                     "vs_fp32": round(r["eval_loss"] / fp32[(system, h)] - 1, 4), "curve": r["curve"],
+                     "params_sha256": r["params_sha256"], "wall_s": r["wall_s"]})
+    return rows
+
+
+def save(result: dict[str, Any], t_start: float, out: str | None) -> str:
+    """The result so far as JSON, written to `out` (rewritten as each run finishes)."""
+    result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+    return text
 
 
 def p_error(message: str) -> None:
