@@ -104,9 +104,7 @@ class ShardServer:
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.join(joined_at, self.addr)
-        self._next_ready = 0.0
-        self._next_have = 0.0
-        self._next_check = 0.0
+        self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
