@@ -158,3 +158,54 @@ def test_a_slice_that_does_not_fit_the_model_stops_the_run_naming_the_fix() -> N
     pieces = {n: torch.zeros(3) for n in partition.views(model(), 1)}
     with pytest.raises(Fatal, match="model.factory, model.kwargs and cluster.shards"):
         ShardSlices(r).place(1, pieces, model())
+
+
+def test_a_shard_whose_link_was_dialled_again_is_answered_on_the_new_connection() -> None:
+    """Issue 47's stall (tests/test_partitions.py, shard 1 cut from the leader): the link comes back under a new
+    identity. The one-line change that makes it fail: test `info.identity != identity` in `member` again."""
+    r, sent, drops, _ = roster(shards=2)
+    join(r, 1)
+    r.fence("w0", 2)
+    h = {"shard": 1, "inc": 1, "term": TERM, "step": 5, "partials": [1.0], "overflow": False}
+    n = len(sent.log)
+    assert r.ready(b"s1-again", h, step=5) and not drops and r.ctx.emitted == ["shard_redialled"]
+    assert r.is_shard(b"s1-again") and not r.is_shard(b"s1")
+    welcome = {"term": TERM, "lease_key": b"k", "fp": {"sha256": "x"}}
+    assert sent.log[n:] == [(b"s1-again", "shard_welcome", welcome),  # what went to the cut connection, again
+                            (b"s1-again", "shard_fence", {"term": TERM, "wid": "w0", "inc": 2})]
+    r.commit(step=5, skip=False)
+    assert sent.log[-1][0] == b"s1-again" and r.others_ready(5) == ([1.0], False)
+    assert not r.ready(b"s1-again", {**h, "inc": 2}, step=5) and drops[-1][0] == "unknown_shard"  # not its incarnation
+    assert not r.ready(b"s1-again", {**h, "term": TERM + 1}, step=5) and drops[-1][0] == "unknown_shard"
+    # its join said again on a third connection (the welcome lost on the second): welcomed there, not a restart
+    assert not r.join(b"s1-third", {"shard": 1, "term": TERM, "inc": 1, "step": 0, "addr": "tcp://s1"}, step=5)
+    assert sent.log[-2][:2] == (b"s1-third", "shard_welcome") and r.is_shard(b"s1-third")
+    assert r.ctx.emitted == ["shard_redialled", "shard_redialled"]
+
+
+def test_a_dealer_dialled_again_comes_to_the_router_under_a_new_identity() -> None:
+    """The mechanism on real sockets: a shard's link to its leader (a DEALER without a routing id, upstream.py)
+    that reconnects is a new peer to the leader's ROUTER, and the roster keeps it as the same shard."""
+    import zmq
+
+    zctx = zmq.Context()
+    router, dealer = zctx.socket(zmq.ROUTER), zctx.socket(zmq.DEALER)
+    try:
+        router.bind("tcp://127.0.0.1:0")
+        addr = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        idents = []
+        for _ in range(2):
+            dealer.connect(addr)
+            dealer.send(b"shard_ready")
+            assert router.poll(10_000), "no message within 10 s"
+            idents.append(router.recv_multipart()[0])
+            dealer.disconnect(addr)  # as a connection given up at the link timeout
+        assert idents[0] != idents[1]
+        r, _, drops, _ = roster(shards=2)
+        r.join(idents[0], {"shard": 1, "term": TERM, "inc": 1, "step": 0, "addr": "tcp://s1"}, step=0)
+        h = {"shard": 1, "inc": 1, "term": TERM, "step": 0, "partials": [1.0], "overflow": False}
+        assert r.ready(idents[1], h, step=0) and not drops and r.is_shard(idents[1])
+    finally:
+        router.close(linger=0)
+        dealer.close(linger=0)
+        zctx.term()

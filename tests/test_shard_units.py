@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from cmemi.services.aggregator.common.admission import LeaseSeal
 from cmemi.services.aggregator.shard import checks
 from cmemi.services.aggregator.shard.server import ShardServer
 from cmemi.services.aggregator.shard.stages import StepStages
+from cmemi.services.aggregator.shard.upstream import JOIN_AGAIN_S
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core.environment import environment
@@ -129,6 +131,23 @@ def context_free_compression():
 def test_a_shard_joins_its_leaders_term_at_the_step_it_restored(rig: ShardRig) -> None:
     assert (rig.join["shard"], rig.join["term"], rig.join["step"]) == (1, TERM, 0)
     assert rig.join["addr"] == rig.shard.addr
+
+
+def test_a_shard_says_its_join_again_until_the_leaders_welcome_comes(rig: ShardRig) -> None:
+    """A join lost on a cut link (issue 47) must not leave the leader without this shard. The one-line change that
+    makes it fail: `join_again` returning at once (services/aggregator/shard/upstream.py)."""
+    again = rig.leader.expect("shard_join", timeout=5).header  # the first one went unanswered
+    assert (again["step"], again["term"], again["addr"]) == (rig.join["step"], TERM, rig.shard.addr)
+    rig.welcome()
+    until(lambda: rig.shard.seal is not None, 10, "the welcome taken", lambda: rig.leader.quiet(0.05))
+    joins, deadline = 0, time.monotonic() + 3 * JOIN_AGAIN_S
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            rig.leader.expect("shard_join", timeout=left)
+        except AssertionError:
+            break
+        joins += 1
+    assert joins <= 1, f"{joins} joins in {3 * JOIN_AGAIN_S:g} s after the welcome (one may have been on its way)"
 
 
 def test_a_hello_before_the_leaders_welcome_is_refused_without_stopping_the_worker(rig: ShardRig) -> None:

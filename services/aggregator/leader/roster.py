@@ -6,7 +6,8 @@ term's lease-seal key, so it admits workers and checks their leases by the leade
 incomplete a shard says which microbatches it holds (`shard_have`); what it lacks of a step complete here is
 leased again. Each shard reports its complete step (`shard_ready`: its pieces' partial norms, its overflow
 flag); once all did, the leader commits the step on every shard with every shard's share (`shard_commit`).
-A shard that restarts within a term rolls the cluster back to the last complete checkpoint (a new term). The
+A shard that restarts within a term rolls the cluster back to the last complete checkpoint (a new term); one whose
+link was cut and dialled again is the same shard under a new connection identity (`redialled`). The
 pieces a shard sends at each evaluation step (`shard_eval`) and after the last step (`shard_final`) are
 shard_slices.py's job: it takes them only from a shard `member` names.
 """
@@ -47,6 +48,7 @@ class ShardRoster:
         self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
         self.last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
         self.announced: dict[str, Any] | None = None  # the welcome every joined shard was sent last
+        self.fences: dict[str, int] = {}  # worker id -> the highest incarnation fenced this term (said again: redialled)
 
     @property
     def complete(self) -> bool:
@@ -63,8 +65,11 @@ class ShardRoster:
             self.drop("stale_shard", f"shard {k} of term {h['term']}")
             self.outbox.send(identity, "reject", fatal=False, reason=f"term {self.term} started: join it")
             return False
-        if known is not None and known.inc == h["inc"]:
-            self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())  # said again: slow link
+        if known is not None and known.inc == h["inc"]:  # said again: a slow link, or a join lost on a cut one
+            if known.identity != identity:
+                self.redialled(k, known, identity)  # welcomes it there
+            else:
+                self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
             return False
         if known is not None or h["step"] != step:
             # a shard restarted: its slice went back to the checkpoint, so the whole cluster goes back with it
@@ -86,12 +91,35 @@ class ShardRoster:
                 self.outbox.send(info.identity, "shard_welcome", term=self.term, **welcome)
 
     def member(self, identity: bytes, h: dict[str, Any]) -> ShardInfo | None:
-        """The joined shard a message comes from, or None (dropped: `unknown_shard`)."""
+        """The joined shard a message comes from, or None (dropped: `unknown_shard`). Its incarnation of this term
+        is that shard on whichever connection it comes (`redialled`)."""
         info = self.shards.get(h["shard"])
-        if info is None or info.identity != identity or info.inc != h["inc"] or h["term"] != self.term:
+        if info is None or info.inc != h["inc"] or h["term"] != self.term:
             self.drop("unknown_shard", f"shard {h['shard']}/{h['inc']}")
             return None
+        if info.identity != identity:
+            self.redialled(h["shard"], info, identity)
         return info
+
+    def redialled(self, k: int, info: ShardInfo, identity: bytes) -> None:
+        """Shard k's link was given up and dialled again (a cut longer than its timeout, shared/runtime/links.py):
+        answer it on the new connection, and say again what went to the old one since the last message it sent.
+
+        The leader's ROUTER names each connection anew (the shard's DEALER sets no routing id), so a joined shard
+        comes back under another identity. Keyed by identity alone (before issue 47's fix) its every `shard_have`
+        and `shard_ready` was dropped as `unknown_shard` and every commit went to the dead connection: shard 1 cut
+        from the leader for 4 s (tests/test_partitions.py) stalled the run for good, every worker saying hello
+        again every 10 s. A fixed routing id would not do instead: a ROUTER ignores a connection whose id the old
+        one still holds until it gives the old one up. Who it is stays checked: its shard number, incarnation and
+        term, under CurveZMQ a key of the aggregator role (intake.py). What may have been lost is said again: the
+        welcome (the run's fingerprint: `announce` may have sent it only to the old connection) and this term's
+        fences; a lost commit goes again when the shard reports that step ready once more (`ready`)."""
+        self.ctx.emit("shard_redialled", shard=k, inc=info.inc)
+        self.ctx.log.warning("a shard's link was dialled again; answering it there", shard=k, inc=info.inc)
+        info.identity = identity
+        self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
+        for wid, inc in self.fences.items():
+            self.outbox.send(identity, "shard_fence", term=self.term, wid=wid, inc=inc)
 
     def have(self, identity: bytes, h: dict[str, Any], collector: StepCollector, grace: float) -> bool:
         """A shard's microbatches of its incomplete step: what it lacks of a step complete here goes back to the
@@ -143,5 +171,6 @@ class ShardRoster:
 
     def fence(self, wid: str, inc: int) -> None:
         """A fence the leader verified, passed on to every shard (they admit workers by the same rule)."""
+        self.fences[wid] = max(inc, self.fences.get(wid, 0))
         for info in self.shards.values():
             self.outbox.send(info.identity, "shard_fence", term=self.term, wid=wid, inc=inc)

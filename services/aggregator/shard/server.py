@@ -103,10 +103,8 @@ class ShardServer:
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
-        self.leader.send("shard_join", step=joined_at, addr=self.addr)
-        self._next_ready = 0.0
-        self._next_have = 0.0
-        self._next_check = 0.0
+        self.leader.join(joined_at, self.addr)
+        self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
@@ -160,6 +158,7 @@ class ShardServer:
         if now < self._next_check:
             return
         self._next_check = now + 0.25
+        self.leader.join_again(self.seal is not None, now)
         self.ckpt.poll()
         self.leader.check_term()
 

@@ -9,6 +9,7 @@ than one arrive in parts and are assembled here, so the shard's loop sees whole 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,9 @@ class Rejoin(Interrupt):
     """This shard's state is not the cluster's any more: leave the term, start again from its checkpoint."""
 
 
+JOIN_AGAIN_S = 1.0  # a join not welcomed this long is said again
+
+
 class LeaderLink:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, addr: str, shard: int, term: int,
                  incarnation: Callable[[], Any], drop: Callable[[str, str], None]) -> None:
@@ -36,6 +40,8 @@ class LeaderLink:
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=drop)  # the leader's messages bigger than one
         # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
+        self.joining: dict[str, Any] | None = None  # the join said, until the leader's welcome (`join_again`)
+        self.next_join = 0.0
         self.watch = Watch(ctx.redis, 0.25, lambda r: (text(r.hget(ctx.keys.aggregator, "term")), text(r.get(ctx.keys.state))),
                            "shard").start()
 
@@ -45,6 +51,23 @@ class LeaderLink:
                                                        "term": self.term, **fields},
                                  cluster.message_cap(), tensors, cluster.checksum)
         transfer.send(self.sock, msgs)
+
+    def join(self, step: int, addr: str) -> None:
+        """Join the leader's term at `step` (`shard_join`), said again until welcomed (`join_again`)."""
+        self.joining = {"step": step, "addr": addr}
+        self.send("shard_join", **self.joining)
+        self.next_join = time.monotonic() + JOIN_AGAIN_S
+
+    def join_again(self, welcomed: bool, now: float) -> None:
+        """Say the join again every JOIN_AGAIN_S until the leader's welcome comes. Said once, a join that a cut link
+        lost on the way (given up with what it held, shared/runtime/links.py) left the leader without this shard
+        for good, holding every worker's hello (it admits workers once every shard joined); said again, it is
+        welcomed again (services/aggregator/leader/roster.py `join`)."""
+        if welcomed:
+            self.joining = None
+        elif self.joining is not None and now >= self.next_join:
+            self.send("shard_join", **self.joining)
+            self.next_join = now + JOIN_AGAIN_S
 
     def received(self) -> Iterator[protocol.Message]:
         """The leader's whole messages of this term that are waiting now; raises Rejoin on a `reject`."""
