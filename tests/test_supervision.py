@@ -178,7 +178,9 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_a_coordinator_started_after_the_run_completed_starts_nothing(tmp_path: Path) -> None:
     """`cmemi up` restarts a coordinator that died; one that starts when the run has completed (it died in the
-    last moments) exits 0 at once instead of starting the services of a finished run again."""
+    last moments) exits 0 at once instead of starting the services of a finished run again. So does a leader or a
+    shard (the soak saw a leader abort after `run_completed`; restarted, it waited for a final checkpoint that no
+    checkpointer would write, as a checkpointer exits once the run is over)."""
     import redis as redis_py
     from cmemi.shared.config.loading import dump_config, load_config
     from cmemi.shared.coordination.keys import Keys
@@ -201,5 +203,10 @@ def test_a_coordinator_started_after_the_run_completed_starts_nothing(tmp_path: 
         started = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
                    if e["kind"] == "process_started"]
         assert started == [] and client.get(Keys("done").state) == "completed"
+        for shard in ("0", "1"):
+            r = subprocess.run([sys.executable, "-m", "cmemi", "aggregator", "--config", str(run_dir / "config.yaml"),
+                                "--shard", shard, "--set", "cluster.shards=2"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=90, env={**os.environ, "CMEMI_REDIS_URL": server.url})
+            assert r.returncode == 0 and "the run has ended" in r.stdout + r.stderr, r.stderr[-2000:]
     finally:
         server.stop()

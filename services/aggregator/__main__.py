@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.shard < ctx.cfg.cluster.shards:
         ctx.fatal(f"--shard {args.shard}: this run has cluster.shards: {ctx.cfg.cluster.shards} (shards 0.."
                   f"{ctx.cfg.cluster.shards - 1})")
+    if (state := ctx.run_state()) in ("completed", "failed"):
+        # restarted after the run's end (e.g. it died in its last moments, after the final checkpoint): there is
+        # nothing to serve, and waiting for a checkpointer (which exits once the run is over) would never end
+        ctx.log.info("the run has ended; nothing to serve", state=state)
+        return
     if args.shard:
         shard = ShardServer(ctx, args.shard)
         try:
