@@ -35,6 +35,7 @@ from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.services.aggregator.steplog.link import StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
+from cmemi.services.aggregator.steplog.shard import in_use as steplog_in_use
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
@@ -169,11 +170,11 @@ def build(ctx: ServiceContext) -> LeaderParts:
                     roster, intake, totals, ckpt, layout, publisher, slots, reporter,
                     EvalSchedule(ctx, cfg, eval_fn, reporter.eval))
     p.slices = ShardSlices(roster) if roster is not None else None
-    if cfg.checkpoint.step_log and not trainer.sharded and trainer.inner is None:
+    if steplog_in_use(cfg, trainer):
         p.steplog = StepLogLink(ctx, zctx, term)
     elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
-        ctx.log.info("step log not built yet for cluster.shards > 1 or train.local_steps: a server's death goes back "
-                     "to the last checkpoint")
+        ctx.log.info("step log not built yet for train.local_steps or cluster.pipeline_stages: a server's death goes "
+                     "back to the last checkpoint")
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()

@@ -28,11 +28,13 @@ from cmemi.shared.runtime.service import ServiceContext
 
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
            bg: BackgroundEval | None = None, where: str = "",
-           unlogged: Callable[[int, float, float], None] | None = None) -> int:
+           unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
     stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
     step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
-    before writing its line (the leader writes it then: every committed step has its line, once)."""
+    before writing its line (the leader writes it then: every committed step has its line, once). `judge`: say how
+    many committed steps the log did not hold (`steps_redone`); a shard k > 0 leaves that to its leader, whose log end
+    is the cluster's."""
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
@@ -45,10 +47,12 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         totals.final_loss = float(h["loss"])
         if unlogged is not None and trainer.step > (logged or 0):
             unlogged(trainer.step, float(h["loss"]), trainer.lr)
-        evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
+        # (sharded: the leader holds only its own slice; a boundary's evaluation no entry holds is not run again)
+        boundary = eval_boundary(ctx.cfg, trainer.step) and not trainer.sharded
+        evals.replayed(trainer.step, trainer.state_copy() if boundary else None)
     evals.resume()
     replayed = trainer.step - restored
-    committed = last_committed(ctx)
+    committed = last_committed(ctx) if judge else None
     if replayed or restored:  # (not a fresh run's start)
         ctx.emit("step_log_replayed", checkpoint=restored, replayed=replayed, step=trainer.step, shard=trainer.shard,
                  seconds=round(time.monotonic() - t0, 4))
