@@ -289,9 +289,7 @@ class ShardFence(TypedDict):
     inc: int
 
 
-class ShardSnapshot(TypedDict):
-    """Checkpoint the state after `step` now (the step log: a restarted checkpointer lost the log it held, and the
-    leader's forced checkpoint needs every shard's slice of that step)."""
+class ShardSnapshot(TypedDict):  # checkpoint `step` now: the step log's forced checkpoint (a checkpointer restart)
     term: int
     step: int
 

@@ -83,6 +83,7 @@ class LeaderParts:
     member: Member | None = None
     slices: ShardSlices | None = None  # sharded only: the shards' evaluation and final slices (shard_slices.py)
     restored_step: int = -1  # the step restored, which shards k > 0 restore exactly; -1: none (a fresh run)
+    replayed_step: int = -1  # the step log: the step replayed to, which shards k > 0 replay to; -1: no log
     holdings: Holdings | None = None  # local steps: the (replica, round) inner states each worker holds
     advertised: Watch[int] | None = None  # is this leader still advertised (Redis may restart empty)?
     steplog: StepLogLink | None = None  # checkpoint.step_log: each step's inputs held by the checkpointer
@@ -112,7 +113,8 @@ class LeaderParts:
         assert self.member is not None
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
                                                                "incarnation": self.member.incarnation,
-                                                               "restored": self.restored_step})
+                                                               "restored": self.restored_step,
+                                                               "replayed": self.replayed_step})
 
 
 def _model(ctx: ServiceContext) -> tuple[Trainer, Callable[..., Any] | None]:
@@ -205,3 +207,4 @@ def _restore(p: LeaderParts) -> None:
         p.restored_step = p.trainer.step
     if p.steplog is not None:
         replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line)
+        p.replayed_step = p.trainer.step

@@ -42,8 +42,7 @@ from cmemi.services.aggregator.shard.stages import StepStages
 from cmemi.services.aggregator.shard.upstream import LeaderLink, Rejoin
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
-from cmemi.services.aggregator.steplog.shard import ShardStepLog
-from cmemi.services.aggregator.steplog.shard import in_use as steplog_in_use
+from cmemi.services.aggregator.steplog import shard as shard_log
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.coordination.membership import Member
@@ -89,12 +88,11 @@ class ShardServer:
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
-        self.steplog = ShardStepLog(ctx, self.zctx, self.term, shard) if steplog_in_use(cfg, self.trainer) else None
-        if self.steplog is not None and joined_at >= 0:  # this shard's entries, to the leader's log end
-            self.steplog.replay(ctx, self.trainer, self.totals)
-            joined_at = self.trainer.step
-        self.shipped = -1  # the version whose step log entry went out (once per step, however often it is ready)
-        self.snapshotted = -1  # the last step this shard checkpointed (a forced checkpoint is not sent twice)
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) \
+            if shard_log.in_use(cfg, self.trainer) else None
+        if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
+            joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
+        self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)
         self.trainer.keep_own_rows()  # this shard's rows only, from here on (docs/design.md, "Memory")
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
@@ -257,8 +255,7 @@ class ShardServer:
 
     def _ready(self) -> None:
         grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
-        if self.steplog is not None and self.shipped != self.current.version:  # the entry first, once per step
-            self.shipped = self.current.version
+        if self.steplog is not None:  # its step log entry first (once per step, however often it is ready)
             self.steplog.ship(self.current.version + 1, grads)
         self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
                          overflow=grads is None and not self.pipelined)

@@ -28,17 +28,18 @@ from cmemi.shared.runtime.service import ServiceContext
 
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
            bg: BackgroundEval | None = None, where: str = "",
-           unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True) -> int:
+           unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True,
+           upto: int | None = None) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
     stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
     step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
     before writing its line (the leader writes it then: every committed step has its line, once). `judge`: say how
     many committed steps the log did not hold (`steps_redone`); a shard k > 0 leaves that to its leader, whose log end
-    is the cluster's."""
+    is the cluster's. `upto`: the step to stop at (a shard k > 0: the one its leader replayed to)."""
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
-    while (msg := link.fetch(trainer.step)) is not None:
+    while (upto is None or trainer.step < upto) and (msg := link.fetch(trainer.step)) is not None:
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
         evals.load(h["evals"])

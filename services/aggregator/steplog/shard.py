@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import redis
 import torch
 import zmq
 from cmemi.services.aggregator.common.totals import RunTotals
@@ -38,14 +39,27 @@ class ShardStepLog:
         self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
         self.again_at: float | None = None  # a log_gap came: send what is kept again then
         self.next_check = 0.0
+        self.shipped = -1  # the newest step shipped
 
     def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals) -> int:
-        """After restoring the leader's checkpoint: this shard's entries, to the leader's log end."""
-        return replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False)
+        """After restoring the leader's checkpoint: this shard's entries, to the step its leader replayed to at the
+        start of its term (its Redis record's `replayed`). Within a term whose leader has moved on since, that
+        falls short of the leader's step, and the join rolls the cluster back to a new term, whose leader replays
+        again (a restarted shard has a new address: the workers learn it with the new term)."""
+        try:
+            target = int(ctx.redis.hget(ctx.keys.aggregator, "replayed") or -1)
+        except redis.RedisError:
+            target = -1  # (Redis away: the join at the restored step rolls the cluster back)
+        if target > trainer.step:
+            replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=target)
+        return trainer.step
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None) -> None:
-        """Step `step`'s slice (None: it overflowed), sent now, kept until logged (copied: the commit's optimizer
-        step changes the gradient in place)."""
+        """Step `step`'s slice (None: it overflowed), sent now unless it was already, kept until logged (copied:
+        the commit's optimizer step changes the gradient in place)."""
+        if step <= self.shipped:
+            return
+        self.shipped = step
         msgs = self.link.encode(step, grads, None, None, 0.0)
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
