@@ -83,3 +83,69 @@ def test_a_shard_restored_before_the_logs_base_replays_nothing_and_cuts_nothing(
     assert c.req(1, 0, term=1)[0] == "log_end"
     assert sorted(c.log.logs[1].entries) == [3, 4] and sorted(c.log.logs[0].entries) == [3, 4]
     assert c.req(0, 2)[0] == "log_entry", "the leader's next term replays from the newest checkpoint"
+
+
+class FakeLink:
+    """StepLogLink's surface ShardStepLog uses: what was sent, the answers queued, whether the checkpointer moved."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.answers: list[SimpleNamespace] = []
+        self.moved_now = False
+
+    def encode(self, step: int, grads: Any, *_: Any) -> list[list[Any]]:
+        return [[step]]
+
+    def send(self, msgs: list[list[Any]]) -> None:
+        self.sent.append(msgs[0][0])
+
+    def replies(self) -> list[SimpleNamespace]:
+        out, self.answers = self.answers, []
+        return out
+
+    def moved(self) -> bool:
+        return self.moved_now
+
+    def answer(self, mtype: str, step: int) -> None:
+        self.answers.append(SimpleNamespace(type=mtype, header={"step": step}))
+
+
+def shard_log(link: FakeLink) -> Any:
+    from cmemi.services.aggregator.steplog.shard import ShardStepLog
+
+    log = ShardStepLog.__new__(ShardStepLog)  # (its link is the fake: no context, no socket)
+    log.link, log.kept, log.again_at, log.next_check, log.shipped = link, {}, None, 0.0, -1
+    return log
+
+
+def test_a_shard_ships_once_per_step_keeps_at_most_two_entries_and_sends_them_again_after_a_gap() -> None:
+    link = FakeLink()
+    log = shard_log(link)
+    log.ship(5, None)
+    log.ship(5, None)  # shard_ready said again (the leader may have missed it): the entry is not
+    assert link.sent == [5]
+    log.ship(6, None)
+    log.ship(7, None)  # the leader committed 6 only after its ack of 5: 5 is held, whatever its own ack
+    assert sorted(log.kept) == [6, 7]
+    link.answer("logged", 6)
+    link.answer("log_gap", 7)  # a restarted checkpointer: nothing held until the forced checkpoint is written
+    log.poll()
+    assert sorted(log.kept) == [7] and link.sent == [5, 6, 7]
+    log.again_at = 0.0  # (its half second passed)
+    log.poll()
+    assert link.sent == [5, 6, 7, 7], "sent again after the gap"
+    link.answer("logged", 7)
+    log.poll()
+    assert log.kept == {}
+
+
+def test_a_shard_sends_what_it_keeps_to_a_restarted_checkpointer() -> None:
+    link = FakeLink()
+    log = shard_log(link)
+    log.ship(3, None)
+    log.kept[3] = (log.kept[3][0] - 10.0, log.kept[3][1])  # its ack is late
+    log.poll()
+    assert link.sent == [3], "the same checkpointer: nothing sent again"
+    link.moved_now, log.next_check = True, 0.0
+    log.poll()
+    assert link.sent == [3, 3]
