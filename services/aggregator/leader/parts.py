@@ -206,5 +206,7 @@ def _restore(p: LeaderParts) -> None:
         p.ctx.log.info("restored from checkpoint", step=p.trainer.step)
         p.restored_step = p.trainer.step
     if p.steplog is not None:
-        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line)
+        # sharded: the last boundary's evaluation no entry holds waits for the shards' pieces of it
+        waits = (lambda step, weights: setattr(p.evals, "waiting", (step, weights))) if p.roster is not None else None
+        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line, resume=waits)
         p.replayed_step = p.trainer.step

@@ -110,6 +110,8 @@ class ShardServer:
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.send("shard_join", step=joined_at, addr=self.addr)
+        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
+            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
         self._next_ready = 0.0
         self._next_have = 0.0
         self._next_check = 0.0

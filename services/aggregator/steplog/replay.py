@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+import torch
 from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
@@ -29,13 +30,15 @@ from cmemi.shared.runtime.service import ServiceContext
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
            bg: BackgroundEval | None = None, where: str = "",
            unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True,
-           upto: int | None = None) -> int:
+           upto: int | None = None, each: Callable[[int], None] | None = None,
+           resume: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
     stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
     step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
     before writing its line (the leader writes it then: every committed step has its line, once). `judge`: say how
     many committed steps the log did not hold (`steps_redone`); a shard k > 0 leaves that to its leader, whose log end
-    is the cluster's. `upto`: the step to stop at (a shard k > 0: the one its leader replayed to)."""
+    is the cluster's. `upto`: the step to stop at (a shard k > 0: the one its leader replayed to). `each(step)`: after each
+    replayed step. `resume(step, weights)`: starts the last boundary's evaluation no entry holds (evals.py)."""
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
@@ -48,10 +51,10 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         totals.final_loss = float(h["loss"])
         if unlogged is not None and trainer.step > (logged or 0):
             unlogged(trainer.step, float(h["loss"]), trainer.lr)
-        # (sharded: the leader holds only its own slice; a boundary's evaluation no entry holds is not run again)
-        boundary = eval_boundary(ctx.cfg, trainer.step) and not trainer.sharded
-        evals.replayed(trainer.step, trainer.state_copy() if boundary else None)
-    evals.resume()
+        evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
+        if each is not None:
+            each(trainer.step)
+    evals.resume(resume)
     replayed = trainer.step - restored
     committed = last_committed(ctx) if judge else None
     if replayed or restored:  # (not a fresh run's start)

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
@@ -40,6 +41,7 @@ class ShardStepLog:
         self.again_at: float | None = None  # a log_gap came: send what is kept again then
         self.next_check = 0.0
         self.shipped = -1  # the newest step shipped
+        self.boundary: tuple[int, dict[str, torch.Tensor]] | None = None  # see _boundary
 
     def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals) -> int:
         """After restoring the leader's checkpoint: this shard's entries, to the step its leader replayed to at the
@@ -51,8 +53,19 @@ class ShardStepLog:
         except redis.RedisError:
             target = -1  # (Redis away: the join at the restored step rolls the cluster back)
         if target > trainer.step:
-            replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=target)
+            replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=target,
+                   each=lambda step: self._boundary(ctx.cfg, trainer, step))
         return trainer.step
+
+    def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
+        """A copy of this shard's pieces at the last evaluation boundary replayed: the leader evaluates that step
+        again if no entry holds its result (it was running when the leader died); sent once joined."""
+        if eval_boundary(cfg, step):
+            self.boundary = (step, {n: p.detach().clone() for n, p in trainer.pieces.items()})
+
+    def take_boundary(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        boundary, self.boundary = self.boundary, None
+        return boundary
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None) -> None:
         """Step `step`'s slice (None: it overflowed), sent now unless it was already, kept until logged (copied:
