@@ -48,7 +48,7 @@ class LogServer:
                                         peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count,
                                         sink=self._sink)
         self.terms = TermWatch(ctx.redis, ctx.keys)
-        self.replies = LogReplies(log, self._reply, ctx.emit)
+        self.replies = LogReplies(log, self._reply, ctx.emit, self.cfg.cluster.shards)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step-log", daemon=True)
 

@@ -119,6 +119,18 @@ class StepLog:
     def base_of(self, shard: int) -> int:
         return self._log(shard).base
 
+    def holds(self, shard: int, step: int) -> bool:
+        """Is `step` of `shard` held (its entry, or covered by the checkpoint the log starts at)?"""
+        log = self._log(shard)
+        return step <= log.base or step in log.entries
+
+    def truncate(self, after: int) -> None:
+        """Every entry past `after` goes (sharded: the leader replayed to `after`, the end of the steps every shard's
+        log holds; what lies past it was never committed, and the new term computes those steps again)."""
+        for log in self.logs.values():
+            for s in [s for s in log.entries if s > after]:
+                self._forget(log, s)
+
     def covered(self, step: int) -> None:
         """A checkpoint of `step` is written: the entries up to it go."""
         self.base = max(self.base, step)

@@ -289,6 +289,11 @@ class ShardFence(TypedDict):
     inc: int
 
 
+class ShardSnapshot(TypedDict):  # checkpoint `step` now: the step log's forced checkpoint (a checkpointer restart)
+    term: int
+    step: int
+
+
 class ShardEval(ShardMember):  # its slice at eval.every_steps
     tensors: list[Any]
 
@@ -333,5 +338,5 @@ KINDS: dict[str, type] = {
     "shard_join": ShardJoin, "shard_have": ShardHave, "shard_ready": ShardReady, "shard_commit": ShardCommit,
     "shard_welcome": ShardWelcome, "shard_fence": ShardFence, "shard_eval": ShardEval, "shard_final": ShardFinal,
     "part": Part, "step_log": StepLog, "logged": Logged, "log_gap": LogGap, "log_req": LogReq,
-    "log_entry": LogEntry, "log_end": LogEnd,
+    "log_entry": LogEntry, "log_end": LogEnd, "shard_snapshot": ShardSnapshot,
 }

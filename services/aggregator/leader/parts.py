@@ -35,6 +35,7 @@ from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.services.aggregator.steplog.link import StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
+from cmemi.services.aggregator.steplog.shard import in_use as steplog_in_use
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
@@ -82,6 +83,7 @@ class LeaderParts:
     member: Member | None = None
     slices: ShardSlices | None = None  # sharded only: the shards' evaluation and final slices (shard_slices.py)
     restored_step: int = -1  # the step restored, which shards k > 0 restore exactly; -1: none (a fresh run)
+    replayed_step: int = -1  # the step log: the step replayed to, which shards k > 0 replay to; -1: no log
     holdings: Holdings | None = None  # local steps: the (replica, round) inner states each worker holds
     advertised: Watch[int] | None = None  # is this leader still advertised (Redis may restart empty)?
     steplog: StepLogLink | None = None  # checkpoint.step_log: each step's inputs held by the checkpointer
@@ -111,7 +113,8 @@ class LeaderParts:
         assert self.member is not None
         self.ctx.redis.hset(self.ctx.keys.aggregator, mapping={"addr": self.addr, "term": self.term,
                                                                "incarnation": self.member.incarnation,
-                                                               "restored": self.restored_step})
+                                                               "restored": self.restored_step,
+                                                               "replayed": self.replayed_step})
 
 
 def _model(ctx: ServiceContext) -> tuple[Trainer, Callable[..., Any] | None]:
@@ -169,11 +172,11 @@ def build(ctx: ServiceContext) -> LeaderParts:
                     roster, intake, totals, ckpt, layout, publisher, slots, reporter,
                     EvalSchedule(ctx, cfg, eval_fn, reporter.eval))
     p.slices = ShardSlices(roster) if roster is not None else None
-    if cfg.checkpoint.step_log and not trainer.sharded and trainer.inner is None:
+    if steplog_in_use(cfg, trainer):
         p.steplog = StepLogLink(ctx, zctx, term)
     elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
-        ctx.log.info("step log not built yet for cluster.shards > 1 or train.local_steps: a server's death goes back "
-                     "to the last checkpoint")
+        ctx.log.info("step log not built yet for train.local_steps or cluster.pipeline_stages: a server's death goes "
+                     "back to the last checkpoint")
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()
@@ -203,4 +206,7 @@ def _restore(p: LeaderParts) -> None:
         p.ctx.log.info("restored from checkpoint", step=p.trainer.step)
         p.restored_step = p.trainer.step
     if p.steplog is not None:
-        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line)
+        # sharded: the last boundary's evaluation no entry holds waits for the shards' pieces of it
+        waits = (lambda step, weights: setattr(p.evals, "waiting", (step, weights))) if p.roster is not None else None
+        replay(p.ctx, p.trainer, p.steplog, p.totals, p.evals.bg, unlogged=p.reporter.replayed_line, resume=waits)
+        p.replayed_step = p.trainer.step

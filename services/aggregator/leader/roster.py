@@ -174,3 +174,8 @@ class ShardRoster:
         self.fences[wid] = max(inc, self.fences.get(wid, 0))
         for info in self.shards.values():
             self.outbox.send(info.identity, "shard_fence", term=self.term, wid=wid, inc=inc)
+
+    def snapshot_now(self, step: int) -> None:
+        """Every shard checkpoints the state after `step` now (the step log's forced checkpoint: stepping.py)."""
+        for info in self.shards.values():
+            self.outbox.send(info.identity, "shard_snapshot", term=self.term, step=step)

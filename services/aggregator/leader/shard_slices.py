@@ -27,6 +27,8 @@ class ShardSlices:
     def place_eval(self, step: int, weights: dict[str, torch.Tensor]) -> bool:
         """Every shard's pieces of evaluation step `step` into `weights`, once all are here; True then."""
         shards = self.roster.shards
+        if not self.roster.complete:  # (a replayed leader's evaluation: the shards' pieces come as they join)
+            return False
         if any(info.eval is None or info.eval[0] != step for info in shards.values()):
             return False
         for k, info in shards.items():

@@ -74,11 +74,11 @@ class Stepper:
         self.mean: tuple[dict[str, torch.Tensor] | None, float] | None = None  # a complete step, until applied
         self.after: tuple[int, float, float, int, dict[str, Any] | None, bool] | None = None  # see after_step
         self.unacked: Applied | None = None  # published, its step log entry not acknowledged yet
+        self.forcing: int | None = None  # sharded: the step whose forced checkpoint is being written (log_gap)
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
 
     def apply(self) -> None:
         """The step's gradient is complete here (called again as shards report theirs complete)."""
-        self.settle(block=True)  # the step before commits first: at most one step is unacknowledged
         collector = self.p.leasing.collector
         if self.mean is None:
             self.mean = collector.mean()
@@ -86,6 +86,10 @@ class Stepper:
         partials = None
         if self.roster is not None and (others := self.roster.others_ready(collector.step)) is None:
             return  # the roster's ready handler comes back here
+        # the step before commits first: at most one step is unacknowledged. (Sharded, only once every shard is
+        # ready for this step: each shipped its entry of the step before, which that ack waits for; a shard that
+        # died before it did is noticed by its restart, never by a wait here.)
+        self.settle(block=True)
         stop = self.evals.stops_at(self.trainer.step + 1)
         if stop:
             self.ctx.log.info("early stop", metric=self.cfg.eval.early_stop_metric, patience=self.cfg.eval.patience)
@@ -141,11 +145,18 @@ class Stepper:
         applied = self.unacked
         if applied is None or self.p.steplog is None:
             return
-        forced = self.p.steplog.confirm(self._checkpoint_now) if block else self.p.steplog.poll(self._checkpoint_now)
-        if forced is None:
-            return
+        forced: bool | None = True
+        if self.forcing is None:
+            forced = self.p.steplog.confirm(self._checkpoint_now) if block else \
+                self.p.steplog.poll(self._checkpoint_now)
+            if forced is None:
+                return
+        if self.forcing is not None:  # sharded: the forced checkpoint is written while the loop goes on
+            if not self._written(self.forcing, block):
+                return
+            self.forcing, forced = None, True
         self.unacked = None
-        self._commit(applied, forced)
+        self._commit(applied, bool(forced))
         self.after_step()  # its metrics line and snapshot now, before another step moves the trainer on
 
     def _commit(self, a: Applied, forced: bool) -> None:
@@ -206,9 +217,24 @@ class Stepper:
 
     def _checkpoint_now(self, step: int) -> None:
         """The step log holds nothing since the last checkpoint (the checkpointer restarted): the state after `step`
-        is made durable now, before the step commits (steplog/link.py)."""
-        self.ckpt.save_final(self.snapshot(), final=False)
+        is made durable now, before the step commits (steplog/link.py). Sharded, every shard checkpoints the same
+        step (none has moved past it: the next step is committed only after this one) and the loop goes on while
+        it is written (`settle` commits the step then), so a shard's restart meanwhile is still noticed."""
         self.ctx.emit("checkpoint_forced", step=step, reason="step log lost with a checkpointer restart")
+        if self.roster is None:
+            self.ckpt.save_final(self.snapshot(), final=False)
+            return
+        self.roster.snapshot_now(step)
+        self.ckpt.offer(self.snapshot())
+        self.forcing = step
+
+    def _written(self, step: int, block: bool) -> bool:
+        """Is the forced checkpoint of `step` written (`block`: wait until it is)?"""
+        if block:
+            self.ckpt.wait_saved(step)
+        else:
+            self.ckpt.poll()
+        return step in self.ckpt.saved_path
 
     def snapshot(self) -> snapshots.Snapshot:
         evaluating = self.evals.settle(self.trainer.step)

@@ -42,6 +42,7 @@ from cmemi.services.aggregator.shard.stages import StepStages
 from cmemi.services.aggregator.shard.upstream import LeaderLink, Rejoin
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
+from cmemi.services.aggregator.steplog import shard as shard_log
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
 from cmemi.shared.coordination.membership import Member
@@ -87,6 +88,11 @@ class ShardServer:
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) \
+            if shard_log.in_use(cfg, self.trainer) else None
+        if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
+            joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
+        self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)
         self.trainer.keep_own_rows()  # this shard's rows only, from here on (docs/design.md, "Memory")
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
@@ -103,7 +109,9 @@ class ShardServer:
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
-        self.leader.join(joined_at, self.addr)
+        self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
+        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
+            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
         self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
@@ -155,6 +163,8 @@ class ShardServer:
         elif not self.current.complete and not self.done and now >= self._next_have:
             self._next_have = now + 0.5
             self.leader.send("shard_have", step=self.current.version, have=self.current.have())
+        if self.steplog is not None:
+            self.steplog.poll()
         if now < self._next_check:
             return
         self._next_check = now + 0.25
@@ -171,6 +181,8 @@ class ShardServer:
                 self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
             elif msg.type == "shard_fence":
                 self.admission.fence(h["wid"], h["inc"])
+            elif msg.type == "shard_snapshot" and h["step"] == self.trainer.step != self.snapshotted:
+                self._snapshot()  # the step log's forced checkpoint (a restarted checkpointer lost the log)
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         taken = self.intake.take(frames)
@@ -244,6 +256,8 @@ class ShardServer:
 
     def _ready(self) -> None:
         grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
+        if self.steplog is not None:  # its step log entry first (once per step, however often it is ready)
+            self.steplog.ship(self.current.version + 1, grads)
         self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
                          overflow=grads is None and not self.pipelined)
         self._next_ready = time.monotonic() + 1.0
@@ -274,7 +288,11 @@ class ShardServer:
             self.done = True
             self._finish()
         elif snapshot:  # the leader names the steps every shard checkpoints
-            self.ckpt.offer(snapshots.collect(self.trainer, self.totals, self.term, {}, None))
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        self.snapshotted = self.trainer.step
+        self.ckpt.offer(snapshots.collect(self.trainer, self.totals, self.term, {}, None))
 
     def _answer_pulls(self) -> None:
         self.slices.answer(self.current.version, self.current.applied)
@@ -290,6 +308,8 @@ class ShardServer:
         self.log.info("shard finished", step=self.trainer.step)
 
     def close(self) -> None:
+        if self.steplog is not None:
+            self.steplog.close()
         self.slices.close()
         self.ckpt.close()
         self.member.stop()

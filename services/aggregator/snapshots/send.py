@@ -219,8 +219,11 @@ class CheckpointerLink:
     def save_final(self, snap: Snapshot, timeout: float = 300, final: bool = True) -> str:
         """Send the final snapshot (after any still queued) and wait until it is written; returns its path.
         `final=False`: a checkpoint wanted now, mid-run (the step log lost with a checkpointer restart)."""
-        step = snap[0]
         self.queued.append(self._outgoing(snap, final))
+        return self.wait_saved(snap[0], timeout)
+
+    def wait_saved(self, step: int, timeout: float = 300) -> str:
+        """Wait until the snapshot of `step` (queued or sent) is written; returns its path."""
         deadline = time.monotonic() + timeout
         while step not in self.saved_path:
             if time.monotonic() > deadline:

@@ -3,4 +3,6 @@
 - `link.py`: each step's inputs shipped to the checkpointer before its optimizer step; the step commits on the ack.
 - `evals.py`: early stopping's state in the log: the evaluations collected before each step, loaded on a replay.
 - `replay.py`: a restarted server replays the log after its checkpoint: optimizer steps only, bitwise the same.
+- `shard.py`: a shard k > 0's side (cluster.shards > 1): its slice's entry shipped with its `shard_ready`, kept until
+  logged, and its replay with the leader's decisions.
 """

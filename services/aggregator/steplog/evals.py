@@ -9,6 +9,7 @@ boundary's weights whose result no entry holds (it was running when the server d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,11 +56,12 @@ class EvalReplay:
         if self.bg is not None and weights is not None:
             self.boundary = (step, weights)
 
-    def resume(self) -> None:
-        """After the replay: the last boundary's evaluation, if no entry held its result and none runs."""
+    def resume(self, start: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> None:
+        """After the replay: the last boundary's evaluation, if no entry held its result and none runs. `start`:
+        sharded, it waits for the shards' pieces of that step (they send them once joined: steplog/shard.py)."""
         if self.bg is None or self.boundary is None:
             return
         step, weights = self.boundary
         self.boundary = None
         if step not in {int(e["step"]) for e in self.bg.history} and self.bg.running_step() != step:
-            self.bg.start(step, weights)
+            (start or self.bg.start)(step, weights)

@@ -96,15 +96,33 @@ class StepLogLink:
         partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
         replay.py); `poll` or `confirm` then takes the acknowledgement. `copy=False`: the gradient is
         sent from where it lies (zero-copy), only where nothing changes that memory before the ack is taken."""
+        msgs = self.encode(step, grads, buffer_sum, partials, loss, copy, evals)
+        self.pending = (step, msgs)
+        self._send(msgs)
+
+    def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+               partials: list[float] | None, loss: float, copy: bool = True,
+               evals: dict[str, Any] | None = None) -> list[list[Any]]:
+        """Step `step`'s entry, encoded (`ship`'s arguments)."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
                   "partials": partials, "evals": evals}
         try:
-            msgs = transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
+            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
                                      self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
-        self.pending = (step, msgs)
+
+    # a shard k > 0 ships without waiting for acks, and keeps its entries for a resend (steplog/shard.py)
+    def send(self, msgs: list[list[Any]]) -> None:
         self._send(msgs)
+
+    def replies(self) -> list[protocol.Message]:
+        """The checkpointer's answers waiting now."""
+        return self._replies(0)
+
+    def moved(self) -> bool:
+        """True if the checkpointer restarted (or was not known yet): what it lost is to be sent again."""
+        return self._connect()
 
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
         out = []

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+import torch
 from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
@@ -28,15 +29,20 @@ from cmemi.shared.runtime.service import ServiceContext
 
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
            bg: BackgroundEval | None = None, where: str = "",
-           unlogged: Callable[[int, float, float], None] | None = None) -> int:
+           unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True,
+           upto: int | None = None, each: Callable[[int], None] | None = None,
+           resume: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
     stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
     step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
-    before writing its line (the leader writes it then: every committed step has its line, once)."""
+    before writing its line (the leader writes it then: every committed step has its line, once). `judge`: say how
+    many committed steps the log did not hold (`steps_redone`); a shard k > 0 leaves that to its leader, whose log end
+    is the cluster's. `upto`: the step to stop at (a shard k > 0: the one its leader replayed to). `each(step)`: after each
+    replayed step. `resume(step, weights)`: starts the last boundary's evaluation no entry holds (evals.py)."""
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
-    while (msg := link.fetch(trainer.step)) is not None:
+    while (upto is None or trainer.step < upto) and (msg := link.fetch(trainer.step)) is not None:
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
         evals.load(h["evals"])
@@ -46,9 +52,11 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         if unlogged is not None and trainer.step > (logged or 0):
             unlogged(trainer.step, float(h["loss"]), trainer.lr)
         evals.replayed(trainer.step, trainer.state_copy() if eval_boundary(ctx.cfg, trainer.step) else None)
-    evals.resume()
+        if each is not None:
+            each(trainer.step)
+    evals.resume(resume)
     replayed = trainer.step - restored
-    committed = last_committed(ctx)
+    committed = last_committed(ctx) if judge else None
     if replayed or restored:  # (not a fresh run's start)
         ctx.emit("step_log_replayed", checkpoint=restored, replayed=replayed, step=trainer.step, shard=trainer.shard,
                  seconds=round(time.monotonic() - t0, 4))

@@ -1,0 +1,102 @@
+"""The step log on a shard k > 0 (`cluster.shards` > 1, docs/design/step-log.md, "Sharded").
+
+A shard ships its slice's entry (its reduced gradient slice) with its `shard_ready`, before the leader's commit:
+the leader's own entry records the commit's decision (every shard's norm partials, the skip) and the checkpointer
+acknowledges it only once it holds every shard's entry of that step, so the shard applies the commit without an
+ack of its own. It keeps each entry until the checkpointer answers `logged` (at most two: the leader committed step
+s - 1 only after its ack of s - 2, which needs this shard's entry of s - 2 held), and sends them again after a
+`log_gap` (a restarted checkpointer holds nothing until the leader's forced checkpoint, `shard_snapshot`, is
+written) or to a restarted checkpointer. A restarted shard restores its slice of the checkpoint its leader
+restored and replays its own entries with the leader's decisions, to the leader's log end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+import torch
+import zmq
+from cmemi.services.aggregator.common.evaluation import eval_boundary
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
+from cmemi.services.aggregator.steplog.replay import replay
+from cmemi.shared.config.schema import Config
+from cmemi.shared.runtime.service import ServiceContext
+
+
+def in_use(cfg: Config, trainer: Trainer) -> bool:
+    """Is the step log on for this server? Not with local steps (the replicas' inner states are server state no
+    entry carries) nor with pipelined shards (stages are stepped before the commit, from no single entry)."""
+    return (cfg.checkpoint.step_log and trainer.inner is None
+            and not (trainer.sharded and cfg.cluster.pipeline_stages))
+
+
+class ShardStepLog:
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int) -> None:
+        self.link = StepLogLink(ctx, zctx, term, shard)
+        self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
+        self.again_at: float | None = None  # a log_gap came: send what is kept again then
+        self.next_check = 0.0
+        self.shipped = -1  # the newest step shipped
+        self.boundary: tuple[int, dict[str, torch.Tensor]] | None = None  # see _boundary
+
+    def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals) -> int:
+        """After restoring the leader's checkpoint: this shard's entries, to the step its leader replayed to at the
+        start of its term (its Redis record's `replayed`). Within a term whose leader has moved on since, that
+        falls short of the leader's step, and the join rolls the cluster back to a new term, whose leader replays
+        again (a restarted shard has a new address: the workers learn it with the new term)."""
+        try:
+            target = int(ctx.redis.hget(ctx.keys.aggregator, "replayed") or -1)
+        except redis.RedisError:
+            target = -1  # (Redis away: the join at the restored step rolls the cluster back)
+        if target > trainer.step:
+            replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=target,
+                   each=lambda step: self._boundary(ctx.cfg, trainer, step))
+        return trainer.step
+
+    def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
+        """A copy of this shard's pieces at the last evaluation boundary replayed: the leader evaluates that step
+        again if no entry holds its result (it was running when the leader died); sent once joined."""
+        if eval_boundary(cfg, step):
+            self.boundary = (step, {n: p.detach().clone() for n, p in trainer.pieces.items()})
+
+    def take_boundary(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        boundary, self.boundary = self.boundary, None
+        return boundary
+
+    def ship(self, step: int, grads: dict[str, torch.Tensor] | None) -> None:
+        """Step `step`'s slice (None: it overflowed), sent now unless it was already, kept until logged (copied:
+        the commit's optimizer step changes the gradient in place)."""
+        if step <= self.shipped:
+            return
+        self.shipped = step
+        msgs = self.link.encode(step, grads, None, None, 0.0)
+        for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
+            del self.kept[old]
+        self.kept[step] = (time.monotonic(), msgs)
+        self.link.send(msgs)
+
+    def poll(self) -> None:
+        """Take the checkpointer's answers; send the kept entries again after a gap or to a restarted one."""
+        now = time.monotonic()
+        for msg in self.link.replies():
+            if msg.type == "logged":
+                self.kept.pop(msg.header["step"], None)
+            elif msg.type == "log_gap" and self.again_at is None:
+                self.again_at = now + RECHECK_S
+        if not self.kept:
+            return
+        moved = False
+        if now >= self.next_check and min(t for t, _ in self.kept.values()) < now - RECHECK_S:
+            self.next_check = now + RECHECK_S  # an ack this late: is the checkpointer still the one sent to?
+            moved = self.link.moved()
+        if moved or (self.again_at is not None and now >= self.again_at):
+            self.again_at = None
+            for step in sorted(self.kept):
+                self.link.send(self.kept[step][1])
+
+    def close(self) -> None:
+        self.link.close()

@@ -1,0 +1,96 @@
+"""The step log at K = 2 (issue 47, docs/design/step-log.md): a restarted leader or shard replays the checkpointer's
+log, so no committed step is trained twice at cluster.shards > 1 either.
+
+Real `cmemi up` runs at `cluster.shards=2`, servers SIGKILLed at points of a run drawn from a seed, checkpoints far
+apart from the kills. metrics.jsonl is appended across restarts, one line per step (train.log_every 1): a step
+number in it twice is a step trained twice. Each run proves several things (start-up is most of a test's time).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import LONG
+from tests.helpers.chaos import Cluster
+from tests.test_steplog import events, step_lines
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(900)]
+
+K2 = (*LONG, "cluster.shards=2", "cluster.workers=2", "train.log_every=1")
+
+
+def twice(run_dir: Path) -> list[int]:
+    return sorted(n for n, k in Counter(step_lines(run_dir)).items() if k > 1)
+
+
+def test_the_leader_a_shard_and_both_one_after_the_other_killed_replay_and_train_no_step_twice(
+        tmp_path: Path, reference: str) -> None:
+    """SIGKILL the leader, then shard 1, then the leader and shard 1 one right after the other (the shard while the
+    new leader starts): each restarted server restores the checkpoint (here only the start: every_steps 0) and
+    replays to the leader's log end, shard 1 its own slices with the leader's decisions. A shard's restart still
+    starts a new term (the workers learn its new address with it), but no step is computed again."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    targets = [rng.randrange(150, 350), rng.randrange(500, 700), rng.randrange(850, 1000)]
+    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=0")
+    killed_at = []
+    try:
+        killed_at.append(c.wait_step(targets[0]))
+        c.replaced("aggregator", "0", c.signal("aggregator", "0"))
+        killed_at.append(c.wait_step(targets[1]))
+        c.replaced("aggregator", "1", c.signal("aggregator", "1"))
+        killed_at.append(c.wait_step(targets[2]))
+        leader = c.signal("aggregator", "0")
+        c.replaced("aggregator", "0", leader)
+        c.replaced("aggregator", "1", c.signal("aggregator", "1"))
+    finally:
+        rc = c.wait(timeout=400)
+    note = f"seed {seed}, kills at steps {killed_at}"
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == 1200 and s["params_sha256"] == reference, note
+    assert not twice(c.run_dir), f"steps trained twice: {twice(c.run_dir)[:20]} ({note})"
+    # a step whose entries the checkpointer held but whose ack died with the leader commits without its line
+    assert len(set(range(1, 1201)) - set(step_lines(c.run_dir))) <= 3, note
+    replays = events(c.run_dir, "step_log_replayed")
+    by_shard = Counter(e["shard"] for e in replays)
+    assert by_shard[0] >= 3 and by_shard[1] >= 3, (replays, note)  # each new term: the leader and shard 1 replay
+    assert all(e["checkpoint"] == 0 for e in replays), (replays, note)
+    assert max(e["replayed"] for e in replays if e["shard"] == 1) > killed_at[0], (replays, note)
+    assert events(c.run_dir, "steps_redone") == [], note
+    assert len(events(c.run_dir, "shard_restarted")) >= 1, note
+
+
+def test_a_checkpointer_restart_forces_a_checkpoint_on_every_shard_and_a_double_fault_goes_back_to_it(
+        tmp_path: Path, reference: str) -> None:
+    """The checkpointer killed alone: the leader's next entry is refused (`log_gap`), every shard checkpoints that
+    step, and it commits once the checkpoint is written; a later leader kill replays from there. Then the
+    checkpointer and shard 1 killed together (a double fault): the log died with its holder, the run goes back to
+    the last checkpoint, says how many steps it redoes (`steps_redone`), and ends bitwise the same."""
+    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=500")
+    try:
+        c.wait_step(150)
+        c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
+        c.wait_step(350)
+        c.replaced("aggregator", "0", c.signal("aggregator", "0"))
+        c.wait_step(650)
+        ckpt = c.redis.hgetall(c.keys.member("checkpointer", "0"))
+        c.signal("aggregator", "1")
+        c.signal("checkpointer", "0")
+        c.replaced("checkpointer", "0", int(ckpt["incarnation"]))
+    finally:
+        rc = c.wait(timeout=400)
+    assert rc == 0, c.output()
+    assert c.summary["params_sha256"] == reference
+    forced = events(c.run_dir, "checkpoint_forced")
+    assert len(forced) == 1 and 150 <= forced[0]["step"] < 350, forced
+    replays = [e for e in events(c.run_dir, "step_log_replayed") if e["shard"] == 0]
+    assert replays[0]["checkpoint"] == forced[0]["step"] and replays[0]["replayed"] > 0, replays
+    redone = events(c.run_dir, "steps_redone")
+    assert len(redone) == 1 and redone[0]["step"] == 500 and redone[0]["steps"] >= 100, redone
+    assert len(twice(c.run_dir)) == redone[0]["steps"], (len(twice(c.run_dir)), redone)  # each step since, once
