@@ -58,7 +58,7 @@ def test_entries_go_and_come_back_bitwise(tmp_path: Path, redis_server, transpor
                     t.mul_(-1)  # the optimizer step changes the gradient in place: the staged copy must not
             link.ship_staged(step, staged, g is None, None, float(step), None)
             assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
-        assert link.local == (transport == "auto") and (link.staged is not None) == link.local
+        assert link.local == (transport == "auto") and (link.staging.desc is not None) == link.local
         held = log.entry(0, 2)
         assert held is not None
         assert torch.equal(held.loaded()["g.w"], grads(2)["w"])

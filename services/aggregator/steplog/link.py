@@ -14,13 +14,11 @@ record) is read at the start and again only when an acknowledgement is slow (a r
 address or incarnation: the entry is sent again).
 
 A checkpointer on this host (its address's host identity, shared/wire/samehost.py; `cluster.transport` not tcp) is
-reached over its ipc:// endpoint, with CurveZMQ as over tcp://, and an entry's tensors go in a shared-memory slot of
-this server's (shared/memory/shm.py): `stage` copies the step's inputs straight into the slot (the copy the step
-needs anyway), and the message carries its descriptor; the checkpointer copies it into its log before the ack, so
-the slot, one of two, is never rewritten while it reads (the next entry is staged only after that ack). Elsewhere
-`stage` copies into buffers kept from step to step (the same rule keeps ZeroMQ's zero-copy send of them safe).
-CurveZMQ over loopback tcp:// cost about 2.5 ms of CPU per 2.4 MB entry (encrypt and decrypt), and a fresh copy's
-page faults more, on a machine where the workers need the same cores (issue 47).
+reached over its ipc:// endpoint, with CurveZMQ as over tcp://, and an entry's message carries the descriptor of the
+shared-memory slot `stage` copied its tensors into (staging.py). A 2.4 MB message's round trip (pyzmq, DEALER to
+ROUTER, a 2-core machine under load) took 2.8-3.1 ms of CPU with CurveZMQ over tcp:// or ipc:// and 0.3-1.0 ms
+without: the encryption, not the TCP stack, was the step log's cost on a machine whose workers need the same cores
+(issue 47), and a descriptor is a few hundred bytes.
 
 A replay (`entries`) asks for two entries ahead, so the checkpointer reads and sends one while this server applies
 the other; each reply's tensors are copied into buffers kept for the replay (from the checkpointer's slot, on
@@ -37,6 +35,7 @@ from typing import Any
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator.steplog.staging import Staging, kept_copy
 from cmemi.shared.coordination.membership import texts
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.service import ServiceContext
@@ -75,9 +74,7 @@ class StepLogLink:
         self.pending: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None  # until acknowledged:
         # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
         self.local = False  # the checkpointer connected to is on this host (ipc://, slots)
-        self.slots: shm.Writer | None = None  # this server's slots for its entries (made at the first local stage)
-        self.staged: dict[str, Any] | None = None  # the descriptor of the slot the pending entry is in
-        self.kept: dict[str, torch.Tensor] = {}  # the buffers `stage` copies into, over tcp:// (reused each step)
+        self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
         self.reader: shm_reader.Reader | None = None  # a replay's: the checkpointer's slots
         self.backlog: list[protocol.Message] = []  # replies read after the one a wait took
         self.shipped_bytes = 0
@@ -116,24 +113,14 @@ class StepLogLink:
 
     def stage(self, grads: dict[str, torch.Tensor] | None,
               buffer_sum: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """A copy of a step's inputs (`tensors_of`'s names), taken before its optimizer step changes them in place:
-        into this server's next slot when the checkpointer is on this host, else into buffers kept from step to step.
-        Called only once the previous entry is acknowledged (the checkpointer holds its own copy of it by then)."""
+        """A copy of a step's inputs (`tensors_of`'s names), taken before its optimizer step changes them in place
+        (staging.py: into a slot on this host, else kept buffers). Called only once the previous entry is
+        acknowledged (the checkpointer holds its own copy of it by then)."""
         src = {GRAD + n: g.detach() for n, g in (grads or {}).items()}
         src.update({BUFFER + n: b.detach() for n, b in (buffer_sum or {}).items()})
         if self.sock is None:
             self._connect()
-        self.staged = None
-        if self.local:
-            metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                      "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in src.items()]
-            slots = self._slots()
-            slot, views = slots.begin(metas)
-            for v, t in zip(views, src.values(), strict=True):
-                v.copy_(t)
-            self.staged = slots.commit(slot, metas, views)
-            return dict(zip(src, views, strict=True))
-        return {n: _into(self.kept, n, t) for n, t in src.items()}
+        return self.staging.copy(src, self.local)
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
              partials: list[float] | None, loss: float, copy: bool = True,
@@ -142,13 +129,8 @@ class StepLogLink:
         partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
         replay.py); `poll` or `confirm` then takes the acknowledgement. `copy=False`: the gradient is
         sent from where it lies (zero-copy), only where nothing changes that memory before the ack is taken."""
-        self.staged = None
+        self.staging.unstaged()
         self.ship_staged(step, tensors_of(grads, buffer_sum, copy), grads is None, partials, loss, evals)
-
-    def _slots(self) -> shm.Writer:
-        if self.slots is None:
-            self.slots = shm.Writer(self.ctx.run, f"log{self.shard}", shm.checksums(self.ctx.cfg.cluster.checksum))
-        return self.slots
 
     def ship_staged(self, step: int, tensors: dict[str, torch.Tensor], skip: bool, partials: list[float] | None,
                     loss: float, evals: dict[str, Any] | None = None) -> None:
@@ -163,11 +145,10 @@ class StepLogLink:
         host (the tensors written into a slot first if they were staged for another), else its tensors' frames."""
         assert self.pending is not None
         _step, fields, tensors = self.pending
-        if self.local and self.staged is None and tensors:
-            self.staged = self._slots().write(tensors)
         try:
-            if self.local and self.staged is not None:
-                return transfer.messages("step_log", self.ctx.run, {**fields, "shm": self.staged}, self.cap, {})
+            if self.local and tensors:
+                return transfer.messages("step_log", self.ctx.run, {**fields, "shm": self.staging.descriptor(tensors)},
+                                         self.cap, {})
             return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors, self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
@@ -260,13 +241,13 @@ class StepLogLink:
     def _kept(self, msg: protocol.Message, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A replayed entry's tensors, copied into `into`'s buffers: out of the checkpointer's slot, or its frames."""
         if "shm" not in msg.header:
-            return {n: _into(into, n, t) for n, t in msg.tensors.items()}
+            return {n: kept_copy(into, n, t) for n, t in msg.tensors.items()}
         if self.reader is None:
             self.reader = shm_reader.Reader(self.ctx.run, self.ctx.cfg.cluster.checksum, limit=4,
                                             bound=limits.logical_bytes(self.ctx.cfg))
         desc = msg.header["shm"]
         try:
-            out = {n: _into(into, n, v) for n, v in self.reader.views(desc).items()}
+            out = {n: kept_copy(into, n, v) for n, v in self.reader.views(desc).items()}
             if not self.reader.intact(desc):
                 raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
         except protocol.ProtocolError as exc:
@@ -296,20 +277,10 @@ class StepLogLink:
         if self.sock is not None:
             self.sock.close(linger=0)
         self.parts.close()
-        if self.slots is not None:
-            self.slots.close()
+        self.staging.close()
 
 
 def _answers(msg: protocol.Message, after: int) -> bool:
     """Is `msg` the checkpointer's answer to the replay's request for the entry after step `after`?"""
     return (msg.type == "log_entry" and msg.header["step"] == after + 1) or \
         (msg.type == "log_end" and msg.header["after"] == after)
-
-
-def _into(kept: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into `kept[name]` (made, or made again when its shape or dtype changed): a buffer reused from step
-    to step, whose pages are not faulted in again for every copy."""
-    buf = kept.get(name)
-    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-        buf = kept[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return buf.copy_(t)
