@@ -15,7 +15,9 @@ Who may use the ipc:// endpoint is decided by the kernel and by the worker's key
 `Curve.serve_local`): the directory's mode keeps other uids from connecting at all, the ZAP handler refuses
 a peer whose SO_PEERCRED uid is not ours, and the PLAIN hello must carry a worker secret key whose public
 key is in keys_dir. Only workers use this path: the aggregator, the coordinator and the checkpointer keep
-CurveZMQ, so no privileged role's proof ever travels over it. There is no encryption on it: a Unix socket's
+CurveZMQ, so no privileged role's proof ever travels over it. The checkpointer's step log socket has an ipc://
+endpoint too (`bind_ipc`), but CurveZMQ stays on there: the aggregator reaches it with its own key, as over tcp://
+(what that link saves is the TCP stack; its tensors go through shared memory, services/aggregator/steplog/). There is no encryption on it: a Unix socket's
 bytes never leave the kernel, and only root or our own uid could read them (see docs/security.md's threat model).
 """
 
