@@ -80,3 +80,31 @@ def test_a_spare_that_took_a_slot_restarts_as_that_worker(redis_server, tmp_path
     finally:
         for c in (worker, spare, slots.children["worker:w0"]):
             c.kill()
+
+
+def test_a_leader_that_trained_since_its_restart_is_restarted_without_backoff(redis_server, tmp_path: Path) -> None:
+    """A crash loop's backoff is for a process that dies before doing its job; a leader killed again after it moved
+    the run's progress on (a second fault within a minute) is restarted at once. One that did not is backed off."""
+    cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "run.name=slots"])
+    keys = Keys("slots")
+    ctx = SimpleNamespace(cfg=cfg, redis=connect(redis_server.url), keys=keys, run_dir=tmp_path,
+                          log=SimpleNamespace(error=print, warning=print, info=print), emit=lambda kind, **f: None)
+    slots = Slots(ctx, "unused.yaml", RunState(ctx))
+    leader = Child("aggregator", "0", sleeper("--leader"))
+    slots.children[leader.name] = leader
+    ctx.redis.hset(keys.progress, "step", 10)
+    try:
+        for trained, backed_off in ((True, False), (False, True)):
+            leader.start()
+            leader.kill()
+            slots.replace(leader)  # the first death: restarted at once either way
+            slots.restart_if_due(leader, time.monotonic())
+            assert leader.alive and leader.progress_at_start == int(ctx.redis.hget(keys.progress, "step"))
+            if trained:
+                ctx.redis.hincrby(keys.progress, "step", 5)
+            leader.kill()
+            slots.replace(leader)  # the second death within HEALTHY_AFTER_S
+            assert (leader.next_start > time.monotonic() + 0.2) == backed_off, (trained, leader.restarts)
+            leader.restarts = 0
+    finally:
+        leader.kill()

@@ -63,6 +63,29 @@ def test_watch_gives_each_answer_once_and_keeps_reading_through_an_outage(tmp_pa
         server.stop()
 
 
+def test_poke_reads_now_instead_of_after_the_interval(tmp_path: Path) -> None:
+    """A worker whose leader went silent pokes its watch: the restarted leader's record is read at once, not up to
+    `interval` (an hour here) later."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client = connect(server.url)
+    client.set("k", "old")
+    watch = Watch(client, 3600.0, lambda r: r.get("k"), "test").start()
+    try:
+        assert _until(watch.take) == ("old",)  # the first reading, at start
+        client.set("k", "new")
+        t0 = time.monotonic()
+        assert watch.take() is None  # no reading since, and none for an hour unless poked
+        watch.poke()
+        assert _until(watch.take, timeout=5.0) == ("new",)
+        assert time.monotonic() - t0 < 5.0
+        t1 = time.monotonic()
+        watch.stop()  # a stop wakes the thread out of its hour's wait too
+        assert time.monotonic() - t1 < 2.0
+    finally:
+        watch.stop()
+        server.stop()
+
+
 def test_progress_writer_keeps_the_newest_progress_and_every_microbatch_across_an_outage(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis").start()
     client, keys = connect(server.url), Keys("run")

@@ -3,7 +3,7 @@
 A parameter server ships every step's reduced gradient slice (after reduction, before its optimizer), the step's
 decisions (a skipped step, the loss) and its buffer sum, and counts the step committed only once this process has
 acknowledged it (`logged`). A restarted server restores the checkpoint and asks for the entries after it
-(`log_req`), one at a time, and replays them through its optimizer: no worker recomputes a committed step.
+(`log_req`, two ahead: services/aggregator/steplog/link.py), and replays them through its optimizer: no worker recomputes a committed step.
 
 - The log of a server is a contiguous run of steps `base + 1 .. last`, `base` the newest checkpoint's step (0: none,
   a fresh run's state is a pure function of the config). An entry that would leave a gap (this checkpointer restarted

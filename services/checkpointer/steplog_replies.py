@@ -3,7 +3,8 @@
 - `step_log` -> `logged` (held: the server's step may commit) or `log_gap` (it would leave a gap in the log: this
   process restarted since the server's last checkpoint; the server takes one at once, which rebases the log).
 - `log_req` (a restarted server, after restoring step `after`) -> `log_entry` of step after + 1, or `log_end`.
-  Each answer is one entry, so a replay holds one entry at a time on either side, however long the log.
+  Each answer is one entry; a replay keeps two requests out, so it holds at most two entries in flight on either
+  side, however long the log.
 
 Sharded (`cluster.shards` K > 1, docs/design/step-log.md): a step is held only once every shard's entry of it is.
 Each shard k > 0 ships its slice's entry with its `shard_ready`; the leader's entry (shard 0) records the commit's

@@ -129,7 +129,7 @@ class Slots:
         identity at once; otherwise a new process (`restart_if_due`). A crash loop fails the run, unless it is a
         worker and another worker is still alive (training goes on with fewer)."""
         child.forget()
-        if time.monotonic() - child.started_at >= HEALTHY_AFTER_S:
+        if time.monotonic() - child.started_at >= HEALTHY_AFTER_S or self._trained(child):
             child.restarts = 0  # it had been running fine: a new fault, not a crash loop
         child.restarts += died
         if child.restarts > self.cfg.cluster.max_restarts:
@@ -170,8 +170,26 @@ class Slots:
         """Start a new process in an empty slot once its backoff is over."""
         if child.slot is SlotState.ACTIVE and now >= child.next_start:
             child.start()
+            child.progress_at_start = self._progress() if child.name == "aggregator:0" else None
             metrics.RESTARTS.labels(child.role).inc()
             self.ctx.emit("restarted", role=child.role, id=child.ident, via="new_process", pid=child.pid)
+
+    def _progress(self) -> int | None:
+        try:
+            step = self.ctx.redis.hget(self.ctx.keys.progress, "step")
+        except redis.RedisError:
+            return None
+        return int(step) if step is not None else None
+
+    def _trained(self, child: Child) -> bool:
+        """Did this leader process move the run's progress on since it was restarted? Then it was healthy, however
+        short its life: its death is a new fault, restarted without a crash loop's backoff. A second leader kill
+        within HEALTHY_AFTER_S waited 0.5 s for nothing (bench/recovery.py --parts steplog: about a third of the
+        kill-to-next-step time). A leader that dies before training a step is still backed off."""
+        if child.progress_at_start is None:
+            return False
+        now = self._progress()
+        return now is not None and now > child.progress_at_start
 
     def next_restart(self, until: float) -> float:
         """The earlier of `until` and the next pending restart (the coordinator wakes up for it)."""

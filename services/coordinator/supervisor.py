@@ -43,6 +43,7 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     next_start: float = 0.0  # backoff: not before this monotonic time
+    progress_at_start: int | None = None  # the leader's: the run's progress step when this process was started
     slot: SlotState = SlotState.ACTIVE
     deaths: list[float] = field(default_factory=list)
     pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), so waiting costs no polling

@@ -92,8 +92,14 @@ class Lifecycle:
             raise SystemExit(Exit.FENCED)
 
     def idle_check(self) -> dict[str, str] | None:
-        """While idle: exit if fenced or the run is over; the aggregator's record if a new reading came."""
-        if self.watch is None or (seen := self.watch.take()) is None:
+        """While idle: exit if fenced or the run is over; the aggregator's record if a new reading came. Idle means
+        the leader was silent for a while (dead, restarting, or a slow step): the next reading is asked for now, so
+        a restarted leader's address is seen within one idle wait, not the watch's second."""
+        if self.watch is None:
+            return None
+        seen = self.watch.take()
+        self.watch.poke()
+        if seen is None:
             return None
         fence, state, info = seen[0]
         self.exit_if_fenced(self.member is not None and self.member.fenced_by(fence))

@@ -218,6 +218,7 @@ class StepLog(TypedDict):
     partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
     evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
     tensors: list[Any]
+    shm: Annotated[Any, ABSENT]  # same host: the tensors' slot descriptor instead of frames (shared/memory/shm.py)
 
 
 class Logged(TypedDict):  # the entry of `step` is held: the step may commit
@@ -233,6 +234,7 @@ class LogReq(TypedDict):  # a restarted server, after restoring step `after`: th
     term: int
     after: int
     shard: Annotated[int, Default(0)]
+    shm: Annotated[bool, Default(False)]  # same host: the entries' tensors in the checkpointer's slots
 
 
 class LogEntry(StepLog):  # the answer to a log_req (its `term` is the requester's)

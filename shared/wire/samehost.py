@@ -15,7 +15,9 @@ Who may use the ipc:// endpoint is decided by the kernel and by the worker's key
 `Curve.serve_local`): the directory's mode keeps other uids from connecting at all, the ZAP handler refuses
 a peer whose SO_PEERCRED uid is not ours, and the PLAIN hello must carry a worker secret key whose public
 key is in keys_dir. Only workers use this path: the aggregator, the coordinator and the checkpointer keep
-CurveZMQ, so no privileged role's proof ever travels over it. There is no encryption on it: a Unix socket's
+CurveZMQ, so no privileged role's proof ever travels over it. The checkpointer's step log socket has an ipc://
+endpoint too (`bind_ipc`), but CurveZMQ stays on there: the aggregator reaches it with its own key, as over tcp://
+(what that link saves is the TCP stack; its tensors go through shared memory, services/aggregator/steplog/). There is no encryption on it: a Unix socket's
 bytes never leave the kernel, and only root or our own uid could read them (see docs/security.md's threat model).
 """
 
@@ -94,6 +96,13 @@ def choose(addr: str, transport: str, peer: str) -> tuple[str, str]:
     return ends.tcp, "tcp"
 
 
+def same_host(addr: str, transport: str) -> str | None:
+    """The ipc:// endpoint of a server advertised as `addr` when it runs on this host and `cluster.transport` is not
+    tcp; else None (its tcp:// one). For the servers' own links (the step log), which never refuse a remote peer."""
+    ends = parse(addr)
+    return ends.ipc if ends.ipc is not None and ends.host == host_id() and transport != "tcp" else None
+
+
 def connect(curve: Curve, sock: zmq.Socket[bytes], addr: str, transport: str, peer: str) -> str:
     """Connect a worker's socket to the server advertised as `addr` (CurveZMQ over tcp://, or the worker's key
     proof over ipc://); returns the transport taken."""
@@ -122,8 +131,17 @@ def socket_dir(run_dir: Path) -> Path:
 
 
 def bind_local(curve: Curve, zctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], run_dir: Path, name: str) -> str:
-    """Bind `sock` (already bound to tcp://) to a fresh ipc:// endpoint as well; returns that endpoint. Sockets of
-    processes that are gone (SIGKILLed: nobody unlinked them) are removed first."""
+    """Bind `sock` (already bound to tcp://) to a fresh ipc:// endpoint as well, for same-host workers
+    (`Curve.serve_local`); returns that endpoint."""
+    curve.serve_local(zctx, sock)
+    return bind_ipc(sock, run_dir, name)
+
+
+def bind_ipc(sock: zmq.Socket[bytes], run_dir: Path, name: str) -> str:
+    """Bind `sock` to a fresh ipc:// endpoint in the run's socket directory with the mechanism it has now: bound
+    without `bind_local`'s PLAIN, a CurveZMQ server stays one there (the checkpointer's step log: only the aggregator's
+    key may talk to it, and no role's proof travels in the clear). Sockets of processes that are gone (SIGKILLed:
+    nobody unlinked them) are removed first."""
     d = socket_dir(run_dir)
     for old in d.glob("*.sock"):
         pid = old.stem.rpartition("-")[2]
@@ -133,7 +151,6 @@ def bind_local(curve: Curve, zctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Soc
     path = d / f"{name}-{os.getpid()}.sock"
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    curve.serve_local(zctx, sock)
     endpoint = f"ipc://{path}"
     sock.bind(endpoint)
     atexit.register(_unlink, path)  # libzmq may leave the file behind; a SIGKILL certainly does (swept above)

@@ -43,10 +43,6 @@ class Ending(enum.Enum):
     STOPPED_EARLY = "stopped_early"
 
 
-def copied(tensors: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-    return {n: t.detach().clone() for n, t in tensors.items()} if tensors is not None else None
-
-
 @dataclass(frozen=True)
 class Applied:
     """A step applied and published, not committed until the step log holds it: what its commit does then."""
@@ -111,8 +107,10 @@ class Stepper:
             return
         buffer_sum = collector.buffer_sum()
         entry = None
-        if self.p.steplog is not None:  # its inputs, copied now: the step changes them in place, the next reuses them
-            entry = (self.trainer.step + 1, copied(grads), copied(buffer_sum), partials, loss, self.evallog.to_ship())
+        if self.p.steplog is not None:  # its inputs, copied now (steplog/link.py: into a slot or kept buffers): the
+            # step changes them in place, the next reuses them
+            entry = (self.trainer.step + 1, self.p.steplog.stage(grads, buffer_sum), grads is None, partials, loss,
+                     self.evallog.to_ship())
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         step = self.trainer.step
@@ -133,10 +131,10 @@ class Stepper:
         if entry is not None and not last:
             self._ship(entry)  # (a death before this: the step was never committed, and is computed again)
 
-    def _ship(self, entry: tuple[int, Any, Any, list[float] | None, float, dict[str, Any] | None]) -> None:
+    def _ship(self, entry: tuple[int, dict[str, torch.Tensor], bool, list[float] | None, float,
+                                 dict[str, Any] | None]) -> None:
         assert self.p.steplog is not None
-        step, grads, buffer_sum, partials, loss, evals = entry
-        self.p.steplog.ship(step, grads, buffer_sum, partials, loss, copy=False, evals=evals)
+        self.p.steplog.ship_staged(*entry)
 
     def settle(self, block: bool) -> None:
         """Commit the unacknowledged step once the checkpointer holds it (`block`: wait for that). The trainer has

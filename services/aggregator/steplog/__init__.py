@@ -1,6 +1,8 @@
 """The step log, a server's side (docs/design.md §11): no committed step is trained twice.
 
 - `link.py`: each step's inputs shipped to the checkpointer before its optimizer step; the step commits on the ack.
+- `staging.py`: a step's inputs copied for its entry: into a shared-memory slot (the checkpointer on this host) or
+  buffers kept from step to step.
 - `evals.py`: early stopping's state in the log: the evaluations collected before each step, loaded on a replay.
 - `replay.py`: a restarted server replays the log after its checkpoint: optimizer steps only, bitwise the same.
 - `shard.py`: a shard k > 0's side (cluster.shards > 1): its slice's entry shipped with its `shard_ready`, kept until

@@ -12,24 +12,39 @@ Its own DEALER to the checkpointer's step log socket (services/checkpointer/logs
 an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
 record) is read at the start and again only when an acknowledgement is slow (a restarted checkpointer, on a new
 address or incarnation: the entry is sent again).
+
+A checkpointer on this host (its address's host identity, shared/wire/samehost.py; `cluster.transport` not tcp) is
+reached over its ipc:// endpoint, with CurveZMQ as over tcp://, and an entry's message carries the descriptor of the
+shared-memory slot `stage` copied its tensors into (staging.py). A 2.4 MB message's round trip (pyzmq, DEALER to
+ROUTER, a 2-core machine under load) took 2.8-3.1 ms of CPU with CurveZMQ over tcp:// or ipc:// and 0.3-1.0 ms
+without: the encryption, not the TCP stack, was the step log's cost on a machine whose workers need the same cores
+(issue 47), and a descriptor is a few hundred bytes.
+
+A replay (`entries`) asks for two entries ahead, so the checkpointer reads and sends one while this server applies
+the other; each reply's tensors are copied into buffers kept for the replay (from the checkpointer's slot, on
+this host) before the next request may reuse that slot.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator.steplog.staging import Staging, kept_copy
 from cmemi.shared.coordination.membership import texts
+from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import assembly, limits, protocol, transfer
+from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
 GRAD, BUFFER = "g.", "b."
+AHEAD = 2  # a replay's entries requested ahead: the checkpointer's two slots (one being read here, one written)
 
 
 def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
@@ -56,7 +71,12 @@ class StepLogLink:
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum)
         self.sock: zmq.Socket | None = None
         self.to: tuple[str | None, str | None] = (None, None)  # the checkpointer's (step log address, incarnation)
-        self.pending: tuple[int, list[list[Any]]] | None = None  # (step, its messages), until acknowledged
+        self.pending: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None  # until acknowledged:
+        # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
+        self.local = False  # the checkpointer connected to is on this host (ipc://, slots)
+        self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
+        self.reader: shm_reader.Reader | None = None  # a replay's: the checkpointer's slots
+        self.backlog: list[protocol.Message] = []  # replies read after the one a wait took
         self.shipped_bytes = 0
 
     def _where(self) -> tuple[str | None, str | None]:
@@ -76,10 +96,12 @@ class StepLogLink:
                 self.sock.close(linger=0)
                 self.parts.keep(())
             self.sock = self.zctx.socket(zmq.DEALER)
-            self.ctx.curve.connect_as_client(self.sock)
+            self.ctx.curve.connect_as_client(self.sock)  # CurveZMQ over ipc:// too (samehost.bind_ipc)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cap)
-            self.sock.connect(where[0])
+            ipc = samehost.same_host(where[0], self.ctx.cfg.cluster.transport) if shm.available() else None
+            self.local = ipc is not None
+            self.sock.connect(ipc or samehost.tcp_of(where[0]))
         self.to = where
         return True
 
@@ -89,6 +111,17 @@ class StepLogLink:
         if self.sock is not None:
             self.shipped_bytes += transfer.send(self.sock, msgs)
 
+    def stage(self, grads: dict[str, torch.Tensor] | None,
+              buffer_sum: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """A copy of a step's inputs (`tensors_of`'s names), taken before its optimizer step changes them in place
+        (staging.py: into a slot on this host, else kept buffers). Called only once the previous entry is
+        acknowledged (the checkpointer holds its own copy of it by then)."""
+        src = {GRAD + n: g.detach() for n, g in (grads or {}).items()}
+        src.update({BUFFER + n: b.detach() for n, b in (buffer_sum or {}).items()})
+        if self.sock is None:
+            self._connect()
+        return self.staging.copy(src, self.local)
+
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
              partials: list[float] | None, loss: float, copy: bool = True,
              evals: dict[str, Any] | None = None) -> None:
@@ -96,23 +129,43 @@ class StepLogLink:
         partials it is applied with; `evals`: early stopping's state, where evaluations were collected before it:
         replay.py); `poll` or `confirm` then takes the acknowledgement. `copy=False`: the gradient is
         sent from where it lies (zero-copy), only where nothing changes that memory before the ack is taken."""
-        msgs = self.encode(step, grads, buffer_sum, partials, loss, copy, evals)
-        self.pending = (step, msgs)
-        self._send(msgs)
+        self.staging.unstaged()
+        self.ship_staged(step, tensors_of(grads, buffer_sum, copy), grads is None, partials, loss, evals)
 
-    def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
-               partials: list[float] | None, loss: float, copy: bool = True,
-               evals: dict[str, Any] | None = None) -> list[list[Any]]:
-        """Step `step`'s entry, encoded (`ship`'s arguments)."""
-        fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
+    def ship_staged(self, step: int, tensors: dict[str, torch.Tensor], skip: bool, partials: list[float] | None,
+                    loss: float, evals: dict[str, Any] | None = None) -> None:
+        """`ship` of what `stage` copied (`tensors`; `skip`: the step's gradient is None)."""
+        fields = {"step": step, "term": self.term, "shard": self.shard, "skip": skip, "loss": float(loss),
                   "partials": partials, "evals": evals}
+        self.pending = (step, fields, tensors)
+        self._send(self._messages())
+
+    def _messages(self) -> list[list[Any]]:
+        """The pending entry's messages to the checkpointer connected now: its slot's descriptor if it is on this
+        host (the tensors written into a slot first if they were staged for another), else its tensors' frames."""
+        assert self.pending is not None
+        _step, fields, tensors = self.pending
         try:
-            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum, copy),
+            if self.local and tensors:
+                return transfer.messages("step_log", self.ctx.run, {**fields, "shm": self.staging.descriptor(tensors)},
+                                         self.cap, {})
+            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors, self.ctx.cfg.cluster.checksum)
+        except transfer.TooBig as exc:
+            self.ctx.fatal(f"aggregator: {exc}")
+
+    # a shard k > 0 ships without waiting for acks and keeps its entries for a resend (steplog/shard.py): they
+    # travel as frames, never through the staging slot, which the next step's entry overwrites
+    def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+               partials: list[float] | None, loss: float) -> list[list[Any]]:
+        """Step `step`'s entry, encoded as frames (`ship`'s arguments; the tensors copied)."""
+        fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
+                  "partials": partials, "evals": None}
+        try:
+            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum),
                                      self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 
-    # a shard k > 0 ships without waiting for acks, and keeps its entries for a resend (steplog/shard.py)
     def send(self, msgs: list[list[Any]]) -> None:
         self._send(msgs)
 
@@ -125,7 +178,10 @@ class StepLogLink:
         return self._connect()
 
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
-        out = []
+        """The replies read before and not taken (`_wait`), then those that came, waiting up to `timeout_ms` for one."""
+        out, self.backlog = self.backlog, []
+        if out:
+            timeout_ms = 0
         while self.sock is not None and self.sock.poll(timeout_ms):
             try:
                 msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
@@ -155,8 +211,9 @@ class StepLogLink:
         last checkpoint and lost the log): the caller makes the state after `step` durable at once (a checkpoint);
         True then."""
         assert self.pending is not None, "confirm without ship"
-        step, msgs = self.pending
-        msg = self._wait(lambda m: self._acks(m, step), lambda: self._send(msgs), f"the step log entry of step {step}")
+        step = self.pending[0]
+        msg = self._wait(lambda m: self._acks(m, step), lambda: self._send(self._messages()),
+                         f"the step log entry of step {step}")
         return self._settled(msg, on_gap)
 
     @staticmethod
@@ -174,23 +231,65 @@ class StepLogLink:
             return True
         return False
 
-    def fetch(self, after: int) -> protocol.Message | None:
-        """The entry of step `after` + 1, or None if the log holds none (a restarted server's replay)."""
-        msgs = transfer.messages("log_req", self.ctx.run, {"term": self.term, "after": after, "shard": self.shard},
-                                 self.cap)
-        self._send(msgs)
-        msg = self._wait(lambda m: (m.type == "log_entry" and m.header["step"] == after + 1)
-                         or (m.type == "log_end" and m.header["after"] == after),
-                         lambda: self._send(msgs), f"the step log's entry after step {after}")
-        return msg if msg.type == "log_entry" else None
+    def entries(self, after: int) -> Iterator[protocol.Message]:
+        """The log's entries after step `after`, in order, until it ends (a restarted server's replay). `AHEAD`
+        requests are out at a time; an entry's tensors are copied into buffers kept for the replay (reused by the
+        next entry: the trainer keeps no reference to a gradient it applied) before the next request goes out."""
+        asked: deque[int] = deque()
+        into: dict[str, torch.Tensor] = {}
+
+        # only the leader's replay is answered through the checkpointer's slots: they are one ring for every
+        # requester, and a leader and a shard replaying at once would overwrite each other's entries there
+        def ask(a: int) -> None:
+            asked.append(a)
+            self._send(transfer.messages("log_req", self.ctx.run, {"term": self.term, "after": a, "shard": self.shard,
+                                                                   "shm": self.local and self.shard == 0}, self.cap))
+
+        def again() -> None:  # a restarted checkpointer: every request still out, to it
+            for a in list(asked):
+                asked.popleft()
+                ask(a)
+
+        if self.sock is None:
+            self._connect()
+        for a in range(after, after + AHEAD):
+            ask(a)
+        while asked:
+            a = asked[0]
+            msg = self._wait(lambda m: _answers(m, asked[0]), again, f"the step log's entry after step {a}")
+            asked.popleft()
+            if msg.type == "log_end":
+                return
+            msg.tensors = self._kept(msg, into)
+            ask(a + AHEAD)
+            yield msg
+
+    def _kept(self, msg: protocol.Message, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A replayed entry's tensors, copied into `into`'s buffers: out of the checkpointer's slot, or its frames."""
+        if "shm" not in msg.header:
+            return {n: kept_copy(into, n, t) for n, t in msg.tensors.items()}
+        if self.reader is None:
+            self.reader = shm_reader.Reader(self.ctx.run, self.ctx.cfg.cluster.checksum, limit=4,
+                                            bound=limits.logical_bytes(self.ctx.cfg))
+        desc = msg.header["shm"]
+        try:
+            out = {n: kept_copy(into, n, v) for n, v in self.reader.views(desc).items()}
+            if not self.reader.intact(desc):
+                raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
+        except protocol.ProtocolError as exc:
+            self.ctx.fatal(f"aggregator: the step log's entry of step {msg.header['step']} could not be read from the "
+                           f"checkpointer's shared memory ({exc}); set cluster.transport: tcp to replay over tcp://")
+        return out
 
     def _wait(self, accept: Callable[[protocol.Message], bool], resend: Callable[[], None],
               what: str) -> protocol.Message:
         deadline = time.monotonic() + ACK_TIMEOUT_S
         waited = 0
         while time.monotonic() < deadline:
-            for msg in self._replies(int(RECHECK_S * 1000) if waited else 10):
+            replies = self._replies(int(RECHECK_S * 1000) if waited else 10)
+            for i, msg in enumerate(replies):
                 if accept(msg):
+                    self.backlog = replies[i + 1:]  # (a replay's next entry, read with this one)
                     return msg
             waited += 1
             if waited > 1 and self._connect():  # the checkpointer restarted (or was not known yet): again, to it
@@ -204,3 +303,10 @@ class StepLogLink:
         if self.sock is not None:
             self.sock.close(linger=0)
         self.parts.close()
+        self.staging.close()
+
+
+def _answers(msg: protocol.Message, after: int) -> bool:
+    """Is `msg` the checkpointer's answer to the replay's request for the entry after step `after`?"""
+    return (msg.type == "log_entry" and msg.header["step"] == after + 1) or \
+        (msg.type == "log_end" and msg.header["after"] == after)

@@ -42,7 +42,9 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
-    while (upto is None or trainer.step < upto) and (msg := link.fetch(trainer.step)) is not None:
+    for msg in link.entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
+        if upto is not None and trainer.step >= upto:  # (a shard: no further than its leader's log end)
+            break
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
         evals.load(h["evals"])

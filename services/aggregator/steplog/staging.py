@@ -1,0 +1,71 @@
+"""A step's inputs copied for its step log entry (link.py), where the copy costs least: into a shared-memory slot of
+this server's when the checkpointer is on this host, else into buffers kept from step to step.
+
+The copy is needed anyway (the optimizer step changes the gradient in place, the next step's sums reuse its memory),
+so the slot costs nothing more than the copy did, and the entry's message carries only the slot's descriptor: the
+checkpointer copies it into its log before it acknowledges, and the next entry is staged only after that ack, so
+the slot (one of two) is never rewritten while it is read. Over tcp:// the kept buffers are sent zero-copy by the
+same rule. A fresh copy each step (`clone`) also faulted in a new 2.4 MB of pages per step for bench/recovery.py's
+model (issue 47).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from cmemi.shared.memory import shm
+from cmemi.shared.wire import protocol
+
+
+def kept_copy(kept: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into `kept[name]` (made, or made again when its shape or dtype changed): a buffer reused from step
+    to step, whose pages are not faulted in again for every copy."""
+    buf = kept.get(name)
+    if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        buf = kept[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+    return buf.copy_(t)
+
+
+class Staging:
+    """One server's copies of its entries: `copy` stages one, `descriptor` names the slot it is in (same host)."""
+
+    def __init__(self, run: str, shard: int, checksum: bool) -> None:
+        self.run, self.role, self.checksum = run, f"log{shard}", shm.checksums(checksum)
+        self.slots: shm.Writer | None = None  # made at the first same-host entry
+        self.desc: dict[str, Any] | None = None  # the slot the last staged entry is in (None: not in a slot)
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def _writer(self) -> shm.Writer:
+        if self.slots is None:
+            self.slots = shm.Writer(self.run, self.role, self.checksum)
+        return self.slots
+
+    def copy(self, src: dict[str, torch.Tensor], local: bool) -> dict[str, torch.Tensor]:
+        """`src` copied: into the next slot (`local`: the checkpointer is on this host), else into the kept buffers."""
+        self.desc = None
+        if not local:
+            return {n: kept_copy(self.kept, n, t) for n, t in src.items()}
+        metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                  "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in src.items()]
+        writer = self._writer()
+        slot, views = writer.begin(metas)
+        for v, t in zip(views, src.values(), strict=True):
+            v.copy_(t)
+        self.desc = writer.commit(slot, metas, views)
+        return dict(zip(src, views, strict=True))
+
+    def unstaged(self) -> None:
+        """The entry about to be sent was not staged here (`ship` of tensors as they lie)."""
+        self.desc = None
+
+    def descriptor(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The slot descriptor of the staged entry, whose tensors are `tensors`; written into a slot now if they are
+        not in one (staged for a checkpointer elsewhere, which restarted on this host)."""
+        if self.desc is None:
+            self.desc = self._writer().write(tensors)
+        return self.desc
+
+    def close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
