@@ -20,13 +20,6 @@ FAULTS = 48
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.known_bug(reason=(
-    "end of the run, found by this test (2026-12-06, wt-stall, 1 run of 4 after issue 47's stall fix): the leader "
-    "completed the run (summary.json, run_completed) and then aborted in libzmq ('Assertion failed: !_io_error "
-    "(src/stream_engine_base.cpp:310)'); restarted as an orchestrator would, it restored step 6000 and waited 300 s "
-    "for a final checkpoint that no checkpointer writes: each one started exits at once ('run completed; exiting', "
-    "114 restarts), so the leader times out and is restarted again until the deadline. Remove this mark with the "
-    "fix."))
 def test_a_short_soak_ends_bitwise_equal(lab: netns.NetLab, tmp_path: Path, capsys) -> None:
     r = soak(lab, tmp_path, faults=FAULTS, seed=47, steps=6000, deadline_s=780)
     with capsys.disabled():
