@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from scripts.tables import steplog
 from scripts.tables.provenance import load, measured, sec
 
 
@@ -21,7 +22,7 @@ def recovery() -> tuple[str, str, str]:
     wk = load("recovery")["cmemi_worker_kills"]
     return ("faults", f"worker SIGKILL → its replacement's first gradient accepted: "
             f"**{sec(wk['timeline_median_s']['first_grad_s'])}** (median of {wk['kills']} kills, warm spare), "
-            f"{wk['steps']['steps_lost']} steps lost", "docs/concepts/faults.md")
+            f"{wk['steps']['steps_lost']} steps lost; {steplog.headline()}", "docs/concepts/faults.md")
 
 
 def startup() -> tuple[str, str, str]:
@@ -77,5 +78,5 @@ def headlines() -> str:
     rows = [overhead(), recovery(), startup(), compression(), scaling_out(), local_steps(), memory()]
     lines = ["| area | headline figure | manual page |", "|---|---|---|"]
     lines += [f"| {area} | {figure} | [{TITLES[page]}]({page}) |" for area, figure, page in rows]
-    return "\n".join([*lines, "", measured("overhead", "recovery", "small", "compression", "cluster", "cluster_local",
-                                           "memory")])
+    return "\n".join([*lines, "", measured("overhead", "recovery", *steplog.FILES, "small", "compression", "cluster",
+                                           "cluster_local", "memory")])

@@ -1,0 +1,45 @@
+"""The step log's table (bench/recovery.py --parts steplog: bench/results/recovery_steplog.json, checkpoints every
+20 steps, and recovery_steplog_every1000.json) for docs/design/step-log.md, and its README headline: for each server
+killed, the steps redone, the seconds from the kill to the next new step and the step time, with the log and
+without it (`checkpoint.step_log: false`) in the same run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scripts.tables.provenance import load, measured, ms, sec
+
+FILES = ("recovery_steplog", "recovery_steplog_every1000")
+WHO = {"leader": "the leader", "shard": "shard 1"}
+
+
+def rows() -> list[tuple[str, int, int, dict[str, Any]]]:
+    """(server, K, checkpoint every, the row) over both files, in file then key order."""
+    out = []
+    for name in FILES:
+        for key, r in load(name)["cmemi_step_log"].items():
+            role, k, every = key.split("_")  # e.g. leader_k2_every20
+            out.append((role, int(k[1:]), int(every.removeprefix("every")), r))
+    return out
+
+
+def steplog() -> str:
+    lines = ["| server SIGKILLed | K | checkpoint every | steps redone, with / without the log | kill → next new step, "
+             "with / without | step time, with / without (ratio) |", "|---|---|---|---|---|---|"]
+    for role, k, every, r in rows():
+        w, wo = r["with_log"], r["without_log"]
+        lines.append(f"| {WHO.get(role, role)} ({w['kills']} kills) | {k} | {every} | **{w['steps_redone']}** / "
+                     f"{wo['steps_redone']} | {sec(w['kill_to_next_new_step_s_median'], 2)} / "
+                     f"{sec(wo['kill_to_next_new_step_s_median'], 2)} | {ms(w['step_time_median_s'])} / "
+                     f"{ms(wo['step_time_median_s'])} ({r['step_time_overhead']:.2f}×) |")
+    quick = any(load(n).get("quick") for n in FILES)
+    return "\n".join([*lines, "", "Medians over the kills; the step time is the median over each run (its kills "
+                      "included). The loopback comm-bound MLP of `bench/recovery.py`" + (" (`--quick`)" if quick else "")
+                      + ", one process per role on this machine.", "", measured(*FILES)])
+
+
+def headline() -> str:
+    """The README's: the leader killed with checkpoints far apart."""
+    role, k, every, r = max((x for x in rows() if x[0] == "leader"), key=lambda x: (x[2], -x[1]))
+    return (f"leader SIGKILL with a checkpoint every {every} steps: **{r['with_log']['steps_redone']}** steps redone "
+            f"with the step log ({r['without_log']['steps_redone']} without)")
