@@ -2,7 +2,8 @@
 
 A 24 M-parameter MLP (97 MB of fp32) with Adam, `cluster.shards: 2`, 2 workers and a checkpoint mid-run: every
 process is sampled for VmHWM until it exits (bench/memory.py's PeakSampler) and compared with its budget
-(bench/memory.py's `budgets`, the one place the formulas are written; bench/memory.py applies the same ones to a
+(bench/memory.py's `budgets`, the one place the formulas are written, with the step log's stated cost added as the
+log is on; bench/memory.py applies the same ones to a
 113 M-parameter model). No timing is asserted. The unit tests below pin the formulas and the manual's memory table.
 
 Every role is held to its budget. Workers give their free heap pages back before each block
@@ -47,6 +48,10 @@ def test_budgets_follow_the_issue_formulas() -> None:
     assert memory.budgets(400 * MiB, [400 * MiB], 0, 64 * MiB, optimizer="SGD")["shard 0"] == 1800 * MiB
     assert memory.budget_of("worker w1", b) == b["worker"] and memory.budget_of("coordinator", b) is None
     assert memory.cluster_budget(1000) == 1500
+    logged = memory.budgets(400 * MiB, [100 * MiB, 300 * MiB], interpreter=300 * MiB, cap=64 * MiB,
+                            step_log=memory.step_log_held(400 * MiB, 20))  # + the step log's stated cost
+    assert logged["shard 0"] == b["shard 0"] + 150 * MiB and logged["shard 1"] == b["shard 1"] + 900 * MiB
+    assert logged["checkpointer"] == b["checkpointer"] + 256 * MiB + 400 * MiB and logged["worker"] == b["worker"]
 
 
 def test_slices_come_from_the_piece_assignment() -> None:
