@@ -113,10 +113,7 @@ def test_a_double_fault_goes_back_to_the_checkpoint_and_says_how_many_steps_are_
     c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=100", "cluster.workers=2", "train.log_every=1")
     try:
         c.wait_step(350)
-        ckpt = c.redis.hgetall(c.keys.member("checkpointer", "0"))
-        c.signal("aggregator", "0")
-        c.signal("checkpointer", "0")
-        c.replaced("checkpointer", "0", int(ckpt["incarnation"]))
+        c.double_fault("0")
     finally:
         rc = c.wait()
     assert rc == 0, c.output()

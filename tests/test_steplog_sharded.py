@@ -79,10 +79,7 @@ def test_a_checkpointer_restart_forces_a_checkpoint_on_every_shard_and_a_double_
         c.wait_step(350)
         c.replaced("aggregator", "0", c.signal("aggregator", "0"))
         c.wait_step(650)
-        ckpt = c.redis.hgetall(c.keys.member("checkpointer", "0"))
-        c.signal("aggregator", "1")
-        c.signal("checkpointer", "0")
-        c.replaced("checkpointer", "0", int(ckpt["incarnation"]))
+        c.double_fault("1")
     finally:
         rc = c.wait(timeout=400)
     assert rc == 0, c.output()

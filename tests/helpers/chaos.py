@@ -80,6 +80,14 @@ class Cluster:
         os.kill(pid, sig)
         return int(rec["incarnation"])
 
+    def double_fault(self, shard: str) -> None:
+        """Aggregator `shard` and the checkpointer SIGKILLed together (the step log dies with its holder); returns
+        once a new checkpointer heartbeats."""
+        ckpt = self.redis.hgetall(self.keys.member("checkpointer", "0"))
+        self.signal("aggregator", shard)
+        self.signal("checkpointer", "0")
+        self.replaced("checkpointer", "0", int(ckpt["incarnation"]))
+
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         entries = self.redis.xrange(self.keys.events)
         evs = [json.loads(fields["json"]) for _id, fields in entries]
