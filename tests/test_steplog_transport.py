@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
+from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.services.checkpointer.logserver import LogServer
 from cmemi.services.checkpointer.spool import Spool, Spooled
 from cmemi.services.checkpointer.steplog import StepLog
@@ -69,7 +70,7 @@ def test_entries_go_and_come_back_bitwise(tmp_path: Path, redis_server, transpor
         ctx.redis.set(ctx.keys.term, 2)  # a restarted leader replays after restoring step 1
         replayer = StepLogLink(ctx, zctx, term=2)
         got = []
-        for msg in replayer.entries(1):
+        for msg in LogEntries(replayer).entries(1):
             g, b = inputs_of(msg.tensors, msg.header["skip"])
             got.append(msg.header["step"])
             assert b is not None and torch.equal(b["running"], torch.full((4,), float(msg.header["step"])))

@@ -4,6 +4,7 @@
 - `staging.py`: a step's inputs copied for its entry: into a shared-memory slot (the checkpointer on this host) or
   buffers kept from step to step.
 - `evals.py`: early stopping's state in the log: the evaluations collected before each step, loaded on a replay.
+- `reading.py`: a replay's entries read from the checkpointer in order, two requested ahead.
 - `replay.py`: a restarted server replays the log after its checkpoint: optimizer steps only, bitwise the same.
 - `shard.py`: a shard k > 0's side (cluster.shards > 1): its slice's entry shipped with its `shard_ready`, kept until
   logged, and its replay with the leader's decisions.

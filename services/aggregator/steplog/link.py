@@ -20,31 +20,27 @@ ROUTER, a 2-core machine under load) took 2.8-3.1 ms of CPU with CurveZMQ over t
 without: the encryption, not the TCP stack, was the step log's cost on a machine whose workers need the same cores
 (issue 47), and a descriptor is a few hundred bytes.
 
-A replay (`entries`) asks for two entries ahead, so the checkpointer reads and sends one while this server applies
-the other; each reply's tensors are copied into buffers kept for the replay (from the checkpointer's slot, on
-this host) before the next request may reuse that slot.
+A replay reads the log over this link (reading.py: two entries ahead).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import redis
 import torch
 import zmq
-from cmemi.services.aggregator.steplog.staging import Staging, kept_copy
+from cmemi.services.aggregator.steplog.staging import Staging
 from cmemi.shared.coordination.membership import texts
-from cmemi.shared.memory import shm, shm_reader
+from cmemi.shared.memory import shm
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
 GRAD, BUFFER = "g.", "b."
-AHEAD = 2  # a replay's entries requested ahead: the checkpointer's two slots (one being read here, one written)
 
 
 def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
@@ -75,7 +71,6 @@ class StepLogLink:
         # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
         self.local = False  # the checkpointer connected to is on this host (ipc://, slots)
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
-        self.reader: shm_reader.Reader | None = None  # a replay's: the checkpointer's slots
         self.backlog: list[protocol.Message] = []  # replies read after the one a wait took
         self.shipped_bytes = 0
 
@@ -212,7 +207,7 @@ class StepLogLink:
         True then."""
         assert self.pending is not None, "confirm without ship"
         step = self.pending[0]
-        msg = self._wait(lambda m: self._acks(m, step), lambda: self._send(self._messages()),
+        msg = self.wait(lambda m: self._acks(m, step), lambda: self._send(self._messages()),
                          f"the step log entry of step {step}")
         return self._settled(msg, on_gap)
 
@@ -231,57 +226,7 @@ class StepLogLink:
             return True
         return False
 
-    def entries(self, after: int) -> Iterator[protocol.Message]:
-        """The log's entries after step `after`, in order, until it ends (a restarted server's replay). `AHEAD`
-        requests are out at a time; an entry's tensors are copied into buffers kept for the replay (reused by the
-        next entry: the trainer keeps no reference to a gradient it applied) before the next request goes out."""
-        asked: deque[int] = deque()
-        into: dict[str, torch.Tensor] = {}
-
-        # only the leader's replay is answered through the checkpointer's slots: they are one ring for every
-        # requester, and a leader and a shard replaying at once would overwrite each other's entries there
-        def ask(a: int) -> None:
-            asked.append(a)
-            self._send(transfer.messages("log_req", self.ctx.run, {"term": self.term, "after": a, "shard": self.shard,
-                                                                   "shm": self.local and self.shard == 0}, self.cap))
-
-        def again() -> None:  # a restarted checkpointer: every request still out, to it
-            for a in list(asked):
-                asked.popleft()
-                ask(a)
-
-        if self.sock is None:
-            self._connect()
-        for a in range(after, after + AHEAD):
-            ask(a)
-        while asked:
-            a = asked[0]
-            msg = self._wait(lambda m: _answers(m, asked[0]), again, f"the step log's entry after step {a}")
-            asked.popleft()
-            if msg.type == "log_end":
-                return
-            msg.tensors = self._kept(msg, into)
-            ask(a + AHEAD)
-            yield msg
-
-    def _kept(self, msg: protocol.Message, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A replayed entry's tensors, copied into `into`'s buffers: out of the checkpointer's slot, or its frames."""
-        if "shm" not in msg.header:
-            return {n: kept_copy(into, n, t) for n, t in msg.tensors.items()}
-        if self.reader is None:
-            self.reader = shm_reader.Reader(self.ctx.run, self.ctx.cfg.cluster.checksum, limit=4,
-                                            bound=limits.logical_bytes(self.ctx.cfg))
-        desc = msg.header["shm"]
-        try:
-            out = {n: kept_copy(into, n, v) for n, v in self.reader.views(desc).items()}
-            if not self.reader.intact(desc):
-                raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
-        except protocol.ProtocolError as exc:
-            self.ctx.fatal(f"aggregator: the step log's entry of step {msg.header['step']} could not be read from the "
-                           f"checkpointer's shared memory ({exc}); set cluster.transport: tcp to replay over tcp://")
-        return out
-
-    def _wait(self, accept: Callable[[protocol.Message], bool], resend: Callable[[], None],
+    def wait(self, accept: Callable[[protocol.Message], bool], resend: Callable[[], None],
               what: str) -> protocol.Message:
         deadline = time.monotonic() + ACK_TIMEOUT_S
         waited = 0
@@ -305,8 +250,3 @@ class StepLogLink:
         self.parts.close()
         self.staging.close()
 
-
-def _answers(msg: protocol.Message, after: int) -> bool:
-    """Is `msg` the checkpointer's answer to the replay's request for the entry after step `after`?"""
-    return (msg.type == "log_entry" and msg.header["step"] == after + 1) or \
-        (msg.type == "log_end" and msg.header["after"] == after)

@@ -24,6 +24,7 @@ from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
+from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.shared.runtime.service import ServiceContext
 
 
@@ -42,7 +43,7 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
-    for msg in link.entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
+    for msg in LogEntries(link).entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
         if upto is not None and trainer.step >= upto:  # (a shard: no further than its leader's log end)
             break
         h = msg.header
