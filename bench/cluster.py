@@ -32,6 +32,9 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 - `cmemi_kn_powersgd2_r8`, `cmemi_k1_powersgd2_r8`, `cmemi_kn_dedicated_powersgd2_r8`: `powersgd` both ways at
   `compression.powersgd_rank: 8` (the rank that keeps an AdamW transformer's loss within 2 % of dense both ways,
   bench/compression.py); DDP's hook stays at rank 2.
+- `<system>_nolog` (any synchronous CMEMI system above, e.g. `cmemi_k1_nolog`, `cmemi_kn_powersgd2_r8_nolog`): the
+  same with `checkpoint.step_log: false`; `ratios.<system>_steplog_overhead` = the step time with the step log (the
+  default) over without it, in the same run (issue 47: what keeping the servers' state recoverable costs per step).
 
 Local steps (`cmemi_local`, `cmemi_local_stream`) record their samples/s as a fraction of the emulated compute
 bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
@@ -294,7 +297,7 @@ class Cluster:
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
               curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
-              rank: int = POWERSGD_RANK, fragments: int = 1) -> dict[str, Any]:
+              rank: int = POWERSGD_RANK, fragments: int = 1, step_log: bool = True) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
@@ -319,6 +322,7 @@ class Cluster:
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
+        cfg["checkpoint"]["step_log"] = step_log
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
         (run_dir / "config.yaml").write_text(dump_config(load_config(cfg_path, [])))
@@ -455,6 +459,8 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
                                                                           per_sample.get("ddp_powersgd")),
             "cmemi_kn_bytes_per_sample_vs_cmemi_local_stream": C.ratio(
                 runs.get("cmemi_kn", {}).get("bytes_per_sample"), runs.get("cmemi_local_stream", {}).get("bytes_per_sample")),
+            **{f"{k.removesuffix(NOLOG)}_steplog_overhead": C.ratio(med.get(k.removesuffix(NOLOG)), med.get(k))
+               for k in runs if k.endswith(NOLOG)},
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
             "cmemi_k1_vs_single_server_sequential_bound": C.ratio(med.get("cmemi_k1"),
                                                                    b["single_server_sequential_s"] + sleep),
@@ -494,8 +500,19 @@ def with_compute_bound(lab: netns.NetLab, shaped: list[netns.Host], rate: str, b
             lab.shape(h, back, burst)
 
 
+NOLOG = "_nolog"  # a synchronous CMEMI system's name + this: the same with checkpoint.step_log false
+
+
+def known_system(name: str) -> bool:
+    base = name.removesuffix(NOLOG)
+    return base in SYSTEMS and (name == base or (base.startswith("cmemi") and base not in LOCAL_SYSTEMS
+                                                 and base != "cmemi_kn_pipelined"))
+
+
 def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
                local_steps: int = LOCAL_STEPS, fragments: int = FRAGMENTS) -> dict[str, Any]:
+    step_log = not system.endswith(NOLOG)
+    system = system.removesuffix(NOLOG)
     if system.startswith("ddp"):
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
@@ -508,8 +525,8 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     shape = compressed_system(system)
     if system.startswith("cmemi_kn"):
         return cluster.cmemi(n, steps, warmup, shards=n, dedicated="dedicated" in system,
-                             curve=system != "cmemi_kn_nocurve", **shape)
-    return cluster.cmemi(n, steps, warmup, **shape)
+                             curve=system != "cmemi_kn_nocurve", step_log=step_log, **shape)
+    return cluster.cmemi(n, steps, warmup, step_log=step_log, **shape)
 
 
 def compressed_system(system: str) -> dict[str, Any]:
@@ -542,7 +559,8 @@ def main() -> None:
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}; a synchronous CMEMI "
+                   f"one + {NOLOG}: the same with checkpoint.step_log false")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="emulated compute per backward pass too, between the layers (default 0: forward only)")
     p.add_argument("--mlp", default="784,512,3", help="the MLP's input size, hidden width and depth (default 784,512,3)")
@@ -554,9 +572,10 @@ def main() -> None:
         print(f"bench/cluster.py needs root and Linux network namespaces with tc: {why}", file=sys.stderr)
         sys.exit(2)
     systems = args.systems.split(",")
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted(s for s in systems if not known_system(s))
     if unknown:
-        print(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)}", file=sys.stderr)
+        print(f"--systems: unknown {unknown}; choose from {','.join(SYSTEMS)} (a synchronous CMEMI one may end in "
+              f"{NOLOG})", file=sys.stderr)
         sys.exit(2)
     ns_ = [int(x) for x in (args.hosts or ("2,4" if args.quick else "2,4,8")).split(",")]
     try:
