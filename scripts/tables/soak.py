@@ -23,11 +23,13 @@ def soak() -> str:
                  + f" | **{d['faults']}** |")
     outcome = "equal to" if d["bitwise_equal"] else "**different from**"
     restarts = ", ".join(f"{k} {n}" for k, n in sorted(d["restarts"].items())) or "none"
+    aborts = sum(n for k, n in d.get("exit_codes", {}).items() if k.endswith("=-6"))  # SIGABRT: libzmq's assertion
     return "\n".join([
         f"`{d['command']}`: {d['hosts']} emulated hosts, K = {d['shards']}, {d['workers']} workers, {d['steps']} steps, "
         f"seed {d['seed']}; {d['faults']} faults in {d['faults_s']:.0f} s, the soak (its reference run included) over in {d['wall_s']:.0f} s.", "",
         *lines, "",
-        f"Processes restarted: {restarts}. Steps redone (step numbers logged more than once in metrics.jsonl): "
+        f"Processes restarted: {restarts}; of their exits, {aborts} were aborts inside libzmq (SIGABRT, "
+        "[below](#libzmq-aborts)), restarted like any crash. Steps redone (step numbers logged more than once in metrics.jsonl): "
         f"{d['steps_redone']}; double faults (a server killed within `DOUBLE_S` of another server's kill): "
         f"{d['double_faults']}; terms: {d['terms']}; fencing violations: {len(d['violations'])}. Final params_sha256 "
         f"{outcome} `cmemi reference`" + (f"; the run did not finish: {d['error'].splitlines()[0][:200]}"
