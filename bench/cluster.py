@@ -43,6 +43,10 @@ bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per i
 step time each placement of the replicas' states would take on these links (`placement_bounds_s`,
 bench/physics.py's `local_step_bounds_s`).
 
+`--slow-host F` measures each system once more with the last worker host's link at F times the rate (the others
+unchanged; co-located shards: that host's shard too): `slow_host` holds that run, `slow_host_vs_all_fast` its
+samples/s over the all-fast run's and `slow_host_goal` (N - 1 + F) / N, issue 48's "a slow host costs its share".
+
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
 
@@ -486,9 +490,9 @@ def of_bound(run: dict[str, Any], bound: float | None) -> float | None:
 
 def with_compute_bound(lab: netns.NetLab, shaped: list[netns.Host], rate: str, back: str, burst: str,
                        measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The same system measured again with every link at `rate` (far above what the run needs, so what is left is its
-    compute, the CPU and the servers), then the links shaped back to `back`: the compute bound of the same run, on
-    the same machine at about the same load."""
+    """The same system measured again with the links of `shaped` at `rate`, then shaped back to `back`. Every link far
+    above what the run needs: what is left is its compute, the CPU and the servers, the compute bound of the same
+    run, on the same machine at about the same load; one host's link lower (--slow-host): what a slow host costs."""
     for h in shaped:
         lab.shape(h, rate, burst)
     try:
@@ -554,6 +558,8 @@ def main() -> None:
     p.add_argument("--compute-bound", action="store_true", help="measure cmemi_local(_stream) again with every link "
                    "at --bound-rate: the compute bound of the same run (`of_measured_compute_bound`)")
     p.add_argument("--bound-rate", default="10gbit", help="the links' rate of the --compute-bound runs (default 10gbit)")
+    p.add_argument("--slow-host", type=float, default=None, help="also measure each system with the last worker "
+                   "host's link at this fraction of the rate (e.g. 0.25): `slow_host`, `slow_host_vs_all_fast`")
     p.add_argument("--patience", type=float, default=1.0, help="every CMEMI run's deadline times this (default 1; "
                    "more on a machine that others load)")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
@@ -703,6 +709,14 @@ def main() -> None:
                             run_system, cluster, system, n, steps, warmup, args.stages, args.local_steps, args.fragments))
                         runs[system]["compute_bound"] = bound
                         runs[system]["of_measured_compute_bound"] = of_bound(runs[system], bound.get("samples_per_s"))
+                if args.slow_host and "error" not in runs[system]:
+                    slow_rate = f"{rate * args.slow_host / 1e3:.0f}kbit"
+                    C.log(f"N = {n}: {system} again, host {hosts[n - 1].name} at {slow_rate} (--slow-host)")
+                    slow = with_compute_bound(lab, [hosts[n - 1]], slow_rate, rates[n], args.burst, functools.partial(
+                        run_system, cluster, system, n, steps, warmup, args.stages, args.local_steps, args.fragments))
+                    runs[system]["slow_host"] = {"host": hosts[n - 1].name, "rate": slow_rate, **slow}
+                    runs[system]["slow_host_vs_all_fast"] = of_bound(slow, runs[system].get("samples_per_s"))
+                    runs[system]["slow_host_goal"] = round((n - 1 + args.slow_host) / n, 3)
                 C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
                 result["by_n"][str(n)] = {"link": link, **summarise(n, runs, pbytes, rate)}
         failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]
