@@ -92,6 +92,7 @@ class FakeLink:
         self.sent: list[int] = []
         self.answers: list[SimpleNamespace] = []
         self.moved_now = False
+        self.queue: list[Any] = []  # (the SendQueue's: nothing waits to go)
 
     def encode(self, step: int, grads: Any, *_: Any) -> list[list[Any]]:
         return [[step]]
@@ -115,6 +116,7 @@ def shard_log(link: FakeLink) -> Any:
 
     log = ShardStepLog.__new__(ShardStepLog)  # (its link is the fake: no context, no socket)
     log.link, log.kept, log.again_at, log.next_check, log.shipped = link, {}, None, 0.0, -1
+    log.resend_s, log.sent_at = 2.0, 0.0  # (resend_after's, at cluster.dead_after 2 s)
     return log
 
 
@@ -149,3 +151,28 @@ def test_a_shard_sends_what_it_keeps_to_a_restarted_checkpointer() -> None:
     link.moved_now, log.next_check = True, 0.0
     log.poll()
     assert link.sent == [3, 3]
+
+
+def test_a_shard_sends_what_it_keeps_again_when_no_ack_came_within_resend_s_of_the_last_send() -> None:
+    """The same checkpointer, an entry lost with a connection a cut ended (issue 47, the 300-fault soak's stall):
+    sent again `resend_s` after it was last sent, and again `resend_s` after that, until it is logged."""
+    link = FakeLink()
+    log = shard_log(link)
+    log.ship(3, None)
+    log.ship(4, None)
+    log.poll()
+    assert link.sent == [3, 4], "just sent: not again"
+    log.sent_at -= log.resend_s  # (resend_s passed)
+    log.poll()
+    assert link.sent == [3, 4, 3, 4], "both kept entries again, in order"
+    log.poll()
+    assert link.sent == [3, 4, 3, 4], "not again before another resend_s"
+    link.queue.append(["still waiting"])
+    log.sent_at -= log.resend_s
+    log.poll()
+    assert link.sent == [3, 4, 3, 4], "not while the last copy still waits to go (the link's SendQueue)"
+    link.queue.clear()
+    link.answer("logged", 3)
+    link.answer("logged", 4)
+    log.poll()
+    assert log.kept == {}

@@ -5,6 +5,7 @@
 - schema      the run-time side of messages: each declared field as protocol.check_header checks it
 - protocol    every message encoded, and validated on receipt against its type's declaration
 - transfer    a message bigger than the cap cut into parts, and sent (or streamed from files)
+- sendq       a server loop's sends handed to ZeroMQ as its socket takes them, never waiting on the peer
 - assembly    parts reassembled into messages, every range and checksum checked as it arrives
 - landing     where a part's frames come from (a whole message, a socket) and land (tensors, a sink)
 - limits      the cap on one ZeroMQ message and the bound on one logical message, from the model's size

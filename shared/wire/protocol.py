@@ -85,9 +85,11 @@ def encode(mtype: str, run: str, fields: dict[str, Any], tensors: dict[str, torc
 
 
 def send(sock: zmq.Socket[bytes], parts: list[Any], identity: bytes | None = None,
-         trackers: list[zmq.MessageTracker] | None = None) -> int:
+         trackers: list[zmq.MessageTracker] | None = None, noblock: bool = False) -> int:
     """Send a message built by `encode`; large frames go zero-copy (with `trackers`: tracked, each frame's
-    tracker appended, so the caller knows when ZeroMQ no longer reads the buffer). Returns the bytes sent."""
+    tracker appended, so the caller knows when ZeroMQ no longer reads the buffer). Returns the bytes sent.
+    `noblock`: raise zmq.Again instead of waiting when the socket takes nothing now (shared/wire/sendq.py); once
+    its first frame is taken, ZeroMQ takes a message's every frame (its high-water mark counts whole messages)."""
     if identity is not None:
         parts = [identity, *parts]
     last = len(parts) - 1
@@ -95,7 +97,7 @@ def send(sock: zmq.Socket[bytes], parts: list[Any], identity: bytes | None = Non
     for i, part in enumerate(parts):
         n = part.nbytes if isinstance(part, memoryview) else len(part)
         total += n
-        flags = zmq.SNDMORE if i < last else 0
+        flags = (zmq.SNDMORE if i < last else 0) | (zmq.NOBLOCK if noblock else 0)
         if n < _ZERO_COPY_MIN:
             sock.send(part, flags=flags)
         elif trackers is not None:

@@ -132,13 +132,13 @@ class Faults:
 
     @contextlib.contextmanager
     def cut_in(self, f: Fault) -> Iterator[None]:
-        with self._drops([(self.host(f.key), ["!", "-i", "lo"])]):
+        with self.drops([(self.host(f.key), ["!", "-i", "lo"])]):
             yield
 
     @contextlib.contextmanager
     def cut_out(self, f: Fault) -> Iterator[None]:
         h = self.host(f.key)
-        with self._drops([(o, ["-s", h.ip]) for o in self.run.hosts.values() if o is not h]):
+        with self.drops([(o, ["-s", h.ip]) for o in self.run.hosts.values() if o is not h]):
             yield
 
     @contextlib.contextmanager
@@ -146,7 +146,7 @@ class Faults:
         h = self.host(f.key)
         rand = ["-m", "statistic", "--mode", "random", "--probability", LOSS]
         rules = [(h, ["!", "-i", "lo", *rand])] + [(o, ["-s", h.ip, *rand]) for o in self.run.hosts.values() if o is not h]
-        with self._drops(rules):
+        with self.drops(rules):
             yield
 
     @contextlib.contextmanager
@@ -155,7 +155,7 @@ class Faults:
         others = [k for k in self.run.placement if self.run.placement[k] != self.run.placement[f.key]]
         f.other = f.other or self.rng.choice(sorted(others))
         o = self.host(f.other)
-        with self._drops([(h, ["-s", o.ip]), (o, ["-s", h.ip])]):
+        with self.drops([(h, ["-s", o.ip]), (o, ["-s", h.ip])]):
             yield
 
     @contextlib.contextmanager
@@ -182,7 +182,8 @@ class Faults:
         return self.rng.choice(ports) if ports else None
 
     @contextlib.contextmanager
-    def _drops(self, rules: list[tuple[netns.Host, list[str]]]) -> Iterator[None]:
+    def drops(self, rules: list[tuple[netns.Host, list[str]]]) -> Iterator[None]:
+        """While inside: what each host receives matching its iptables match is dropped (a fault of the test's own)."""
         added = []
         try:
             for h, match in rules:

@@ -12,5 +12,6 @@
 - `outbox.py`: what a parameter server sends through its ROUTER: one logical message, in parts when bigger.
 - `evaluation.py`: periodic evaluation in the background, on a copy of the weights, so the step loop does not stall.
 - `totals.py`: what a run has done so far across terms (last loss, bytes moved, training time), carried in snapshots.
+- `metricsfile.py`: metrics.jsonl appended to by each term's leader: a step's line once, a deposed leader's included.
 - `dataprint.py`: the run's dataset fingerprint, held by the aggregator without reading the dataset.
 """

@@ -5,11 +5,11 @@ at most every 0.1 s: services/aggregator/leader/progress.py)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from typing import Any
 
+from cmemi.services.aggregator.common.metricsfile import MetricsFile
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.leader.progress import ProgressWriter
 from cmemi.services.aggregator.leader.throughput import Throughput
@@ -24,7 +24,7 @@ STOPPED_WAIT_S = 3.0  # the most a stopped leader waits for its trackers
 class Reporter:
     def __init__(self, ctx: ServiceContext, cfg: Config, totals: RunTotals, term: int) -> None:
         self.ctx, self.cfg, self.totals, self.term = ctx, cfg, totals, term
-        self.metrics = open(ctx.run_dir / "metrics.jsonl", "a", buffering=1)
+        self.metrics = MetricsFile(ctx.run_dir / "metrics.jsonl", term)  # a step's line once, whoever writes it
         self.progress = ProgressWriter(ctx.redis, ctx.keys)
         self.trackers = Trackers(ctx)
         self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
@@ -81,11 +81,13 @@ class Reporter:
         """The line of a step its leader committed but died before logging, written by the leader that replayed it
         (steplog/replay.py); its times and bytes died with the process that knew them (`replayed` says so)."""
         if step % self.cfg.train.log_every == 0 or step == self.cfg.train.rounds:
-            self.write({"step": step, "loss": loss, "lr": lr, "replayed": True, "term": self.term, "t": time.time()})
+            line = {"step": step, "loss": loss, "lr": lr, "replayed": True, "term": self.term, "t": time.time()}
+            if self.metrics.append(line, replayed=True):  # not if its deposed leader logged it meanwhile
+                self.trackers.line(line)
 
     def write(self, line: dict[str, Any]) -> None:
-        self.metrics.write(json.dumps(line) + "\n")
-        self.trackers.line(line)
+        if self.metrics.append(line):  # not a step a newer term's leader logged already (common/metricsfile.py)
+            self.trackers.line(line)
 
     def close_trackers(self) -> dict[str, Any]:
         """Each tracker finished, or abandoned after metrics.logger_timeout: summary.json's `trackers*` fields."""

@@ -5,6 +5,10 @@ Only the leader's messages of this shard's term count; a `reject`, or a new term
 rolled back because a shard restarted), means this shard's state is not the cluster's any more (`Rejoin`: it exits
 and starts again from the checkpoint the new term restores). The leader's messages bigger
 than one arrive in parts and are assembled here, so the shard's loop sees whole messages only.
+
+What the shard says goes through a SendQueue (shared/wire/sendq.py, issue 47): its loop never waits on a leader that
+does not read (SIGSTOPped, or cut one way); past `QUEUED` messages waiting the oldest is dropped and counted, and
+the shard says its periodic ones (`shard_have`, `shard_ready`, a join) again anyway.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.errors import Interrupt
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
+from cmemi.shared.wire.sendq import SendQueue
 
 
 class Rejoin(Interrupt):
@@ -30,6 +35,7 @@ class Rejoin(Interrupt):
 
 
 JOIN_AGAIN_S = 1.0  # a join not welcomed this long is said again
+QUEUED = 64  # messages kept for a leader that does not read: 30 s of shard_have and shard_ready, then drops
 
 
 class LeaderLink:
@@ -37,6 +43,7 @@ class LeaderLink:
                  incarnation: Callable[[], Any], drop: Callable[[str, str], None]) -> None:
         self.ctx, self.shard, self.term, self.incarnation, self.drop = ctx, shard, term, incarnation, drop
         self.sock = shard_join.leader_link(ctx, zctx, addr)
+        self.queue = SendQueue("the leader", QUEUED, ctx.log)  # what the socket did not take yet
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=drop)  # the leader's messages bigger than one
         # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
@@ -50,7 +57,8 @@ class LeaderLink:
         msgs = transfer.messages(mtype, self.ctx.run, {"shard": self.shard, "inc": self.incarnation(),
                                                        "term": self.term, **fields},
                                  cluster.message_cap(), tensors, cluster.checksum)
-        transfer.send(self.sock, msgs)
+        self.queue.put(msgs)
+        self.queue.flush(self.sock)
 
     def join(self, step: int, addr: str) -> None:
         """Join the leader's term at `step` (`shard_join`), said again until welcomed (`join_again`)."""
@@ -63,6 +71,7 @@ class LeaderLink:
         lost on the way (given up with what it held, shared/runtime/links.py) left the leader without this shard
         for good, holding every worker's hello (it admits workers once every shard joined); said again, it is
         welcomed again (services/aggregator/leader/roster.py `join`)."""
+        self.queue.flush(self.sock)  # (housekeeping calls this every 0.25 s: what the socket did not take before)
         if welcomed:
             self.joining = None
         elif self.joining is not None and now >= self.next_join:
@@ -105,5 +114,8 @@ class LeaderLink:
                   drops=drops, mirror=trainer.mirror_hashes())
 
     def close(self) -> None:
+        deadline = time.monotonic() + 0.5  # what still waits (shard_final) gets as long as the socket's linger
+        while len(self.queue) and self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
+            self.queue.flush(self.sock)
         self.watch.stop()
         self.sock.close(linger=500)

@@ -25,6 +25,7 @@ from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
+from cmemi.shared.wire.sendq import SendQueue
 
 PROTECT_PATIENCE_S = 0.5
 
@@ -200,10 +201,15 @@ class CheckpointerLink:
                 time.sleep(0.05)
                 continue
             assert self.sock is not None, "_connect returned True without a socket"
-            transfer.send(self.sock, self._messages(mtype, fields, tensors))
+            queue = SendQueue("the checkpointer", 1, self.ctx.log)  # never waits past `deadline` (issue 47)
+            queue.put(self._messages(mtype, fields, tensors))
+            sock = self.sock
             sent_to, next_check = (self.addr, self.inc), time.monotonic() + 0.5
             while time.monotonic() < deadline:
-                for msg in self._replies(100):
+                queue.flush(sock)
+                if len(queue):  # its parts go as the socket (SNDHWM 1) takes them; a cut peer costs the deadline
+                    sock.poll(100, zmq.POLLOUT)
+                for msg in self._replies(0 if len(queue) else 100):
                     if accept(msg):
                         return msg
                 if time.monotonic() > next_check:

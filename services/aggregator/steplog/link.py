@@ -21,6 +21,14 @@ without: the encryption, not the TCP stack, was the step log's cost on a machine
 (issue 47), and a descriptor is a few hundred bytes.
 
 A replay reads the log over this link (reading.py: two entries ahead).
+
+Nothing here waits on the checkpointer to send (issue 47, the 300-fault soak's stall at step 15,059). The DEALER
+had no link options (shared/runtime/links.py) and no bound on its sends: after a one-way cut into the checkpointer's
+host a connection stayed "established" while TCP retransmitted with a backoff of up to two minutes, so an entry in
+it (shard 1's of step 15060, which the leader's ack waits for) came after ACK_TIMEOUT_S if at all; an entry lost
+with a connection went again only to a restarted checkpointer; and a send into a full pipe (the peer SIGSTOPped or
+cut: nothing read) blocked the server's loop. Now: the link options, sends through a SendQueue (sendq.py: handed
+over as the socket takes them), and an entry unacknowledged `resend_after` after its last send goes again.
 """
 
 from __future__ import annotations
@@ -33,14 +41,24 @@ import redis
 import torch
 import zmq
 from cmemi.services.aggregator.steplog.staging import Staging
+from cmemi.shared.config.system import ClusterConfig
 from cmemi.shared.coordination.membership import texts
 from cmemi.shared.memory import shm
+from cmemi.shared.runtime.links import link_timeout, set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
+from cmemi.shared.wire.sendq import SendQueue
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
 GRAD, BUFFER = "g.", "b."
+SNDHWM = 4  # ZeroMQ messages held for the checkpointer at most: the rest waits in the SendQueue, in order
+QUEUED = 8  # logical messages the SendQueue keeps (a pending entry, a shard's two kept, their resends, log_reqs)
+
+
+def resend_after(cluster: ClusterConfig) -> float:
+    """Seconds an entry goes unacknowledged before it is sent again: 2 T, the link that lost it given up and redialled."""
+    return 2 * link_timeout(cluster)
 
 
 def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
@@ -73,6 +91,9 @@ class StepLogLink:
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
         self.backlog: list[protocol.Message] = []  # replies read after the one a wait took
         self.shipped_bytes = 0
+        self.queue = SendQueue("the checkpointer's step log", QUEUED, ctx.log)  # what the socket did not take yet
+        self.sent_at = 0.0  # when the last message was put on its way (monotonic)
+        self.resend_s = resend_after(ctx.cfg.cluster)
 
     def _where(self) -> tuple[str | None, str | None]:
         try:
@@ -90,7 +111,10 @@ class StepLogLink:
             if self.sock is not None:
                 self.sock.close(linger=0)
                 self.parts.keep(())
+            self.queue.clear()  # for the checkpointer gone: the caller sends what it needs again, to the new one
             self.sock = self.zctx.socket(zmq.DEALER)
+            set_link_options(self.sock, self.ctx.cfg.cluster)  # a dead connection given up in T, dialled again
+            self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
             self.ctx.curve.connect_as_client(self.sock)  # CurveZMQ over ipc:// too (samehost.bind_ipc)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, self.cap)
@@ -104,7 +128,19 @@ class StepLogLink:
         if self.sock is None:
             self._connect()
         if self.sock is not None:
-            self.shipped_bytes += transfer.send(self.sock, msgs)
+            self.queue.put(msgs)
+            self.sent_at = time.monotonic()
+            self._flush()
+
+    def _flush(self) -> int:
+        """Hand the socket what it takes now of what waits; returns the bytes handed over."""
+        n = self.queue.flush(self.sock) if self.sock is not None and len(self.queue) else 0
+        self.shipped_bytes += n
+        return n
+
+    def late(self) -> bool:
+        """Was the last message sent `resend_s` ago or more, and nothing of it is still waiting to go?"""
+        return time.monotonic() - self.sent_at >= self.resend_s and not len(self.queue)
 
     def stage(self, grads: dict[str, torch.Tensor] | None,
               buffer_sum: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -175,16 +211,22 @@ class StepLogLink:
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
         """The replies read before and not taken (`_wait`), then those that came, waiting up to `timeout_ms` for one."""
         out, self.backlog = self.backlog, []
-        if out:
-            timeout_ms = 0
-        while self.sock is not None and self.sock.poll(timeout_ms):
+        deadline = time.monotonic() + (0 if out else timeout_ms / 1000)
+        while self.sock is not None:
+            handed = self._flush()  # what waits goes as the socket takes it, while this waits for replies
+            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = self.sock.poll(wait_ms, zmq.POLLIN | (zmq.POLLOUT if len(self.queue) else 0))
+            if not events & zmq.POLLIN:
+                if events & zmq.POLLOUT and handed:
+                    continue
+                break
             try:
                 msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
                 if msg is not None:
                     out.append(msg)
             except protocol.ProtocolError as exc:
                 self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
-            timeout_ms = 0
+            deadline = 0.0
         return out
 
     @property
@@ -199,6 +241,8 @@ class StepLogLink:
         for msg in self._replies(0):
             if self._acks(msg, step):
                 return self._settled(msg, on_gap)
+        if self.late():  # lost with a connection a cut or a stopped checkpointer ended: again
+            self._send(self._messages())
         return None
 
     def confirm(self, on_gap: Callable[[int], None]) -> bool:
@@ -208,7 +252,7 @@ class StepLogLink:
         assert self.pending is not None, "confirm without ship"
         step = self.pending[0]
         msg = self.wait(lambda m: self._acks(m, step), lambda: self._send(self._messages()),
-                         f"the step log entry of step {step}")
+                         f"the step log entry of step {step}", again_when_late=True)
         return self._settled(msg, on_gap)
 
     @staticmethod
@@ -227,7 +271,9 @@ class StepLogLink:
         return False
 
     def wait(self, accept: Callable[[protocol.Message], bool], resend: Callable[[], None],
-              what: str) -> protocol.Message:
+              what: str, again_when_late: bool = False) -> protocol.Message:
+        """The first reply `accept` takes; `resend()` to a restarted checkpointer, and with `again_when_late` when the
+        last send is `resend_s` old (not a replay's requests: each answer takes a slot of the checkpointer's ring)."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
         waited = 0
         while time.monotonic() < deadline:
@@ -238,6 +284,8 @@ class StepLogLink:
                     return msg
             waited += 1
             if waited > 1 and self._connect():  # the checkpointer restarted (or was not known yet): again, to it
+                resend()
+            elif again_when_late and self.late():
                 resend()
             elif self.sock is None:
                 time.sleep(0.05)

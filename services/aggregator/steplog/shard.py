@@ -8,6 +8,11 @@ s - 1 only after its ack of s - 2, which needs this shard's entry of s - 2 held)
 `log_gap` (a restarted checkpointer holds nothing until the leader's forced checkpoint, `shard_snapshot`, is
 written) or to a restarted checkpointer. A restarted shard restores its slice of the checkpoint its leader
 restored and replays its own entries with the leader's decisions, to the leader's log end.
+
+A kept entry still unacknowledged `resend_after(cluster)` after it was last sent goes again (link.py: the 300-fault
+soak's stall, issue 47): one lost with a connection that a one-way cut or a SIGSTOPped checkpointer ended would
+otherwise be sent again only to a restarted checkpointer, and the leader's ack of that step, which waits for it,
+would never come. Nothing here waits to send (the link's SendQueue).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import zmq
 from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
+from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink, resend_after
 from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
@@ -38,6 +43,8 @@ class ShardStepLog:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int) -> None:
         self.link = StepLogLink(ctx, zctx, term, shard)
         self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
+        self.resend_s = resend_after(ctx.cfg.cluster)
+        self.sent_at = 0.0  # when an entry was last sent (shipped, or sent again)
         self.again_at: float | None = None  # a log_gap came: send what is kept again then
         self.next_check = 0.0
         self.shipped = -1  # the newest step shipped
@@ -76,11 +83,13 @@ class ShardStepLog:
         msgs = self.link.encode(step, grads, None, None, 0.0)
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
-        self.kept[step] = (time.monotonic(), msgs)
+        self.sent_at = time.monotonic()
+        self.kept[step] = (self.sent_at, msgs)
         self.link.send(msgs)
 
     def poll(self) -> None:
-        """Take the checkpointer's answers; send the kept entries again after a gap or to a restarted one."""
+        """Take the checkpointer's answers; send the kept entries again after a gap, to a restarted checkpointer, or
+        when none was acknowledged `resend_s` after the last send."""
         now = time.monotonic()
         for msg in self.link.replies():
             if msg.type == "logged":
@@ -93,8 +102,9 @@ class ShardStepLog:
         if now >= self.next_check and min(t for t, _ in self.kept.values()) < now - RECHECK_S:
             self.next_check = now + RECHECK_S  # an ack this late: is the checkpointer still the one sent to?
             moved = self.link.moved()
-        if moved or (self.again_at is not None and now >= self.again_at):
-            self.again_at = None
+        late = now - self.sent_at >= self.resend_s and not len(self.link.queue)  # (nothing of it still waits)
+        if moved or late or (self.again_at is not None and now >= self.again_at):
+            self.again_at, self.sent_at = None, now
             for step in sorted(self.kept):
                 self.link.send(self.kept[step][1])
 
