@@ -100,3 +100,13 @@ def test_error_feedback_residuals_in_the_replicas_states_replay_exactly(tmp_path
     sets = (*ROUNDS, "compression.codec=sparse2")
     replays = killed_leader_runs_to_the_reference(tmp_path, sets, [(14, 20), (26, 32)], checkpoint=12)
     assert all(e["checkpoint"] in (12, 24, 36) and e["checkpoint"] < e["step"] for e in replays), replays
+
+
+def test_a_synchronous_run_with_the_powersgd_downlink_replays_its_mirror_and_warm_start(tmp_path: Path) -> None:
+    """Synchronous, K = 1, the compressed downlink's server state: the workers' mirror (its error feedback: what the
+    mirror lacks is sent later) and PowerSGD's warm-started Q, both moved by each step from the new parameters, so
+    a replay moves them again bitwise; int8 up."""
+    sets = ("train.steps=300", "scheduler.kwargs.T_max=300", "cluster.spare_workers=0", "compression.codec=int8",
+            "compression.downlink=powersgd", "compression.powersgd_rank=2")
+    replays = killed_leader_runs_to_the_reference(tmp_path, sets, [(40, 120), (160, 240)])
+    assert all(e["checkpoint"] == 0 for e in replays), replays
