@@ -136,3 +136,18 @@ def test_an_entry_header_holds_every_replica_in_order(tmp_path) -> None:
     assert header is not None and [r for r, _ in header] == [0, 1]
     assert msgpack.unpackb(msgpack.packb(header), strict_map_key=False) == header
     assert {n.split(".")[1] for n in tensors} == {"0", "1"}
+
+
+def test_the_entry_size_script_counts_what_an_entry_carries(tmp_path) -> None:
+    """scripts/steplog_entry_bytes.py (the sizes docs/design/step-log.md points to) counts a replica's state as the
+    bytes a real round's state has in an entry."""
+    from scripts.steplog_entry_bytes import state_bytes
+
+    cfg = config(tmp_path)
+    trainer = Trainer(cfg)
+    assert trainer.inner is not None
+    _, _, _, s = LocalRound(cfg, runner(cfg)).run(0, 0, None)
+    trainer.inner.keep(0, innerstate.through_wire(s))
+    trainer.inner.keep(1, innerstate.through_wire(s))
+    _, tensors = replicas.states_of(trainer.inner)
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) == 2 * state_bytes(trainer) > 0
