@@ -23,6 +23,7 @@ from cmemi.services.checkpointer.steplog import StepLog
 from cmemi.shared.wire import protocol
 
 FIELDS = ("step", "skip", "loss", "partials", "evals")
+CARRIED = ("replicas",)  # the leader's, with local steps: the replicas' states' metadata, held and served back as is
 DECIDED = ("skip", "loss", "partials")  # the leader's decision of a step, which a shard's replay applies
 
 
@@ -50,7 +51,8 @@ class LogReplies:
 
     def _entry(self, identity: bytes, h: dict, msg: protocol.Message) -> None:
         shard, step = h["shard"], h["step"]
-        if not self.log.add(shard, {k: h[k] for k in FIELDS}, dict(msg.tensors)):
+        fields = {**{k: h[k] for k in FIELDS}, **{k: h.get(k) for k in CARRIED}}
+        if not self.log.add(shard, fields, dict(msg.tensors)):
             self.reply(identity, "log_gap", {"step": step, "base": self.log.base_of(shard)})
             return
         if shard == 0 and not self.whole(step):

@@ -217,6 +217,7 @@ class StepLog(TypedDict):
     loss: float
     partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
     evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
+    replicas: Annotated[list[Any] | None, Default(None)]  # local steps: states made current, [[r, meta]] (`i.{r}.`)
     tensors: list[Any]
     shm: Annotated[Any, ABSENT]  # same host: the tensors' slot descriptor instead of frames (shared/memory/shm.py)
 

@@ -14,7 +14,8 @@
   then its entry goes to the checkpointer, and the step commits (its metrics line, its snapshot, its evaluation's start, the run's end) only once
   the checkpointer holds them. That ack is taken after each message the loop reads (`after_step`) and waited for
   only when the next step is ready to apply: at most one step is ever unacknowledged, so a leader's death redoes
-  at most that uncommitted step (docs/design/step-log.md). Waiting for the ack before publishing cost 1.2-1.45x
+  at most that uncommitted step (docs/design/step-log.md). With train.local_steps the entry also carries the
+  replicas' states the step makes current (steplog/replicas.py). Waiting for the ack before publishing cost 1.2-1.45x
   the step time of a small model on a loaded 2-core machine.
 """
 
@@ -31,6 +32,7 @@ from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.steplog.evals import EvalLog
+from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
 
@@ -108,9 +110,10 @@ class Stepper:
         buffer_sum = collector.buffer_sum()
         entry = None
         if self.p.steplog is not None:  # its inputs, copied now (steplog/link.py: into a slot or kept buffers): the
-            # step changes them in place, the next reuses them
-            entry = (self.trainer.step + 1, self.p.steplog.stage(grads, buffer_sum), grads is None, partials, loss,
-                     self.evallog.to_ship())
+            # step changes them in place, the next reuses them; local steps: the replicas' states it makes current
+            replicas, states = states_of(self.trainer.inner)
+            entry = (self.trainer.step + 1, self.p.steplog.stage(grads, buffer_sum, states), grads is None, partials,
+                     loss, self.evallog.to_ship(), replicas)
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         step = self.trainer.step
@@ -132,7 +135,7 @@ class Stepper:
             self._ship(entry)  # (a death before this: the step was never committed, and is computed again)
 
     def _ship(self, entry: tuple[int, dict[str, torch.Tensor], bool, list[float] | None, float,
-                                 dict[str, Any] | None]) -> None:
+                                 dict[str, Any] | None, list[Any] | None]) -> None:
         assert self.p.steplog is not None
         self.p.steplog.ship_staged(*entry)
 

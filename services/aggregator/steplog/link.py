@@ -142,13 +142,15 @@ class StepLogLink:
         """Was the last message sent `resend_s` ago or more, and nothing of it is still waiting to go?"""
         return time.monotonic() - self.sent_at >= self.resend_s and not len(self.queue)
 
-    def stage(self, grads: dict[str, torch.Tensor] | None,
-              buffer_sum: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """A copy of a step's inputs (`tensors_of`'s names), taken before its optimizer step changes them in place
-        (staging.py: into a slot on this host, else kept buffers). Called only once the previous entry is
-        acknowledged (the checkpointer holds its own copy of it by then)."""
+    def stage(self, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
+              extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A copy of a step's inputs (`tensors_of`'s names, and `extra`'s: local steps' replica states, replicas.py),
+        taken before its optimizer step changes them in place (staging.py: into a slot on this host, else kept
+        buffers). Called only once the previous entry is acknowledged (the checkpointer holds its own copy of it by
+        then)."""
         src = {GRAD + n: g.detach() for n, g in (grads or {}).items()}
         src.update({BUFFER + n: b.detach() for n, b in (buffer_sum or {}).items()})
+        src.update({n: t.detach() for n, t in (extra or {}).items()})
         if self.sock is None:
             self._connect()
         return self.staging.copy(src, self.local)
@@ -164,10 +166,11 @@ class StepLogLink:
         self.ship_staged(step, tensors_of(grads, buffer_sum, copy), grads is None, partials, loss, evals)
 
     def ship_staged(self, step: int, tensors: dict[str, torch.Tensor], skip: bool, partials: list[float] | None,
-                    loss: float, evals: dict[str, Any] | None = None) -> None:
-        """`ship` of what `stage` copied (`tensors`; `skip`: the step's gradient is None)."""
+                    loss: float, evals: dict[str, Any] | None = None, replicas: list[Any] | None = None) -> None:
+        """`ship` of what `stage` copied (`tensors`; `skip`: the step's gradient is None; `replicas`: local steps'
+        replica states' metadata, replicas.py)."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": skip, "loss": float(loss),
-                  "partials": partials, "evals": evals}
+                  "partials": partials, "evals": evals, "replicas": replicas}
         self.pending = (step, fields, tensors)
         self._send(self._messages())
 
@@ -190,7 +193,7 @@ class StepLogLink:
                partials: list[float] | None, loss: float) -> list[list[Any]]:
         """Step `step`'s entry, encoded as frames (`ship`'s arguments; the tensors copied)."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
-                  "partials": partials, "evals": None}
+                  "partials": partials, "evals": None, "replicas": None}
         try:
             return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum),
                                      self.ctx.cfg.cluster.checksum)

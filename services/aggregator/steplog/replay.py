@@ -2,7 +2,8 @@
 optimizer again — optimizer steps only, no forward or backward anywhere, no worker recomputes a committed step.
 
 CPU torch gives the same bits for the same inputs, and an entry holds every input of a step that is not a function
-of the step and the checkpoint (the reduced gradient, a skipped step, the buffer sum; the LR schedule, the loss scale
+of the step and the checkpoint (the reduced gradient, a skipped step, the buffer sum, with local steps the replicas'
+states the step makes current: replicas.py; the LR schedule, the loss scale
 and the downlink mirror follow from those), so the state after the replay is bitwise the one the dead server had.
 The steps the log does not hold (none, unless the checkpointer died too, or the newest checkpoint was damaged) are
 redone by the workers, as without the log; the run says how many in events.jsonl (`steps_redone`).
@@ -22,6 +23,7 @@ from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_bou
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.common.userstep import users_step
+from cmemi.services.aggregator.steplog import replicas
 from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.services.aggregator.steplog.reading import LogEntries
@@ -49,6 +51,11 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
         evals.load(h["evals"])
+        if trainer.inner is not None:  # local steps: the replicas' states this step makes current (replicas.py)
+            try:
+                replicas.restore(trainer.inner, h["replicas"], msg.tensors)
+            except replicas.EntryError as exc:
+                ctx.fatal(f"aggregator: the step log's entry of step {h['step']} cannot be replayed: {exc}")
         with users_step(ctx.fatal, trainer.step + 1, where):
             trainer.apply(grads, buffer_sum, partials=h["partials"])
         totals.final_loss = float(h["loss"])
