@@ -17,6 +17,7 @@ import structlog
 import torch
 import zmq
 from cmemi.services.aggregator.steplog.link import QUEUED, StepLogLink, resend_after
+from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.services.aggregator.steplog.shard import ShardStepLog
 from cmemi.services.checkpointer.logserver import reply
 from cmemi.shared.runtime.service import ServiceContext
@@ -33,7 +34,7 @@ STEPS = 2000  # 16 KiB entries: past ZeroMQ's default SNDHWM (1000) and the kern
 class Checkpointer:
     """The checkpointer's step log socket, played: it reads nothing until `reading`; then each entry it gets is
     acknowledged (`logged`), except the first copy of the steps in `lose` (lost on the way, as with a connection
-    a cut ended)."""
+    a cut ended); a replay's `log_req` is answered `log_end`, except the first `lose_reqs` of them."""
 
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, lose: set[int] = frozenset()) -> None:
         self.ctx, self.lose = ctx, set(lose)
@@ -46,12 +47,18 @@ class Checkpointer:
         ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": addr, "incarnation": "1", "log": addr})
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum, peers=4)
         self.got: list[int] = []  # the steps of the entries received, in order (a copy sent again counts again)
+        self.reqs: list[int] = []  # the `after` of each log_req received
+        self.lose_reqs = 0  # the first this many log_reqs are lost (not answered)
 
     def serve(self, timeout_ms: int = 20) -> None:
         while self.sock.poll(timeout_ms):
             frames = self.sock.recv_multipart(copy=False)
             msg = self.parts.decode(frames[0].bytes, frames[1:])
             timeout_ms = 0
+            if msg is not None and msg.type == "log_req":  # a replay's: this log holds nothing (log_end)
+                self.reqs.append(msg.header["after"])
+                if len(self.reqs) > self.lose_reqs:
+                    reply(self.ctx, self.sock, frames[0].bytes, "log_end", {"after": msg.header["after"]})
             if msg is None or msg.type != "step_log":
                 continue
             step = msg.header["step"]
@@ -154,3 +161,28 @@ def test_a_send_queue_keeps_order_never_waits_and_drops_the_oldest_past_its_limi
         router.close(linger=0)
         dealer.close(linger=0)
         zctx.term()
+
+
+def test_a_replays_request_lost_on_the_way_is_asked_again_and_answered(tmp_path: Path, redis_server) -> None:
+    """The 300-fault soak run from the stall fix's first commit: a leader's replay after a shard's restart waited
+    for "the step log's entry after step 921" until ACK_TIMEOUT_S (its request lost with a connection the link options
+    gave up): the replay's requests are asked again when their answer is late, as an entry is sent again."""
+    ctx = context(tmp_path, redis_server.url)
+    zctx = zmq.Context()
+    peer = Checkpointer(ctx, zctx)
+    peer.lose_reqs = 2  # both requests out (two ahead) lost
+    stop = threading.Event()
+    served = threading.Thread(target=lambda: [peer.serve() for _ in iter(stop.is_set, True)], daemon=True)
+    served.start()
+    link = StepLogLink(ctx, zctx, term=2)
+    try:
+        t0 = time.monotonic()
+        assert list(LogEntries(link).entries(5)) == [], "the log holds nothing after step 5"
+        assert time.monotonic() - t0 < resend_after(ctx.cfg.cluster) + 10
+    finally:
+        stop.set()
+        served.join(timeout=10)
+        link.close()
+        peer.close()
+        zctx.term()
+    assert peer.reqs[:4] == [5, 6, 5, 6], "both asked again once late"
