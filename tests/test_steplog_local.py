@@ -47,9 +47,10 @@ def lines(run_dir: Path, name: str) -> list[dict]:
 
 
 def killed_leader_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], spans: list[tuple[int, int]],
-                                        checkpoint: int = 0) -> list[dict]:
-    """Kill the leader once in each span of server steps (drawn from a fresh seed, named in every failure), with
-    checkpoint.every_steps `checkpoint`; check what every such run must show, and return its replays."""
+                                        checkpoint: int = 0, server: str = "0") -> list[dict]:
+    """Kill the leader (or shard `server`) once in each span of server steps (drawn from a fresh seed, named in every
+    failure), with checkpoint.every_steps `checkpoint`; check what every such run must show, and return the
+    leader's replays."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     targets = [rng.randrange(lo, hi) for lo, hi in spans]
@@ -59,7 +60,7 @@ def killed_leader_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     try:
         for target in targets:
             killed_at.append(c.wait_step(target, timeout=120))
-            c.replaced("aggregator", "0", c.signal("aggregator", "0"), timeout=90)
+            c.replaced("aggregator", server, c.signal("aggregator", server), timeout=90)
     finally:
         rc = c.wait(timeout=200)
     note = f"seed {seed}, kills at steps {killed_at}"
@@ -72,8 +73,12 @@ def killed_leader_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     # a step whose entry the checkpointer held but whose ack died with the leader commits without its line
     assert len(set(range(1, s["steps"] + 1)) - set(steps)) <= len(targets), note
     events = lines(c.run_dir, "events.jsonl")
-    replays = [e for e in events if e["kind"] == "step_log_replayed"]
+    replays = [e for e in events if e["kind"] == "step_log_replayed" and e["shard"] == 0]
     assert len(replays) == len(targets) and all(e["replayed"] > 0 for e in replays), (replays, note)
+    # K > 1: every kill's new term replays each shard to the leader's step (a restarted shard may replay twice: once
+    # in the term it restarted in, again in the new term its join starts)
+    shards = {e["step"] for e in events if e["kind"] == "step_log_replayed" and e["shard"] > 0}
+    assert shards == ({e["step"] for e in replays} if "cluster.shards=2" in sets else set()), note
     assert [e for e in events if e["kind"] == "steps_redone"] == [], note
     assert s["term"] == len(targets) + 1, note
     return replays
@@ -100,6 +105,18 @@ def test_error_feedback_residuals_in_the_replicas_states_replay_exactly(tmp_path
     sets = (*ROUNDS, "compression.codec=sparse2")
     replays = killed_leader_runs_to_the_reference(tmp_path, sets, [(14, 20), (26, 32)], checkpoint=12)
     assert all(e["checkpoint"] in (12, 24, 36) and e["checkpoint"] < e["step"] for e in replays), replays
+
+
+def test_sharded_streaming_leader_killed_replays_every_shard_and_trains_none_twice(tmp_path: Path) -> None:
+    """K = 2, streaming: the leader's entry carries its slice, the decision and the replicas' states, each shard its
+    slice (the sharded log, unchanged); three leader kills, every shard replays to the leader's step each time."""
+    killed_leader_runs_to_the_reference(tmp_path, (*STREAM, "cluster.shards=2"), [(10, 40), (50, 80), (90, 110)])
+
+
+def test_sharded_whole_rounds_shard_killed_replays_and_trains_none_twice(tmp_path: Path) -> None:
+    """K = 2, whole rounds: shard 1 SIGKILLed twice; each restart starts a new term in which the leader and both
+    shards replay to the leader's log end (its replicas' states included) and no round is computed again."""
+    killed_leader_runs_to_the_reference(tmp_path, (*ROUNDS, "cluster.shards=2"), [(4, 12), (16, 24)], server="1")
 
 
 def test_a_synchronous_run_with_the_powersgd_downlink_replays_its_mirror_and_warm_start(tmp_path: Path) -> None:

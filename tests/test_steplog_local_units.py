@@ -114,11 +114,11 @@ def test_a_replay_of_logged_rounds_ends_bitwise_where_the_leader_ended(tmp_path)
     assert live.inner.current[0] is not None
 
 
-def test_the_log_is_on_with_local_steps_at_one_server_and_off_where_not_built(tmp_path) -> None:
+def test_the_log_is_on_with_local_steps_at_any_k_and_off_where_asked(tmp_path) -> None:
     assert in_use(config(tmp_path), Trainer(config(tmp_path)))
     assert in_use(config(tmp_path, "train.fragments=2"), Trainer(config(tmp_path, "train.fragments=2")))
     two = config(tmp_path, "cluster.shards=2")
-    assert not in_use(two, Trainer(two, shard=0)) and not in_use(two, Trainer(two, shard=1))
+    assert in_use(two, Trainer(two, shard=0)) and in_use(two, Trainer(two, shard=1))
     off = config(tmp_path, "checkpoint.step_log=false")
     assert not in_use(off, Trainer(off))
     sync = load_config(DIGITS, [f"run.dir={tmp_path}", "cluster.shards=2"])

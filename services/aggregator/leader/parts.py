@@ -175,8 +175,8 @@ def build(ctx: ServiceContext) -> LeaderParts:
     if steplog_in_use(cfg, trainer):
         p.steplog = StepLogLink(ctx, zctx, term)
     elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
-        ctx.log.info("step log not built yet for train.local_steps at cluster.shards > 1 or for "
-                     "cluster.pipeline_stages: a server's death goes back to the last checkpoint")
+        ctx.log.info("step log not built yet for cluster.pipeline_stages: a server's death goes back to the last "
+                     "checkpoint")
     _restore(p)
     p.member = Member(ctx.redis, ctx.keys, "aggregator", "0", cfg.cluster.heartbeat_interval,
                       cfg.cluster.dead_after, extra={"addr": addr, "term": term, **ctx.member_extra}).start()

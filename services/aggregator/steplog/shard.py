@@ -33,11 +33,11 @@ from cmemi.shared.runtime.service import ServiceContext
 
 
 def in_use(cfg: Config, trainer: Trainer) -> bool:
-    """Is the step log on for this server? With local steps at K = 1 (the leader's entry carries the replicas' states:
-    replicas.py), not with local steps at K > 1 (not built: the leader's entry would be its slice's, the states,
-    and the shards' slices replayed with them, untested) nor with pipelined shards (stages are stepped before the
-    commit, from no single entry). The same answer on every shard, so a cluster has the log on all or none."""
-    return (cfg.checkpoint.step_log and not (trainer.sharded and (cfg.cluster.pipeline_stages or trainer.local)))
+    """Is the step log on for this server? With local steps too (the leader's entry carries the replicas' states:
+    replicas.py; at K > 1 each shard ships its slice of the mean change as it ships a gradient slice), not with
+    pipelined shards (stages are stepped before the commit, from no single entry). The same answer on every shard,
+    so a cluster has the log on all or none."""
+    return cfg.checkpoint.step_log and not (trainer.sharded and cfg.cluster.pipeline_stages)
 
 
 class ShardStepLog:
