@@ -124,9 +124,12 @@ class LogServer:
         try:
             views = self.reader.views(desc)
             sink = self.log.sink(msg.header, desc["tensors"])
-            for ti, meta in enumerate(desc["tensors"]):
-                if meta["nbytes"]:
-                    sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
+            if isinstance(sink, Held):
+                sink.fill(views)
+            else:
+                for ti, meta in enumerate(desc["tensors"]):
+                    if meta["nbytes"]:
+                        sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
             del views
             if not self.reader.intact(desc):
                 raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
