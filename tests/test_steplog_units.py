@@ -10,7 +10,7 @@ import torch
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.steplog.link import inputs_of, tensors_of
 from cmemi.services.checkpointer import spool
-from cmemi.services.checkpointer.steplog import Held, StepLog
+from cmemi.services.checkpointer.steplog import Held, SlotBytes, StepLog
 from cmemi.shared.config.loading import load_config
 from cmemi.shared.wire.protocol import DTYPE_NAMES
 
@@ -142,7 +142,15 @@ def test_a_held_entry_of_every_shape_and_dtype_lands_whole() -> None:
     got = sink.result()
     assert all(got[n].dtype == x.dtype and got[n].shape == x.shape and torch.equal(got[n], x) for n, x in t.items())
     filled = Held(metas(t))
-    filled.fill(t)
+    desc = {"seg": "s", "slot": 0, "at": [0] * len(t), "tensors": metas(t)}
+    raw = SlotBytes()
+    filled.fill(raw.of(desc, t))
+    assert raw.of(desc, t) is raw.of(desc, t)  # the same views: their bytes are not made again
+    log = StepLog(0, 1 << 20, lambda _h, _m: None)  # type: ignore[arg-type,return-value]
+    assert log.add(0, {"step": 1}, filled.pieces())  # held as it landed from a slot: no tensor views made
+    entry = log.entry(0, 1)
+    assert entry is not None and entry.nbytes == sum(x.nbytes for x in t.values())
+    assert all(torch.equal(entry.loaded()[n], x) and entry.loaded()[n].dtype == x.dtype for n, x in t.items())
     assert all(torch.equal(filled.result()[n], x) for n, x in t.items())
 
 
