@@ -10,7 +10,7 @@ import torch
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.steplog.link import inputs_of, tensors_of
 from cmemi.services.checkpointer import spool
-from cmemi.services.checkpointer.steplog import Held, StepLog
+from cmemi.services.checkpointer.steplog import Held, SlotBytes, StepLog
 from cmemi.shared.config.loading import load_config
 from cmemi.shared.wire.protocol import DTYPE_NAMES
 
@@ -130,3 +130,39 @@ def test_a_replay_of_the_shipped_inputs_ends_bitwise_where_the_steps_ended(tmp_p
     assert replayed.params_sha256() == live.params_sha256()
     assert replayed.optimizer.state_dict()["state"].keys() == live.optimizer.state_dict()["state"].keys()
     assert replayed.lr == live.lr
+
+
+def test_a_held_entry_of_every_shape_and_dtype_lands_whole() -> None:
+    """One buffer per entry, its tensors views at aligned offsets: odd sizes, a scalar, an empty tensor, bf16."""
+    t = {"a": torch.arange(7, dtype=torch.float64), "s": torch.tensor(3.5), "e": torch.empty(0, 4),
+         "h": torch.arange(5, dtype=torch.bfloat16), "i": torch.arange(3, dtype=torch.int64).reshape(3, 1)}
+    sink = Held(metas(t))
+    for i, x in enumerate(t.values()):
+        sink.write(i, 0, memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()))
+    got = sink.result()
+    assert all(got[n].dtype == x.dtype and got[n].shape == x.shape and torch.equal(got[n], x) for n, x in t.items())
+    filled = Held(metas(t))
+    desc = {"seg": "s", "slot": 0, "at": [0] * len(t), "tensors": metas(t)}
+    raw = SlotBytes()
+    filled.fill(raw.of(desc, t))
+    assert raw.of(desc, t) is raw.of(desc, t)  # the same views: their bytes are not made again
+    log = StepLog(0, 1 << 20, lambda _h, _m: None)  # type: ignore[arg-type,return-value]
+    assert log.add(0, {"step": 1}, filled.pieces())  # held as it landed from a slot: no tensor views made
+    entry = log.entry(0, 1)
+    assert entry is not None and entry.nbytes == sum(x.nbytes for x in t.values())
+    assert all(torch.equal(entry.loaded()[n], x) and entry.loaded()[n].dtype == x.dtype for n, x in t.items())
+    assert all(torch.equal(filled.result()[n], x) for n, x in t.items())
+
+
+
+def test_the_log_end_follows_every_cut() -> None:
+    log = StepLog(0, 1 << 20, lambda _h, _m: None)  # type: ignore[arg-type,return-value]
+    for s in range(1, 6):
+        assert arrive(log, s, grad(s))
+    assert log.logs[0].last == 5
+    log.covered(2)
+    assert log.logs[0].last == 5 and not arrive(log, 7, grad(7)) and arrive(log, 6, grad(6))
+    log.truncate(4)
+    assert log.logs[0].last == 4 and sorted(log.logs[0].entries) == [3, 4] and arrive(log, 5, grad(5))
+    log.covered(9)
+    assert log.logs[0].last == 9 and arrive(log, 10, grad(10))

@@ -23,7 +23,7 @@ import zmq
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.admission import TermWatch
 from cmemi.services.checkpointer.drops import Drops
-from cmemi.services.checkpointer.steplog import Held, StepLog
+from cmemi.services.checkpointer.steplog import Held, SlotBytes, StepLog
 from cmemi.services.checkpointer.steplog_replies import LogReplies
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.links import set_link_options
@@ -52,6 +52,7 @@ class LogServer:
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, 0)
         self.slots: shm.Writer | None = None  # a replay's entries to a same-host server
         self.slotted: set[bytes] = set()  # the peers whose log_req asked for slots (`shm`)
+        self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor)
         self.reader = shm_reader.Reader(ctx.run, self.cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(self.cfg))
         if self.cfg.cluster.transport != "tcp" and shm.available():
             try:
@@ -124,9 +125,12 @@ class LogServer:
         try:
             views = self.reader.views(desc)
             sink = self.log.sink(msg.header, desc["tensors"])
-            for ti, meta in enumerate(desc["tensors"]):
-                if meta["nbytes"]:
-                    sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
+            if isinstance(sink, Held):
+                sink.fill(self.raw.of(desc, views))
+            else:
+                for ti, meta in enumerate(desc["tensors"]):
+                    if meta["nbytes"]:
+                        sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
             del views
             if not self.reader.intact(desc):
                 raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
@@ -135,7 +139,7 @@ class LogServer:
                 sink.discard()
             self.drops.count(exc.reason, str(exc))
             return False
-        msg.tensors = sink.result()
+        msg.tensors = sink.pieces() if isinstance(sink, Held) else sink.result()
         return True
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
