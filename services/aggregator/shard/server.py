@@ -110,14 +110,30 @@ class ShardServer:
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
-        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
-            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
+        self.parked: list[tuple[bytes, dict[str, Any]]] = []  # workers' hellos before the leader's welcome
+        self._boundary()
         self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
+
+    def _boundary(self) -> None:
+        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
+            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
+
+    def _catch_up(self, step: int) -> None:
+        """Restarted within the term, behind the leader's `step` (services/aggregator/leader/roster.py `Restarts`): this
+        shard's entries on to it, then the join again (not moved: the join said again in a second asks again)."""
+        before = self.trainer.step
+        if self.steplog is not None and self.seal is None and step > before:
+            self.steplog.replay(self.ctx, self.trainer, self.totals, upto=step)
+        if self.trainer.step > before:
+            self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
+            self.done = self.trainer.step >= self.total
+            self.leader.join(self.trainer.step, self.addr)
+            self._boundary()
 
     def _stage(self, g: int) -> dict[str, torch.Tensor]:
         pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
@@ -179,6 +195,11 @@ class ShardServer:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
                 self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
+                for identity, hello in self.parked:
+                    self._hello(identity, hello)
+                self.parked = []
+            elif msg.type == "shard_behind":
+                self._catch_up(h["step"])
             elif msg.type == "shard_fence":
                 self.admission.fence(h["wid"], h["inc"])
             elif msg.type == "shard_snapshot" and h["step"] == self.trainer.step != self.snapshotted:
@@ -196,13 +217,10 @@ class ShardServer:
             return
         h = msg.header
         if msg.type == "hello":
-            if not self.fp:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
-                self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
-                           "term yet; say hello again")
-            elif (info := self.admission.hello(identity, h)) is not None:
-                self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                           total_steps=self.total, shm=self.intake.grant(identity, h))
-                self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
+            if not self.fp:  # not joined the leader's term yet (a restart within it replays first): answered then
+                self.parked = [*[p for p in self.parked if p[0] != identity], (identity, h)][-64:]
+            else:
+                self._hello(identity, h)
             return
         if self.admission.known(identity, h, self.term) is None:
             pass
@@ -213,6 +231,12 @@ class ShardServer:
             self._on_grad(identity, msg)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
             self.intake.settle(self.current.holds())
+
+    def _hello(self, identity: bytes, h: dict[str, Any]) -> None:
+        if (info := self.admission.hello(identity, h)) is not None:
+            self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
+                       total_steps=self.total, shm=self.intake.grant(identity, h))
+            self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header

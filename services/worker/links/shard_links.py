@@ -17,8 +17,9 @@ come as slot descriptors, copied from the slot into the model's pieces and used 
 meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
 segment of its own per shard.
 
-A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
-checkpoint under a new term) raises `Lost`; the worker says hello again.
+A shard that does not answer within `timeout`, or whose Redis record names a new address (restarted: taken in
+the term, or the cluster goes back to the last checkpoint under a new term; shard_addrs.py), raises `Lost`; the
+worker says hello again, and links to each shard where its record says it is.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 import zmq
+from cmemi.services.worker.links.shard_addrs import ShardAddrs
 from cmemi.shared.compression import downlink
 from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
@@ -72,6 +74,7 @@ class Link:
         self.got: list[protocol.Message | None] = [None] * len(layouts)  # each stage's newest slice received
         self.over: protocol.Message | None = None  # the newest answer without tensors (that step is over)
         self.slots = False  # the shard granted shared-memory slots on this connection
+        self.addr = ""  # where it is linked to
 
     def answered(self, version: int) -> bool:
         """Is the pull of `version` answered: every stage of it here, or word that it is over?"""
@@ -100,13 +103,15 @@ class ShardLinks:
         # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0
+        self.addrs = ShardAddrs(ctx.redis, ctx.keys, cfg.cluster.shards)  # where each shard is now (its Redis record)
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
         """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
         self.close()
         self.term = term
         me = self.ident()
-        for k, addr in enumerate(addrs, start=1):
+        for k, told in enumerate(addrs, start=1):
+            addr = self.addrs.newest(k, told)
             sock = zctx.socket(zmq.DEALER)
             set_link_options(sock, self.cfg.cluster)
             sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
@@ -122,7 +127,7 @@ class ShardLinks:
             layouts = [Layout(stage) for stage in staged]
             parts = assembly.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
             self.links.append(Link(k, sock, layouts, parts, staged))
-            self.links[-1].slots = asks  # until its welcome says whether it grants them
+            self.links[-1].slots, self.links[-1].addr = asks, addr  # (slots: until its welcome says)
         for link in self.links:
             self._send(link, "hello", **hello, **asking_slots(link.slots))
         welcomed: set[int] = set()
@@ -140,8 +145,14 @@ class ShardLinks:
                                  part=transfer.PART)
         transfer.send(link.sock, msgs, trackers=trackers)
 
+    def _check_moved(self) -> None:
+        """`Lost` if a shard's Redis record names another address than its link's (restarted: shard_addrs.py)."""
+        if (moved := self.addrs.moved({link.k: link.addr for link in self.links})) is not None:
+            raise Lost(f"shard {moved[0]} restarted at {moved[1]}")
+
     def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
-        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message."""
+        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message, or once a
+        shard's record names a new address."""
         poller = zmq.Poller()
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
@@ -152,7 +163,11 @@ class ShardLinks:
                 raise Lost("stopping")
             if time.monotonic() - quiet_since > self.timeout:
                 raise Lost(f"no answer from the parameter-server shards within {self.timeout:g} s")
-            for sock, _ in poller.poll(100):
+            self._check_moved()
+            events = poller.poll(100)
+            if not events:
+                self.addrs.poke()  # a silent shard: is it restarting?
+            for sock, _ in events:
                 link = by_sock[sock]
                 quiet_since = time.monotonic()
                 try:
@@ -285,6 +300,7 @@ class ShardLinks:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
         shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
         the frames' trackers go there (services/worker/links/inflight.py)."""
+        self._check_moved()  # (into a dead shard's link, a gradient is lost: leased again only after a grace)
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
@@ -310,6 +326,7 @@ class ShardLinks:
         self.links = []
 
     def close_slots(self) -> None:
-        """Unlink this worker's segments (it exits)."""
+        """Unlink this worker's segments, stop reading the shards' records (it exits)."""
+        self.addrs.stop()
         for writer in self.writers.values():
             writer.close()
