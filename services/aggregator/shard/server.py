@@ -87,9 +87,10 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
-        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) \
-            if shard_log.in_use(cfg, self.trainer) else None
+        logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
+        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
+                                             newest=logged and shard_log.moved_on(ctx, max(restored_step, 0)))
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
         self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)

@@ -52,7 +52,7 @@ class ShardStepLog:
         replayed its log and cut what it had not applied before it advertised the term this shard joins
         (checkpointer/steplog_replies.py). Only when the leader has moved past this shard's checkpoint (at its
         term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all."""
-        if upto is None and not _behind(ctx, trainer.step):
+        if upto is None and not moved_on(ctx, trainer.step):
             return trainer.step
         replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=upto,
                each=lambda step: self._boundary(ctx.cfg, trainer, step))
@@ -103,7 +103,7 @@ class ShardStepLog:
         self.link.close()
 
 
-def _behind(ctx: ServiceContext, step: int) -> bool:
+def moved_on(ctx: ServiceContext, step: int) -> bool:
     """Has the leader moved past `step`: replayed past it at its term's start, or committed a step past it since?"""
     try:
         replayed, progress = ctx.redis.hget(ctx.keys.aggregator, "replayed"), ctx.redis.hget(ctx.keys.progress, "step")

@@ -6,8 +6,8 @@ roster.py) listens on a new address, and no new term comes to bring it: the work
 timeout (10 s and more) on the dead one. Each shard's record (`member:aggregator:k`, written by the new process
 before it restores anything) names its address; `Watch` (shared/coordination/watch.py) reads them every
 `INTERVAL_S` on its own thread, and the worker's waits and sends check the newest reading (`moved`): a shard whose
-record names another address than the link's is lost (`Lost`: the worker says hello again and links to it there,
-`newest`). The leader's welcome may still name the dead address while the new one replays; the record is newer.
+record names another address than the link's is linked to there (shard_links.py `relink`). The leader's welcome
+may still name the dead address while the new one replays; the record is newer (`newest`).
 """
 
 from __future__ import annotations
