@@ -88,8 +88,9 @@ class ShardServer:
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
         logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
+        self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
-                                             newest=logged and shard_log.moved_on(ctx, max(restored_step, 0)))
+                                             newest=self.restarted)
         self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
@@ -112,17 +113,12 @@ class ShardServer:
                                  self.drops)
         self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
         self.parked: list[tuple[bytes, dict[str, Any]]] = []  # workers' hellos before the leader's welcome
-        self._boundary()
         self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
-
-    def _boundary(self) -> None:
-        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
-            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
 
     def _catch_up(self, step: int) -> None:
         """Restarted within the term, behind the leader's `step` (services/aggregator/leader/roster.py `Restarts`): this
@@ -134,7 +130,6 @@ class ShardServer:
             self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
             self.done = self.trainer.step >= self.total
             self.leader.join(self.trainer.step, self.addr)
-            self._boundary()
 
     def _stage(self, g: int) -> dict[str, torch.Tensor]:
         pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
@@ -196,6 +191,9 @@ class ShardServer:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
                 self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
+                if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
+                    # its evaluation may run again; sent once joined (before, a restarted one's would not count)
+                    self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])
                 for identity, hello in self.parked:
                     self._hello(identity, hello)
                 self.parked = []
@@ -218,10 +216,13 @@ class ShardServer:
             return
         h = msg.header
         if msg.type == "hello":
-            if not self.fp:  # not joined the leader's term yet (a restart within it replays first): answered then
-                self.parked = [*[p for p in self.parked if p[0] != identity], (identity, h)][-64:]
-            else:
+            if self.fp:
                 self._hello(identity, h)
+            elif self.restarted:  # restarted in the term: the worker that linked to it keeps its lease meanwhile
+                self.parked = [*[p for p in self.parked if p[0] != identity], (identity, h)][-64:]
+            else:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
+                self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
+                           "term yet; say hello again")
             return
         if self.admission.known(identity, h, self.term) is None:
             pass
