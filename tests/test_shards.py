@@ -287,12 +287,14 @@ def test_shards_killed_mid_run_roll_back_and_still_match(tmp_path: Path, referen
     what a shard lacks is leased again), then shards 1 and 2 at once: each shard's death takes the cluster back to the last checkpoint every
     shard completed, and the result is still bitwise the fault-free one. With evaluation every 100 steps: an
     evaluation lost with a term runs again from the checkpoint, so the history is the fault-free run's. The same
-    with pipelined steps (the leader then holds no parameters, and stages are stepped before the commit)."""
+    with pipelined steps (the leader then holds no parameters, and stages are stepped before the commit). Without
+    the step log (`checkpoint.step_log: false`): with it, a shard's restart is taken within the term instead
+    (issue 47: tests/test_steplog_sharded.py)."""
     evals = ("eval.fn=cmemi.examples.digits:evaluate", "eval.every_steps=100")
     plain = run_up(tmp_path / "plain", *LONG, *evals, "cluster.workers=1", "cluster.spare_workers=0")
     assert plain.rc == 0, plain.stderr[-3000:]
     c = Cluster(tmp_path / "run", *LONG, *evals, "checkpoint.every_steps=50", "cluster.workers=2", "cluster.shards=3",
-                *pipelined)
+                "checkpoint.step_log=false", *pipelined)
     try:
         for target, victims in ((150, [("aggregator", "1")]), (300, [("worker", "w0")]), (450, [("aggregator", "2")]),
                                 (600, [("worker", "w1")]), (750, [("aggregator", "0")]), (900, [("worker", "w0")]),

@@ -297,6 +297,11 @@ class ShardSnapshot(TypedDict):  # checkpoint `step` now: the step log's forced 
     step: int
 
 
+class ShardBehind(TypedDict):  # a restarted shard joined short of the leader's `step`: replay on to it, join again
+    term: int
+    step: int
+
+
 class ShardEval(ShardMember):  # its slice at eval.every_steps
     tensors: list[Any]
 
@@ -341,5 +346,5 @@ KINDS: dict[str, type] = {
     "shard_join": ShardJoin, "shard_have": ShardHave, "shard_ready": ShardReady, "shard_commit": ShardCommit,
     "shard_welcome": ShardWelcome, "shard_fence": ShardFence, "shard_eval": ShardEval, "shard_final": ShardFinal,
     "part": Part, "step_log": StepLog, "logged": Logged, "log_gap": LogGap, "log_req": LogReq,
-    "log_entry": LogEntry, "log_end": LogEnd, "shard_snapshot": ShardSnapshot,
+    "log_entry": LogEntry, "log_end": LogEnd, "shard_snapshot": ShardSnapshot, "shard_behind": ShardBehind,
 }

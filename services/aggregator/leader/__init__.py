@@ -6,7 +6,8 @@
 - `handout.py`: the `work` message a lease carries, with the parameters in the cheapest form the worker can take.
 - `grads.py`: a worker's gradient at the leader, checked in the order its checks cost: what is cheap first.
 - `stepping.py`: a complete step applied once, in order: the same bits at any K.
-- `roster.py`: the leader's side of sharding: the shards k > 0 of this term and the step barrier.
+- `roster.py`: the leader's side of sharding: the shards k > 0 of this term (a restarted one taken in it) and the
+  step barrier.
 - `shard_slices.py`: the shards' pieces at an evaluation step and after the last, placed into the whole model.
 - `shard_messages.py`: what each message of a shard k > 0 means for the leader's own loop.
 - `eval_schedule.py`: when the leader evaluates, and what early stopping decides.

@@ -147,7 +147,8 @@ def build(ctx: ServiceContext) -> LeaderParts:
     admission = Admission(ctx.redis, ctx.keys, lambda theirs: dataprint.agrees(fp, theirs),
                           EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                           cfg.cluster.require_same_environment, outbox.send, drops, ctx.log)
-    roster = (ShardRoster(ctx, trainer.partition, term, outbox, drops, lambda: {"lease_key": seal.key, "fp": dict(fp)})
+    roster = (ShardRoster(ctx, trainer.partition, term, outbox, drops, lambda: {"lease_key": seal.key, "fp": dict(fp)},
+                          replays=cfg.checkpoint.step_log and not cfg.cluster.pipeline_stages)  # (issue 47)
               if trainer.sharded else None)
     # messages bigger than one, from admitted workers (gradients) and joined shards (their final and evaluation
     # slices) only: one partial transfer each, and one for a replacement

@@ -6,14 +6,27 @@ term's lease-seal key, so it admits workers and checks their leases by the leade
 incomplete a shard says which microbatches it holds (`shard_have`); what it lacks of a step complete here is
 leased again. Each shard reports its complete step (`shard_ready`: its pieces' partial norms, its overflow
 flag); once all did, the leader commits the step on every shard with every shard's share (`shard_commit`).
-A shard that restarts within a term rolls the cluster back to the last complete checkpoint (a new term); one whose
-link was cut and dialled again is the same shard under a new connection identity (`redialled`). The
-pieces a shard sends at each evaluation step (`shard_eval`) and after the last step (`shard_final`) are
-shard_slices.py's job: it takes them only from a shard `member` names.
+A shard that restarts within a term (SIGKILLed, its replacement a higher incarnation of the same shard number)
+restores its slice of the checkpoint and replays its own step log entries (services/aggregator/steplog/shard.py);
+at the leader's step, it takes its dead incarnation's place in this term (`Restarts`): no other server restores or
+replays, and the workers find its new address in its Redis record (services/worker/links/shard_addrs.py). Before
+issue 47 every shard's restart started a new term, whose leader and every shard restored and replayed again: shard
+1 SIGKILLed at `checkpoint.every_steps` 1000 cost 6.21 s to the next new step on a quiet machine
+(bench/recovery.py --parts steplog --quick --checkpoint-every 1000). Short of the leader's step (the leader's entry
+of its last step still on its way), it is told that step (`shard_behind`) and replays on to it; it stays short only
+if the log lacks its entries (the checkpointer died too: a double fault; or its own entry of the leader's last step,
+shipped with its `shard_ready`, died in its socket with it: 1 of 3 kills in one loaded run of the bench below), and
+once it has joined `CATCH_UP_S` without moving, the cluster goes back to the last complete checkpoint under a new
+term, as before (and always without the step log). A lower incarnation than the one joined is a stale process (back from SIGSTOP): fenced,
+told to leave, and nothing it says counts (`member` checks the incarnation). One whose link was cut and dialled
+again is the same shard under a new connection identity (`redialled`). The pieces a shard sends at each evaluation
+step (`shard_eval`) and after the last step (`shard_final`) are shard_slices.py's job: it takes them only from a
+shard `member` names.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +38,50 @@ from cmemi.services.aggregator.common.outbox import Outbox
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext
+
+CATCH_UP_S = 1.5  # a restarted shard told the leader's step that has not moved this long (joins said each second): roll back
+
+
+class Rejoin(enum.Enum):
+    ACCEPT = "accept"  # at the leader's step: it takes the place of its dead incarnation within this term
+    BEHIND = "behind"  # short of the leader's step: told to replay on to it (`shard_behind`)
+    STALE = "stale"  # an older incarnation than the one joined: fenced
+    ROLL_BACK = "roll_back"  # the log cannot bring it to the leader's step: a new term from the last checkpoint
+
+
+@dataclass
+class CatchingUp:
+    """A restarted shard told the leader's step: its incarnation, the step it had reached, since when."""
+    inc: int
+    step: int
+    since: float
+
+
+class Restarts:
+    def __init__(self) -> None:
+        self.catching: dict[int, CatchingUp] = {}  # shard k -> its new incarnation catching up
+
+    def decide(self, k: int, joined_inc: int | None, inc: int, its_step: int, step: int, now: float,
+               can_replay: bool = True) -> Rejoin:
+        """A join of shard k's incarnation `inc` at `its_step`, the leader at `step` and shard k joined this term
+        as `joined_inc` (None: not yet, which is the term's start: only the same step may join). `can_replay`:
+        the step log is in use (services/aggregator/steplog/shard.py `in_use`)."""
+        if joined_inc is None:
+            return Rejoin.ACCEPT if its_step == step else Rejoin.ROLL_BACK
+        if inc < joined_inc:
+            return Rejoin.STALE
+        if not can_replay:  # (the step log's replay alone makes it the leader's state: else as before issue 47)
+            return Rejoin.ROLL_BACK
+        if its_step == step:
+            self.catching.pop(k, None)
+            return Rejoin.ACCEPT
+        if its_step > step:
+            return Rejoin.ROLL_BACK
+        seen = self.catching.get(k)
+        if seen is None or seen.inc != inc or its_step > seen.step:  # told first, or it moved since: told again
+            self.catching[k] = CatchingUp(inc, its_step, now)
+            return Rejoin.BEHIND
+        return Rejoin.BEHIND if now - seen.since < CATCH_UP_S else Rejoin.ROLL_BACK
 
 
 @dataclass
@@ -38,17 +95,20 @@ class ShardInfo:
     totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
     mirror: dict[str, str] | None = None  # and (compression.downlink) its mirror pieces' SHA-256
     eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
+    fresh: bool = False  # a restarted incarnation: what it lacks of this step is leased again at once (`have`)
 
 
 class ShardRoster:
     def __init__(self, ctx: ServiceContext, partition: Partition, term: int, outbox: Outbox,
-                 drop: Callable[[str, str], None], welcome: Callable[[], dict[str, Any]]) -> None:
+                 drop: Callable[[str, str], None], welcome: Callable[[], dict[str, Any]], replays: bool = False) -> None:
         self.ctx, self.partition, self.term, self.outbox, self.drop = ctx, partition, term, outbox, drop
         self.welcome = welcome  # what a joining shard is told: the run's fingerprint, the lease-seal key
         self.shards: dict[int, ShardInfo] = {}  # k > 0, once joined this term
         self.last_commit: dict[str, Any] | None = None  # the shard_commit fields of the last step sent
         self.announced: dict[str, Any] | None = None  # the welcome every joined shard was sent last
         self.fences: dict[str, int] = {}  # worker id -> the highest incarnation fenced this term (said again: redialled)
+        self.restarts = Restarts()  # a joined shard's new incarnation: taken in this term, or rolled back
+        self.replays = replays  # a restarted shard replays the step log (steplog/shard.py `in_use`): taken in the term
 
     @property
     def complete(self) -> bool:
@@ -71,14 +131,35 @@ class ShardRoster:
             else:
                 self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
             return False
-        if known is not None or h["step"] != step:
-            # a shard restarted: its slice went back to the checkpoint, so the whole cluster goes back with it
-            self.ctx.emit("shard_restarted", shard=k, step=step, restored=h["step"])
+        decision = self.restarts.decide(k, None if known is None else known.inc, h["inc"], h["step"], step,
+                                        time.monotonic(), self.replays)
+        if decision is Rejoin.STALE:  # a dead incarnation back (SIGSTOP): fenced, nothing it says counts
+            self.drop("stale_shard", f"shard {k}/{h['inc']}, {known.inc if known else -1} joined")
+            self.outbox.send(identity, "reject", fatal=False, reason=f"shard {k} has a newer incarnation")
+        elif decision is Rejoin.BEHIND:  # it replays on to the leader's step, and joins again
+            self.outbox.send(identity, "shard_behind", term=self.term, step=step)
+        elif decision is Rejoin.ROLL_BACK:
+            # its slice went back to the checkpoint and the log cannot bring it here: the cluster goes back with it
+            self.ctx.emit("shard_restarted", shard=k, step=step, restored=h["step"], term_kept=False)
             self.ctx.log.warning("a shard restarted; the cluster restarts from the last complete checkpoint", shard=k,
                                  its_step=h["step"], step=step)
             raise SystemExit(Exit.REJOIN)
-        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"])
+        else:
+            return self.admit(k, identity, h, restarted=known is not None)
+        return False
+
+    def admit(self, k: int, identity: bytes, h: dict[str, Any], restarted: bool) -> bool:
+        """Shard k joins at the leader's step: at the term's start, or restarted within it (in its dead
+        incarnation's place, told this term's fences); True when it is the last one to join."""
+        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"], fresh=restarted)
         self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
+        if restarted:
+            self.ctx.emit("shard_restarted", shard=k, step=h["step"], restored=h["step"], term_kept=True, inc=h["inc"])
+            self.ctx.log.warning("a shard restarted; taken in this term at the leader's step", shard=k,
+                                 addr=h["addr"], step=h["step"])
+            for wid, inc in self.fences.items():
+                self.outbox.send(identity, "shard_fence", term=self.term, wid=wid, inc=inc)
+            return False
         self.ctx.log.info("shard joined", shard=k, addr=h["addr"], step=h["step"])
         return self.complete
 
@@ -129,7 +210,9 @@ class ShardRoster:
         if not all(isinstance(m, int) for m in h["have"]):
             self.drop("bad_have", f"shard {h['shard']}")
             return False
-        if lacking := collector.reopen(h["have"], time.monotonic(), grace=grace):
+        info = self.shards[h["shard"]]  # a restarted incarnation lost the whole step: leased again at once
+        if lacking := collector.reopen(h["have"], time.monotonic(), grace=0.0 if info.fresh else grace):
+            info.fresh = False
             self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
             self.ctx.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
                                  microbatches=lacking)

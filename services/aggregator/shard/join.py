@@ -35,13 +35,17 @@ def find_leader(ctx: ServiceContext, shard: int) -> tuple[int, str, int]:
 
 
 def restore_slice(ctx: ServiceContext, trainer: Trainer, totals: RunTotals, ckpt: CheckpointerLink,
-                  restored_step: int, shard: int) -> int:
-    """This shard's slice of the checkpoint the leader restored; returns the step it joins at (-1: that checkpoint
-    is gone, which rolls the cluster back)."""
-    if restored_step < 0:
+                  restored_step: int, shard: int, newest: bool = False) -> int:
+    """This shard's slice of the checkpoint the leader restored, or (`newest`: restarted within a term whose leader
+    has moved on, the step log in use) of the newest complete one: a checkpoint written since drops the log's
+    entries it covers, so the replay starts there (services/aggregator/leader/roster.py `Restarts`). Returns the
+    step it joins at (-1: that checkpoint is gone, which rolls the cluster back)."""
+    if restored_step < 0 and not newest:
         return trainer.step
-    msg = ckpt.fetch_latest(timeout=120, trainer=trainer, step=restored_step)
-    if msg is None or msg.header["step"] != restored_step:
+    msg = ckpt.fetch_latest(timeout=120, trainer=trainer, step=None if newest else restored_step)
+    if newest and msg is None and restored_step < 0:
+        return trainer.step  # (none written yet: the run's start, a pure function of the config)
+    if msg is None or msg.header["step"] < restored_step or (not newest and msg.header["step"] != restored_step):
         # retention removed it: the leader has run on since, so this is a restart within its term, which
         # rolls the cluster back anyway (the leader leaves the term when this shard joins at another step)
         ctx.log.warning("the checkpoint the leader restored is gone; joining to roll the cluster back",

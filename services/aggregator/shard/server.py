@@ -87,9 +87,11 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard)
-        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) \
-            if shard_log.in_use(cfg, self.trainer) else None
+        logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
+        self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
+        joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
+                                             newest=self.restarted)
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
         self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)
@@ -110,14 +112,24 @@ class ShardServer:
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
-        if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
-            self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])  # (its evaluation may run again)
+        self.parked: list[tuple[bytes, dict[str, Any]]] = []  # workers' hellos before the leader's welcome
         self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
+
+    def _catch_up(self, step: int) -> None:
+        """Restarted within the term, behind the leader's `step` (services/aggregator/leader/roster.py `Restarts`): this
+        shard's entries on to it, then the join again (not moved: the join said again in a second asks again)."""
+        before = self.trainer.step
+        if self.steplog is not None and self.seal is None and step > before:
+            self.steplog.replay(self.ctx, self.trainer, self.totals, upto=step)
+        if self.trainer.step > before:
+            self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
+            self.done = self.trainer.step >= self.total
+            self.leader.join(self.trainer.step, self.addr)
 
     def _stage(self, g: int) -> dict[str, torch.Tensor]:
         pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
@@ -179,6 +191,14 @@ class ShardServer:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
                 self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
+                if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
+                    # its evaluation may run again; sent once joined (before, a restarted one's would not count)
+                    self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])
+                for identity, hello in self.parked:
+                    self._hello(identity, hello)
+                self.parked = []
+            elif msg.type == "shard_behind":
+                self._catch_up(h["step"])
             elif msg.type == "shard_fence":
                 self.admission.fence(h["wid"], h["inc"])
             elif msg.type == "shard_snapshot" and h["step"] == self.trainer.step != self.snapshotted:
@@ -196,13 +216,13 @@ class ShardServer:
             return
         h = msg.header
         if msg.type == "hello":
-            if not self.fp:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
+            if self.fp:
+                self._hello(identity, h)
+            elif self.restarted:  # restarted in the term: the worker that linked to it keeps its lease meanwhile
+                self.parked = [*[p for p in self.parked if p[0] != identity], (identity, h)][-64:]
+            else:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
                 self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
                            "term yet; say hello again")
-            elif (info := self.admission.hello(identity, h)) is not None:
-                self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                           total_steps=self.total, shm=self.intake.grant(identity, h))
-                self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
             return
         if self.admission.known(identity, h, self.term) is None:
             pass
@@ -213,6 +233,12 @@ class ShardServer:
             self._on_grad(identity, msg)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
             self.intake.settle(self.current.holds())
+
+    def _hello(self, identity: bytes, h: dict[str, Any]) -> None:
+        if (info := self.admission.hello(identity, h)) is not None:
+            self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
+                       total_steps=self.total, shm=self.intake.grant(identity, h))
+            self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header

@@ -7,7 +7,9 @@ ack of its own. It keeps each entry until the checkpointer answers `logged` (at 
 s - 1 only after its ack of s - 2, which needs this shard's entry of s - 2 held), and sends them again after a
 `log_gap` (a restarted checkpointer holds nothing until the leader's forced checkpoint, `shard_snapshot`, is
 written) or to a restarted checkpointer. A restarted shard restores its slice of the checkpoint its leader
-restored and replays its own entries with the leader's decisions, to the leader's log end.
+restored and replays its own entries with the leader's decisions, as far as the log holds both (on to the leader's
+step when told it: `shard_behind`); restarted within a term, it is then taken in that term
+(services/aggregator/leader/roster.py `Restarts`).
 
 A kept entry still unacknowledged `resend_after(cluster)` after it was last sent goes again (link.py: the 300-fault
 soak's stall, issue 47): one lost with a connection that a one-way cut or a SIGSTOPped checkpointer ended would
@@ -51,18 +53,17 @@ class ShardStepLog:
         self.shipped = -1  # the newest step shipped
         self.boundary: tuple[int, dict[str, torch.Tensor]] | None = None  # see _boundary
 
-    def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals) -> int:
-        """After restoring the leader's checkpoint: this shard's entries, to the step its leader replayed to at the
-        start of its term (its Redis record's `replayed`). Within a term whose leader has moved on since, that
-        falls short of the leader's step, and the join rolls the cluster back to a new term, whose leader replays
-        again (a restarted shard has a new address: the workers learn it with the new term)."""
-        try:
-            target = int(ctx.redis.hget(ctx.keys.aggregator, "replayed") or -1)
-        except redis.RedisError:
-            target = -1  # (Redis away: the join at the restored step rolls the cluster back)
-        if target > trainer.step:
-            replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=target,
-                   each=lambda step: self._boundary(ctx.cfg, trainer, step))
+    def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals, upto: int | None = None) -> int:
+        """After restoring the leader's checkpoint: this shard's entries, each with its leader's decision, as far as
+        the log holds both, or to `upto` (the leader's step, which it tells a restarted shard that joined short of
+        it: `shard_behind`). Every step the log holds a decision of was applied by the leader of this term: it
+        replayed its log and cut what it had not applied before it advertised the term this shard joins
+        (checkpointer/steplog_replies.py). Only when the leader has moved past this shard's checkpoint (at its
+        term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all."""
+        if upto is None and not moved_on(ctx, trainer.step):
+            return trainer.step
+        replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=upto,
+               each=lambda step: self._boundary(ctx.cfg, trainer, step))
         return trainer.step
 
     def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
@@ -111,3 +112,12 @@ class ShardStepLog:
 
     def close(self) -> None:
         self.link.close()
+
+
+def moved_on(ctx: ServiceContext, step: int) -> bool:
+    """Has the leader moved past `step`: replayed past it at its term's start, or committed a step past it since?"""
+    try:
+        replayed, progress = ctx.redis.hget(ctx.keys.aggregator, "replayed"), ctx.redis.hget(ctx.keys.progress, "step")
+    except redis.RedisError:
+        return True  # (Redis away: ask the log)
+    return max(int(replayed or -1), int(progress or -1)) > step

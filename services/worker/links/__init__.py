@@ -7,6 +7,8 @@
 - `inbox.py`: where the received parameters land (in place on a CPU).
 - `lending.py`: a same-host leader's slot read in place, and when that is safe.
 - `shard_links.py`: the other parameter-server shards: their slices in, the gradient's slices out.
+- `shard_link.py`: one shard's link: what it holds of a pull, and why a link is given up (`Lost`, `Moved`).
+- `shard_addrs.py`: where each shard is now, from its Redis record (a shard restarted within the term).
 - `outbox.py`: a lease's gradient encoded and sent to every shard.
 - `inflight.py`: a big model's last gradient out of ZeroMQ's queues before the next one.
 """

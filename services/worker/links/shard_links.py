@@ -17,8 +17,10 @@ come as slot descriptors, copied from the slot into the model's pieces and used 
 meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
 segment of its own per shard.
 
-A shard that does not answer within `timeout` (dead, restarting: the cluster then goes back to the last
-checkpoint under a new term) raises `Lost`; the worker says hello again.
+A shard that does not answer within `timeout` raises `Lost`: the worker says hello again. One whose Redis record
+names a new address (restarted within the term: shard_addrs.py) is linked to there in place (`relink`) before a
+pull, an ask ahead or a push, so the lease in hand goes on; while the worker says hello (`connect`), it is `Lost`
+too, and each shard is linked to where its record says it is.
 """
 
 from __future__ import annotations
@@ -30,59 +32,18 @@ from typing import Any
 
 import torch
 import zmq
+from cmemi.services.worker.links.shard_addrs import ShardAddrs
+from cmemi.services.worker.links.shard_link import Link, Lost, Moved, answers, asking_slots
 from cmemi.shared.compression import downlink
 from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.errors import Interrupt
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
 from cmemi.shared.wire.layout import Layout, LayoutError
-
-
-class Lost(Interrupt):
-    """A shard did not answer, rejected us, or its parameters do not fit: start over with hello."""
-
-
-def answers(got: protocol.Message | None, version: int) -> bool:
-    """Does the slice received answer a pull of `version` (its tensors, or: that version is over)? Not a late answer
-    to an earlier pull (that step is over: the current version, no tensors)."""
-    return got is not None and (got.header["asked"] == version
-                                or (got.header["version"] == version and bool(got.tensors)))
-
-
-def asking_slots(asks: bool) -> dict[str, Any]:
-    """A hello's optional `shm` field (messages.Hello): sent only when it asks for shared-memory slots."""
-    return {"shm": True} if asks else {}
-
-
-class Link:
-    def __init__(self, k: int, sock: zmq.Socket, layouts: list[Layout], parts: assembly.Assembler,
-                 views: list[dict[str, torch.Tensor]]) -> None:
-        self.k, self.sock, self.layouts, self.parts = k, sock, layouts, parts
-        self.views = views  # each stage's pieces of the model: where the slice being fetched lands
-        # A small model's slice, one stage: in flat buffers of its own, then copied (stages: each message is its
-        # own, their flat frames share names).
-        self.inbox = layouts[0].empty() if len(layouts) == 1 and layouts[0].flat else None
-        self.have = -1  # version whose slice is in the model
-        self.asked = -1  # version of the last pull sent
-        self.got: list[protocol.Message | None] = [None] * len(layouts)  # each stage's newest slice received
-        self.over: protocol.Message | None = None  # the newest answer without tensors (that step is over)
-        self.slots = False  # the shard granted shared-memory slots on this connection
-
-    def answered(self, version: int) -> bool:
-        """Is the pull of `version` answered: every stage of it here, or word that it is over?"""
-        return answers(self.over, version) or all(answers(m, version) for m in self.got)
-
-    def reset(self) -> None:
-        self.got, self.over = [None] * len(self.got), None
-
-    def consumed(self) -> None:
-        """The slice is in the model: keep no reference to what it arrived in (a whole slice, when not in place)."""
-        self.got = [None] * len(self.got)
 
 
 class ShardLinks:
@@ -100,38 +61,62 @@ class ShardLinks:
         # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
         self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
         self.downlink_dropped = 0
+        self.addrs: ShardAddrs | None = None  # where each shard is now (its Redis record), read once connected
+        self.zctx: zmq.Context | None = None  # (the worker's: a shard restarted in the term is linked to again)
+        self.hello: dict[str, Any] = {}  # what this worker's hello says
 
     def connect(self, zctx: zmq.Context, addrs: list[str], term: int, hello: dict[str, Any]) -> None:
-        """Say hello to every shard k > 0 (addresses from the leader's welcome); returns once all welcomed us."""
+        """Say hello to every shard k > 0 (addresses from the leader's welcome, or newer ones from their Redis
+        records); returns once all welcomed us."""
         self.close()
-        self.term = term
+        self.term, self.zctx, self.hello = term, zctx, hello
+        if self.addrs is None:
+            self.addrs = ShardAddrs(self.ctx.redis, self.ctx.keys, self.cfg.cluster.shards)
+        self.links = [self._open(k, self.addrs.newest(k, told)) for k, told in enumerate(addrs, start=1)]
+        self._greet(self.links)
+
+    def _open(self, k: int, addr: str) -> Link:
         me = self.ident()
-        for k, addr in enumerate(addrs, start=1):
-            sock = zctx.socket(zmq.DEALER)
-            set_link_options(sock, self.cfg.cluster)
-            sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{term}/{k}".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))
-            # a slice asked ahead (ask_ahead) arrives before the worker fetches it: at most two of its parts queue
-            # here, the rest waits in the shard's queue (zero-copy, its live pieces), not a copy of P here meanwhile
-            sock.setsockopt(zmq.RCVHWM, 2)
-            asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(limits.nbytes(self.params.values()),
-                                                                               self.cfg.cluster.workers)
-            views = self.partition.views(self.params, k)
-            staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
-            layouts = [Layout(stage) for stage in staged]
-            parts = assembly.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
-            self.links.append(Link(k, sock, layouts, parts, staged))
-            self.links[-1].slots = asks  # until its welcome says whether it grants them
-        for link in self.links:
-            self._send(link, "hello", **hello, **asking_slots(link.slots))
+        assert self.zctx is not None
+        sock = self.zctx.socket(zmq.DEALER)
+        set_link_options(sock, self.cfg.cluster)
+        sock.setsockopt(zmq.IDENTITY, f"{me['wid']}/{me['inc']}/{self.term}/{k}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, limits.derive_max_message_bytes(self.cfg))
+        # a slice asked ahead (ask_ahead) arrives before the worker fetches it: at most two of its parts queue
+        # here, the rest waits in the shard's queue (zero-copy, its live pieces), not a copy of P here meanwhile
+        sock.setsockopt(zmq.RCVHWM, 2)
+        asks = self.link(sock, addr, f"shard{k}") == "ipc" and shm.suits(limits.nbytes(self.params.values()),
+                                                                           self.cfg.cluster.workers)
+        views = self.partition.views(self.params, k)
+        staged = [{n: views[n] for n in names} for names in self.partition.staged(k)]
+        parts = assembly.Assembler(self.ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum)
+        link = Link(k, sock, [Layout(stage) for stage in staged], parts, staged)
+        link.slots, link.addr = asks, addr  # (slots: until its welcome says whether it grants them)
+        return link
+
+    def _greet(self, links: list[Link]) -> None:
+        """Say hello to `links`; returns once all welcomed us (a restarted shard: once its leader welcomed it)."""
+        for link in links:
+            self._send(link, "hello", **self.hello, **asking_slots(link.slots))
         welcomed: set[int] = set()
 
         def welcome(link: Link, msg: protocol.Message) -> None:
-            if msg.type == "welcome" and msg.header["term"] == term:
+            if msg.type == "welcome" and msg.header["term"] == self.term:
                 welcomed.add(link.k)
                 link.slots = link.slots and msg.header["shm"]
-        self._wait(lambda: len(welcomed) == len(self.links), welcome)
+        self._wait(lambda: welcomed >= {link.k for link in links}, welcome)
+
+    def relink(self) -> None:
+        """A shard restarted within the term (its record names a new address: shard_addrs.py): link to it there, in
+        place, and say hello. The worker keeps its lease: said again to the leader, its lease would wait out the
+        leader's grace before another worker got it (4 s at cluster.dead_after 2 s)."""
+        while self.addrs is not None and (moved := self.addrs.moved({lk.k: lk.addr for lk in self.links})):
+            i = next(i for i, link in enumerate(self.links) if link.k == moved[0])
+            self.links[i].sock.close(linger=0)
+            self.links[i] = self._open(*moved)
+            self.ctx.log.info("a parameter-server shard restarted; linked to it there", shard=moved[0], addr=moved[1])
+            self._greet([self.links[i]])
 
     def _send(self, link: Link, mtype: str, tensors: dict[str, torch.Tensor] | None = None,
               trackers: list[zmq.MessageTracker] | None = None, **fields: Any) -> None:
@@ -140,8 +125,14 @@ class ShardLinks:
                                  part=transfer.PART)
         transfer.send(link.sock, msgs, trackers=trackers)
 
+    def _check_moved(self) -> None:
+        """`Moved` if a shard's Redis record names another address than its link's (restarted: shard_addrs.py)."""
+        if self.addrs is not None and (moved := self.addrs.moved({lk.k: lk.addr for lk in self.links})):
+            raise Moved(*moved)
+
     def _wait(self, done: Callable[[], bool], handle: Callable[[Link, protocol.Message], Any]) -> None:
-        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message."""
+        """Receive from the shards until `done()`; `Lost` after `timeout` seconds without a message, or once a
+        shard's record names a new address."""
         poller = zmq.Poller()
         for link in self.links:
             poller.register(link.sock, zmq.POLLIN)
@@ -152,7 +143,11 @@ class ShardLinks:
                 raise Lost("stopping")
             if time.monotonic() - quiet_since > self.timeout:
                 raise Lost(f"no answer from the parameter-server shards within {self.timeout:g} s")
-            for sock, _ in poller.poll(100):
+            self._check_moved()
+            events = poller.poll(100)
+            if not events and self.addrs is not None:
+                self.addrs.poke()  # a silent shard: is it restarting?
+            for sock, _ in events:
                 link = by_sock[sock]
                 quiet_since = time.monotonic()
                 try:
@@ -209,9 +204,19 @@ class ShardLinks:
             self.fetching = None
 
     def _fetch(self, version: int) -> bool:
-        for link in self.links:
-            if link.have == version:
-                continue
+        for i in range(len(self.links)):
+            while True:
+                try:
+                    fetched = self._fetch_one(self.links[i], version)
+                    break
+                except Moved:  # restarted within the term: linked to it there, asked again
+                    self.relink()
+            if not fetched:
+                return False
+        return True
+
+    def _fetch_one(self, link: Link, version: int) -> bool:
+        if link.have != version:
             if not link.answered(version):
                 # not asked yet, or what is here answers another pull: a late "that step is over" to an earlier
                 # one (current version, no tensors), or a newer version asked ahead
@@ -285,6 +290,7 @@ class ShardLinks:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
         shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
         the frames' trackers go there (services/worker/links/inflight.py)."""
+        self.relink()  # (into a dead shard's link, a gradient is lost: leased again only after the leader's grace)
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
@@ -299,6 +305,7 @@ class ShardLinks:
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""
+        self.relink()
         for link in self.links:
             if link.asked < version and link.have < version:
                 self._send(link, "pull", term=self.term, version=version, have=link.have)
@@ -310,6 +317,8 @@ class ShardLinks:
         self.links = []
 
     def close_slots(self) -> None:
-        """Unlink this worker's segments (it exits)."""
+        """Unlink this worker's segments, stop reading the shards' records (it exits)."""
+        if self.addrs is not None:
+            self.addrs.stop()
         for writer in self.writers.values():
             writer.close()

@@ -1,0 +1,127 @@
+"""A shard restarted within a term (issue 47): the leader's decision (services/aggregator/leader/roster.py `Restarts`), the
+roster that acts on it (roster.py), and the worker's reading of where each shard is now
+(services/worker/links/shard_addrs.py). In-process: real rosters of a real partition with a recording outbox (as
+test_roster_units.py), a real Redis for the addresses; the whole path is test_steplog_sharded.py's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cmemi.services.aggregator.leader.roster import CATCH_UP_S, Rejoin, Restarts, ShardRoster
+from cmemi.services.worker.links.shard_addrs import ShardAddrs
+from cmemi.shared.coordination.keys import Keys
+from cmemi.shared.coordination.membership import connect
+from cmemi.shared.core.grid import Partition
+from cmemi.shared.runtime.exits import Exit
+
+from tests.test_roster_units import TERM, Sent, context, model
+
+
+def test_the_decision_takes_a_new_incarnation_at_the_leaders_step_and_rolls_back_only_what_the_log_cannot_bring() -> None:
+    r = Restarts()
+    assert r.decide(1, None, 5, its_step=40, step=40, now=0.0) is Rejoin.ACCEPT  # the term's start
+    assert r.decide(1, None, 5, its_step=20, step=40, now=0.0) is Rejoin.ROLL_BACK  # (as before issue 47)
+    assert r.decide(1, 5, 4, its_step=40, step=40, now=0.0) is Rejoin.STALE  # an older incarnation: fenced
+    assert r.decide(1, 5, 7, its_step=40, step=40, now=0.0) is Rejoin.ACCEPT  # restarted, replayed to the step
+    assert r.decide(1, 5, 7, its_step=40, step=40, now=0.0, can_replay=False) is Rejoin.ROLL_BACK  # no log
+    assert r.decide(1, 5, 7, its_step=41, step=40, now=0.0) is Rejoin.ROLL_BACK  # ahead: not this term's state
+
+
+def test_a_shard_behind_is_told_again_while_it_moves_and_rolled_back_once_it_stops_moving() -> None:
+    r = Restarts()
+    assert r.decide(1, 5, 7, its_step=20, step=40, now=0.0) is Rejoin.BEHIND
+    assert r.decide(1, 5, 7, its_step=20, step=40, now=CATCH_UP_S / 2) is Rejoin.BEHIND  # said again: not moved yet
+    assert r.decide(1, 5, 7, its_step=39, step=40, now=CATCH_UP_S * 0.9) is Rejoin.BEHIND  # moved: its clock restarts
+    assert r.decide(1, 5, 7, its_step=39, step=40, now=CATCH_UP_S * 1.5) is Rejoin.BEHIND
+    assert r.decide(1, 5, 7, its_step=39, step=40, now=CATCH_UP_S * 2) is Rejoin.ROLL_BACK  # the log lacks step 40
+    assert r.decide(1, 5, 8, its_step=39, step=40, now=CATCH_UP_S * 2) is Rejoin.BEHIND  # another incarnation: anew
+    assert r.decide(1, 5, 8, its_step=40, step=40, now=CATCH_UP_S * 2) is Rejoin.ACCEPT and not r.catching
+
+
+def roster(replays: bool) -> tuple[ShardRoster, Sent, list[tuple[str, str]]]:
+    sent, drops = Sent(), []
+    r = ShardRoster(context(), Partition(model(), shards=3), TERM, sent, lambda reason, d: drops.append((reason, d)),
+                    lambda: {"lease_key": b"k", "fp": {"sha256": "x"}}, replays=replays)
+    return r, sent, drops
+
+
+def join(r: ShardRoster, k: int, inc: int, its_step: int, step: int, ident: bytes | None = None) -> bool:
+    return r.join(ident or f"s{k}/{inc}".encode(), {"shard": k, "term": TERM, "inc": inc, "step": its_step,
+                                                    "addr": f"tcp://s{k}/{inc}"}, step=step)
+
+
+def test_the_roster_takes_a_restarted_shard_in_the_term_in_its_dead_incarnations_place() -> None:
+    r, sent, drops = roster(replays=True)
+    assert not join(r, 1, inc=1, its_step=0, step=0) and join(r, 2, inc=2, its_step=0, step=0) and r.complete
+    r.fence("w0", 3)
+    n = len(sent.log)
+    assert not join(r, 1, inc=9, its_step=35, step=40)  # restarted: told the leader's step
+    assert sent.log[n:] == [(b"s1/9", "shard_behind", {"term": TERM, "step": 40})] and r.shards[1].inc == 1
+    assert not join(r, 1, inc=9, its_step=40, step=40)  # caught up: in shard 1's place, told the fences
+    assert [(i, m) for i, m, _ in sent.log[n + 1:]] == [(b"s1/9", "shard_welcome"), (b"s1/9", "shard_fence")]
+    assert r.complete and r.addrs() == ["tcp://s1/9", "tcp://s2/2"] and r.ctx.emitted == ["shard_restarted"]
+    # the dead incarnation, back from SIGSTOP: nothing it says counts, and a join of it is refused
+    ready = {"shard": 1, "inc": 1, "term": TERM, "step": 40, "partials": [1.0], "overflow": False}
+    assert not r.ready(b"s1/1", ready, step=40) and drops[-1][0] == "unknown_shard"
+    assert r.others_ready(40) is None  # (its share does not count for the new one)
+    assert not join(r, 1, inc=1, its_step=40, step=40) and drops[-1][0] == "stale_shard"
+    assert sent.log[-1][:2] == (b"s1/1", "reject") and not sent.log[-1][2]["fatal"]
+    assert r.ready(b"s1/9", {**ready, "inc": 9}, step=40)
+
+
+def test_a_restarted_shard_lacks_the_whole_step_leased_again_at_once() -> None:
+    from cmemi.services.aggregator.common.collector import StepCollector
+
+    r, _, _ = roster(replays=True)
+    join(r, 1, inc=1, its_step=0, step=0), join(r, 2, inc=2, its_step=0, step=0)
+    collector = StepCollector(step=0, microbatches=4, leased=False)
+    for m in range(4):
+        collector.offer((m, m + 1), {}, [0.5], None)
+    assert collector.complete
+    h = {"shard": 2, "inc": 2, "term": TERM, "step": 0, "have": [0, 1]}
+    assert not r.have(b"s2/2", h, collector, grace=60.0)  # a live shard's gap: after the grace
+    join(r, 1, inc=9, its_step=0, step=0)
+    h = {"shard": 1, "inc": 9, "term": TERM, "step": 0, "have": [0]}
+    assert r.have(b"s1/9", h, collector, grace=60.0) and list(collector.pending)[:3] == [(1, 2), (2, 3), (3, 4)]
+    assert not r.shards[1].fresh  # once: later gaps wait the grace again
+
+
+def test_without_the_step_log_a_restarted_shard_rolls_the_cluster_back_as_before() -> None:
+    r, _, _ = roster(replays=False)
+    join(r, 1, inc=1, its_step=0, step=0)
+    with pytest.raises(SystemExit) as exc:
+        join(r, 1, inc=2, its_step=5, step=40)
+    assert exc.value.code == Exit.REJOIN and r.ctx.emitted == ["shard_restarted"]
+
+
+def test_a_restarted_shard_that_cannot_catch_up_rolls_the_cluster_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    r, sent, _ = roster(replays=True)
+    join(r, 1, inc=1, its_step=0, step=0)
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    assert not join(r, 1, inc=2, its_step=20, step=40) and sent.log[-1][1] == "shard_behind"
+    now[0] += CATCH_UP_S + 0.1  # joined again, not moved: the log lacks its entries (a double fault)
+    with pytest.raises(SystemExit) as exc:
+        join(r, 1, inc=2, its_step=20, step=40)
+    assert exc.value.code == Exit.REJOIN
+
+
+def test_the_worker_reads_where_each_shard_is_now(redis_server) -> None:
+    client, keys = connect(redis_server.url), Keys("restarts")
+    client.hset(keys.member("aggregator", "1"), mapping={"addr": "tcp://old", "state": "running"})
+    addrs = ShardAddrs(client, keys, shards=3)
+    try:
+        deadline = time.monotonic() + 10
+        while addrs.newest(1, "tcp://told") != "tcp://old" and time.monotonic() < deadline:
+            addrs.poke()
+        assert addrs.newest(1, "tcp://told") == "tcp://old" and addrs.newest(2, "tcp://two") == "tcp://two"
+        assert addrs.moved({1: "tcp://old", 2: "tcp://two"}) is None
+        client.hset(keys.member("aggregator", "1"), mapping={"addr": "tcp://new", "state": "running"})
+        moved = None
+        while moved is None and time.monotonic() < deadline:
+            addrs.poke()
+            moved = addrs.moved({1: "tcp://old", 2: "tcp://two"})
+        assert moved == (1, "tcp://new")
+    finally:
+        addrs.stop()
