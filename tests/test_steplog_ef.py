@@ -82,9 +82,11 @@ def test_the_rule_rewinds_only_a_step_asked_again() -> None:
     assert not stateless.before_encoding(1, 0, 0, 4) and not stateless.before_encoding(2, 0, 0, 4)
 
 
-def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], spans: list[tuple[int, int]]) -> None:
-    """W = 1, no checkpoint but the final one, the leader killed once in each span of steps (drawn from a fresh seed,
-    named in every failure): `cmemi reference`'s params_sha256, no step twice, a replay per kill, nothing redone."""
+def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], spans: list[tuple[int, int]],
+                                        server: str = "0") -> None:
+    """W = 1, no checkpoint but the final one, the leader (or shard `server`) killed once in each span of steps (drawn
+    from a fresh seed, named in every failure): `cmemi reference`'s params_sha256, no step twice, a replay per kill,
+    nothing redone."""
     seed = int.from_bytes(os.urandom(4), "little")
     targets = [random.Random(seed).randrange(lo, hi) for lo, hi in spans]
     want = reference_of(tmp_path, *sets, "checkpoint.every_steps=0", "cluster.workers=1")
@@ -93,7 +95,7 @@ def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     try:
         for target in targets:
             killed_at.append(c.wait_step(target, timeout=120))
-            c.replaced("aggregator", "0", c.signal("aggregator", "0"), timeout=90)
+            c.replaced("aggregator", server, c.signal("aggregator", server), timeout=90)
     finally:
         rc = c.wait(timeout=200)
     note = f"seed {seed}, kills at steps {killed_at}"
@@ -125,3 +127,13 @@ def test_powersgd_with_error_feedback_leader_killed_ends_at_the_reference(tmp_pa
     """PowerSGD, rank 2: its residual and its warm-started Q are both rewound."""
     sets = (*SYNC, "compression.codec=powersgd", "compression.powersgd_rank=2")
     leader_killed_runs_to_the_reference(tmp_path, sets, [(40, 120), (160, 240)])
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(400)
+def test_topk_with_error_feedback_shard_killed_ends_at_the_reference(tmp_path: Path) -> None:
+    """K = 2, shard 1 SIGKILLed twice: each restart starts a new term, which asks the step in flight again (the
+    worker had encoded both shards' slices of it)."""
+    sets = (*SYNC, "compression.codec=topk", "cluster.shards=2")
+    leader_killed_runs_to_the_reference(tmp_path, sets, [(40, 120), (160, 240)], server="1")
