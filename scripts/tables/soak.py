@@ -30,8 +30,10 @@ def soak() -> str:
         *lines, "",
         f"Processes restarted: {restarts}; of their exits, {aborts} were aborts inside libzmq (SIGABRT, "
         "[below](#libzmq-aborts)), restarted like any crash. Steps redone (step numbers logged more than once in metrics.jsonl): "
-        f"{d['steps_redone']}; double faults (a server killed within `DOUBLE_S` of another server's kill): "
-        f"{d['double_faults']}; terms: {d['terms']}; fencing violations: {len(d['violations'])}. Final params_sha256 "
+        f"{d['steps_redone']}" + (f", {d['steps_redone_double']} of them after a double fault"
+                                  if "steps_redone_double" in d else "") +
+        "; double faults (a server killed within `DOUBLE_S` of another server's kill, or dead before a checkpoint "
+        f"covered the step log a checkpointer's restart lost): {d['double_faults']}; terms: {d['terms']}; fencing violations: {len(d['violations'])}. Final params_sha256 "
         f"{outcome} `cmemi reference`" + (f"; the run did not finish: {d['error'].splitlines()[0][:200]}"
                                           if d.get("error") else "") + ".", "",
         measured("soak")])

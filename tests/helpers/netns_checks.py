@@ -9,6 +9,11 @@ restarts. From those lines alone:
   float's shortest repr); a differing loss is two histories.
 - **steps redone**: every step number logged more than once counts once per extra line.
 - **nothing lost**: every step 1..N is logged.
+
+And from events.jsonl, which steps redone were a double fault of the kind a kill schedule cannot see
+(`log_lost_redone`): the checkpointer, which holds the step log, restarted (its log is in memory: lost) and a server
+died before a checkpoint was written after that restart, so its successor found no log past the checkpoint and went
+back to it (`steps_redone`, "not in the step log"). What holds the recovery and the server died together.
 """
 
 from __future__ import annotations
@@ -60,3 +65,19 @@ def fencing(rows: list[dict[str, Any]], steps: int, events: list[dict[str, Any]]
     return {"violations": violations, "steps_redone": sum(c - 1 for c in counts.values()),
             "steps_logged_twice": sum(1 for c in counts.values() if c > 1),
             "terms": sorted({r["term"] for r in rows if "term" in r})}
+
+
+def log_lost_redone(events: list[dict[str, Any]]) -> dict[str, int]:
+    """The `steps_redone` events (and their steps) that came after the checkpointer's restart with no checkpoint
+    saved since (see the module's docstring): {"events": n, "steps": total}."""
+    log_lost, out = False, {"events": 0, "steps": 0}
+    for e in events:
+        kind = e.get("kind")
+        if kind == "startup" and e.get("role") == "checkpointer":
+            log_lost = True
+        elif kind in ("checkpoint_saved", "checkpoint_forced"):
+            log_lost = False
+        elif kind == "steps_redone" and log_lost:
+            out["events"] += 1
+            out["steps"] += int(e.get("steps", 0))
+    return out

@@ -8,7 +8,8 @@ for a seeded 0.3-1.5 s, the next `gap` s after it is healed) and anything that e
 with the same arguments, as an orchestrator would. The run is long enough not to end before the last fault
 (`steps`); once the faults are done it is left to finish. The result: faults by kind and by role, restarts, steps
 redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill:
-their recovery may overlap, so a fallback to a checkpoint is allowed there) and the final params_sha256 against
+their recovery may overlap, so a fallback to a checkpoint is allowed there; and a server's death after the
+checkpointer restarted and before a checkpoint covered its lost log, `log_lost_redone`) and the final params_sha256 against
 `cmemi reference` of the same config.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import netns
-from tests.helpers.netns_checks import fencing
+from tests.helpers.netns_checks import fencing, log_lost_redone
 from tests.helpers.netns_cluster import HostsRun
 from tests.helpers.netns_faults import Faults, role_of, schedule
 from tests.test_netns import read_jsonl
@@ -94,7 +95,9 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
     reference = found.group(0) if found else None
     summary_path = run.run_dir / "summary.json"
     sha = json.loads(summary_path.read_text())["params_sha256"] if summary_path.is_file() else None
-    checks = fencing(run.metrics(), steps, read_jsonl(run.run_dir / "events.jsonl"))
+    events = read_jsonl(run.run_dir / "events.jsonl")
+    checks = fencing(run.metrics(), steps, events)
+    lost = log_lost_redone(events)
     hits = [r for r in done if r["hit"]]
     return {
         "faults_asked": faults, "faults": len(hits), "faults_missed": len(done) - len(hits), "seed": seed,
@@ -103,7 +106,8 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
         "by_role": dict(Counter(r["role"] for r in hits)),
         "by_kind_role": dict(Counter(f"{r['kind']}:{r['role']}" for r in hits)),
         "restarts": f.restarts, "exit_codes": dict(Counter(f"{k}={rc}" for k, rc in f.exit_codes)),
-        "double_faults": double, "steps_redone": checks["steps_redone"],
+        "double_faults": double + lost["events"], "steps_redone": checks["steps_redone"],
+        "double_faults_log_lost": lost["events"], "steps_redone_double": lost["steps"],
         "steps_logged_twice": checks["steps_logged_twice"], "terms": len(checks["terms"]),
         "violations": checks["violations"][:20],
         "params_sha256": sha, "reference_params_sha256": reference, "bitwise_equal": sha is not None and sha == reference,
