@@ -29,5 +29,5 @@ def test_a_short_soak_ends_bitwise_equal(lab: netns.NetLab, tmp_path: Path, caps
     assert r["faults"] >= FAULTS and set(r["by_kind"]) == set(KINDS), r["by_kind"]
     assert not r["violations"], r["violations"]
     assert r["bitwise_equal"], f"{r['params_sha256']} != reference {r['reference_params_sha256']}"
-    if r["double_faults"] == r["double_faults_log_lost"]:  # no double kill: every step redone is a log-lost one
-        assert r["steps_redone"] == r["steps_redone_double"], (r["steps_redone"], r["steps_redone_double"])
+    if r["double_faults"] == r["double_faults_log_lost"]:  # no double kill: every fallback is a log-lost one
+        assert r["redone_events"] == r["double_faults_log_lost"], (r["redone_events"], r["double_faults_log_lost"])

@@ -30,8 +30,10 @@ def soak() -> str:
         *lines, "",
         f"Processes restarted: {restarts}; of their exits, {aborts} were aborts inside libzmq (SIGABRT, "
         "[below](#libzmq-aborts)), restarted like any crash. Steps redone (step numbers logged more than once in metrics.jsonl): "
-        f"{d['steps_redone']}" + (f", {d['steps_redone_double']} of them after a double fault"
-                                  if "steps_redone_double" in d else "") +
+        f"{d['steps_redone']}" + (f"; fallbacks to a checkpoint: {d['redone_events']}, of them after the checkpointer's "
+                                  f"restart lost the step log and a server died before a checkpoint covered it (a "
+                                  f"double fault): {d['double_faults_log_lost']} ({d['steps_redone_double']} steps by "
+                                  "their `steps_redone` events)" if "redone_events" in d else "") +
         "; double faults (a server killed within `DOUBLE_S` of another server's kill, or dead before a checkpoint "
         f"covered the step log a checkpointer's restart lost): {d['double_faults']}; terms: {d['terms']}; fencing violations: {len(d['violations'])}. Final params_sha256 "
         f"{outcome} `cmemi reference`" + (f"; the run did not finish: {d['error'].splitlines()[0][:200]}"

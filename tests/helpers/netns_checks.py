@@ -69,15 +69,18 @@ def fencing(rows: list[dict[str, Any]], steps: int, events: list[dict[str, Any]]
 
 def log_lost_redone(events: list[dict[str, Any]]) -> dict[str, int]:
     """The `steps_redone` events (and their steps) that came after the checkpointer's restart with no checkpoint
-    saved since (see the module's docstring): {"events": n, "steps": total}."""
-    log_lost, out = False, {"events": 0, "steps": 0}
+    saved since (see the module's docstring; a `checkpoint_forced` is only asked for): {"events": n, "steps": total,
+    "all_events": every steps_redone event}."""
+    log_lost, out = False, {"events": 0, "steps": 0, "all_events": 0}
     for e in events:
         kind = e.get("kind")
         if kind == "startup" and e.get("role") == "checkpointer":
             log_lost = True
-        elif kind in ("checkpoint_saved", "checkpoint_forced"):
+        elif kind == "checkpoint_saved":
             log_lost = False
-        elif kind == "steps_redone" and log_lost:
-            out["events"] += 1
-            out["steps"] += int(e.get("steps", 0))
+        elif kind == "steps_redone":
+            out["all_events"] += 1
+            if log_lost:
+                out["events"] += 1
+                out["steps"] += int(e.get("steps", 0))
     return out

@@ -108,6 +108,7 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
         "restarts": f.restarts, "exit_codes": dict(Counter(f"{k}={rc}" for k, rc in f.exit_codes)),
         "double_faults": double + lost["events"], "steps_redone": checks["steps_redone"],
         "double_faults_log_lost": lost["events"], "steps_redone_double": lost["steps"],
+        "redone_events": lost["all_events"],
         "steps_logged_twice": checks["steps_logged_twice"], "terms": len(checks["terms"]),
         "violations": checks["violations"][:20],
         "params_sha256": sha, "reference_params_sha256": reference, "bitwise_equal": sha is not None and sha == reference,
