@@ -1,7 +1,8 @@
 """A lease's gradient out: encoded per shard and stage, every other shard's slice pushed at once, the leader's last.
 
 The gradient is encoded by the worker's codec (compression: its error-feedback state lives here; a worker that dies
-takes its residual with it), one piece list per shard and pipeline stage (shared/core/grid.py). The next version is
+takes its residual with it; a step asked again is encoded from the state before its first encoding,
+services/worker/residual.py), one piece list per shard and pipeline stage (shared/core/grid.py). The next version is
 asked of the shards first: behind the gradient on the same connection, a pull would reach a shard only once this
 worker's whole slice had, too late to take a pipelined shard's first stages. The leader's slice goes on its socket
 with the step's buffers and (local steps) the replica's inner state; over shared-memory slots it goes into this
@@ -18,6 +19,7 @@ import torch
 from cmemi.services.worker.links.inflight import InFlight
 from cmemi.services.worker.links.leader import LeaderLink
 from cmemi.services.worker.links.shard_links import ShardLinks
+from cmemi.services.worker.residual import Rewind
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core.buffers import PREFIX
@@ -44,6 +46,7 @@ class Outbox:
         self.run, self.cfg, self.partition, self.link, self.shard_links = run, cfg, partition, link, shard_links
         self.sends, self.by_piece = sends, by_piece  # by_piece: local steps' changes are by piece already
         self.codec = make_codec(cfg.compression)
+        self.rewind = Rewind(self.codec)  # a step asked again encodes from the residual before its first encoding
         self.slot_writer: shm.Writer | None = None  # this worker's gradients over slots (made on first use)
 
     def send(self, h: dict[str, Any], g: Gradient, version: int) -> None:
@@ -53,6 +56,7 @@ class Outbox:
         fields = {"finite": g.finite, "term": self.link.term, "step": h["step"], "lo": lo, "hi": hi, "version": version,
                   "losses": g.losses, "n": samples, "lease": h["lease"]}  # the leader's seal: every shard checks it
         t0 = time.perf_counter()
+        self.rewind.before_encoding(self.link.term, h["step"], lo, hi)
         # (an fp16 overflow sends no tensors; a replica's change is by piece already: of one fragment, streaming)
         views = (g.grads if self.by_piece else self.partition.views(g.grads)) if g.finite else {}
         encoded = [[self.codec.encode({n: views[n] for n in names if n in views}, h["step"]) if g.finite else ({}, {})
