@@ -16,7 +16,8 @@ import pytest
 import structlog
 import torch
 import zmq
-from cmemi.services.aggregator.steplog.link import QUEUED, StepLogLink, resend_after
+from cmemi.services.aggregator.steplog.connection import QUEUED, resend_after
+from cmemi.services.aggregator.steplog.link import StepLogLink
 from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.services.aggregator.steplog.shard import ShardStepLog
 from cmemi.services.checkpointer.logserver import reply

@@ -1,5 +1,6 @@
 """The step log, a server's side (docs/design.md §11): no committed step is trained twice.
 
+- `connection.py`: the connection to the checkpointer's step log socket: where it is, sends that never wait, replies.
 - `link.py`: each step's inputs shipped to the checkpointer before its optimizer step; the step commits on the ack.
 - `staging.py`: a step's inputs copied for its entry: into a shared-memory slot (the checkpointer on this host) or
   buffers kept from step to step.

@@ -8,27 +8,17 @@ ack (`copy=False`); the pipelined leader ships a copy it took before the optimiz
 gradient in place, the next step's sums may reuse its memory while ZeroMQ still sends it, and a restarted
 checkpointer is sent the entry again.
 
-Its own DEALER to the checkpointer's step log socket (services/checkpointer/logserver.py: its own thread there, so
-an entry never waits behind a checkpoint's parts or its write). That address (`log` in the checkpointer's Redis
-record) is read at the start and again only when an acknowledgement is slow (a restarted checkpointer, on a new
-address or incarnation: the entry is sent again).
+The connection under it (where the checkpointer is, the DEALER, sends that never wait, `late`) is connection.py's;
+this keeps what is sent on it: the pending entry until its ack, sent again when `late` or to a restarted
+checkpointer.
 
-A checkpointer on this host (its address's host identity, shared/wire/samehost.py; `cluster.transport` not tcp) is
-reached over its ipc:// endpoint, with CurveZMQ as over tcp://, and an entry's message carries the descriptor of the
-shared-memory slot `stage` copied its tensors into (staging.py). A 2.4 MB message's round trip (pyzmq, DEALER to
-ROUTER, a 2-core machine under load) took 2.8-3.1 ms of CPU with CurveZMQ over tcp:// or ipc:// and 0.3-1.0 ms
-without: the encryption, not the TCP stack, was the step log's cost on a machine whose workers need the same cores
-(issue 47), and a descriptor is a few hundred bytes.
+A checkpointer on this host is reached over its ipc:// endpoint (connection.py), and an entry's message carries the
+descriptor of the shared-memory slot `stage` copied its tensors into (staging.py). A 2.4 MB message's round trip
+(pyzmq, DEALER to ROUTER, a 2-core machine under load) took 2.8-3.1 ms of CPU with CurveZMQ over tcp:// or ipc://
+and 0.3-1.0 ms without: the encryption, not the TCP stack, was the step log's cost on a machine whose workers need
+the same cores (issue 47), and a descriptor is a few hundred bytes.
 
 A replay reads the log over this link (reading.py: two entries ahead).
-
-Nothing here waits on the checkpointer to send (issue 47, the 300-fault soak's stall at step 15,059). The DEALER
-had no link options (shared/runtime/links.py) and no bound on its sends: after a one-way cut into the checkpointer's
-host a connection stayed "established" while TCP retransmitted with a backoff of up to two minutes, so an entry in
-it (shard 1's of step 15060, which the leader's ack waits for) came after ACK_TIMEOUT_S if at all; an entry lost
-with a connection went again only to a restarted checkpointer; and a send into a full pipe (the peer SIGSTOPped or
-cut: nothing read) blocked the server's loop. Now: the link options, sends through a SendQueue (sendq.py: handed
-over as the socket takes them), and an entry unacknowledged `resend_after` after its last send goes again.
 """
 
 from __future__ import annotations
@@ -37,28 +27,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 import torch
 import zmq
+from cmemi.services.aggregator.steplog.connection import LogConnection
 from cmemi.services.aggregator.steplog.staging import Staging
-from cmemi.shared.config.system import ClusterConfig
-from cmemi.shared.coordination.membership import texts
-from cmemi.shared.memory import shm
-from cmemi.shared.runtime.links import link_timeout, set_link_options
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
-from cmemi.shared.wire.sendq import SendQueue
+from cmemi.shared.wire import protocol, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
 GRAD, BUFFER = "g.", "b."
-SNDHWM = 4  # ZeroMQ messages held for the checkpointer at most: the rest waits in the SendQueue, in order
-QUEUED = 8  # logical messages the SendQueue keeps (a pending entry, a shard's two kept, their resends, log_reqs)
-
-
-def resend_after(cluster: ClusterConfig) -> float:
-    """Seconds an entry goes unacknowledged before it is sent again: 2 T, the link that lost it given up and redialled."""
-    return 2 * link_timeout(cluster)
 
 
 def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
@@ -78,69 +56,15 @@ def inputs_of(tensors: dict[str, torch.Tensor], skip: bool) -> tuple[dict[str, t
     return grads, bufs or None
 
 
-class StepLogLink:
+class StepLogLink(LogConnection):
+    """The entries (`stage`, `ship`, `encode`) and their acknowledgements (`poll`, `confirm`, `wait`) over the
+    connection it is (connection.py: `send`, `replies`, `late`, `moved`)."""
+
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int = 0) -> None:
-        self.ctx, self.zctx, self.term, self.shard = ctx, zctx, term, shard
-        self.cap = ctx.cfg.cluster.message_cap()
-        self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum)
-        self.sock: zmq.Socket | None = None
-        self.to: tuple[str | None, str | None] = (None, None)  # the checkpointer's (step log address, incarnation)
+        super().__init__(ctx, zctx, term, shard)
         self.pending: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None  # until acknowledged:
         # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
-        self.local = False  # the checkpointer connected to is on this host (ipc://, slots)
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
-        self.backlog: list[protocol.Message] = []  # replies read after the one a wait took
-        self.shipped_bytes = 0
-        self.queue = SendQueue("the checkpointer's step log", QUEUED, ctx.log)  # what the socket did not take yet
-        self.sent_at = 0.0  # when the last message was put on its way (monotonic)
-        self.resend_s = resend_after(ctx.cfg.cluster)
-
-    def _where(self) -> tuple[str | None, str | None]:
-        try:
-            addr, inc = texts(self.ctx.redis.hmget(self.ctx.keys.checkpointer, ["log", "incarnation"]))
-        except redis.RedisError:
-            return self.to  # Redis away: keep talking to the checkpointer known
-        return addr, inc
-
-    def _connect(self) -> bool:
-        """(Re)connect if the checkpointer moved; True if the one now connected is not the one sent to before."""
-        where = self._where()
-        if where[0] is None or where == self.to:
-            return False
-        if where[0] != self.to[0] or self.sock is None:
-            if self.sock is not None:
-                self.sock.close(linger=0)
-                self.parts.keep(())
-            self.queue.clear()  # for the checkpointer gone: the caller sends what it needs again, to the new one
-            self.sock = self.zctx.socket(zmq.DEALER)
-            set_link_options(self.sock, self.ctx.cfg.cluster)  # a dead connection given up in T, dialled again
-            self.sock.setsockopt(zmq.SNDHWM, SNDHWM)
-            self.ctx.curve.connect_as_client(self.sock)  # CurveZMQ over ipc:// too (samehost.bind_ipc)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.MAXMSGSIZE, self.cap)
-            ipc = samehost.same_host(where[0], self.ctx.cfg.cluster.transport) if shm.available() else None
-            self.local = ipc is not None
-            self.sock.connect(ipc or samehost.tcp_of(where[0]))
-        self.to = where
-        return True
-
-    def _send(self, msgs: list[list[Any]]) -> None:
-        if self.sock is None:
-            self._connect()
-        if self.sock is not None:
-            self.queue.put(msgs)
-            self.sent_at = time.monotonic()
-            self._flush()
-
-    def _flush(self) -> int:
-        """Hand the socket what it takes now of what waits; returns the bytes handed over."""
-        n = self.queue.flush(self.sock) if self.sock is not None and len(self.queue) else 0
-        self.shipped_bytes += n
-        return n
-
-    def late(self) -> bool:
-        """Was the last message sent `resend_s` ago or more, and nothing of it is still waiting to go?"""
-        return time.monotonic() - self.sent_at >= self.resend_s and not len(self.queue)
 
     def stage(self, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
               extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -152,7 +76,7 @@ class StepLogLink:
         src.update({BUFFER + n: b.detach() for n, b in (buffer_sum or {}).items()})
         src.update({n: t.detach() for n, t in (extra or {}).items()})
         if self.sock is None:
-            self._connect()
+            self.connect()
         return self.staging.copy(src, self.local)
 
     def ship(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
@@ -172,7 +96,7 @@ class StepLogLink:
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": skip, "loss": float(loss),
                   "partials": partials, "evals": evals, "replicas": replicas}
         self.pending = (step, fields, tensors)
-        self._send(self._messages())
+        self.send(self._messages())
 
     def _messages(self) -> list[list[Any]]:
         """The pending entry's messages to the checkpointer connected now: its slot's descriptor if it is on this
@@ -200,38 +124,6 @@ class StepLogLink:
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 
-    def send(self, msgs: list[list[Any]]) -> None:
-        self._send(msgs)
-
-    def replies(self) -> list[protocol.Message]:
-        """The checkpointer's answers waiting now."""
-        return self._replies(0)
-
-    def moved(self) -> bool:
-        """True if the checkpointer restarted (or was not known yet): what it lost is to be sent again."""
-        return self._connect()
-
-    def _replies(self, timeout_ms: int) -> list[protocol.Message]:
-        """The replies read before and not taken (`_wait`), then those that came, waiting up to `timeout_ms` for one."""
-        out, self.backlog = self.backlog, []
-        deadline = time.monotonic() + (0 if out else timeout_ms / 1000)
-        while self.sock is not None:
-            handed = self._flush()  # what waits goes as the socket takes it, while this waits for replies
-            wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = self.sock.poll(wait_ms, zmq.POLLIN | (zmq.POLLOUT if len(self.queue) else 0))
-            if not events & zmq.POLLIN:
-                if events & zmq.POLLOUT and handed:
-                    continue
-                break
-            try:
-                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
-                if msg is not None:
-                    out.append(msg)
-            except protocol.ProtocolError as exc:
-                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
-            deadline = 0.0
-        return out
-
     @property
     def unacknowledged(self) -> int | None:
         """The step whose entry was shipped and not acknowledged yet (None: every entry is)."""
@@ -241,11 +133,11 @@ class StepLogLink:
         """`confirm` without waiting: None while the pending entry's acknowledgement has not come."""
         assert self.pending is not None, "poll without ship"
         step = self.pending[0]
-        for msg in self._replies(0):
+        for msg in self.replies():
             if self._acks(msg, step):
                 return self._settled(msg, on_gap)
         if self.late():  # lost with a connection a cut or a stopped checkpointer ended: again
-            self._send(self._messages())
+            self.send(self._messages())
         return None
 
     def confirm(self, on_gap: Callable[[int], None]) -> bool:
@@ -254,7 +146,7 @@ class StepLogLink:
         True then."""
         assert self.pending is not None, "confirm without ship"
         step = self.pending[0]
-        msg = self.wait(lambda m: self._acks(m, step), lambda: self._send(self._messages()),
+        msg = self.wait(lambda m: self._acks(m, step), lambda: self.send(self._messages()),
                          f"the step log entry of step {step}", again_when_late=True)
         return self._settled(msg, on_gap)
 
@@ -280,13 +172,13 @@ class StepLogLink:
         deadline = time.monotonic() + ACK_TIMEOUT_S
         waited = 0
         while time.monotonic() < deadline:
-            replies = self._replies(int(RECHECK_S * 1000) if waited else 10)
+            replies = self.replies(int(RECHECK_S * 1000) if waited else 10)
             for i, msg in enumerate(replies):
                 if accept(msg):
                     self.backlog = replies[i + 1:]  # (a replay's next entry, read with this one)
                     return msg
             waited += 1
-            if waited > 1 and self._connect():  # the checkpointer restarted (or was not known yet): again, to it
+            if waited > 1 and self.connect():  # the checkpointer restarted (or was not known yet): again, to it
                 resend()
             elif again_when_late and self.late():
                 resend()
@@ -296,8 +188,6 @@ class StepLogLink:
                        "running and reachable? (checkpoint.step_log: false trains without the step log)")
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-        self.parts.close()
+        super().close()
         self.staging.close()
 

@@ -28,7 +28,8 @@ import zmq
 from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink, resend_after
+from cmemi.services.aggregator.steplog.connection import resend_after
+from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
