@@ -30,8 +30,6 @@ from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, samehost, transfer
 
-IDLE_MS = 100  # the thread's wait for a message when none comes: its stop and the drops' publishing are seen then
-
 
 def reply(ctx: ServiceContext, sock: zmq.Socket, identity: bytes, mtype: str, fields: dict,
           tensors: dict | None = None) -> None:
@@ -84,20 +82,14 @@ class LogServer:
         return self.log.sink(of, metas)
 
     def _run(self) -> None:
-        """Waits in the receive itself (RCVTIMEO), not in a poll before it: one entry a step wakes this thread, and the
-        poll cost 41 us of its CPU per entry on a loaded 2-core machine (a cnn1d run of bench/step_cpu.py,
-        thread_time around it), on top of the receive's own wait."""
-        self.sock.setsockopt(zmq.RCVTIMEO, IDLE_MS)
         while not self._stop.is_set():
-            try:
-                identity = self.sock.recv()
-            except zmq.Again:
-                if self.drops.unpublished:
-                    self.drops.publish()
-                continue
-            self._receive(identity)
+            if self.sock.poll(100):
+                self._receive()
+            elif self.drops.unpublished:
+                self.drops.publish()
 
-    def _receive(self, identity: bytes) -> None:
+    def _receive(self) -> None:
+        identity = self.sock.recv()
         if not self.sock.getsockopt(zmq.RCVMORE):
             self.drops.count("no_identity")
             return

@@ -14,7 +14,6 @@ Every refusal is counted through the server's `Drops` (services/aggregator/commo
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,7 +161,9 @@ class LeaseSeal:
 
     def seal(self, term: int, step: int, lo: int, hi: int, wid: str, inc: int) -> bytes:
         text = f"{term}:{step}:{lo}:{hi}:{wid}:{inc}".encode()
-        return hmac.new(self.key, text, hashlib.sha256).digest()[:16]
+        # one-shot (OpenSSL's HMAC in C), the same bytes as hmac.new(...).digest(): the leader seals every lease, and
+        # the HMAC object's Python set-up cost 5.1 us a seal against 2.9 (python -m timeit, a 16-byte text)
+        return hmac.digest(self.key, text, "sha256")[:16]
 
     def valid(self, token: bytes, term: int, step: int, lo: int, hi: int, wid: str, inc: int) -> bool:
         """`token`: the gradient's `lease` (b"" when it sent none: never valid)."""
