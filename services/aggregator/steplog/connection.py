@@ -138,7 +138,8 @@ class LogConnection:
 
     def readable(self) -> bool:
         """Is a reply waiting to be read now? (ZMQ_EVENTS: no syscall unless the I/O thread signalled something.)"""
-        return self.sock is not None and bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        events = self.sock.getsockopt(zmq.EVENTS) if self.sock is not None else 0
+        return isinstance(events, int) and bool(events & zmq.POLLIN)  # (an int option: typed int | bytes)
 
     def close(self) -> None:
         if self.sock is not None:
