@@ -49,7 +49,7 @@ def digits(*sets: str):
     (("train.local_steps=-1",), "train.local_steps"),
     (("train.local_steps=5", "precision=fp16"), "precision"),
     (("train.local_steps=5", "cluster.shards=2", "cluster.pipeline_stages=2"), "cluster.pipeline_stages"),
-    (("train.local_steps=5", "compression.downlink=int8"), "compression.downlink"),
+    (("train.local_steps=6", "train.fragments=2", "compression.downlink=int8"), "compression.downlink"),  # streaming
     (("train.local_steps=5", "compression.codec=topk"), "compression.codec"),
     (("train.local_steps=5", "cluster.shards=2", "outer_optimizer.name=LBFGS", "outer_optimizer.kwargs={lr: 1.0}"),
      "outer_optimizer.name"),
@@ -63,6 +63,16 @@ def digits(*sets: str):
 def test_local_steps_refuse_what_they_cannot_keep_exact(sets: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError, match=f"config field '{field}'"):
         digits("train.steps=300", *sets) if "train.steps=12" not in sets else digits(*sets)
+
+
+def test_whole_rounds_take_a_downlink_and_streaming_says_why_not() -> None:
+    """compression.downlink with whole rounds: a replica's round starts from the mirror m_t (docs/design.md §10), so
+    every downlink codec is accepted; streaming is refused with its reason (a segment takes 1/F of θ down already)."""
+    for down in ("bf16", "int8", "topk", "powersgd", "sign"):
+        cfg = digits("train.steps=300", "train.local_steps=5", f"compression.downlink={down}")
+        assert cfg.compression.downlink == down and Trainer(cfg).mirror is not None
+    with pytest.raises(ConfigError, match="config field 'compression.downlink'.*1/F of the parameters"):
+        digits("train.steps=300", "train.local_steps=6", "train.fragments=3", "compression.downlink=int8")
 
 
 def test_a_replica_is_a_lease_and_rounds_count_the_servers_steps() -> None:

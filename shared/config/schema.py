@@ -89,9 +89,12 @@ class Config:
         if self.cluster.pipeline_stages:
             fail("cluster.pipeline_stages", self.cluster.pipeline_stages, "pipelines steps of the servers, of which "
                   "local steps take one a round", "set cluster.pipeline_stages: 0 with train.local_steps")
-        if self.compression.downlink != "none":
-            fail("compression.downlink", self.compression.downlink, "is not built for local steps yet",
-                  "set compression.downlink: none with train.local_steps")
+        if self.compression.downlink != "none" and self.train.fragments > 1:
+            # whole rounds start from the mirror m_t (docs/design.md §10); a segment's parameters are the replica's
+            # own, merged with the global fragment (s − 2) mod F, which a mirror would have to carry per fragment
+            fail("compression.downlink", self.compression.downlink, "is built for whole rounds, not streaming: a "
+                  "segment already takes only the changed fragment down (1/F of the parameters)",
+                  "set compression.downlink: none with train.fragments > 1, or train.fragments: 1")
         if self.compression.codec in ("topk", "powersgd", "sign") and self.compression.error_feedback:
             fail("compression.codec", self.compression.codec, "keeps a residual per worker, but a replica's round "
                   "may go to any worker", "use sparse2 (its residual is the replica's), or none, bf16, int8, int4 or "
