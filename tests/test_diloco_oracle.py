@@ -126,20 +126,28 @@ def outer_step(theta: dict[str, torch.Tensor], outer: torch.optim.Optimizer,
     outer.zero_grad(set_to_none=True)
 
 
-def diloco(H: int, R: int, rounds: int, code: Code = exact) -> dict[str, torch.Tensor]:
-    """DiLoCo: every round, each replica from θ_t takes H inner steps; the outer step takes θ_t to θ_{t+1}."""
+def diloco(H: int, R: int, rounds: int, code: Code = exact,
+           down: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """DiLoCo: every round, each replica from θ_t takes H inner steps; the outer step takes θ_t to θ_{t+1}. `down` (a
+    downlink codec, DoubleSqueeze's): the replicas start from a mirror m_t instead, m_0 = θ_0 and after each outer
+    step m_{t+1} = m_t + down(θ_{t+1} − m_t); Δ_r = m_t − θ_r, and the outer step still moves θ."""
     theta = initial()
     outer = outer_optimizer(theta)
     replicas = [Replica(rounds * H) for _ in range(R)]
+    mirror = {n: t.detach().clone() for n, t in theta.items()}
     for t in range(rounds):
+        start = theta if down is None else mirror
         deltas = []
         for r, rep in enumerate(replicas):
             with torch.no_grad():
                 for n, p in rep.params.items():
-                    p.copy_(theta[n])
+                    p.copy_(start[n])
             rep.inner_steps(t * H, H, r, R)
-            deltas.append(code(r, {n: theta[n].detach() - p.detach() for n, p in rep.params.items()}))
+            deltas.append(code(r, {n: start[n].detach() - p.detach() for n, p in rep.params.items()}))
         outer_step(theta, outer, deltas)
+        if down is not None:
+            for n, m in mirror.items():
+                m.add_(down(theta[n].detach() - m))
     return {n: p.detach() for n, p in theta.items()}
 
 
@@ -196,6 +204,36 @@ def test_whole_rounds_are_diloco() -> None:
     H, R, rounds = 3, 4, 4
     got = reference(*settings(H, R, rounds * H))
     assert_bitwise(got, diloco(H, R, rounds), initial())
+
+
+INT8_CHUNK, MIN_NUMEL = 100, 256  # every weight compressed (the 32 × 10 one too), in chunks with remainders
+
+
+def int8(x: torch.Tensor) -> torch.Tensor:
+    """The int8 downlink written again: per chunk of INT8_CHUNK values the absmax a, q = round(x · 127 / a), sent as
+    q · (a / 127); a tensor under MIN_NUMEL goes as it is."""
+    if x.numel() < MIN_NUMEL:
+        return x.clone()
+    flat, out = x.reshape(-1), torch.empty(x.numel())
+    for lo in range(0, flat.numel(), INT8_CHUNK):
+        ch = flat[lo: lo + INT8_CHUNK]
+        a = ch.abs().max()
+        out[lo: lo + ch.numel()] = (ch * (127.0 / a)).round() * (a / 127.0) if a > 0 else 0.0
+    return out.view(x.shape)
+
+
+def test_whole_rounds_with_a_downlink_start_from_the_mirror() -> None:
+    """compression.downlink int8 with whole rounds: `cmemi reference` is the oracle's DiLoCo whose replicas start from
+    the mirror m_t (moved by the decoded int8 change of θ after each outer step), bitwise; its result (θ) differs from
+    the one without the downlink. Catches a round started from θ_t instead of m_t, or a mirror not moved."""
+    H, R, rounds = 3, 4, 4
+    down = ("compression.downlink=int8", f"compression.int8_chunk={INT8_CHUNK}",
+            f"compression.min_compress_numel={MIN_NUMEL}")
+    got = reference(*settings(H, R, rounds * H, *down))
+    want = diloco(H, R, rounds, down=int8)
+    assert_bitwise(got, want, initial())
+    plain = diloco(H, R, rounds)
+    assert any(not torch.equal(want[n], plain[n]) for n in want)
 
 
 @pytest.mark.parametrize("mix", [0.25, 0.0])
