@@ -36,7 +36,10 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
   same with `checkpoint.step_log: false`; `ratios.<system>_steplog_overhead` = the step time with the step log (the
   default) over without it, in the same run (issue 47: what keeping the servers' state recoverable costs per step).
 
-Local steps (`cmemi_local`, `cmemi_local_stream`) record their samples/s as a fraction of the emulated compute
+`cmemi_local_int8_down`: `cmemi_local` with `int8` changes up and `compression.downlink: int8` (a round starts
+from the mirror m_t, docs/design.md §10), so both of a round's slices are a quarter of fp32's.
+
+Local steps (`cmemi_local`, `cmemi_local_stream`, `cmemi_local_int8_down`) record their samples/s as a fraction of the emulated compute
 bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
 `--compute-bound`, of the same system measured again in the same run with every link at `--bound-rate`
 (`of_measured_compute_bound`: what the links cost, on the machine's CPU at about the same load), and the
@@ -102,7 +105,7 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
            "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
-           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream")
+           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream", "cmemi_local_int8_down")
 BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 FRAGMENTS = 4  # cmemi_local_stream's train.fragments (--fragments)
@@ -463,6 +466,12 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
                                                                           per_sample.get("ddp_powersgd")),
             "cmemi_kn_bytes_per_sample_vs_cmemi_local_stream": C.ratio(
                 runs.get("cmemi_kn", {}).get("bytes_per_sample"), runs.get("cmemi_local_stream", {}).get("bytes_per_sample")),
+            # whole rounds with int8 both ways (a mirror down): against fp32 whole rounds of the same H
+            "cmemi_local_int8_down_time_per_sample_vs_cmemi_local": C.ratio(per_sample.get("cmemi_local_int8_down"),
+                                                                            per_sample.get("cmemi_local")),
+            "cmemi_local_bytes_per_sample_vs_cmemi_local_int8_down": C.ratio(
+                runs.get("cmemi_local", {}).get("bytes_per_sample"),
+                runs.get("cmemi_local_int8_down", {}).get("bytes_per_sample")),
             **{f"{k.removesuffix(NOLOG)}_steplog_overhead": C.ratio(med.get(k.removesuffix(NOLOG)), med.get(k))
                for k in runs if k.endswith(NOLOG)},
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
@@ -473,7 +482,7 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     }
 
 
-LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream")
+LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream", "cmemi_local_int8_down")
 
 
 def emulated_compute_bound(n: int, step_ms: float) -> float:
@@ -521,6 +530,9 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps)
+    if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
+        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
+                             downlink="int8")
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
                              local_steps=local_steps, fragments=fragments)
@@ -644,6 +656,9 @@ def main() -> None:
             "cmemi_local_stream": f"cmemi_local streaming: train.fragments {args.fragments} (--fragments), as many inner "
                                   "steps in segments of H / F; a step's time is a segment's (workers compute a "
                                   "replica's next segment while parked, and get only the changed fragment)",
+            "cmemi_local_int8_down": "cmemi_local with compression.codec int8 (each replica's change up) and "
+                                     "compression.downlink int8 (a round starts from the mirror, whose change comes "
+                                     "down in int8): about a quarter of cmemi_local's bytes both ways",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
@@ -700,9 +715,11 @@ def main() -> None:
                     runs[system]["emulated_compute_bound_samples_per_s"] = emulated_compute_bound(n, step_ms)
                     runs[system]["of_emulated_compute_bound"] = of_bound(runs[system], emulated_compute_bound(n, step_ms))
                     frags = args.fragments if system == "cmemi_local_stream" else 1
-                    # SGD with momentum: a replica's inner state is as big as the parameters
+                    # SGD with momentum: a replica's inner state is as big as the parameters; int8 both ways: the
+                    # changes' and the parameters' slices a quarter of them (whole rounds: the states stay fp32)
+                    slices = pbytes // 4 if system == "cmemi_local_int8_down" else pbytes
                     runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
-                        n, pbytes, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
+                        n, slices, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
                     if args.compute_bound and "error" not in runs[system]:
                         C.log(f"N = {n}: {system} again, links at {args.bound_rate} (--compute-bound)")
                         bound = with_compute_bound(lab, shaped, args.bound_rate, rates[n], args.burst, functools.partial(

@@ -7,12 +7,15 @@ import pytest
 
 from bench.cluster import (
     BOTH_WAYS,
+    LOCAL_SYSTEMS,
     SYSTEMS,
     compressed_system,
     emulated_compute_bound,
+    known_system,
     of_bound,
     rate_bit_s,
     rates_by_n,
+    run_system,
 )
 from bench.physics import comm_bounds_s, local_step_bounds_s
 
@@ -94,3 +97,22 @@ def test_local_step_bounds_follow_where_the_states_go() -> None:
     assert "after_change_s" not in stream
     with pytest.raises(ValueError, match="need n >= 1"):
         local_step_bounds_s(8, p, p, mbit50, 1.0, fragments=0)
+
+
+def test_whole_rounds_with_a_downlink_run_int8_both_ways() -> None:
+    """cmemi_local_int8_down is cmemi_local (K = N, N replicas, rounds a quarter of --steps) with int8 changes up and
+    compression.downlink int8; it is a local-steps system (compute bounds recorded), with no _nolog variant."""
+    calls = []
+
+    class Recorder:
+        def cmemi(self, *args, **kwargs):
+            calls.append((args, kwargs))
+            return {}
+
+    run_system(Recorder(), "cmemi_local_int8_down", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
+    run_system(Recorder(), "cmemi_local", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
+    (args, kwargs), (plain_args, plain) = calls
+    assert args == (4, 10, 2, "int8") and kwargs == {"shards": 4, "local_steps": 200, "downlink": "int8"}
+    assert plain_args == (4, 10, 2, "none") and plain.get("downlink", "none") == "none"
+    assert "cmemi_local_int8_down" in LOCAL_SYSTEMS and known_system("cmemi_local_int8_down")
+    assert not known_system("cmemi_local_int8_down_nolog")
