@@ -222,7 +222,8 @@ class CompressionConfig:
     (train.local_steps only): to the replica's next change, the residual kept in the replica's state."""
     downlink: str = "none"
     """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
-    topk, powersgd or sign (same options as above); the servers keep what was not sent (docs/design.md §9)."""
+    topk, powersgd or sign (same options as above); the servers keep what was not sent (docs/design.md §9). With
+    train.local_steps (whole rounds, not streaming) each round starts from that mirror (§10)."""
 
     @property
     def whole_pieces(self) -> bool:
