@@ -26,7 +26,10 @@ and test_fragments.py pass with the merge removed, the mix ignored or swapped, a
 - the outer gradient's sign flipped (`Trainer.apply`): both; Δ = θ_r − θ_t in `LocalRound.run`: the whole-rounds test,
   in `LocalRound.segment`: the streaming test;
 - a replica's inner state not carried over, every replica reading microbatch 0, the mean's division by R left out:
-  both tests.
+  both tests;
+- compression.downlink with whole rounds: a round started from θ_t instead of the mirror (`Trainer.wire_state`
+  returning the pieces), or a mirror never moved (`Mirror.advance` a no-op): the downlink test (each tried once by
+  patching, in-process).
 """
 
 from __future__ import annotations
