@@ -8,8 +8,9 @@ next checkpoint went back to that checkpoint: 7 of the 1,000 faults of bench/res
   opens a new one) and deletes every segment whose entries it covers, so the disk holds the entries since about the
   checkpoint before last (`checkpoint.every_steps: 0`: the whole run's, as the log in memory held it).
 - **A record.** `MAGIC | meta length (u32) | payload length (u64) | meta | payload | xxh3-64 of meta and payload`; the
-  meta (msgpack) names the shard, the step, the entry's fields and each tensor's (name, dtype, shape, bytes); the
-  payload is the tensors' bytes in that order. One `pwritev` per record at the segment's end.
+  meta (msgpack) names the shard, the step, the entry's fields and each tensor's (name, dtype, shape, bytes, offset
+  in the payload); the payload is the landed entry's one buffer (steplog.Held: its tensors at 64-byte offsets) or
+  the tensors' bytes one after another. One `pwritev` per record at the segment's end.
 - **Durability.** The write reaches the page cache before the ack, which is what a process's death needs: SIGKILL
   loses nothing the kernel took. No fsync: a host's death (power, kernel) can lose the tail not yet written back
   (about 30 s of entries with Linux's default dirty_expire), and the servers then find a shorter log — a double fault,
@@ -43,6 +44,7 @@ CHUNK = 1 << 20  # bytes read at a time when a record's checksum is checked
 FULL = (errno.ENOSPC, errno.EDQUOT)
 IOV_GROUP = 512  # buffers per pwritev (Linux takes at most IOV_MAX, 1024)
 Buffer = bytes | memoryview
+Placed = tuple[str, str, tuple[int, ...], int, int]  # a tensor in a record: name, dtype, shape, bytes, payload offset
 
 
 class Segment:
@@ -153,31 +155,25 @@ class LogFiles:
             n += 1
         return n
 
-    def append(self, shard: int, step: int, fields: dict[str, Any],
-               tensors: list[tuple[str, str, tuple[int, ...], Buffer]]) -> dict[str, Stored]:
+    def append(self, shard: int, step: int, fields: dict[str, Any], tensors: list[Placed],
+               payload: list[Buffer]) -> dict[str, Stored]:
         """Write one entry's record at the open segment's end (opening one if a checkpoint closed the last); returns
-        its tensors as `Stored`. `tensors`: (name, dtype, shape, bytes) in order."""
+        its tensors as `Stored`. `tensors`: (name, dtype, shape, bytes, offset in the payload); `payload`: the bytes
+        they are in, in order (a landed entry's one buffer, `Held`'s, padding and all: one copy, one checksum)."""
         if self.closed or not self.segments:
             self.seq += 1
             self.segments.append(Segment(self.root / f"seg-{self.seq:08d}.log", self.seq, create=True))
             self.closed = False
         seg = self.segments[-1]
-        assert seg.fd is not None
-        sizes = [memoryview(b).nbytes for *_, b in tensors]
-        meta = msgpack.packb({"shard": shard, "step": step, "fields": fields,
-                              "tensors": [[n, d, list(sh), k] for (n, d, sh, _), k in zip(tensors, sizes, strict=True)]})
-        payload = sum(sizes)
+        meta = msgpack.packb({"shard": shard, "step": step, "fields": fields, "tensors": [list(t) for t in tensors]})
         h = xxhash.xxh3_64(meta)
-        for *_, b in tensors:
+        size = 0
+        for b in payload:
             h.update(b)
-        bufs: list[Buffer] = [HEAD.pack(MAGIC, len(meta), payload), meta,
-                              *(b for *_, b in tensors if memoryview(b).nbytes), TAIL.pack(h.intdigest())]
-        n = self._write(seg, bufs)
+            size += memoryview(b).nbytes
+        n = self._write(seg, [HEAD.pack(MAGIC, len(meta), size), meta, *payload, TAIL.pack(h.intdigest())])
         at = seg.end + HEAD.size + len(meta)
-        out = {}
-        for (name, dtype, shape, _), nbytes in zip(tensors, sizes, strict=True):
-            out[name] = Stored(seg, at, dtype, tuple(shape), nbytes)
-            at += nbytes
+        out = {name: Stored(seg, at + off, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, off in tensors}
         seg.end += n
         seg.last = max(seg.last, step)
         self.written += 1
@@ -256,10 +252,10 @@ class LogFiles:
             return None, 0, "corrupt"
         try:
             m = msgpack.unpackb(meta, strict_map_key=False)
-            tensors, off = {}, p
-            for name, dtype, shape, nbytes in m["tensors"]:
-                tensors[name] = Stored(seg, off, dtype, tuple(shape), nbytes)
-                off += nbytes
+            tensors = {name: Stored(seg, p + off, dtype, tuple(shape), nbytes)
+                       for name, dtype, shape, nbytes, off in m["tensors"]}
+            if any(t.offset + t.nbytes > p + plen for t in tensors.values()):
+                return None, 0, "corrupt"
             rec = Record(int(m["shard"]), int(m["step"]), m["fields"], tensors)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             return None, 0, "corrupt"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from cmemi.services.checkpointer import spool
-from cmemi.services.checkpointer.logfiles import Buffer, LogFiles, Stored
+from cmemi.services.checkpointer.logfiles import Buffer, LogFiles, Placed, Stored
 from cmemi.shared.wire.protocol import DTYPE_NAMES, DTYPES, tensor_bytes
 
 ALIGN = 64  # each tensor's offset in an entry's buffer (as in a shared-memory slot): a view of any dtype is aligned
@@ -139,13 +139,27 @@ class Entry:
                 for n, t in self.tensors.items()}
 
 
-def _raw(name: str, t: Any) -> tuple[str, str, tuple[int, ...], Buffer]:
-    """A held tensor as logfiles.LogFiles.append takes it: (name, dtype, shape, its bytes)."""
-    if isinstance(t, Piece):
-        return name, t.dtype, t.shape, t.raw().data
-    if isinstance(t, spool.Spooled):
-        return name, t.dtype, t.shape, tensor_bytes(_read(t))
-    return name, DTYPE_NAMES[t.dtype], tuple(t.shape), tensor_bytes(t.contiguous())
+def _placed(tensors: dict[str, Any]) -> tuple[list[Placed], list[Buffer]]:
+    """An entry's tensors as logfiles.LogFiles.append takes them. A landed entry's `Piece`s share one buffer, which
+    goes as it is: one buffer, one checksum pass, one bytes view, where a view per tensor was most of the write's CPU
+    for cnn1d's six small tensors (bench/steplog_landing.py)."""
+    ts = list(tensors.values())
+    if ts and all(isinstance(t, Piece) and t.flat is ts[0].flat for t in ts):
+        return [(n, t.dtype, t.shape, t.nbytes, t.at) for n, t in tensors.items()], [ts[0].flat.numpy().data]
+    placed: list[Placed] = []
+    bufs: list[Buffer] = []
+    at = 0
+    for n, t in tensors.items():
+        if isinstance(t, Piece):
+            b, dtype, shape = t.raw().data, t.dtype, t.shape
+        elif isinstance(t, spool.Spooled):
+            b, dtype, shape = tensor_bytes(_read(t)), t.dtype, t.shape
+        else:
+            b, dtype, shape = tensor_bytes(t.contiguous()), DTYPE_NAMES[t.dtype], tuple(t.shape)
+        placed.append((n, dtype, shape, b.nbytes, at))
+        bufs.append(b)
+        at += b.nbytes
+    return placed, bufs
 
 
 @dataclass
@@ -196,7 +210,7 @@ class StepLog:
         held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
         nbytes = sum(int(t.nbytes) for t in tensors.values())
         if self.files is not None:  # on disk before the ack (the caller's `logged`)
-            stored = self.files.append(shard, step, fields, [_raw(n, t) for n, t in tensors.items()])
+            stored = self.files.append(shard, step, fields, *_placed(tensors))
             if not held:  # past the memory bound: the segment is its one copy on disk
                 self._drop(tensors)
                 tensors = dict(stored)
