@@ -37,8 +37,10 @@ def read_back(run_dir: Path) -> dict:
     return got[0]
 
 
-def test_a_checkpointer_restart_then_a_leader_kill_replays_every_step_from_the_spool(tmp_path: Path) -> None:
-    c = Cluster(tmp_path / "run", *SETS)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])  # same host: entries landed from a slot; tcp://: off the wire
+def test_a_checkpointer_restart_then_a_leader_kill_replays_every_step_from_the_spool(tmp_path: Path,
+                                                                                     transport: str) -> None:
+    c = Cluster(tmp_path / "run", *SETS, f"cluster.transport={transport}")
     try:
         c.wait_step(250)
         c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
