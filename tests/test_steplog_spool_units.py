@@ -184,3 +184,23 @@ def test_after_a_restart_a_resent_entry_is_logged_and_a_replay_finds_every_step(
         assert kind == "log_entry" and fields["step"] == after + 1 and tensors is not None
         assert all(torch.equal(tensors[n], x) for n, x in grad(after + 1).items())
     assert ask("log_req", after=7)[0] == "log_end"
+
+
+def test_a_new_cmemi_up_or_the_spool_off_removes_the_segments_instead_of_reading_them_back(tmp_path: Path) -> None:
+    """Read back only by a restart within the run: a `--resume` (Redis's keys cleared by `cmemi up`) starts from the
+    checkpoint as before, and with checkpoint.step_log_spool false there are no segments at all."""
+    root = tmp_path / "steplog"
+    for read_back, spool_on, kept in ((True, True, 3), (False, True, 0), (True, False, 0)):
+        log = opened(root, tmp_path)
+        for s in range(1, 4):
+            assert arrive(log, s, grad(s))
+        assert log.files is not None
+        log.files.close()
+        files, removed = logfiles.opened(root, spool_on, read_back, full)
+        assert (files is None) == (not spool_on) and removed == (0 if kept else 1), (read_back, spool_on, removed)
+        if files is not None:
+            back = StepLog(0, 1 << 20, spill_to(tmp_path), files)
+            assert back.recover()["entries"] == kept and held(back) == list(range(1, kept + 1))
+            files.close()
+        for p in segments(root):
+            p.unlink()
