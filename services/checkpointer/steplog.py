@@ -131,8 +131,10 @@ def _read(t: spool.Spooled) -> torch.Tensor:
 @dataclass
 class Entry:
     fields: dict[str, Any]  # step, skip, loss, partials, extra: as the server sent them
-    tensors: dict[str, Any]  # torch.Tensor or Piece (held), spool.Spooled (past the memory bound, no segment) or
-    nbytes: int  # logfiles.Stored (past the bound, or read back after a restart)
+    # torch.Tensor or Piece (held); logfiles.Stored (past the memory bound, or read back after a restart); or
+    # spool.Spooled (past the bound with checkpoint.step_log_spool false: no segment to keep it in)
+    tensors: dict[str, Any]
+    nbytes: int  # of the tensors held in memory (0: on disk)
 
     def loaded(self) -> dict[str, torch.Tensor]:
         return {n: _read(t) if isinstance(t, spool.Spooled) else t.tensor() if isinstance(t, Piece | Stored) else t
