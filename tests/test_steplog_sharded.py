@@ -69,11 +69,13 @@ def test_the_leader_a_shard_and_both_one_after_the_other_killed_replay_and_train
 
 def test_a_checkpointer_restart_forces_a_checkpoint_on_every_shard_and_a_double_fault_goes_back_to_it(
         tmp_path: Path, reference: str) -> None:
-    """The checkpointer killed alone: the leader's next entry is refused (`log_gap`), every shard checkpoints that
-    step, and it commits once the checkpoint is written; a later leader kill replays from there. Then the
-    checkpointer and shard 1 killed together (a double fault): the log died with its holder, the run goes back to
-    the last checkpoint, says how many steps it redoes (`steps_redone`), and ends bitwise the same."""
-    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=500")
+    """The log held in memory only (checkpoint.step_log_spool false; with the spool a checkpointer's restart loses
+    nothing: tests/test_steplog_spool.py). The checkpointer killed alone: the leader's next entry is refused
+    (`log_gap`), every shard checkpoints that step, and it commits once the checkpoint is written; a later leader kill
+    replays from there. Then the checkpointer and shard 1 killed together (a double fault): the log died with its
+    holder, the run goes back to the last checkpoint, says how many steps it redoes (`steps_redone`), and ends
+    bitwise the same."""
+    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=500", "checkpoint.step_log_spool=false")
     try:
         c.wait_step(150)
         c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
