@@ -50,7 +50,7 @@ def _shard_one(*sets: str) -> tuple[Any, Trainer, list[tuple[bytes, str, dict[st
     cfg = digits("train.local_steps=2", "train.replicas=4", "train.steps=20", "cluster.shards=2", *sets)
     trainer = Trainer(cfg, shard=1)
     sent: list[tuple[bytes, str, dict[str, Any]]] = []
-    store = ShardStates(trainer, lambda i, mtype, *_e, **f: sent.append((i, mtype, f)), RunTotals(), False)
+    store = ShardStates(trainer, lambda i, mtype, *_e, **f: sent.append((i, mtype, f)) or 10, RunTotals(), False)
     return cfg, trainer, sent, store
 
 

@@ -315,6 +315,7 @@ class ShardFinal(ShardMember):
     slot_out: Annotated[int, ABSENT]
     changes_sent: Annotated[int, ABSENT]
     mirrors_sent: Annotated[int, ABSENT]
+    inner_states_sent: Annotated[int, ABSENT]  # train.inner_states: shards: its replicas' states sent to workers
 
 
 # ---------------------------------------------------------------- transfer

@@ -33,7 +33,8 @@ from cmemi.shared.wire import protocol
 
 
 class ShardStates:
-    def __init__(self, trainer: Trainer, send: Callable[..., None], totals: RunTotals, checksum: Any) -> None:
+    def __init__(self, trainer: Trainer, send: Callable[..., int], totals: RunTotals, checksum: Any) -> None:
+        """`send(identity, mtype, encoded, **fields)`: the bytes sent (the shard's outbox; counted in `bytes_out`)."""
         self.trainer, self.send, self.totals, self.checksum = trainer, send, totals, checksum
         self.inner: InnerStates | None = trainer.inner
         self.waiting: list[tuple[bytes, int, int]] = []  # pulls of a version not here yet: (identity, replica, version)
@@ -77,5 +78,5 @@ class ShardStates:
             if self.trainer.fragments:  # streaming: the snapshot's own segment (the worker computes the ones since)
                 step = (self.inner.start(r) or {}).get("start", 0)
             self.totals.inner_states_sent += bool(meta)
-            self.send(identity, "inner", (protocol.encode_tensors(tensors, self.checksum), None), replica=r,
-                      round=step, meta=meta)
+            self.totals.bytes_out += self.send(identity, "inner", (protocol.encode_tensors(tensors, self.checksum),
+                                                                   None), replica=r, round=step, meta=meta)

@@ -87,7 +87,7 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        self.states = ShardStates(self.trainer, self._send, self.totals, cfg.cluster.checksum)  # local steps (inner.py)
+        self.states = ShardStates(self.trainer, self.outbox.send, self.totals, cfg.cluster.checksum)  # local steps
         logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
         self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
