@@ -137,15 +137,18 @@ def test_streaming_with_states_on_the_shards_gives_the_reference(tmp_path: Path)
     _same(tmp_path / "sparse2", (*STREAM, "compression.codec=sparse2", *CODEC), ((3, 2),))
 
 
-def _killed(tmp_path: Path, base: tuple[str, ...], role: str, ident: str, shards: int, at: int) -> dict:
+def _killed(tmp_path: Path, base: tuple[str, ...], kills: list[tuple[int, str, str]], shards: int) -> dict:
+    """A paced K = `shards`, W = 2 run with a spare, each (step, role, id) of `kills` SIGKILLed once that step is
+    reached (and waited for until replaced): bitwise the reference's."""
     sets = (*[s for s in base if not s.startswith(("checkpoint", "cluster.spare", "eval"))], "checkpoint.every_steps=4",
             "cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1")
     want = reference(tmp_path, *sets)
     c = Cluster(tmp_path / "run", *sets, f"cluster.shards={shards}", "cluster.workers=2", "cluster.spare_workers=1",
                 "model.factory=tests.helpers.fixtures:paced_mlp", "model.kwargs={pace: 0.01}")
     try:
-        c.wait_step(at, timeout=300)
-        c.replaced(role, ident, c.signal(role, ident), timeout=120)
+        for at, role, ident in kills:
+            c.wait_step(at, timeout=300)
+            c.replaced(role, ident, c.signal(role, ident), timeout=120)
     finally:
         rc = c.wait(timeout=600)
     assert rc == 0, c.output()
@@ -162,7 +165,8 @@ def test_a_worker_killed_with_states_on_the_shards_leaves_the_reference(tmp_path
     """K = 3, W = 2 and a spare, sparse2: SIGKILL a worker mid-run; its replicas are taken by others, whose states
     (residual included; streaming: the snapshot, replayed from) come from the shard that keeps each: bitwise."""
     base = STREAM if fragments > 1 else (*LOCAL, "train.steps=200", "scheduler.kwargs.T_max=200")
-    _killed(tmp_path, (*base, "compression.codec=sparse2", *CODEC), "worker", "w0", 3, 5)
+    s = _killed(tmp_path, (*base, "compression.codec=sparse2", *CODEC), [(5, "worker", "w0")], 3)
+    assert s["inner_states_sent"] > 0, s  # its replicas moved with their states, from the servers that keep them
 
 
 @pytest.mark.integration
@@ -170,10 +174,14 @@ def test_a_worker_killed_with_states_on_the_shards_leaves_the_reference(tmp_path
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fragments", [1, 3])
 def test_a_shard_killed_with_states_on_the_shards_leaves_the_reference(tmp_path: Path, fragments: int) -> None:
-    """K = 3, W = 2: SIGKILL shard 1 (which keeps replicas 1 and 4 mod 3...) mid-run; it restores its replicas' states
-    from its checkpoint's `inner` section and its step log entries: bitwise the reference's, no round trained twice."""
+    """K = 3, W = 2 and a spare: SIGKILL shard 1 (which keeps replica 1's state) mid-run; it restores its replicas'
+    states from its checkpoint's `inner` section and its step log entries. Then both workers are SIGKILLed, so that
+    every replica's next round (or segment) starts from a state a server hands out, shard 1's restored one included:
+    bitwise the reference's, no round trained twice."""
     base = STREAM if fragments > 1 else (*LOCAL, "train.steps=200", "scheduler.kwargs.T_max=200")
-    s = _killed(tmp_path, (*base, "train.log_every=1"), "aggregator", "1", 3, 6)
+    s = _killed(tmp_path, (*base, "train.log_every=1"), [(6, "aggregator", "1"), (9, "worker", "w0"),
+                                                         (11, "worker", "w1")], 3)
+    assert s["inner_states_sent"] > 0 and any(x.get("inner_states_sent") for x in s["shards"]), s
     metrics = [json.loads(x) for x in (Path(tmp_path / "run") / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [e["step"] for e in metrics if "loss" in e and "eval" not in e]
     assert len(steps) == len(set(steps)) and s["steps"] == max(steps), sorted(steps)[-10:]
