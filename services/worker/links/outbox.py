@@ -69,7 +69,8 @@ class Outbox:
             own[k] = {"inner": extra.pop("inner")}  # its state to the shard that keeps it, beside that shard's slice
             encoded[k][0] = (encoded[k][0][0], {**encoded[k][0][1], **g.inner})
         self.shard_links.ask_ahead(version + 1)
-        self.shard_links.push(encoded[1:], {**fields, "encode_s": encode_s}, self.sends.trackers, own)  # all at once
+        self.shard_links.push(encoded[1:], {**fields, "encode_s": encode_s}, self.sends.trackers,  # all at once
+                              **({"own": own} if own else {}))
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if g.buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in g.buffers.items()}}
