@@ -240,7 +240,8 @@ def read_children(path: Path) -> tuple[list[Child], list[Child]]:
         rows = json.loads(path.read_text())
     except (OSError, ValueError):
         return [], []
-    out, gone = [], []
+    out: list[Child] = []
+    gone: list[Child] = []
     for row in rows:
         pid = row.get("pid")
         launched = row.get("launched") or row["argv"]
