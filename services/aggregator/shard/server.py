@@ -198,6 +198,8 @@ class ShardServer:
                 for identity, hello in self.parked:
                     self._hello(identity, hello)
                 self.parked = []
+                if self.done and not self.leader.finishing:  # joined at the last step: its end comes only now
+                    self._finish()
             elif msg.type == "shard_behind":
                 self._catch_up(h["step"])
             elif msg.type == "shard_fence":
@@ -316,7 +318,6 @@ class ShardServer:
             self.leader.send("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
                              step=step)
         if last:  # train.steps, or the leader stopped early
-            self.done = True
             self._finish()
         elif snapshot:  # the leader names the steps every shard checkpoints
             self._snapshot()
@@ -330,13 +331,12 @@ class ShardServer:
         self.states.answer()
 
     def _finish(self) -> None:
-        """The last step: the final snapshot (written with the others' slices), and the slice to the leader (the result)."""
+        """The last step (or joined at it: a leader restarted after it): the final snapshot, then the slice to the
+        leader (the run's result); from the loop, not waiting in it (upstream.py `finish`)."""
+        self.done = True
         self.intake.release()  # no gradient comes any more: the buffers kept for the next step go
         self.trainer.release_heap()
-        snap = snapshots.collect(self.trainer, self.totals, self.term, {}, None)
-        self.leader.final(self.trainer, self.totals, self.drops.as_dict())
-        self.ckpt.save_final(snap)
-        self.log.info("shard finished", step=self.trainer.step)
+        self.leader.finish(self.ckpt, self.trainer, self.totals, self.drops.as_dict)
 
     def close(self) -> None:
         if self.steplog is not None:
