@@ -175,9 +175,12 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
                "cluster.max_message_bytes=65536", "checkpoint.every_steps=1", "checkpoint.keep_last=100", timeout=120)
     assert r.rc == 0, r.stderr[-3000:]
     assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST, *model)
-    assert not r.summary["dropped_messages"], r.summary["dropped_messages"]
+    # no part refused: the only drops allowed are a lease also handed to an idle worker on a loaded machine, its
+    # second copy (computed twice, the first won: 3 runs of 15 at load average 7-18)
+    reissued = {"duplicate", "stale_step"}
+    assert set(r.summary["dropped_messages"]) <= reissued, r.summary["dropped_messages"]
     assert not r.summary["checkpointer_dropped_messages"], r.summary["checkpointer_dropped_messages"]
-    assert all(not x.get("dropped_messages") for x in r.summary["shards"]), r.summary["shards"]
+    assert all(set(x.get("dropped_messages") or {}) <= reissued for x in r.summary["shards"]), r.summary["shards"]
     saved = sorted((r.run_dir / "checkpoints").glob("step-*"))
     assert len(saved) >= 3, saved  # periodic ones besides the first, then the final one
     assert all(json.loads((c / "meta.json").read_text())["shards"] == 2 for c in saved)
