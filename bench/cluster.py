@@ -44,7 +44,9 @@ bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per i
 `--compute-bound`, of the same system measured again in the same run with every link at `--bound-rate`
 (`of_measured_compute_bound`: what the links cost, on the machine's CPU at about the same load), and the
 step time each placement of the replicas' states would take on these links (`placement_bounds_s`,
-bench/physics.py's `local_step_bounds_s`).
+bench/physics.py's `local_step_bounds_s`). Their replicas' states are spread over the shards (replica r on shard
+r mod K, `train.inner_states: shards`); `cmemi_local_leaderstates` and `cmemi_local_stream_leaderstates` keep them all
+on the leader (the placement before issue 48), the baseline to measure the spread against in the same run.
 
 `--slow-host F` measures each system once more with the last worker host's link at F times the rate (the others
 unchanged; co-located shards: that host's shard too): `slow_host` holds that run, `slow_host_vs_all_fast` its
@@ -105,7 +107,8 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
            "cmemi_kn_powersgd", "cmemi_k1_topk", "cmemi_kn_powersgd2", "cmemi_k1_powersgd2", "cmemi_kn_dedicated_powersgd2",
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
            "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
-           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream", "cmemi_local_int8_down")
+           "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates",
+           "cmemi_local_stream_leaderstates", "cmemi_local_int8_down")
 BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 FRAGMENTS = 4  # cmemi_local_stream's train.fragments (--fragments)
@@ -304,7 +307,8 @@ class Cluster:
 
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
               curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
-              rank: int = POWERSGD_RANK, fragments: int = 1, step_log: bool = True) -> dict[str, Any]:
+              rank: int = POWERSGD_RANK, fragments: int = 1, step_log: bool = True,
+              inner_states: str = "shards") -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
@@ -324,7 +328,7 @@ class Cluster:
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
                              steps=steps * segment, microbatches=n, workers=n, spares=0, ckpt_every=0)
         if local_steps:
-            cfg["train"].update(local_steps=local_steps, replicas=n, fragments=fragments)
+            cfg["train"].update(local_steps=local_steps, replicas=n, fragments=fragments, inner_states=inner_states)
         cfg["compression"] = {"codec": codec, "powersgd_rank": rank, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
@@ -457,6 +461,11 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_local_time_per_sample_vs_ddp": C.ratio(per_sample.get("cmemi_local"), per_sample.get("ddp")),
             "cmemi_local_time_per_sample_vs_ddp_powersgd": C.ratio(per_sample.get("cmemi_local"),
                                                                    per_sample.get("ddp_powersgd")),
+            # issue 48: the states spread over the shards (default) against all on the leader, same run (> 1: spread
+            # is faster)
+            **{f"{b}_leaderstates_time_per_sample_vs_{b}": C.ratio(per_sample.get(f"{b}_leaderstates"),
+                                                                   per_sample.get(b))
+               for b in ("cmemi_local", "cmemi_local_stream")},
             # streaming: against whole rounds of the same H (per sample), and its bytes
             "cmemi_local_stream_time_per_sample_vs_cmemi_local": C.ratio(per_sample.get("cmemi_local_stream"),
                                                                          per_sample.get("cmemi_local")),
@@ -482,7 +491,10 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
     }
 
 
-LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream", "cmemi_local_int8_down")
+LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates", "cmemi_local_stream_leaderstates",
+                 "cmemi_local_int8_down")
+LEADER_STATES = "_leaderstates"  # a local-steps system's name + this: every replica's state on the leader (issue 48's
+# baseline: train.inner_states leader), measured beside the default (spread, replica r on shard r mod K)
 
 
 def emulated_compute_bound(n: int, step_ms: float) -> float:
@@ -528,14 +540,17 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     system = system.removesuffix(NOLOG)
     if system.startswith("ddp"):
         return cluster.ddp(n, steps, warmup, powersgd=system == "ddp_powersgd")
+    states = "leader" if system.endswith(LEADER_STATES) else "shards"
+    system = system.removesuffix(LEADER_STATES)
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
-        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps)
+        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps,
+                             inner_states=states)
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
-                             downlink="int8")
+                             downlink="int8", inner_states=states)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
-                             local_steps=local_steps, fragments=fragments)
+                             local_steps=local_steps, fragments=fragments, inner_states=states)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     shape = compressed_system(system)
@@ -714,7 +729,7 @@ def main() -> None:
                     step_ms = SLEEP_MS + args.backward_ms
                     runs[system]["emulated_compute_bound_samples_per_s"] = emulated_compute_bound(n, step_ms)
                     runs[system]["of_emulated_compute_bound"] = of_bound(runs[system], emulated_compute_bound(n, step_ms))
-                    frags = args.fragments if system == "cmemi_local_stream" else 1
+                    frags = args.fragments if system.startswith("cmemi_local_stream") else 1
                     # SGD with momentum: a replica's inner state is as big as the parameters; int8 both ways: the
                     # changes' and the parameters' slices a quarter of them (whole rounds: the states stay fp32)
                     slices = pbytes // 4 if system == "cmemi_local_int8_down" else pbytes

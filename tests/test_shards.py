@@ -163,10 +163,6 @@ def test_resume_with_another_shard_count_matches_the_reference(tmp_path: Path) -
 
 
 @pytest.mark.integration
-@pytest.mark.known_bug(reason=(
-    "issue 47, open (docs/concepts/faults.md, libzmq aborts): at the final code of stop 52 the leader aborts inside "
-    "libzmq (!_io_error) near the last step of this loopback run with no fault, restarts in a new term and shard 1 "
-    "never rejoins it: the run hangs (6 runs of 7 here; it passed in the stop's full suite and at ecc8d5e)"))
 def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
     """cluster.max_message_bytes=65536 under each shard's ~260 kB slice: gradients to each shard, parameters back,
     the other shard's pieces to the leader (final, evaluation) and both shards' snapshots to the checkpointer, at
@@ -179,14 +175,41 @@ def test_a_message_cap_under_one_slice_at_two_shards(tmp_path: Path) -> None:
                "cluster.max_message_bytes=65536", "checkpoint.every_steps=1", "checkpoint.keep_last=100", timeout=120)
     assert r.rc == 0, r.stderr[-3000:]
     assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST, *model)
-    assert not r.summary["dropped_messages"], r.summary["dropped_messages"]
+    # no part refused: the only drops allowed are a lease also handed to an idle worker on a loaded machine, its
+    # second copy (computed twice, the first won: 3 runs of 15 at load average 7-18)
+    reissued = {"duplicate", "stale_step"}
+    assert set(r.summary["dropped_messages"]) <= reissued, r.summary["dropped_messages"]
     assert not r.summary["checkpointer_dropped_messages"], r.summary["checkpointer_dropped_messages"]
-    assert all(not x.get("dropped_messages") for x in r.summary["shards"]), r.summary["shards"]
+    assert all(set(x.get("dropped_messages") or {}) <= reissued for x in r.summary["shards"]), r.summary["shards"]
     saved = sorted((r.run_dir / "checkpoints").glob("step-*"))
     assert len(saved) >= 3, saved  # periodic ones besides the first, then the final one
     assert all(json.loads((c / "meta.json").read_text())["shards"] == 2 for c in saved)
     assert saved[-1].name.endswith("60")
     assert "given up" not in (r.run_dir / "logs" / "checkpointer.log").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(300)
+def test_a_leader_killed_as_the_run_ends_gets_every_shard_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K = 2: the leader SIGKILLed as its end begins (tests/helpers/inject), after shard 1 applied the last step and
+    before the final checkpoint is written, which that term then never completes. Shard 1 waits for it from its loop,
+    so it sees the new term, leaves its own and joins the new one (before issue 47's fix it waited in `save_final`
+    for 300 s and the new leader for it: the run hung); the new leader, its log holding the last step, waits for
+    it, and the shard that joins at the last step ends the run there too. Bitwise the reference, in term 2."""
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT / 'tests' / 'helpers' / 'inject'}")
+    monkeypatch.setenv("CMEMI_TEST_KILL_LEADER_AT_FINISH", str(tmp_path / "killed"))
+    r = run_up(tmp_path / "run", *FAST, "cluster.shards=2", "cluster.workers=2", timeout=150)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert (tmp_path / "killed").exists()
+    assert r.summary["params_sha256"] == reference_sha(tmp_path, *FAST)
+    assert r.summary["steps"] == 60 and r.summary["term"] == 2, r.summary
+    lines = [json.loads(x) for x in (r.run_dir / "events.jsonl").read_text().splitlines()]
+    died = [e for e in lines if e["kind"] == "died"]
+    assert [(e["role"], e["id"]) for e in died] == [("aggregator", "0")], died
+    shard1 = [e for e in lines if e["kind"] == "startup" and e["role"] == "aggregator" and e["id"] == "1"]
+    assert len(shard1) == 2, shard1  # shard 1 left term 1 and joined term 2
+    assert "leaving the term" in (r.run_dir / "logs" / "aggregator-1.log").read_text()
 
 
 def test_a_sharded_step_a_shard_already_passed_is_given_up() -> None:

@@ -108,3 +108,52 @@ def test_a_leader_that_trained_since_its_restart_is_restarted_without_backoff(re
             leader.restarts = 0
     finally:
         leader.kill()
+
+
+def test_a_child_that_died_between_two_coordinators_is_one_death(redis_server, tmp_path: Path) -> None:
+    """w0 SIGKILLed after its coordinator died and before the next one adopted the children (the test_events_once.py
+    flake): the new coordinator reads its exit as if it had seen it, so its death is declared once (`died`, its
+    incarnation fenced) before its slot is refilled. Before, it was left out of the adopted children and its slot
+    refilled at once: no `died` event, and its replacement's record hid it from liveness for good."""
+    from cmemi.services.coordinator.coordinator import Coordinator
+    from cmemi.services.coordinator.fencing import Fencer
+
+    cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "run.name=slots", "cluster.workers=1", "cluster.shards=1",
+                               "cluster.spare_workers=0"])
+    keys = Keys("slots")
+    events: list[tuple[str, dict]] = []
+
+    def say(*args: object, **fields: object) -> None:
+        print(*args, fields)
+
+    ctx = SimpleNamespace(cfg=cfg, redis=connect(redis_server.url), keys=keys, run_dir=tmp_path, run="slots",
+                          log=SimpleNamespace(error=say, warning=say, info=say),
+                          emit=lambda kind, **f: events.append((kind, f)))
+    coordinator = Coordinator.__new__(Coordinator)  # its loop's parts only, without starting a cluster
+    coordinator.ctx, coordinator.log, coordinator.local = ctx, ctx.log, True
+    coordinator.run_state, coordinator.fencer = RunState(ctx), Fencer(ctx)
+    coordinator.slots = Slots(ctx, "unused.yaml", coordinator.run_state)
+    first = [Child(role, ident, sleeper(role, ident)) for role, ident in
+             (("checkpointer", "0"), ("aggregator", "0"), ("worker", "w0"))]
+    for c in first:
+        c.start()
+    worker = first[-1]
+    try:
+        save_children(tmp_path / "children.json", first)  # what the dead coordinator left
+        ctx.redis.hset(keys.member("worker", "w0"), mapping={"role": "worker", "id": "w0", "pid": worker.pid,
+                                                             "incarnation": 3})
+        worker.popen.send_signal(signal.SIGKILL)  # no coordinator watches
+        worker.popen.wait()
+        coordinator.slots.adopt_or_start()
+        adopted = [f["id"] for kind, f in events if kind == "process_adopted"]
+        assert sorted(adopted) == ["0", "0"], events
+        coordinator._check_children()
+        died = [f for kind, f in events if kind == "died"]
+        assert [(f["role"], f["id"], f["incarnation"], f["pid"]) for f in died] == [("worker", "w0", 3, worker.pid)]
+        assert int(ctx.redis.get(keys.fence("worker", "w0"))) == 3
+        coordinator._check_children()  # read once: the slot restarts when due, no second death
+        assert len([kind for kind, _f in events if kind == "died"]) == 1, events
+    finally:
+        coordinator.fencer.close()
+        for c in first + coordinator.slots.everyone():
+            c.kill()

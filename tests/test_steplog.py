@@ -84,10 +84,12 @@ def test_a_run_without_the_log_trains_steps_again_after_a_kill(tmp_path: Path, r
 
 def test_the_checkpointer_killed_alone_forces_a_checkpoint_and_a_later_leader_kill_still_replays(
         tmp_path: Path, reference: str) -> None:
-    """The checkpointer's restart loses the log it held: the leader's next entry is refused (`log_gap`) and the
+    """With checkpoint.step_log_spool false, the checkpointer's restart loses the log it held (with the spool, only
+    what the spool cannot cover: tests/test_steplog_spool.py): the leader's next entry is refused (`log_gap`) and the
     leader checkpoints at once before that step commits; killed later, it restores that checkpoint and replays the
     log since. No step is trained twice."""
-    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=0", "cluster.workers=2", "train.log_every=1")
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=0", "cluster.workers=2", "train.log_every=1",
+                "checkpoint.step_log_spool=false")
     try:
         c.wait_step(200)
         c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
@@ -108,9 +110,11 @@ def test_the_checkpointer_killed_alone_forces_a_checkpoint_and_a_later_leader_ki
 
 def test_a_double_fault_goes_back_to_the_checkpoint_and_says_how_many_steps_are_redone(
         tmp_path: Path, reference: str) -> None:
-    """The checkpointer and the leader killed together: the log died with its holder, so the run goes back to the
-    last checkpoint as without the log, says so in events.jsonl, and ends the same."""
-    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=100", "cluster.workers=2", "train.log_every=1")
+    """The checkpointer and the leader killed together with the log held in memory only (checkpoint.step_log_spool
+    false; with the spool the log outlives its holder's process): the log died with its holder, so the run goes back
+    to the last checkpoint as without the log, says so in events.jsonl, and ends the same."""
+    c = Cluster(tmp_path / "run", *LONG, "checkpoint.every_steps=100", "cluster.workers=2", "train.log_every=1",
+                "checkpoint.step_log_spool=false")
     try:
         c.wait_step(350)
         c.double_fault("0")

@@ -9,8 +9,6 @@ no checkpoint but the final one: every committed step is replayed from the log, 
 
 from __future__ import annotations
 
-import os
-import random
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from cmemi.services.worker.residual import Rewind
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.system import CompressionConfig
 
-from tests.helpers.chaos import Cluster
+from tests.helpers.chaos import Cluster, seeded_steps
 from tests.test_steplog_local import FAULTS, lines, reference_of
 
 SYNC = ("train.steps=300", "scheduler.kwargs.T_max=300", "cluster.spare_workers=0", "compression.error_feedback=true")
@@ -87,15 +85,11 @@ def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     """W = 1, no checkpoint but the final one, the leader (or shard `server`) killed once in each span of steps (drawn
     from a fresh seed, named in every failure): `cmemi reference`'s params_sha256, no step twice, a replay per kill,
     nothing redone."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    targets = [random.Random(seed).randrange(lo, hi) for lo, hi in spans]
+    seed, targets = seeded_steps(spans)
     want = reference_of(tmp_path, *sets, "checkpoint.every_steps=0", "cluster.workers=1")
     c = Cluster(tmp_path / "run", *sets, *FAULTS, "checkpoint.every_steps=0", "cluster.workers=1")
-    killed_at = []
     try:
-        for target in targets:
-            killed_at.append(c.wait_step(target, timeout=120))
-            c.replaced("aggregator", server, c.signal("aggregator", server), timeout=90)
+        killed_at = c.kill_at("aggregator", server, targets, replace_timeout=90)
     finally:
         rc = c.wait(timeout=200)
     note = f"seed {seed}, kills at steps {killed_at}"

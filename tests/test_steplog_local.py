@@ -13,8 +13,6 @@ round in it twice is a round trained twice.
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd
-from tests.helpers.chaos import Cluster
+from tests.helpers.chaos import Cluster, seeded_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(300)]
 
@@ -51,16 +49,11 @@ def killed_leader_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     """Kill the leader (or shard `server`) once in each span of server steps (drawn from a fresh seed, named in every
     failure), with checkpoint.every_steps `checkpoint`; check what every such run must show, and return the
     leader's replays."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
-    targets = [rng.randrange(lo, hi) for lo, hi in spans]
+    seed, targets = seeded_steps(spans)
     want = reference_of(tmp_path, *sets, f"checkpoint.every_steps={checkpoint}")
     c = Cluster(tmp_path / "run", *sets, *FAULTS, f"checkpoint.every_steps={checkpoint}", "cluster.workers=2")
-    killed_at = []
     try:
-        for target in targets:
-            killed_at.append(c.wait_step(target, timeout=120))
-            c.replaced("aggregator", server, c.signal("aggregator", server), timeout=90)
+        killed_at = c.kill_at("aggregator", server, targets, replace_timeout=90)
     finally:
         rc = c.wait(timeout=200)
     note = f"seed {seed}, kills at steps {killed_at}"

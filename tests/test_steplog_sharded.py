@@ -8,15 +8,13 @@ number in it twice is a step trained twice. Each run proves several things (star
 
 from __future__ import annotations
 
-import os
-import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import LONG
-from tests.helpers.chaos import Cluster
+from tests.helpers.chaos import Cluster, seeded_steps
 from tests.test_steplog import events, step_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(900)]
@@ -34,9 +32,7 @@ def test_the_leader_a_shard_and_both_one_after_the_other_killed_replay_and_train
     new leader starts): each restarted server restores the checkpoint (here only the start: every_steps 0) and
     replays to the leader's log end, shard 1 its own slices with the leader's decisions. Shard 1's restart alone is
     taken within the term (issue 47: test_a_shard_killed_within_a_term_rejoins_it...); no step is computed again."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
-    targets = [rng.randrange(150, 350), rng.randrange(500, 700), rng.randrange(850, 1000)]
+    seed, targets = seeded_steps([(150, 350), (500, 700), (850, 1000)])
     c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=0")
     killed_at = []
     try:
@@ -69,11 +65,13 @@ def test_the_leader_a_shard_and_both_one_after_the_other_killed_replay_and_train
 
 def test_a_checkpointer_restart_forces_a_checkpoint_on_every_shard_and_a_double_fault_goes_back_to_it(
         tmp_path: Path, reference: str) -> None:
-    """The checkpointer killed alone: the leader's next entry is refused (`log_gap`), every shard checkpoints that
-    step, and it commits once the checkpoint is written; a later leader kill replays from there. Then the
-    checkpointer and shard 1 killed together (a double fault): the log died with its holder, the run goes back to
-    the last checkpoint, says how many steps it redoes (`steps_redone`), and ends bitwise the same."""
-    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=500")
+    """The log held in memory only (checkpoint.step_log_spool false; with the spool a checkpointer's restart loses
+    nothing: tests/test_steplog_spool.py). The checkpointer killed alone: the leader's next entry is refused
+    (`log_gap`), every shard checkpoints that step, and it commits once the checkpoint is written; a later leader kill
+    replays from there. Then the checkpointer and shard 1 killed together (a double fault): the log died with its
+    holder, the run goes back to the last checkpoint, says how many steps it redoes (`steps_redone`), and ends
+    bitwise the same."""
+    c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=500", "checkpoint.step_log_spool=false")
     try:
         c.wait_step(150)
         c.replaced("checkpointer", "0", c.signal("checkpointer", "0"))
@@ -103,15 +101,10 @@ def test_a_shard_killed_within_a_term_rejoins_it_no_new_term_no_step_twice(tmp_p
     fails this: `Restarts.decide` returning ROLL_BACK for a new incarnation at the leader's step (then every kill
     starts a new term, as before issue 47). A kill that loses the entry of the leader's last step falls back to a new
     term (below): allowed, counted, and never all three."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    rng = random.Random(seed)
-    targets = [rng.randrange(120, 350), rng.randrange(500, 700), rng.randrange(850, 980)]  # (before the checkpoint)
+    seed, targets = seeded_steps([(120, 350), (500, 700), (850, 980)])  # (before the checkpoint)
     c = Cluster(tmp_path / "run", *K2, "checkpoint.every_steps=1000")
-    killed_at = []
     try:
-        for target in targets:
-            killed_at.append(c.wait_step(target))
-            c.replaced("aggregator", "1", c.signal("aggregator", "1"))
+        killed_at = c.kill_at("aggregator", "1", targets)
     finally:
         rc = c.wait(timeout=400)
     note = f"seed {seed}, kills at steps {killed_at}"

@@ -7,6 +7,7 @@
 - `safetensors_out.py`: safetensors files written from byte ranges (its copy of `safetensors.torch.save_file`).
 - `steplog.py`: the step log: each server's committed steps' inputs, held until a checkpoint covers them.
 - `logserver.py`: the step log's own socket and thread, so an acknowledgement never waits on a write or on Redis.
+- `logfiles.py`: the step log written through to segment files, read back (checked, a torn tail cut) after a restart.
 - `steplog_replies.py`: its messages: an entry held and acknowledged, a replay answered one entry at a time.
 - `merge.py`: one logical checkpoint of a sharded run: every shard's slice of a step, merged.
 - `diskfull.py`: a full disk while writing: retention once, one more try, then one clear line and a clean stop.

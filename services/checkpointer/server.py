@@ -15,10 +15,11 @@ from typing import Any
 
 import redis
 import zmq
-from cmemi.services.checkpointer import restore, spool
+from cmemi.services.checkpointer import logfiles, restore, spool
 from cmemi.services.checkpointer.admission import TermWatch, meta_problem
 from cmemi.services.checkpointer.diskfull import DiskFull
 from cmemi.services.checkpointer.drops import Drops
+from cmemi.services.checkpointer.logfiles import LogFiles
 from cmemi.services.checkpointer.logserver import LogServer, reply
 from cmemi.services.checkpointer.merge import Merger, merged, sharding_problem
 from cmemi.services.checkpointer.spool import Spool, Spooled
@@ -63,15 +64,29 @@ class Checkpointer:
         self.latest: int | None = None
         self.disk = DiskFull(ctx, self.store, lambda: self.latest)
         self.latest_on_disk()
-        # the step log, from the newest checkpoint on disk (a restart loses what was held: the servers checkpoint at
-        # once), served on its own socket and thread (logserver.py): a checkpoint's write never delays a step
+        # the step log after the newest checkpoint on disk, read back from its segments (logfiles.py; lost with
+        # step_log_spool false), served on its own socket and thread (logserver.py): a write never delays a step
         self.steplog, self.steplog_lock = StepLog(self.latest or 0, self.cfg.checkpoint.step_log_memory_mb << 20,
-                                                  self._spool_file), threading.Lock()
+                                                  self._spool_file, self._log_files()), threading.Lock()
+        recovered = self.steplog.recover() if self.steplog.files is not None else None
         self.logserver = LogServer(ctx, self.zctx, self.steplog, self.steplog_lock).start()
         self._advertise()
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "checkpointer", "0")
+        if recovered is not None:  # after `startup`: netns_checks reads a restart's log as lost until this says not
+            self.log.info("step log read back", base=self.steplog.base, read_back=self.read_back, **recovered)
+            self.ctx.emit("step_log_recovered", base=self.steplog.base, read_back=self.read_back, **recovered)
         self.log.info("checkpointer listening", addr=self.addr, dir=str(self.store.root))
+
+    def _log_files(self) -> LogFiles | None:
+        """The step log's segments, written through (logfiles.py; none with checkpoint.step_log_spool false), read back
+        only by a restart within the run: a previous checkpointer of it advertised itself (`cmemi up` clears the keys)."""
+        self.read_back = bool(self.ctx.redis.exists(self.ctx.keys.checkpointer))
+        files, removed = logfiles.opened(self.ctx.run_dir / "steplog", self.cfg.checkpoint.step_log_spool,
+                                         self.read_back, lambda e, n: self.disk.full(self.latest or 0, e, 0, n))
+        if removed:
+            self.log.info("removed the step log's segments of a previous run", segments=removed)
+        return files
 
     def _sync_pointer(self) -> None:
         """Move `latest` in Redis to the newest durable checkpoint; retried while Redis is away."""
@@ -277,6 +292,8 @@ class Checkpointer:
     def close(self) -> None:
         self.logserver.close()
         self.steplog.clear()
+        if self.steplog.files is not None:
+            self.steplog.files.close()
         self.parts.close()  # and the spool files of what did not come whole
         self.merger.clear()
         self.member.stop()

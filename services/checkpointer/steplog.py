@@ -10,9 +10,12 @@ acknowledged it (`logged`). A restarted server restores the checkpoint and asks 
   and lost what it held) is answered `log_gap`: the server then takes a checkpoint at once, which rebases the log.
 - A written checkpoint drops the entries it covers. A `log_req` is the current term's server restarting: if it
   restored a checkpoint older than the log's base (the newest was damaged), the log starts again there.
-- Memory: entries are held as tensors while they total under checkpoint.step_log_memory_mb; past it, they are
-  spooled to disk (spool.py) and read back only for a replay. A restart of this process loses the log (the
-  spool files are leftovers, removed at start): the servers take a checkpoint at once (`log_gap`).
+- Memory: entries are held as tensors while they total under checkpoint.step_log_memory_mb; past it, only on disk
+  (they arrive into a spool file, spool.py, and are then kept only in the log's segment: read back for a replay).
+- Disk (logfiles.py, `checkpoint.step_log_spool`, on by default): every entry `add` holds is written through to a
+  segment file before it is acknowledged, and a restarted checkpointer reads the log back (`recover`): a server's
+  replay after that restart finds every committed step. Off, a restart of this process loses the log: the servers
+  take a checkpoint at once (`log_gap`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 from cmemi.services.checkpointer import spool
-from cmemi.shared.wire.protocol import DTYPES, tensor_bytes
+from cmemi.services.checkpointer.logfiles import Buffer, LogFiles, Placed, Stored
+from cmemi.shared.wire.protocol import DTYPE_NAMES, DTYPES, tensor_bytes
 
 ALIGN = 64  # each tensor's offset in an entry's buffer (as in a shared-memory slot): a view of any dtype is aligned
 SLOTS_KEPT = 4  # slot layouts whose byte views `SlotBytes` keeps (a server's two slots, a skipped step's layout)
@@ -43,6 +47,9 @@ class Piece:
 
     def tensor(self) -> torch.Tensor:
         return self.flat[self.at:self.at + self.nbytes].view(DTYPES[self.dtype]).reshape(self.shape)
+
+    def raw(self) -> np.ndarray:
+        return self.flat.numpy()[self.at:self.at + self.nbytes]
 
 
 class SlotBytes:
@@ -124,12 +131,37 @@ def _read(t: spool.Spooled) -> torch.Tensor:
 @dataclass
 class Entry:
     fields: dict[str, Any]  # step, skip, loss, partials, extra: as the server sent them
-    tensors: dict[str, Any]  # torch.Tensor or Piece (held), or spool.Spooled (past the memory bound)
-    nbytes: int
+    # torch.Tensor or Piece (held); logfiles.Stored (past the memory bound, or read back after a restart); or
+    # spool.Spooled (past the bound with checkpoint.step_log_spool false: no segment to keep it in)
+    tensors: dict[str, Any]
+    nbytes: int  # of the tensors held in memory (0: on disk)
 
     def loaded(self) -> dict[str, torch.Tensor]:
-        return {n: _read(t) if isinstance(t, spool.Spooled) else t.tensor() if isinstance(t, Piece) else t
+        return {n: _read(t) if isinstance(t, spool.Spooled) else t.tensor() if isinstance(t, Piece | Stored) else t
                 for n, t in self.tensors.items()}
+
+
+def _placed(tensors: dict[str, Any]) -> tuple[list[Placed], list[Buffer]]:
+    """An entry's tensors as logfiles.LogFiles.append takes them. A landed entry's `Piece`s share one buffer, which
+    goes as it is: one buffer, one checksum pass, one bytes view, where a view per tensor was most of the write's CPU
+    for cnn1d's six small tensors (bench/steplog_landing.py)."""
+    ts = list(tensors.values())
+    if ts and all(isinstance(t, Piece) and t.flat is ts[0].flat for t in ts):
+        return [(n, t.dtype, t.shape, t.nbytes, t.at) for n, t in tensors.items()], [ts[0].flat.numpy().data]
+    placed: list[Placed] = []
+    bufs: list[Buffer] = []
+    at = 0
+    for n, t in tensors.items():
+        if isinstance(t, Piece):
+            b, dtype, shape = t.raw().data, t.dtype, t.shape
+        elif isinstance(t, spool.Spooled):
+            b, dtype, shape = tensor_bytes(_read(t)), t.dtype, t.shape
+        else:
+            b, dtype, shape = tensor_bytes(t.contiguous()), DTYPE_NAMES[t.dtype], tuple(t.shape)
+        placed.append((n, dtype, shape, b.nbytes, at))
+        bufs.append(b)
+        at += b.nbytes
+    return placed, bufs
 
 
 @dataclass
@@ -149,8 +181,10 @@ class StepLog:
     """Every server's log (one per shard), bounded in memory by `memory_bytes`; `spill(header, metas)` makes a
     spool file for an entry past the bound."""
 
-    def __init__(self, base: int, memory_bytes: int, spill: Callable[[dict, list[dict]], spool.Spool]) -> None:
-        self.base, self.memory_bytes, self.spill = base, memory_bytes, spill
+    def __init__(self, base: int, memory_bytes: int, spill: Callable[[dict, list[dict]], spool.Spool],
+                 files: LogFiles | None = None) -> None:
+        """`files`: the log's segments on disk, written through (none: held in memory and spool files only)."""
+        self.base, self.memory_bytes, self.spill, self.files = base, memory_bytes, spill, files
         self.logs: dict[int, ShardLog] = {}
         self.in_memory = 0  # bytes of entries held as tensors
         self.spilled = 0  # entries ever spooled to disk (the bound passed)
@@ -177,6 +211,11 @@ class StepLog:
             return False
         held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
         nbytes = sum(int(t.nbytes) for t in tensors.values())
+        if self.files is not None:  # on disk before the ack (the caller's `logged`)
+            stored = self.files.append(shard, step, fields, *_placed(tensors))
+            if not held:  # past the memory bound: the segment is its one copy on disk
+                self._drop(tensors)
+                tensors = dict(stored)
         log.entries[step] = Entry(fields, tensors, nbytes if held else 0)
         self.in_memory += log.entries[step].nbytes
         return True
@@ -197,12 +236,36 @@ class StepLog:
                 self._forget(log, s)
 
     def covered(self, step: int) -> None:
-        """A checkpoint of `step` is written: the entries up to it go."""
+        """A checkpoint of `step` is written: the entries up to it go, and the segments that held only those."""
         self.base = max(self.base, step)
         for log in self.logs.values():
             for s in [s for s in log.entries if s <= step]:
                 self._forget(log, s)
             log.base = max(log.base, step)
+        if self.files is not None:
+            self.files.covered(step)
+
+    def recover(self) -> dict[str, int]:
+        """The log read back from its segments (a restarted checkpointer, before it serves anything), in the order its
+        entries were held: each shard's contiguous run after `base`. A record of a step the log already holds
+        replaces it and what followed (the live log had cut them: `truncate`); one after a gap (a record cut before
+        it) is dropped. Returns counts: entries held, records `torn` (never acknowledged), `corrupt` and `dropped`
+        (`lost`: acknowledged entries the log no longer has, the double fault of docs/design/step-log.md)."""
+        assert self.files is not None, "recover() needs the log's files"
+        got, dropped = self.files.recover(), 0
+        for r in got.records:
+            log = self._log(r.shard)
+            if r.step <= log.base:
+                continue
+            for s in [s for s in log.entries if s >= r.step]:
+                self._forget(log, s)
+            if r.step != log.last + 1:
+                dropped += 1
+                continue
+            log.entries[r.step] = Entry(r.fields, dict(r.tensors), 0)
+        self.files.covered(self.base)  # segments only of steps the newest checkpoint holds
+        return {"entries": sum(len(log.entries) for log in self.logs.values()), "torn": got.torn,
+                "corrupt": got.corrupt, "dropped": dropped, "lost": got.corrupt + dropped, "cut_bytes": got.cut_bytes}
 
     def restart_at(self, shard: int, after: int) -> None:
         """A server of the current term restored step `after` and replays from there. Restored from a checkpoint

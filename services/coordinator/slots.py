@@ -20,7 +20,7 @@ from cmemi.services.coordinator.supervisor import (
     Child,
     SlotState,
     backoff,
-    load_children,
+    read_children,
     save_children,
     service_argv,
 )
@@ -55,7 +55,10 @@ class Slots:
         then start whatever is missing. Nothing healthy is restarted. A fresh run starts its spares only once
         the first step is done (`start_spares`)."""
         slots = registered_workers(self.ctx.redis, self.ctx.keys)
-        adopted = load_children(self.file)
+        adopted, gone = read_children(self.file)
+        for child in gone:  # exited while no coordinator watched: the loop reads its exit first (`died` once)
+            if not child.spare:
+                self.children[child.name] = child
         for child in adopted:
             if child.spare:
                 self.spare_seq = max(self.spare_seq, int(child.ident[5:] or 0) if child.ident[5:].isdigit() else 0)

@@ -110,6 +110,15 @@ class Child:
         else:
             self._open_pidfd(pid)
 
+    def gone_unseen(self, pid: int, launched: list[str], exit_record: str | None = None) -> None:
+        """Started by an earlier coordinator and gone before this one adopted it: its exit is read now (the zygote's
+        record of it, else Exit.UNKNOWN), so the loop judges it like an exit it saw (coordinator.py `_check_children`):
+        a death is declared once (`died`), a clean exit is not one. No pidfd: the pid may be another process's now."""
+        self.popen, self.adopted, self.launched, self.exit_record = None, pid, list(launched), exit_record
+        self.close_pidfd()
+        rc = zygote.exit_code(exit_record) if exit_record else None
+        self._adopted_rc = Exit.UNKNOWN if rc is None else rc
+
     def forget(self) -> None:
         """The process is gone: the slot has no process until the next start."""
         self.popen, self.adopted, self._adopted_rc = None, None, None
@@ -219,23 +228,35 @@ def save_children(path: Path, children: list[Child]) -> None:
 
 def load_children(path: Path) -> list[Child]:
     """Children recorded by an earlier coordinator that still run the same command line (not a reused pid)."""
+    return read_children(path)[0]
+
+
+def read_children(path: Path) -> tuple[list[Child], list[Child]]:
+    """Children recorded by an earlier coordinator: (those still running the same command line, adopted; those gone
+    since, `Child.gone_unseen`). A process that died between two coordinators (the test_events_once.py flake: w0
+    SIGKILLed as the new one started) was once left out here and its slot refilled: its death had no `died` event,
+    and its record, overwritten by its replacement's, never went silent for liveness to judge."""
     try:
         rows = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
-    out = []
+        return [], []
+    out: list[Child] = []
+    gone: list[Child] = []
     for row in rows:
         pid = row.get("pid")
         launched = row.get("launched") or row["argv"]
-        if not isinstance(pid, int) or cmdline(pid) != launched:
+        if not isinstance(pid, int):
             continue
         c = Child(row["role"], row["ident"], list(row["argv"]), restarts=int(row.get("restarts", 0)),
                   spare=bool(row.get("spare")))
         record = row.get("exit_record")
-        c.adopt(pid, launched, exit_record=record if isinstance(record, str) else None)
-        if c.alive:
-            out.append(c)
-    return out
+        record = record if isinstance(record, str) else None
+        if cmdline(pid) == launched:
+            c.adopt(pid, launched, exit_record=record)
+        else:
+            c.gone_unseen(pid, launched, exit_record=record)
+        (out if c.alive else gone).append(c)
+    return out, gone
 
 
 def wait_for_exit(children: list[Child], timeout: float, poll_interval: float = 0.02) -> None:

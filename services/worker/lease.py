@@ -3,7 +3,8 @@
 1. `_parameters`: the leader's slice lands in the model (services/worker/links/intake.py) and every other shard's
    slice of the same version is fetched (services/worker/links/shard_links.py). Any of them stale or torn: ask again.
 2. `_compute`: a block of microbatches (services/worker/compute/block.py), or a replica's round of local steps
-   (services/worker/compute/replicas.py). Before it, the last gradient's frames leave ZeroMQ's queues (a big model
+   (services/worker/compute/replicas.py; a state not held is asked of the shard that keeps it, r mod K, when not the
+   leader: train.inner_states). Before it, the last gradient's frames leave ZeroMQ's queues (a big model
    never holds two gradients, services/worker/links/inflight.py). A slot read in place that was rewritten while
    computed on (services/worker/links/lending.py) makes the lease stale: nothing is sent, the whole version is asked for.
 3. `outbox.send`: encoded and sent to every shard (services/worker/links/outbox.py).
@@ -63,7 +64,10 @@ class LeaseWork:
         step, lo, hi = h["step"], h["lo"], h["hi"]
         local = self.replicas.local
         if local is not None:
-            if (held := self.replicas.state_for(lo, step)) is None:
+            if (held := self.replicas.state_for(lo, step)) is None and (k := self.replicas.keeper(lo)):
+                self.replicas.hold(self.shard_links.inner(k, lo, step))  # from the shard that keeps it
+                held = self.replicas.state_for(lo, step)
+            if held is None:
                 self.log.info("no inner state for this replica's round; asking again", replica=lo, round=step)
                 return None
             (losses, grads, buffers, state), ahead = self.replicas.lease(step, lo, held)

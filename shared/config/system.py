@@ -131,6 +131,10 @@ class CheckpointConfig:
     server's death goes back to the last checkpoint and the workers redo the steps since."""
     step_log_memory_mb: int = 256
     """The checkpointer holds the step log in memory up to this many MiB; past it, entries are spooled to disk."""
+    step_log_spool: bool = True
+    """Write every step log entry through to a file in the run directory before it is acknowledged, so a restarted
+    checkpointer reads its log back and a server's death after that restart redoes no step (docs/design/step-log.md);
+    false: a checkpointer's restart loses the log and the servers checkpoint at once."""
 
     def __post_init__(self) -> None:
         if self.step_log_memory_mb < 0:

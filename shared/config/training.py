@@ -158,6 +158,10 @@ class TrainConfig:
     fragment_mix: float = 0.5
     """α (fragments > 1): a fragment's outer result is merged into each replica one segment later (so the sync may overlap
     the next segment's compute) as α·local + (1 − α)·global."""
+    inner_states: str = "shards"
+    """Where the servers keep the replicas' inner states (with local_steps, cluster.shards > 1): `shards`, replica r's
+    on shard r mod K (the leader is shard 0), so each server's link carries 1/K of them (docs/design/local-steps.md);
+    `leader`, every one on the leader, the placement before issue 48, kept as the baseline to measure against."""
 
     def __post_init__(self) -> None:
         if self.local_steps < 0:
@@ -180,6 +184,9 @@ class TrainConfig:
                   f"must be divisible by train.microbatches={self.microbatches}",
                   f"use a multiple of {self.microbatches}, e.g. {self.microbatches * max(1, self.global_batch // self.microbatches)}")
         import_path("train.loss", self.loss)
+        if self.inner_states not in ("shards", "leader"):
+            fail("train.inner_states", self.inner_states, "must be shards or leader",
+                  "use shards (replica r's state on shard r mod K), or leader (all on the leader: the old baseline)")
         if self.fragments < 1:
             fail("train.fragments", self.fragments, "must be >= 1", "use 1 for whole rounds, or e.g. 4")
         if self.fragments > 1 and (not self.local_steps or self.local_steps % self.fragments):

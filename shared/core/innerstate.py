@@ -100,3 +100,14 @@ def through_wire(inner: dict[str, Any] | None) -> dict[str, Any] | None:
     meta, tensors = to_wire(inner)
     return from_wire(msgpack.unpackb(msgpack.packb(meta), strict_map_key=False),
                      {n: t.clone() for n, t in tensors.items()})
+
+
+def owner(r: int, shards: int, placement: str) -> int:
+    """The server that keeps replica r's state (`train.inner_states`): shard r mod K when spread over the shards, so
+    no server's link carries more than ⌈R / K⌉ of them; the leader (shard 0) with `leader` or one server."""
+    return r % shards if placement == "shards" and shards > 1 else 0
+
+
+def owned(replicas: int, shard: int, shards: int, placement: str) -> list[int]:
+    """The replicas whose states `shard` keeps (`owner`)."""
+    return [r for r in range(replicas) if owner(r, shards, placement) == shard]

@@ -7,9 +7,14 @@ on the leader gave 26.8 s without a step; tests/test_netns_links.py: a 4 s one g
 Here, with T = `link_timeout(cluster)` = max(1 s, cluster.dead_after / 2):
 
 - TCP user timeout (ZMQ_TCP_MAXRT = T; TCP_USER_TIMEOUT on Linux): data unacknowledged for T aborts the
-  connection, on either end, and ZeroMQ dials again. It counts only unacknowledged data, so a slow link (data
-  acknowledged slowly) or a live peer that reads nothing for a while (its window closed, the window probes
-  answered: tried with 6 s of a closed window under T = 1 s) is never cut by it.
+  connection, on either end, and ZeroMQ dials again. A slow link (data acknowledged slowly) is never cut by it; a
+  live peer that reads nothing for T is: since Linux 5.11 ("tcp: fix TCP_USER_TIMEOUT with zero window") a
+  receive window closed for T ends the sender's connection even while the window probes are answered (issue 47:
+  on 6.18 a loopback sender under T = 1 s got ETIMEDOUT, its reader a reset). So every loop that serves a link
+  reads it at least every T: its ZeroMQ stops reading the kernel once RCVHWM messages wait, and a reset that finds
+  a connection stopped so trips libzmq's `!_io_error` abort (docs/concepts/faults.md, "libzmq aborts"). A shard's
+  final slice, sent while the leader waited for the final checkpoint without reading, did (shard/upstream.py
+  `finish`).
 - ZeroMQ heartbeats, a PING every cluster.heartbeat_interval: no connection is ever idle, so an end that only waits
   (for work, for a gradient) has a PING unacknowledged during a cut and its user timeout fires too. Their own
   timeout and TTL (`FROZEN_PEER_S`) are long on purpose: libzmq counts only complete frames as signs of life, and

@@ -88,6 +88,7 @@ class Pull(Worker):  # to shard k > 0: that version's slice
     term: int
     version: int
     have: Annotated[int, Default(-1)]  # the version it holds (compression.downlink: a change from it will do)
+    replica: Annotated[int | None, Default(None)]  # train.inner_states: shards: that replica's state instead (`inner`)
 
 
 # ---------------------------------------------------------------- aggregator -> worker
@@ -126,9 +127,7 @@ class Reject(TypedDict):
     fatal: bool
 
 
-class Inner(TypedDict):
-    """A replica's inner state at the start of a round (train.local_steps), ahead of that replica's `work` to a worker
-    that does not hold it (meta: shared/wire/state.py's, tensors named inner.…; empty: a fresh state)."""
+class Inner(TypedDict):  # a replica's state at a round's start, ahead of its `work` or for a pull (meta: state.py's)
     replica: int
     round: int
     meta: dict[str, Any]
@@ -316,6 +315,7 @@ class ShardFinal(ShardMember):
     slot_out: Annotated[int, ABSENT]
     changes_sent: Annotated[int, ABSENT]
     mirrors_sent: Annotated[int, ABSENT]
+    inner_states_sent: Annotated[int, ABSENT]  # train.inner_states: shards: its replicas' states sent to workers
 
 
 # ---------------------------------------------------------------- transfer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
@@ -25,6 +26,13 @@ def poll(cond, timeout: float, what: str, interval: float = 0.02) -> Any:
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} did not happen within {timeout:g}s")
+
+
+def seeded_steps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
+    """A fresh seed (name it in every failure) and one step drawn from it in each [lo, hi) span, in order."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    return seed, [rng.randrange(lo, hi) for lo, hi in spans]
 
 
 class Cluster:
@@ -58,6 +66,17 @@ class Cluster:
 
     def wait_step(self, n: int, timeout: float = 120) -> int:
         return poll(lambda: self.proc.poll() is None and self.step() >= n and self.step(), timeout, f"step {n}")
+
+    def kill_at(self, role: str, ident: str, steps: list[int], step_timeout: float = 120,
+                replace_timeout: float = 60) -> list[int]:
+        """SIGKILL role/ident once the run reaches each of `steps`, each time waiting until its next incarnation
+        registered and heartbeats (a server does once it replayed the step log); returns the steps it was killed at
+        (the run may have passed a target by a few)."""
+        killed_at = []
+        for target in steps:
+            killed_at.append(self.wait_step(target, timeout=step_timeout))
+            self.replaced(role, ident, self.signal(role, ident), timeout=replace_timeout)
+        return killed_at
 
     def members(self, role: str) -> dict[str, dict[str, str]]:
         """Running members of a role: id -> record (pid, incarnation, ...)."""

@@ -11,9 +11,13 @@ restarts. From those lines alone:
 - **nothing lost**: every step 1..N is logged.
 
 And from events.jsonl, which steps redone were a double fault of the kind a kill schedule cannot see
-(`log_lost_redone`): the checkpointer, which holds the step log, restarted (its log is in memory: lost) and a server
-died before a checkpoint was written after that restart, so its successor found no log past the checkpoint and went
-back to it (`steps_redone`, "not in the step log"). What holds the recovery and the server died together.
+(`log_lost_redone`): the checkpointer, which holds the step log, restarted and lost some of it, and a server died
+before a checkpoint was written after that restart, so its successor found no log past the checkpoint and went back to
+it (`steps_redone`, "not in the step log"). What holds the recovery and the server died together. Since the step log
+is written through to disk (services/checkpointer/logfiles.py) a restart loses the log only where its read-back says
+so — `step_log_recovered` with `lost` > 0 (a corrupt entry, or one after a gap) or `read_back` false (Redis had lost
+the run's keys) — or without the spool (no `step_log_recovered` after the checkpointer's `startup`: a run from before
+it, or checkpoint.step_log_spool false). A torn tail is not a loss: that entry was never acknowledged.
 """
 
 from __future__ import annotations
@@ -68,14 +72,17 @@ def fencing(rows: list[dict[str, Any]], steps: int, events: list[dict[str, Any]]
 
 
 def log_lost_redone(events: list[dict[str, Any]]) -> dict[str, int]:
-    """The `steps_redone` events (and their steps) that came after the checkpointer's restart with no checkpoint
-    saved since (see the module's docstring; a `checkpoint_forced` is only asked for): {"events": n, "steps": total,
-    "all_events": every steps_redone event}."""
-    log_lost, out = False, {"events": 0, "steps": 0, "all_events": 0}
+    """The `steps_redone` events (and their steps) that came after a checkpointer's restart that lost log (see the
+    module's docstring) with no checkpoint saved since (a `checkpoint_forced` is only asked for): {"events": n,
+    "steps": total, "all_events": every steps_redone event}."""
+    log_lost, restart, out = False, False, {"events": 0, "steps": 0, "all_events": 0}
     for e in events:
         kind = e.get("kind")
         if kind == "startup" and e.get("role") == "checkpointer":
-            log_lost = True
+            log_lost = restart  # the run's first checkpointer has nothing to lose; a restart, until its read-back
+            restart = True  # says otherwise (no read-back: the log was in memory only)
+        elif kind == "step_log_recovered" and log_lost:
+            log_lost = bool(e.get("lost", 0)) or not e.get("read_back", True)
         elif kind == "checkpoint_saved":
             log_lost = False
         elif kind == "steps_redone":

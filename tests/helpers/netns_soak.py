@@ -9,7 +9,8 @@ with the same arguments, as an orchestrator would. The run is long enough not to
 (`steps`); once the faults are done it is left to finish. The result: faults by kind and by role, restarts, steps
 redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill:
 their recovery may overlap, so a fallback to a checkpoint is allowed there; and a server's death after the
-checkpointer restarted and before a checkpoint covered its lost log, `log_lost_redone`) and the final params_sha256 against
+checkpointer restarted having lost some of its log — its spool's read-back says so — and before a checkpoint covered
+it, `log_lost_redone`) and the final params_sha256 against
 `cmemi reference` of the same config.
 """
 

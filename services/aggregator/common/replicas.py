@@ -8,6 +8,10 @@ state it started from. It travels beside Δ_r in the `grad` message (header `inn
 named `inner.…`: shared/core/innerstate.py) and back in an `inner` message before the `work` of a worker that does not hold
 it (`Holdings`: what each worker says it holds).
 
+With `train.inner_states: shards` (issue 48) each server keeps only its replicas' states, replica r on shard r mod K
+(`owned`; the leader is shard 0): the same checks, keeping and checkpoints at each, so no server's link carries more
+than ⌈R / K⌉ of them; a worker asks shard k for a state it lacks (a `pull` naming the replica, services/aggregator/shard/inner.py).
+
 `current[r]`: replica r's state at the start of the round being collected (None: fresh, round 0); `next[r]`: what
 its accepted round ended with, which becomes current when the round is applied. `current` is in every checkpoint of
 the leader (a snapshot is taken after a round is applied, when `next` has become current). A received state is checked against
@@ -27,19 +31,34 @@ from cmemi.shared.wire import state
 
 
 class InnerStates:
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, replicas: int, owned: list[int] | None = None) -> None:
+        """`owned`: the replicas whose states this server keeps (`innerstate.owned`: shard r mod K with
+        `train.inner_states: shards`); None: every one."""
         self.R = replicas
-        self.current: dict[int, dict[str, Any] | None] = dict.fromkeys(range(replicas))
+        self.owned = frozenset(range(replicas) if owned is None else owned)
+        self.current: dict[int, dict[str, Any] | None] = dict.fromkeys(sorted(self.owned))
         self.next: dict[int, dict[str, Any] | None] = {}
         self.layout: Signature | None = None  # of a state after a round (`expect`: `layout_of` this model)
 
     def expect(self, layout: Signature) -> None:
         self.layout = layout
 
+    def owns(self, r: int) -> bool:
+        return r in self.owned
+
+    def take(self, r: int, meta: Any, tensors: dict[str, torch.Tensor], due: bool) -> tuple[Any, bool, str | None]:
+        """A gradient's state for replica r, as this server sees it: (the state, whether it is kept once the change is
+        accepted, the drop reason). `due`: the round ships one (streaming: `fragments.ships_state`). A state where none
+        is due, or for a replica another server keeps, is as malformed as a bad one: the same rule at every server."""
+        if not due or not self.owns(r):
+            return None, False, "bad_inner" if meta or tensors else None
+        inner, bad = self.parse(r, meta, tensors)
+        return inner, True, bad
+
     def parse(self, r: int, meta: Any, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any] | None, str | None]:
         """Replica r's state at the end of a round, as received: (the state, None), or (None, the drop reason) when it
         is malformed. Checked before the round's change is accepted; kept (`keep`) once it is."""
-        if not 0 <= r < self.R or not isinstance(meta, dict) or not meta:
+        if r not in self.owned or not isinstance(meta, dict) or not meta:
             return None, "bad_inner"
         if not all(n.startswith(PREFIX + ".") for n in tensors):
             return None, "bad_inner"
@@ -73,7 +92,7 @@ class InnerStates:
         return {r: s for r, s in self.current.items() if s is not None}
 
     def load_state_dict(self, sd: dict[Any, Any] | None) -> None:
-        self.current = {r: (sd or {}).get(r) for r in range(self.R)}
+        self.current = {r: (sd or {}).get(r) for r in sorted(self.owned)}  # (a merged one holds others' too)
         self.next = {}
 
 

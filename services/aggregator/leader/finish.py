@@ -68,6 +68,8 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
         # streaming: parameter messages of only the pieces changed since the worker's version (docs/design.md §10)
         **({"changes_sent": totals.changes_sent + shards_total("changes_sent")} if trainer.fragments else {}),
     })
+    if cfg.train.local_steps:  # train.inner_states: shards, the shards' replicas' states sent too
+        summary["inner_states_sent"] += shards_total("inner_states_sent")
     if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
         summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},
                              *roster.summary()]

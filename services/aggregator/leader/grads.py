@@ -89,12 +89,12 @@ class GradIntake:
     def _inner_state(self, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[Any, bool, str | None]:
         """(the replica's inner state, whether it is kept once the gradient is accepted, why it does not fit)."""
         trainer = self.p.trainer
-        if trainer.fragments and not fragmenting.ships_state(h["step"], trainer.snapshot_every, h["lo"]):
-            return None, False, "bad_inner" if h["inner"] or tensors else None  # streaming: no state this time
-        if trainer.inner is not None:  # local steps: the state the replica's round ended with, kept once accepted
-            inner, bad = trainer.inner.parse(h["lo"], h["inner"], tensors)
-            return inner, True, bad
-        return None, False, None
+        if trainer.inner is None:
+            return None, False, None
+        # local steps: the state the replica's round ended with, kept once accepted; none where the round ships none
+        # (streaming) or another shard keeps the replica's (train.inner_states: shards)
+        due = not trainer.fragments or fragmenting.ships_state(h["step"], trainer.snapshot_every, h["lo"])
+        return trainer.inner.take(h["lo"], h["inner"], tensors, due)
 
     def misfit(self, identity: bytes, info: WorkerInfo, reason: str, detail: str) -> None:
         """Drop a gradient that does not fit (misfits.py); the worker's LIMIT-th in a row gets a fatal reject."""

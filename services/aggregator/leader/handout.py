@@ -83,7 +83,7 @@ class Handout:
         p, inner = self.p, self.p.trainer.inner
         step = p.trainer.step
         assert inner is not None and p.holdings is not None
-        if p.holdings.has(identity, r, step):
+        if p.holdings.has(identity, r, step) or not inner.owns(r):  # (another shard's: the worker asks it)
             return
         meta, tensors = inner.wire(r)
         p.totals.inner_states_sent += bool(meta)  # (a fresh one, round 0's, is an empty map)

@@ -69,7 +69,9 @@ class Aggregator:
         poller = zmq.Poller()
         poller.register(p.sock, zmq.POLLIN)
         next_housekeeping = 0.0
-        while not self.ctx.stopping.is_set() and not self.stepper.done:
+        # restarted after the last step (its log held it), the leader still waits for every shard to join: each one
+        # that joins at that step ends the run there too (shard/server.py `_finish`), which the final checkpoint needs
+        while not self.ctx.stopping.is_set() and not (self.stepper.done and (p.roster is None or p.roster.complete)):
             p.ckpt.wake_for_room(poller)
             if poller.poll(50):
                 for _ in range(64):  # drain a burst without starving housekeeping

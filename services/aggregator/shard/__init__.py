@@ -6,4 +6,6 @@
 - `checks.py`: what a shard checks of a worker's gradient before it decodes a byte of it.
 - `stages.py`: the shard's current step, stage by stage (`cluster.pipeline_stages`).
 - `pulls.py`: answers to workers' pulls: each stage of the slice at the version asked for, as soon as it has it.
+- `inner.py`: the states of the replicas r ≡ k mod K this shard keeps (train.inner_states: shards): checked, kept once
+  their change is accepted, handed to a worker that asks (a `pull` naming the replica).
 """

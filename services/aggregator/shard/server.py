@@ -1,22 +1,21 @@
 """Parameter-server shard k > 0 of `cluster.shards` (docs/design.md, "Shards").
 
-Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 owns a run of the chunk
-grid's pieces (shared/core/grid.py) and their optimizer state, and otherwise only follows:
+Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 owns a run of the chunk grid's pieces
+(shared/core/grid.py) and their optimizer state, and otherwise only follows:
 
-- workers say hello (registered incarnations only, as at the leader) and send it their gradient's
-  slice for a node of the step's reduction tree, at the same time as every other shard's. The first
-  complete copy of each microbatch wins, as at the leader. While its step is incomplete, the shard
-  tells the leader every half second which microbatches it holds (`shard_have`): once the leader's
-  own step is complete, what a shard still lacks after a grace (its worker died between its sends)
-  is leased again (`StepCollector.reopen`).
-- a complete step is reported to the leader (`shard_ready`: one squared norm per piece for clipping,
-  the fp16 overflow flag); the leader answers `shard_commit` with every shard's share once all are in,
-  and the shard steps its pieces by the same rule as the leader (`Trainer.apply`).
-- `pull(version)` is answered with that version's slice as soon as the shard has it.
+- workers say hello (registered incarnations only, as at the leader) and send it their gradient's slice for a node of
+  the step's reduction tree, at the same time as every other shard's. The first complete copy of each microbatch wins,
+  as at the leader. While its step is incomplete, the shard tells the leader every half second which microbatches it
+  holds (`shard_have`): once the leader's own step is complete, what a shard still lacks after a grace (its worker
+  died between its sends) is leased again (`StepCollector.reopen`).
+- a complete step is reported to the leader (`shard_ready`: one squared norm per piece for clipping, the fp16
+  overflow flag); the leader answers `shard_commit` with every shard's share once all are in, and the shard steps its
+  pieces by the same rule as the leader (`Trainer.apply`).
+- `pull(version)` is answered with that version's slice as soon as the shard has it, or (naming a replica) with the state of a
+  replica r ≡ k mod K this shard keeps (`train.inner_states: shards`: it comes with its slice, inner.py).
 - pipelined (`cluster.pipeline_stages`), each stage is stepped as soon as it is in (stages.py).
-- a new leader term means this shard's state is not the cluster's any more: it exits (upstream.py).
-  Snapshots go to the checkpointer like the leader's; it writes one checkpoint once it has every
-  shard's slice of a step.
+- a new leader term means this shard's state is not the cluster's any more: it exits (upstream.py). Snapshots go to
+  the checkpointer like the leader's; it writes one checkpoint once it has every shard's slice of a step.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.shard import checks
 from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.services.aggregator.shard.inner import ShardStates
 from cmemi.services.aggregator.shard.pulls import SliceServer
 from cmemi.services.aggregator.shard.stages import StepStages
 from cmemi.services.aggregator.shard.upstream import LeaderLink, Rejoin
@@ -87,6 +87,7 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
+        self.states = ShardStates(self.trainer, self.outbox.send, self.totals, cfg.cluster.checksum)  # local steps
         logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
         self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
@@ -121,8 +122,8 @@ class ShardServer:
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
 
     def _catch_up(self, step: int) -> None:
-        """Restarted within the term, behind the leader's `step` (services/aggregator/leader/roster.py `Restarts`): this
-        shard's entries on to it, then the join again (not moved: the join said again in a second asks again)."""
+        """Restarted within the term, behind the leader's `step` (leader/roster.py `Restarts`): this shard's entries on
+        to it, then the join again (not moved: the join said again in a second asks again)."""
         before = self.trainer.step
         if self.steplog is not None and self.seal is None and step > before:
             self.steplog.replay(self.ctx, self.trainer, self.totals, upto=step)
@@ -197,6 +198,8 @@ class ShardServer:
                 for identity, hello in self.parked:
                     self._hello(identity, hello)
                 self.parked = []
+                if self.done and not self.leader.finishing:  # joined at the last step: its end comes only now
+                    self._finish()
             elif msg.type == "shard_behind":
                 self._catch_up(h["step"])
             elif msg.type == "shard_fence":
@@ -226,6 +229,8 @@ class ShardServer:
             return
         if self.admission.known(identity, h, self.term) is None:
             pass
+        elif msg.type == "pull" and h["replica"] is not None:  # a replica's state this shard keeps (inner.py)
+            self.states.pull(identity, h)
         elif msg.type == "pull":
             self.slices.pull(identity, h["version"], h["have"])
             self._answer_pulls()
@@ -242,16 +247,16 @@ class ShardServer:
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
-        refused = checks.refusal(h, self.seal, self.term, self.current.version, self.M, len(self.stages))
-        if refused is not None:
+        if (refused := checks.refusal(h, self.seal, self.term, self.current.version, self.M, len(self.stages))):
             self.drops(*refused)
             return
         node, where, g = (h["lo"], h["hi"]), checks.where(h), h["stage"]
         collector = self.current.collectors[g]
         if self.current.held(g, node):
             return
-        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors,
-                                         self.trainer.expected(h["step"], self.stages[g]))
+        inner, keep, bad = self.states.take(h, msg.tensors)  # local steps: the replica's state, if kept here
+        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.trainer.expected(
+            h["step"], self.stages[g])) if bad is None else (None, bad, 0.0)
         if bad is not None:
             self.drops(bad, where)
             if (why := self.misfits.reject(identity, h["wid"], bad, where, f"parameter-server shard {self.shard}")):
@@ -260,7 +265,9 @@ class ShardServer:
         self.misfits.forget(identity)
         if (reason := collector.offer(node, grads, h["losses"], None)) is not None:
             self.drops(reason, where)
-        elif collector.complete and self.pipelined:
+            return
+        self.states.accepted(h["lo"], inner, keep)
+        if collector.complete and self.pipelined:
             self._step_stage(g)
         elif collector.complete:
             self.current.mean = collector.mean()
@@ -283,7 +290,7 @@ class ShardServer:
     def _ready(self) -> None:
         grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
         if self.steplog is not None:  # its step log entry first (once per step, however often it is ready)
-            self.steplog.ship(self.current.version + 1, grads)
+            self.steplog.ship(self.current.version + 1, grads, self.trainer.inner)
         self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
                          overflow=grads is None and not self.pipelined)
         self._next_ready = time.monotonic() + 1.0
@@ -311,7 +318,6 @@ class ShardServer:
             self.leader.send("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
                              step=step)
         if last:  # train.steps, or the leader stopped early
-            self.done = True
             self._finish()
         elif snapshot:  # the leader names the steps every shard checkpoints
             self._snapshot()
@@ -322,16 +328,15 @@ class ShardServer:
 
     def _answer_pulls(self) -> None:
         self.slices.answer(self.current.version, self.current.applied)
+        self.states.answer()
 
     def _finish(self) -> None:
-        """The last step: the final snapshot (the checkpointer writes it with the others' slices), and the slice
-        to the leader, which reports the run's result over the whole model."""
+        """The last step (or joined at it: a leader restarted after it): the final snapshot, then the slice to the
+        leader (the run's result); from the loop, not waiting in it (upstream.py `finish`)."""
+        self.done = True
         self.intake.release()  # no gradient comes any more: the buffers kept for the next step go
         self.trainer.release_heap()
-        snap = snapshots.collect(self.trainer, self.totals, self.term, {}, None)
-        self.leader.final(self.trainer, self.totals, self.drops.as_dict())
-        self.ckpt.save_final(snap)
-        self.log.info("shard finished", step=self.trainer.step)
+        self.leader.finish(self.ckpt, self.trainer, self.totals, self.drops.as_dict)
 
     def close(self) -> None:
         if self.steplog is not None:

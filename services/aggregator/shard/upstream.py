@@ -22,6 +22,8 @@ import zmq
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.services.aggregator.snapshots import contents as snapshots
+from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.shared.coordination.membership import text
 from cmemi.shared.coordination.watch import Watch
 from cmemi.shared.errors import Interrupt
@@ -49,6 +51,7 @@ class LeaderLink:
         # the leader's term and the run's state, read off the loop (shared/coordination/watch.py)
         self.joining: dict[str, Any] | None = None  # the join said, until the leader's welcome (`join_again`)
         self.next_join = 0.0
+        self.finishing = False  # the final snapshot went to the checkpointer (`finish`)
         self.watch = Watch(ctx.redis, 0.25, lambda r: (text(r.hget(ctx.keys.aggregator, "term")), text(r.get(ctx.keys.state))),
                            "shard").start()
 
@@ -105,12 +108,33 @@ class LeaderLink:
             if state in ("completed", "failed"):
                 raise SystemExit(0)
 
+    def finish(self, ckpt: CheckpointerLink, trainer: Trainer, totals: RunTotals,
+               drops: Callable[[], dict[str, int]]) -> None:
+        """The end of the run here, once: the final snapshot to the checkpointer, then, once it is written, the last
+        step's slice to the leader (`final`), the order the leader takes them in (leader/finish.py). Waited for from
+        the shard's loop, which meanwhile still sees a new term (`check_term`).
+
+        Before issue 47's fix the slice went first and the loop then waited in `save_final`. The slice waited in TCP
+        for the leader, which reads it only after its own wait for that checkpoint; a receive window closed longer
+        than the link timeout ends the connection on Linux (TCP_USER_TIMEOUT counts it: shared/runtime/links.py),
+        and the reset, reaching the leader's libzmq while its input from this shard was stopped (RCVHWM 2) and a
+        heartbeat was due, aborted the leader (`!_io_error`, libzmq 4.3.5 stream_engine_base.cpp:310): no fault
+        injected, cluster.max_message_bytes under the slice, the run hung in most runs (tests/test_shards.py). The
+        shard, waiting for a checkpoint the dead leader's term never completes, never joined the new term."""
+        if self.finishing:
+            return
+        self.finishing = True
+        ckpt.offer_final(snapshots.collect(trainer, totals, self.term, {}, None),
+                         then=lambda: self.final(trainer, totals, drops()))
+
     def final(self, trainer: Trainer, totals: RunTotals, drops: dict[str, int]) -> None:
         """The last step's slice, with this shard's totals: the leader reports the run's result over the whole model."""
+        self.ctx.log.info("shard finished", step=trainer.step)
         self.send("shard_final", tensors={n: p.detach() for n, p in trainer.pieces.items()},
                   step=trainer.step, bytes_in=totals.bytes_in, bytes_out=totals.bytes_out,
                   slot_in=totals.slot_in, slot_out=totals.slot_out,
                   changes_sent=totals.changes_sent, mirrors_sent=totals.mirrors_sent,
+                  inner_states_sent=totals.inner_states_sent,
                   drops=drops, mirror=trainer.mirror_hashes())
 
     def close(self) -> None:

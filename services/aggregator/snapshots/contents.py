@@ -46,7 +46,8 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
         **({"owned": list(t.pieces)} if t.sharded else {}),
         # compression.downlink: the workers' mirror of these pieces and the downlink codec's state (shared/compression/downlink.py)
         **({"downlink": t.mirror.state_dict()} if t.mirror is not None else {}),
-        # train.local_steps (the leader): every replica's inner optimizer and scheduler state at the round's start
+        # train.local_steps: the inner optimizer and scheduler state at the round's start of every replica this server
+        # keeps (the leader: all, or with train.inner_states: shards, each shard its replicas r mod K)
         **({"inner": t.inner.state_dict()} if t.inner is not None else {}),
     }
     meta, tensors = state.flatten(named, copy=False)
@@ -110,7 +111,7 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
     if t.mirror is not None:
         _restore_mirror(t, named.get("downlink") if not other_k else _merged_mirrors(meta, tensors))
     if t.inner is not None:
-        t.inner.load_state_dict(named.get("inner") if not other_k else _old_leader(meta, tensors).get("inner"))
+        t.inner.load_state_dict(named.get("inner") if not other_k else _merged_inner(meta, tensors))
     early = named.get("early_stop")
     if bg_eval is not None and early is not None:
         bg_eval.load_state_dict(early)
@@ -118,9 +119,10 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
             bg_eval.start(t.step, {k: v.clone() for k, v in t.model.state_dict().items()})
 
 
-def _old_leader(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The sections of the leader (shard 0) of a checkpoint written with another cluster.shards."""
-    return reshard.old_shards(meta, tensors)[0]
+def _merged_inner(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[Any, Any]:
+    """Every old shard's replicas' states in one (a checkpoint of another cluster.shards: with `train.inner_states:
+    shards` each shard kept its replicas', r mod K; the leader's alone held all); each server keeps its own of them."""
+    return {r: s for named in reshard.old_shards(meta, tensors) for r, s in (named.get("inner") or {}).items()}
 
 
 def _merged_mirrors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:

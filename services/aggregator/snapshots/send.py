@@ -44,6 +44,7 @@ class CheckpointerLink:
         self.in_flight: Outgoing | None = None
         self.queued: list[Outgoing] = []  # unsent: milestones and the final one (kept), and at most one other
         self.saved_path: dict[int, str] = {}  # step -> where the checkpointer wrote it (the final one's is reported)
+        self.once_saved: dict[int, Callable[[], None]] = {}  # step -> what runs once it is written (`offer_final`)
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
@@ -174,6 +175,9 @@ class CheckpointerLink:
                 self.in_flight = None
             elif msg.type == "retry":  # the checkpointer could not check our term yet (Redis restarted): again, soon
                 self._retry_at = time.monotonic() + 0.5
+        for step in saved:
+            if step in self.saved_path and (then := self.once_saved.pop(step, None)) is not None:
+                then()
         if self.in_flight is not None and self._retry_at is not None and time.monotonic() > self._retry_at:
             self._retry_at = None
             if not self.in_flight.restart():
@@ -221,6 +225,14 @@ class CheckpointerLink:
 
     def close(self) -> None:
         self.where.stop()
+
+    def offer_final(self, snap: Snapshot, then: Callable[[], None]) -> None:
+        """The final snapshot, sent from the service's loop (`pump`, `poll`) without waiting there: `then()` runs from
+        `poll` once the checkpointer wrote it. A shard's loop must go on meanwhile (issue 47): a leader that dies
+        before the final checkpoint is complete leaves it incomplete for good in that term, and only the loop sees
+        the new term (`save_final` waited 300 s for it: the new leader waited for the shard that long)."""
+        self.queued.append(self._outgoing(snap, True))
+        self.once_saved[snap[0]] = then
 
     def save_final(self, snap: Snapshot, timeout: float = 300, final: bool = True) -> str:
         """Send the final snapshot (after any still queued) and wait until it is written; returns its path.

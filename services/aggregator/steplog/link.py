@@ -114,13 +114,15 @@ class StepLogLink(LogConnection):
     # a shard k > 0 ships without waiting for acks and keeps its entries for a resend (steplog/shard.py): they
     # travel as frames, never through the staging slot, which the next step's entry overwrites
     def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
-               partials: list[float] | None, loss: float) -> list[list[Any]]:
-        """Step `step`'s entry, encoded as frames (`ship`'s arguments; the tensors copied)."""
+               partials: list[float] | None, loss: float, replicas: list[Any] | None = None,
+               states: dict[str, torch.Tensor] | None = None) -> list[list[Any]]:
+        """Step `step`'s entry, encoded as frames (`ship`'s arguments; the tensors copied; `replicas`, `states`: the
+        replicas' states the step makes current, of a shard that keeps some: replicas.py)."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
-                  "partials": partials, "evals": None, "replicas": None}
+                  "partials": partials, "evals": None, "replicas": replicas}
         try:
-            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors_of(grads, buffer_sum),
-                                     self.ctx.cfg.cluster.checksum)
+            return transfer.messages("step_log", self.ctx.run, fields, self.cap,
+                                     {**tensors_of(grads, buffer_sum), **(states or {})}, self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 

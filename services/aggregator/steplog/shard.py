@@ -26,11 +26,13 @@ import redis
 import torch
 import zmq
 from cmemi.services.aggregator.common.evaluation import eval_boundary
+from cmemi.services.aggregator.common.replicas import InnerStates
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.steplog.connection import resend_after
 from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
+from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
 
@@ -77,13 +79,15 @@ class ShardStepLog:
         boundary, self.boundary = self.boundary, None
         return boundary
 
-    def ship(self, step: int, grads: dict[str, torch.Tensor] | None) -> None:
+    def ship(self, step: int, grads: dict[str, torch.Tensor] | None, inner: InnerStates | None = None) -> None:
         """Step `step`'s slice (None: it overflowed), sent now unless it was already, kept until logged (copied:
-        the commit's optimizer step changes the gradient in place)."""
+        the commit's optimizer step changes the gradient in place). `inner`: with `train.inner_states: shards`, the
+        states of this shard's replicas the step makes current (`next`, before the commit advances them), as the
+        leader's entry carries its own (replicas.py): a replay of this shard's entries restores them."""
         if step <= self.shipped:
             return
         self.shipped = step
-        msgs = self.link.encode(step, grads, None, None, 0.0)
+        msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner))
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
         self.sent_at = time.monotonic()

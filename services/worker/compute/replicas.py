@@ -40,7 +40,7 @@ class Replicas:
         return None if self.local is None else [[r, t] for r, (t, _) in self.held.items()]
 
     def hold(self, msg: protocol.Message) -> None:
-        """A replica's inner state from the leader (`inner`), for the work that follows."""
+        """A replica's inner state from the server that keeps it (`inner`), for the work that follows."""
         h = msg.header
         try:
             inner = innerstate.from_wire(h["meta"], msg.tensors)
@@ -48,6 +48,11 @@ class Replicas:
             self.fatal(f"worker {self.wid}: replica {h['replica']}'s inner state from the aggregator cannot be "
                        f"read ({exc}); use the same optimizer and model on every host")
         self.keep(h["replica"], h["round"], inner)
+
+    def keeper(self, r: int) -> int:
+        """The server that keeps replica r's state (0: the leader, which sends it ahead of the work; k > 0: shard k,
+        which the worker asks: train.inner_states, shared/core/innerstate.py `owner`)."""
+        return innerstate.owner(r, self.cfg.cluster.shards, self.cfg.train.inner_states)
 
     def keep(self, r: int, rnd: int, inner: InnerState | None) -> None:
         self.held[r] = (rnd, inner)

@@ -5,7 +5,8 @@ takes its residual with it; a step asked again is encoded from the state before 
 services/worker/residual.py), one piece list per shard and pipeline stage (shared/core/grid.py). The next version is
 asked of the shards first: behind the gradient on the same connection, a pull would reach a shard only once this
 worker's whole slice had, too late to take a pipelined shard's first stages. The leader's slice goes on its socket
-with the step's buffers and (local steps) the replica's inner state; over shared-memory slots it goes into this
+with the step's buffers and (local steps) the replica's inner state (with `train.inner_states: shards`, replica r's
+goes to shard r mod K instead, beside that shard's slice); over shared-memory slots it goes into this
 worker's own segment and only its descriptor travels (the leader copies it out before it answers).
 """
 
@@ -22,6 +23,7 @@ from cmemi.services.worker.links.shard_links import ShardLinks
 from cmemi.services.worker.residual import Rewind
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.schema import Config
+from cmemi.shared.core import innerstate
 from cmemi.shared.core.buffers import PREFIX
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import shm
@@ -62,20 +64,26 @@ class Outbox:
         encoded = [[self.codec.encode({n: views[n] for n in names if n in views}, h["step"]) if g.finite else ({}, {})
                     for names in self.partition.staged(k)] for k in range(self.partition.shards)]
         encode_s = time.perf_counter() - t0
+        extra, own = dict(g.extra), {}
+        if (k := innerstate.owner(lo, self.partition.shards, self.cfg.train.inner_states)) and "inner" in extra:
+            own[k] = {"inner": extra.pop("inner")}  # its state to the shard that keeps it, beside that shard's slice
+            encoded[k][0] = (encoded[k][0][0], {**encoded[k][0][1], **g.inner})
         self.shard_links.ask_ahead(version + 1)
-        self.shard_links.push(encoded[1:], {**fields, "encode_s": encode_s}, self.sends.trackers)  # every shard's at once
+        self.shard_links.push(encoded[1:], {**fields, "encode_s": encode_s}, self.sends.trackers,  # all at once
+                              **({"own": own} if own else {}))
         info, frames = encoded[0][0]  # the leader's slice, one stage (pipelined: it holds no parameters)
         if g.buffers is not None:
             frames = {**frames, **{PREFIX + n: b for n, b in g.buffers.items()}}
-        frames = {**frames, **g.inner}
+        if not own:
+            frames = {**frames, **g.inner}
         if self.link.slots:  # into this worker's slot; the leader copies it out before it answers
             if self.slot_writer is None:
                 self.slot_writer = shm.Writer(self.run, "worker", shm.checksums(self.cfg.cluster.checksum))
             self.link.send("grad", tensors={}, shm=self.slot_writer.write(frames), codec=info, encode_s=encode_s,
-                           **fields, **g.extra)
+                           **fields, **extra)
         else:
             self.link.send("grad", tensors=frames, trackers=self.sends.trackers, codec=info, encode_s=encode_s,
-                           **fields, **g.extra)
+                           **fields, **extra)
 
     def close(self) -> None:
         if self.slot_writer is not None:

@@ -286,22 +286,33 @@ class ShardLinks:
         return all(self.reader.intact(d) for d in descs)
 
     def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any],
-             trackers: list[zmq.MessageTracker] | None = None) -> None:
+             trackers: list[zmq.MessageTracker] | None = None, own: dict[int, dict[str, Any]] | None = None) -> None:
         """Send shard k its encoded slice, stage by stage (encoded[k - 1][g]: codec info, frames): stage 0 of every
         shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
-        the frames' trackers go there (services/worker/links/inflight.py)."""
+        the frames' trackers go there (services/worker/links/inflight.py). `own[k]`: header fields for shard k's
+        alone (a replica's state's `inner`, train.inner_states: shards)."""
         self.relink()  # (into a dead shard's link, a gradient is lost: leased again only after the leader's grace)
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
+                fields_k = {**fields, **(own or {}).get(link.k, {})} if g == 0 else fields
                 if link.slots:  # into this worker's segment for shard k; only the descriptor goes
                     if (link.k, g) not in self.writers:  # one per stage: each stage's size is its own
                         checksum = shm.checksums(self.cfg.cluster.checksum)
                         self.writers[link.k, g] = shm.Writer(self.ctx.run, "worker", checksum)
                     self._send(link, "grad", tensors={}, shm=self.writers[link.k, g].write(frames), codec=info,
-                               stage=g, **fields)
+                               stage=g, **fields_k)
                 else:
-                    self._send(link, "grad", tensors=frames, trackers=trackers, codec=info, stage=g, **fields)
+                    self._send(link, "grad", tensors=frames, trackers=trackers, codec=info, stage=g, **fields_k)
+
+    def inner(self, k: int, r: int, version: int) -> protocol.Message:
+        """Replica r's state for its lease of `version` from shard k, which keeps it (train.inner_states: shards;
+        services/aggregator/shard/inner.py): asked (a `pull` naming it) and waited for (`Lost` as a pull's)."""
+        link, got = next(lk for lk in self.links if lk.k == k), list[protocol.Message]()
+        self._send(link, "pull", term=self.term, version=version, replica=r)
+        self._wait(lambda: bool(got), lambda lk, m: got.append(m) if lk is link and m.type == "inner" and
+                   m.header["replica"] == r else None)
+        return got[0]
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

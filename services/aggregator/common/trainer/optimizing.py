@@ -18,6 +18,7 @@ from cmemi.shared.config.plugins import build_model, build_optimizer, build_sche
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core import innerstate
 from cmemi.shared.core.grid import Partition, clip_coefficient
 from cmemi.shared.memory import allocator
 from cmemi.shared.wire import limits
@@ -47,7 +48,12 @@ class Trainer(OwnRows, Outward):
         self.optimizer = build_optimizer(cfg, self.pieces or [torch.nn.Parameter(torch.zeros(0))],
                                          self.optimizer_section)
         self.scheduler = None if self.local else build_scheduler(cfg, self.optimizer)
-        self.inner = InnerStates(cfg.train.microbatches) if self.local and shard == 0 else None
+        # (train.inner_states: shards, K > 1: shard k keeps the states of replicas r ≡ k mod K, innerstate.owner)
+        spread = cfg.train.inner_states == "shards" and self.partition.shards > 1
+        self.inner = (InnerStates(cfg.train.microbatches, innerstate.owned(cfg.train.microbatches, shard,
+                                                                            self.partition.shards,
+                                                                            cfg.train.inner_states))
+                      if self.local and (shard == 0 or spread) else None)
         # streaming (train.fragments > 1): the grid's pieces in fragments; step s steps fragment s mod F alone
         self.fragments = (fragmenting.split(self.partition.pieces, cfg.train.fragments)
                           if self.local and cfg.train.fragments > 1 else [])

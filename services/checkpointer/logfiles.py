@@ -1,0 +1,279 @@
+"""The step log on disk, written through: an entry is in a segment file before its `logged` goes out, so a restarted
+checkpointer reads its log back and a server's replay after that restart still finds every committed step (issue 47:
+before this, the log was held in memory only, and a server that died after the checkpointer's restart and before the
+next checkpoint went back to that checkpoint: 7 of the 1,000 faults of bench/results/soak.json).
+
+- **Segments.** `RUN_DIR/steplog/seg-NNNNNNNN.log`, numbered in the order they were opened; every shard's entries go
+  to the one open segment, in the order they were held. A written checkpoint closes the open segment (the next entry
+  opens a new one) and deletes every segment whose entries it covers, so the disk holds the entries since about the
+  checkpoint before last (`checkpoint.every_steps: 0`: the whole run's, as the log in memory held it).
+- **A record.** `MAGIC | meta length (u32) | payload length (u64) | meta | payload | xxh3-64 of meta and payload`; the
+  meta (msgpack) names the shard, the step, the entry's fields and each tensor's (name, dtype, shape, bytes, offset
+  in the payload); the payload is the landed entry's one buffer (steplog.Held: its tensors at 64-byte offsets) or
+  the tensors' bytes one after another. One `pwritev` per record at the segment's end.
+- **Durability.** The write reaches the page cache before the ack, which is what a process's death needs: SIGKILL
+  loses nothing the kernel took. No fsync: a host's death (power, kernel) can lose the tail not yet written back
+  (about 30 s of entries with Linux's default dirty_expire), and the servers then find a shorter log — a double fault,
+  whose steps are redone from the last checkpoint, as before this file. What an fsync per entry would cost instead is
+  measured by `bench/steplog_landing.py --fsync` (docs/design/step-log.md).
+- **Read back** (`recover`) at the checkpointer's start: every segment in order, each record's length and checksum
+  checked as it is read (a MiB at a time: the log is never in memory whole). The first record that is cut short
+  (`torn`: the process died inside its write) or fails its checksum (`corrupt`) ends its segment: the file is cut
+  there and what was cut is counted, never raised. The records become `Stored` tensors, read only for a replay.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+import xxhash
+from cmemi.shared.wire.protocol import DTYPES
+
+MAGIC = b"CSL1"
+HEAD = struct.Struct("<4sIQ")  # magic, meta length, payload length
+TAIL = struct.Struct("<Q")  # xxh3-64 of meta + payload
+CHUNK = 1 << 20  # bytes read at a time when a record's checksum is checked
+FULL = (errno.ENOSPC, errno.EDQUOT)
+IOV_GROUP = 512  # buffers per pwritev (Linux takes at most IOV_MAX, 1024)
+Buffer = bytes | memoryview
+Placed = tuple[str, str, tuple[int, ...], int, int]  # a tensor in a record: name, dtype, shape, bytes, payload offset
+
+
+class Segment:
+    """One segment file: appended at `end`; `last` is the newest step of any record in it (retention's test)."""
+
+    def __init__(self, path: Path, seq: int, create: bool) -> None:
+        self.path, self.seq = path, seq
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.fd: int | None = os.open(path, flags, 0o600)
+        self.end = os.fstat(self.fd).st_size
+        self.last = 0
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        assert self.fd is not None, "a step log segment read after it was deleted"
+        return os.pread(self.fd, nbytes, offset)
+
+    def delete(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A logged tensor in a segment: its bytes are read back only when a replay asks for its entry."""
+
+    segment: Segment
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def tensor(self) -> torch.Tensor:
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=DTYPES[self.dtype])
+        raw = bytearray(self.segment.pread(self.nbytes, self.offset))
+        return torch.frombuffer(raw, dtype=DTYPES[self.dtype]).reshape(self.shape)
+
+
+@dataclass
+class Record:
+    """An entry read back: as `add` held it, its tensors `Stored`."""
+
+    shard: int
+    step: int
+    fields: dict[str, Any]
+    tensors: dict[str, Stored]
+
+
+@dataclass
+class Recovered:
+    records: list[Record] = field(default_factory=list)  # in the order they were written
+    torn: int = 0  # records cut short (the process died inside a write: never acknowledged)
+    corrupt: int = 0  # records that failed their checksum, or whose header is not one
+    cut_bytes: int = 0  # bytes cut from the segments' ends
+
+
+def _write_all(fd: int, bufs: list[Buffer], at: int) -> int:
+    """Every buffer written at `at`, in order, returns the bytes written: `pwritev` in groups of IOV_GROUP buffers,
+    and what a short write (a signal, a nearly full disk) left, one buffer at a time."""
+    done = 0
+    for g in range(0, len(bufs), IOV_GROUP):
+        group = [memoryview(b).cast("B") for b in bufs[g:g + IOV_GROUP]]
+        n = os.pwritev(fd, group, at + done)
+        want = sum(v.nbytes for v in group)
+        done += n
+        if n < want:
+            skip = n
+            for view in group:
+                if skip >= view.nbytes:
+                    skip -= view.nbytes
+                    continue
+                view, skip = view[skip:], 0
+                while view.nbytes:
+                    k = os.pwrite(fd, view, at + done)
+                    done, view = done + k, view[k:]
+    return done
+
+
+class LogFiles:
+    """The step log's segments under `root`. `on_full(exc, attempt)`: a write found the disk full; attempt 1 makes
+    room (the record is written again at the same place), attempt 2 stops the service (diskfull.py)."""
+
+    def __init__(self, root: Path, on_full: Callable[[OSError, int], None]) -> None:
+        self.root, self.on_full = Path(root), on_full
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.segments: list[Segment] = []  # every segment on disk, oldest first; the last one open unless `closed`
+        self.closed = True
+        self.seq = 0  # the newest segment's number: a new one takes the next (never reused while the run lives)
+        self.written = 0  # records appended by this process
+
+    def _paths(self) -> Iterator[tuple[int, Path]]:
+        for p in sorted(self.root.glob("seg-*.log")):
+            try:
+                yield int(p.stem[4:]), p
+            except ValueError:
+                continue
+
+    def remove_all(self) -> int:
+        """Delete every segment (the log is not to be read back: `checkpoint.step_log_spool: false`)."""
+        n = 0
+        for s in self.segments:
+            s.delete()
+        self.segments.clear()
+        for _, p in self._paths():
+            p.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def append(self, shard: int, step: int, fields: dict[str, Any], tensors: list[Placed],
+               payload: list[Buffer]) -> dict[str, Stored]:
+        """Write one entry's record at the open segment's end (opening one if a checkpoint closed the last); returns
+        its tensors as `Stored`. `tensors`: (name, dtype, shape, bytes, offset in the payload); `payload`: the bytes
+        they are in, in order (a landed entry's one buffer, `Held`'s, padding and all: one copy, one checksum)."""
+        if self.closed or not self.segments:
+            self.seq += 1
+            self.segments.append(Segment(self.root / f"seg-{self.seq:08d}.log", self.seq, create=True))
+            self.closed = False
+        seg = self.segments[-1]
+        meta = msgpack.packb({"shard": shard, "step": step, "fields": fields, "tensors": [list(t) for t in tensors]})
+        h = xxhash.xxh3_64(meta)
+        size = 0
+        for b in payload:
+            h.update(b)
+            size += memoryview(b).nbytes
+        n = self._write(seg, [HEAD.pack(MAGIC, len(meta), size), meta, *payload, TAIL.pack(h.intdigest())])
+        at = seg.end + HEAD.size + len(meta)
+        out = {name: Stored(seg, at + off, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, off in tensors}
+        seg.end += n
+        seg.last = max(seg.last, step)
+        self.written += 1
+        return out
+
+    def _write(self, seg: Segment, bufs: list[Buffer]) -> int:
+        """A record at the segment's end; a full disk is made room on once (the record written again in place)."""
+        assert seg.fd is not None
+        for attempt in (1, 2):
+            try:
+                return _write_all(seg.fd, bufs, seg.end)
+            except OSError as exc:
+                if exc.errno not in FULL:
+                    raise
+                self.on_full(exc, attempt)  # attempt 2: stops the service
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def covered(self, step: int) -> int:
+        """A checkpoint of `step` is written: the open segment is closed (the next entry opens a new one) and every
+        segment whose entries are all at or before `step` is deleted; returns how many were."""
+        self.closed = True
+        gone = [s for s in self.segments if s.last <= step]
+        for s in gone:
+            s.delete()
+        self.segments = [s for s in self.segments if s.last > step]
+        return len(gone)
+
+    def recover(self) -> Recovered:
+        """Every record on disk, in order, each checked; a segment's first bad record and all after it are cut off
+        (counted in the result). The segments stay open for the replays; new entries go to a new segment."""
+        out = Recovered()
+        for seq, path in self._paths():
+            seg = Segment(path, seq, create=False)
+            self.segments.append(seg)
+            self.seq = max(self.seq, seq)
+            at = 0
+            while at < seg.end:
+                rec, n, bad = self._read(seg, at)
+                if rec is None:
+                    if bad == "torn":
+                        out.torn += 1
+                    else:
+                        out.corrupt += 1
+                    out.cut_bytes += seg.end - at
+                    assert seg.fd is not None
+                    os.ftruncate(seg.fd, at)
+                    seg.end = at
+                    break
+                out.records.append(rec)
+                seg.last = max(seg.last, rec.step)
+                at += n
+        self.closed = True
+        return out
+
+    @staticmethod
+    def _read(seg: Segment, at: int) -> tuple[Record | None, int, str]:
+        """The record at `at`: (record, its size, "") or (None, 0, "torn" | "corrupt")."""
+        left = seg.end - at
+        if left < HEAD.size + TAIL.size:
+            return None, 0, "torn"
+        magic, mlen, plen = HEAD.unpack(seg.pread(HEAD.size, at))
+        if magic != MAGIC:
+            return None, 0, "corrupt"
+        size = HEAD.size + mlen + plen + TAIL.size
+        if size > left:
+            return None, 0, "torn"
+        meta = seg.pread(mlen, at + HEAD.size)
+        h = xxhash.xxh3_64(meta)
+        p = at + HEAD.size + mlen
+        for off in range(0, plen, CHUNK):
+            h.update(seg.pread(min(CHUNK, plen - off), p + off))
+        (want,) = TAIL.unpack(seg.pread(TAIL.size, p + plen))
+        if h.intdigest() != want:
+            return None, 0, "corrupt"
+        try:
+            m = msgpack.unpackb(meta, strict_map_key=False)
+            tensors = {name: Stored(seg, p + off, dtype, tuple(shape), nbytes)
+                       for name, dtype, shape, nbytes, off in m["tensors"]}
+            if any(t.offset + t.nbytes > p + plen for t in tensors.values()):
+                return None, 0, "corrupt"
+            rec = Record(int(m["shard"]), int(m["step"]), m["fields"], tensors)
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+            return None, 0, "corrupt"
+        return rec, size, ""
+
+    def close(self) -> None:
+        for s in self.segments:
+            if s.fd is not None:
+                os.close(s.fd)
+                s.fd = None
+
+
+def opened(root: Path, spool: bool, read_back: bool,
+           on_full: Callable[[OSError, int], None]) -> tuple[LogFiles | None, int]:
+    """The run's segments and how many segments a previous process left were removed. `spool`
+    (`checkpoint.step_log_spool`) false: no LogFiles (the log is in memory and, past step_log_memory_mb, in spool
+    files), every segment removed. `read_back` false (a new `cmemi up` of the run directory, `--resume`: not a restart
+    within the run, whose servers restore the checkpoint and train on from it as before): every segment removed."""
+    files = LogFiles(root, on_full)
+    removed = 0 if spool and read_back else files.remove_all()
+    return (files if spool else None), removed
