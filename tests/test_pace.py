@@ -152,3 +152,25 @@ def test_leasing_parks_a_worker_at_its_share() -> None:
     assert leasing.lease(b"slow", slow, 0) is None and b"slow" in leasing.parked  # type: ignore[arg-type]
     assert leasing.lease(b"fast", fast, 0) is not None  # type: ignore[arg-type]
     assert leasing.leased_to("w0") == 1 and leasing.leased_to("w2") == 0
+
+
+def test_a_worker_given_every_replica_keeps_every_state() -> None:
+    """The worker's side (services/worker/compute/replicas.py): one given all 4 replicas (its share is 2, it keeps 3)
+    keeps each state it computed in the last two rounds, so none is sent again next step; older ones still go."""
+    from types import SimpleNamespace
+
+    from cmemi.services.worker.compute.replicas import Replicas
+    from cmemi.shared.config.loading import load_config
+
+    from tests.conftest import DIGITS
+
+    cfg = load_config(DIGITS, ["train.microbatches=4", "cluster.workers=2"])
+    replicas = Replicas(cfg, SimpleNamespace(window=2, ahead=False), None, print)  # type: ignore[arg-type]
+    assert replicas.hold_at_most == 3
+    for r in range(4):
+        replicas.keep(r, 7, None)
+    for r in range(4):  # step 7 computed replica by replica: the ones not yet computed are still wanted
+        replicas.keep(r, 8, None)
+        assert sorted(replicas.held) == [0, 1, 2, 3]
+    replicas.keep(0, 10, None)  # two rounds on, the oldest go down to 3 again
+    assert sorted(replicas.held) == [0, 2, 3]
