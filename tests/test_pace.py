@@ -174,3 +174,38 @@ def test_a_worker_given_every_replica_keeps_every_state() -> None:
         assert sorted(replicas.held) == [0, 1, 2, 3]
     replicas.keep(0, 10, None)  # two rounds on, the oldest go down to 3 again
     assert sorted(replicas.held) == [0, 2, 3]
+
+
+def test_a_worker_at_no_share_is_measured_again_now_and_then() -> None:
+    """A cut share is not for ever (a link recovers; a cut on a bad moment was wrong): after PROBE steps the worker
+    gets one replica back, its old timings dropped, and it is cut again only on new ones."""
+    c = fast_and_slow(4.0, Pace.MIN_STEPS + 1)
+    assert c.pace.cap == {"w2": 0}
+    for _ in range(Pace.PROBE):
+        c.run({"w0": [1.0, 2.0], "w1": [1.0]})
+    assert c.pace.cap == {} and "measured again" in c.events[-1][1]["why"], c.events
+    assert "w2" not in c.pace.finish
+    c.run({"w0": [1.0], "w1": [1.0], "w2": [1.2]}, turn={"w0": 1.0, "w1": 1.0, "w2": 1.2})  # fast again: kept
+    for _ in range(10):
+        c.run({"w0": [1.0], "w1": [1.0], "w2": [1.2]}, turn={"w0": 1.0, "w1": 1.0, "w2": 1.2})
+    assert c.pace.cap == {} and c.pace.moves == 1
+
+
+def test_one_slow_step_does_not_cut_a_share() -> None:
+    """A cut needs the average and the last step both slow: a worker stalled for one step (a pause on a loaded
+    machine) keeps its replica."""
+    c = Clock(Pace(3), ["w0", "w1", "w2"])
+    for i in range(30):
+        c.run({"w0": [1.0], "w1": [1.0], "w2": [8.0 if i % 5 == 4 else 1.0]}, turn={"w0": 1.0, "w1": 1.0, "w2": 1.0})
+    assert c.pace.cap == {} and c.pace.moves == 0
+
+
+def test_the_fair_share_counts_the_replicas_a_capped_worker_gave_up() -> None:
+    """Three fast workers share the four replicas of four when the fourth is at none: two each at most, so the fast one
+    holding two keeps both (`Holdings.elsewhere` protects a holder's replicas up to the fair share)."""
+    c = Clock(Pace(4), ["w0", "w1", "w2", "w3"])
+    assert c.pace.fair(4) == 1
+    c.pace.cap["w3"] = 0
+    assert c.pace.fair(4) == 2
+    c.pace.cap["w3"] = 1
+    assert c.pace.fair(4) == 1

@@ -1,5 +1,5 @@
 """A slow host costs its share (issue 48; services/aggregator/common/pace.py): a real `cmemi up` of streaming local
-steps, two workers, worker w1's compute ten times slower (tests/helpers/fixtures.py's `slow_host_mlp`). The leader
+steps, two workers, worker w1's compute thirty times slower (tests/helpers/fixtures.py's `slow_host_mlp`). The leader
 takes w1's replicas to w0, with their states (and a replay), and the result is still bitwise `cmemi reference`'s. The
 same run with `cluster.pace_replicas=false` is the contrast: w1 keeps its half of the replicas to the end (each replica
 stays with its holder), so only the policy moves them."""
@@ -16,7 +16,7 @@ from tests.test_local_steps import STREAM, reference
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 SLOW = (*STREAM, "cluster.workers=2", "model.factory=tests.helpers.fixtures:slow_host_mlp",
-        "model.kwargs={pace: 0.01, slow: w1, factor: 10.0}")
+        "model.kwargs={pace: 0.01, slow: w1, factor: 30.0}")
 
 
 def test_a_slow_workers_replicas_move_to_the_fast_one_and_the_result_is_the_reference(tmp_path: Path) -> None:

@@ -5,12 +5,17 @@ A step of local steps waits for its last replica. With one host slower than the 
 rate, half their compute), the replicas it holds land last and every other worker waits. The leader measures, per
 worker, when its last replica of a step lands after the step began (`finish`, an exponential average over steps) and
 what a replica that is not computed ahead costs it, lease to gradient (`turn`, likewise). At each new step it compares
-the worker that finishes last with the one that would finish one more replica soonest (its finish plus its turn, which
-includes the state sent down and, streaming, the replay a moved replica needs: a move is paid once, then the replica
-stays with its new holder). When the slow one finishes later than that by more than `MARGIN`, its share (`cap`) drops
+the worker that finishes last with the one that would finish one more replica soonest: after its own last one, or, if
+it is then busy all step and computes nothing ahead, after all of them computed in turn (its count + 1 times its turn;
+a turn includes the state sent down and, streaming, the replay a moved replica needs: a move is paid once, then the
+replica stays with its new holder). Measured on the emulated cluster, the optimistic estimate alone (finish + turn) moved
+a replica off a host whose link was a quarter of the others' and halved the step rate: the fast worker lost its compute
+ahead. When the slow one finishes later than that by more than `MARGIN` (on average and in each of its last two steps),
+its share (`cap`) drops
 by one: it is leased at most that many replicas a step, and the replicas it holds beyond it (its highest) are no longer
 kept for it (`movable`), so a faster worker takes one with its state. A share rises again by one when the worker's
-measured time per replica, one more of them, would still land `MARGIN` before the others' last. One change per
+measured time per replica, one more of them, would still land `MARGIN` before the others' last, and every `PROBE`
+steps anyway (conditions change: a link recovers; a cut that was wrong costs at most that long). One change per
 `COOLDOWN` steps (a change's own effect is measured before the next), so two equal workers on a loaded machine do not
 trade replicas back and forth.
 
@@ -35,6 +40,7 @@ class Pace:
     MARGIN = 1.25  # a move must shorten the step by a quarter, and a share comes back only with the same margin
     MIN_STEPS = 2  # steps a worker's finish is measured before a decision uses it
     COOLDOWN = 3  # steps between two changes of any share
+    PROBE = 30  # steps a cut share holds before the worker gets one replica back to be measured again
     PATIENCE = 2.0  # the caps are off once a step has run this many times its slowest expected finish
 
     def __init__(self, replicas: int, enabled: bool = True, emit: Callable[..., None] = lambda *_a, **_k: None) -> None:
@@ -45,6 +51,9 @@ class Pace:
         self.steps: dict[str, int] = {}  # worker -> steps its finish was measured over
         self.per: dict[str, float] = {}  # worker -> finish / replicas of its last measured step
         self.count: dict[str, int] = {}  # worker -> replicas it computed in its last measured step
+        self.latest: dict[str, tuple[float, float]] = {}  # worker -> its finish in the last two steps it computed in
+        self.fresh: frozenset[str] = frozenset()  # the workers whose replicas landed in the last step
+        self.cut_at: dict[str, int] = {}  # worker -> the step its share was last cut
         self.turn: dict[str, float] = {}  # worker -> lease to gradient of a replica not computed ahead
         self.cap: dict[str, int] = {}  # worker -> the most replicas it is leased a step (absent: no limit)
         self.moves = 0  # share changes that took a replica from a worker
@@ -78,7 +87,8 @@ class Pace:
         for wid, (n, t) in self.landed.items():
             self.finish[wid] = _ewma(self.finish.get(wid), t)
             self.steps[wid] = self.steps.get(wid, 0) + 1
-            self.per[wid], self.count[wid] = t / n, n
+            self.per[wid], self.count[wid], self.latest[wid] = t / n, n, (self.latest.get(wid, (t, t))[1], t)
+        self.fresh = frozenset(self.landed)
         self.step, self.started, self.landed = step, now, {}
         if self.enabled and self.R > 1:
             self.quiet = max(0, self.quiet - 1)
@@ -87,18 +97,30 @@ class Pace:
 
     # ------------------------------------------------------------------ deciding
     def _decide(self) -> None:
-        known = {w: f for w, f in self.finish.items() if w in self.workers and self.steps.get(w, 0) >= self.MIN_STEPS}
-        if len(known) < 2:
+        # a worker that computed nothing last step (its share is none) has no finish to compare: only fresh ones
+        known = {w: f for w, f in self.finish.items()
+                 if w in self.workers and w in self.fresh and self.steps.get(w, 0) >= self.MIN_STEPS}
+        if len(known) < 2 and not self.cap:
             return
-        last = max(sorted(known), key=lambda w: known[w])
-        others = {w: known[w] + self._turn(w) for w in known if w != last and self.cap.get(w, self.R) > 0}
-        if others:
+        last = max(sorted(known), key=lambda w: known[w], default=None)
+        # when another would land one more: after its own, or, busy all step, with none computed ahead
+        others = {w: max(known[w], self.count.get(w, 1) * self._turn(w)) + self._turn(w)
+                  for w in known if w != last and self.cap.get(w, self.R) > 0}
+        if last is not None and others:
             soonest = min(sorted(others), key=lambda w: others[w])
-            if known[last] > self.MARGIN * others[soonest] and self._holding(last) > 0:
+            # on average and in each of its last two steps: one pause on a loaded machine does not move a replica
+            beaten = min(known[last], *self.latest[last]) > self.MARGIN * others[soonest]
+            if beaten and self._holding(last) > 0:
                 self._set(last, self._holding(last) - 1, f"finishes {known[last]:.2f} s into a step; {soonest} "
                           f"would finish one more replica at {others[soonest]:.2f} s")
                 return
         for w in sorted(self.cap):  # a capped worker gets one back when one more would not hold the step up
+            if self.step - self.cut_at.get(w, self.step) >= self.PROBE:  # or, now and then, to be measured again
+                self.steps[w] = 0  # (a new cut needs new measurements)
+                self.finish.pop(w, None)
+                self.latest.pop(w, None)
+                self._set(w, self.cap[w] + 1, f"measured again after {self.PROBE} steps at a share of {self.cap[w]}")
+                return
             rest = max((known[o] for o in known if o != w), default=0.0)
             if w in self.per and (self.cap[w] + 1) * self.per[w] * self.MARGIN < rest:
                 self._set(w, self.cap[w] + 1, f"{self.cap[w] + 1} replicas would land at "
@@ -116,6 +138,8 @@ class Pace:
     def _set(self, wid: str, share: int, why: str) -> None:
         share, cut = max(0, share), share < self.cap.get(wid, self.R)
         self.moves += cut
+        if cut:
+            self.cut_at[wid] = self.step
         self.cap[wid] = share
         if not cut and share >= -(-self.R // max(1, len(self.workers))):  # back to its fair share: no limit
             del self.cap[wid]
@@ -139,6 +163,14 @@ class Pace:
         if not self._patient(now):  # the caps are off: each holder keeps its own again
             return set()
         return {r for w, rs in held.items() if w in self.cap for r in sorted(rs)[self.cap[w]:]}
+
+    def fair(self, live: int) -> int:
+        """A worker's fair share of the replicas (`Holdings.elsewhere`: one holding fewer may take another's extras
+        beyond it): the replicas left by the capped workers over the others, so the fast workers given a slow one's
+        replicas keep them, rather than a fast one that has sent its own this step taking them, with their states."""
+        capped = {w: c for w, c in self.cap.items() if w in self.workers}
+        rest = max(1, live - len(capped))
+        return -(-max(0, self.R - sum(capped.values())) // rest)
 
     def summary(self) -> dict[str, Any]:
         """For summary.json: replicas computed by each worker, the shares in force, how many were lowered."""
