@@ -51,6 +51,8 @@ on the leader (the placement before issue 48), the baseline to measure the sprea
 `--slow-host F` measures each system once more with the last worker host's link at F times the rate (the others
 unchanged; co-located shards: that host's shard too): `slow_host` holds that run, `slow_host_vs_all_fast` its
 samples/s over the all-fast run's and `slow_host_goal` (N - 1 + F) / N, issue 48's "a slow host costs its share".
+With `--pace-off-too`, local steps also run it with `cluster.pace_replicas: false` (`slow_host_pace_off`,
+`slow_host_pace_off_vs_all_fast`): the leader's slow-host policy on and off, in the same run.
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
 `--mlp IN,HIDDEN,DEPTH` changes the MLP.
@@ -308,12 +310,12 @@ class Cluster:
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
               curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
               rank: int = POWERSGD_RANK, fragments: int = 1, step_log: bool = True,
-              inner_states: str = "shards") -> dict[str, Any]:
+              inner_states: str = "shards", pace: bool = True) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
         (`fragments` F > 1, streaming: in segments of H / F inner steps); a step's figures are then a round's (a
-        segment's), and a round trains H times the samples (a segment H / F)."""
+        segment's), and a round trains H times the samples (a segment H / F). `pace`: cluster.pace_replicas."""
         from cmemi.shared.config.loading import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
@@ -334,6 +336,7 @@ class Cluster:
         cfg["cluster"]["pipeline_stages"] = stages
         cfg["security"] = {"keys_dir": str(self.keys), "curve": curve}
         cfg["checkpoint"]["step_log"] = step_log
+        cfg["cluster"]["pace_replicas"] = pace
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
         (run_dir / "config.yaml").write_text(dump_config(load_config(cfg_path, [])))
@@ -374,7 +377,10 @@ class Cluster:
         samples = BATCH * n * segment  # per step (a round: H inner steps of every replica; a segment H / F)
         moved = summary["bytes_sent"] + summary["bytes_received"]
         return {"steps": steps, "steps_measured": len(measured), "first_measured_step": first + 1,
-                **({"local_steps": local_steps, "replicas": n} if local_steps else {}),
+                **({"local_steps": local_steps, "replicas": n, "pace_replicas": pace,
+                    "inner_states_sent": summary.get("inner_states_sent"),
+                    "replicas_by_worker": summary.get("replicas_by_worker"),
+                    "replica_share_cuts": summary.get("replica_share_cuts")} if local_steps else {}),
                 **({"fragments": fragments, "segments_ahead": summary.get("segments_ahead"),
                     "changes_sent": summary.get("changes_sent")} if fragments > 1 else {}),
                 "step_time_median_s": C.rnd(median, 5), "samples_per_s": round(samples / median, 1),
@@ -535,7 +541,7 @@ def known_system(name: str) -> bool:
 
 
 def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
-               local_steps: int = LOCAL_STEPS, fragments: int = FRAGMENTS) -> dict[str, Any]:
+               local_steps: int = LOCAL_STEPS, fragments: int = FRAGMENTS, pace: bool = True) -> dict[str, Any]:
     step_log = not system.endswith(NOLOG)
     system = system.removesuffix(NOLOG)
     if system.startswith("ddp"):
@@ -544,13 +550,13 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     system = system.removesuffix(LEADER_STATES)
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps,
-                             inner_states=states)
+                             inner_states=states, pace=pace)
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
-                             downlink="int8", inner_states=states)
+                             downlink="int8", inner_states=states, pace=pace)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
-                             local_steps=local_steps, fragments=fragments, inner_states=states)
+                             local_steps=local_steps, fragments=fragments, inner_states=states, pace=pace)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     shape = compressed_system(system)
@@ -587,6 +593,8 @@ def main() -> None:
     p.add_argument("--bound-rate", default="10gbit", help="the links' rate of the --compute-bound runs (default 10gbit)")
     p.add_argument("--slow-host", type=float, default=None, help="also measure each system with the last worker "
                    "host's link at this fraction of the rate (e.g. 0.25): `slow_host`, `slow_host_vs_all_fast`")
+    p.add_argument("--pace-off-too", action="store_true", help="with --slow-host, local steps: also measure it with "
+                   "cluster.pace_replicas false (`slow_host_pace_off`: a replica stays with its holder), in the same run")
     p.add_argument("--patience", type=float, default=1.0, help="every CMEMI run's deadline times this (default 1; "
                    "more on a machine that others load)")
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
@@ -749,6 +757,13 @@ def main() -> None:
                     runs[system]["slow_host"] = {"host": hosts[n - 1].name, "rate": slow_rate, **slow}
                     runs[system]["slow_host_vs_all_fast"] = of_bound(slow, runs[system].get("samples_per_s"))
                     runs[system]["slow_host_goal"] = round((n - 1 + args.slow_host) / n, 3)
+                    if args.pace_off_too and system in LOCAL_SYSTEMS:
+                        C.log(f"N = {n}: {system} again, host {hosts[n - 1].name} at {slow_rate}, pace_replicas off")
+                        off = with_compute_bound(lab, [hosts[n - 1]], slow_rate, rates[n], args.burst, functools.partial(
+                            run_system, cluster, system, n, steps, warmup, args.stages, args.local_steps, args.fragments,
+                            False))
+                        runs[system]["slow_host_pace_off"] = {"host": hosts[n - 1].name, "rate": slow_rate, **off}
+                        runs[system]["slow_host_pace_off_vs_all_fast"] = of_bound(off, runs[system].get("samples_per_s"))
                 C.log(f"N = {n}: {system} -> {runs[system].get('step_time_median_s', runs[system].get('error'))}")
                 result["by_n"][str(n)] = {"link": link, **summarise(n, runs, pbytes, rate)}
         failed = [f"N={n} {k}" for n, x in result["by_n"].items() for k, r in x["runs"].items() if "error" in r]

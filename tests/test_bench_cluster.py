@@ -113,7 +113,7 @@ def test_whole_rounds_with_a_downlink_run_int8_both_ways() -> None:
     run_system(Recorder(), "cmemi_local", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
     (args, kwargs), (plain_args, plain) = calls
     assert args == (4, 10, 2, "int8") and kwargs == {"shards": 4, "local_steps": 200, "downlink": "int8",
-                                                     "inner_states": "shards"}
+                                                     "inner_states": "shards", "pace": True}
     assert plain_args == (4, 10, 2, "none") and plain.get("downlink", "none") == "none"
     assert "cmemi_local_int8_down" in LOCAL_SYSTEMS and known_system("cmemi_local_int8_down")
     assert not known_system("cmemi_local_int8_down_nolog")

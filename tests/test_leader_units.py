@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
+from cmemi.services.aggregator.common.pace import Pace
 from cmemi.services.aggregator.common.replicas import Holdings
 from cmemi.services.aggregator.leader.server import Aggregator
 from cmemi.shared.compression.registry import make_codec
@@ -216,7 +217,7 @@ def test_a_streaming_replica_held_by_another_live_worker_is_not_leased_to_this_o
     parts = SimpleNamespace(holdings=Holdings(4), trainer=SimpleNamespace(fragments=3), live_workers=2,
                             cfg=SimpleNamespace(train=SimpleNamespace(microbatches=4)),
                             admission=SimpleNamespace(admitted=lambda identity: True),
-                            leasing=SimpleNamespace(timeout=60.0))
+                            leasing=SimpleNamespace(timeout=60.0, pace=Pace(4)))  # (no share cut)
     parts.holdings.note(b"a", [[0, 0], [1, 0]], lambda identity: True)
     parts.holdings.note(b"b", [[2, 0], [3, 0]], lambda identity: True)
     prefer, avoid = Handout(parts).placement(b"a", 0)  # type: ignore[arg-type]

@@ -33,6 +33,11 @@ class ClusterConfig:
     """A process whose heartbeat is older than this many seconds is declared dead, fenced and replaced."""
     lease_timeout: float = 30.0
     """A lease not returned within this many seconds per microbatch it holds goes back to the queue, as single microbatches."""
+    pace_replicas: bool = True
+    """Local steps (train.local_steps): the leader measures when each worker's replicas land in a step and, when one
+    worker holds the step up and another would finish one more replica sooner, leases the slow one fewer replicas (as
+    few as none), so a faster one takes one with its state (docs/design/local-steps.md, "Slow host"). Only who
+    computes a replica changes, never the result. false: a replica stays with its holder whatever its pace."""
     spare_workers: int = 1
     """Warm spare worker processes `cmemi up` keeps ready (torch imported, data loaded) to replace a dead worker fast; started once the first step is done (until then they would compete with it for the CPU)."""
     max_restarts: int = 10

@@ -69,6 +69,27 @@ def paced_mlp(pace: float = 0.02, **kwargs):
     return model
 
 
+def slow_host_mlp(pace: float = 0.02, slow: str = "w1", factor: float = 10.0, **kwargs):
+    """`paced_mlp` (the same parameters, the same bits) whose forward passes take `factor` times as long in worker
+    `slow` (its `--worker-id`, read at the first pass: the zygote builds the model before it knows): one host with a
+    tenth of the others' compute, for the slow-host policy (tests/test_pace_cluster.py)."""
+    import time
+
+    model = paced_mlp(0.0, **kwargs)
+    inner, delay = model.forward, []
+
+    def forward(x):
+        if not delay:
+            argv = sys.argv
+            mine = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv[:-1] else None
+            delay.append(pace * factor if mine == slow else pace)
+        time.sleep(delay[0])
+        return inner(x)
+
+    model.forward = forward
+    return model
+
+
 def poisoned_digits(index: int = 0, value: float = 1e6) -> TensorDataset:
     """The digits training set with one sample blown up: under fp16 autocast its microbatch overflows."""
     x, y = make_dataset().tensors

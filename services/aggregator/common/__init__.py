@@ -8,6 +8,8 @@
 - `trainer/`: the aggregator's model, optimizer and LR scheduler: one step of each per global step (`Trainer`).
 - `userstep.py`: the user's optimizer and scheduler step; if it raises, one fatal error that names the step.
 - `replicas.py`: the replicas' inner optimizer states (`train.local_steps`, DiLoCo), kept between rounds.
+- `pace.py`: local steps: how many replicas a step each worker may hold, from how late its replicas land (a slow
+  host costs its share, not everyone's time).
 - `publish.py`: the parameters sent out: one copy and one wire encoding per parameter version.
 - `outbox.py`: what a parameter server sends through its ROUTER: one logical message, in parts when bigger.
 - `evaluation.py`: periodic evaluation in the background, on a copy of the weights, so the step loop does not stall.

@@ -39,6 +39,7 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
         "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends,
         **({"inner_states_sent": totals.inner_states_sent} if cfg.train.local_steps else {}),
         **({"segments_ahead": totals.segments_ahead} if cfg.train.fragments > 1 else {}), "final_lr": trainer.lr,
+        **(parts.leasing.pace.summary() if cfg.train.local_steps else {}),  # who computed the replicas (pace.py)
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,
         "precision": cfg.precision, "skipped_steps": trainer.skipped,
         "stopped_early": stepper.stopped_early, "eval_history": evals.history,

@@ -110,6 +110,8 @@ class GradIntake:
         if keep and p.trainer.inner is not None:
             p.trainer.inner.keep(h["lo"], inner)
         p.reporter.codec_s += seconds + float(h["encode_s"])
+        if p.trainer.inner is not None:  # local steps: when this worker's replicas land (pace.py)
+            p.leasing.pace.accepted(info.wid, bool(h["ahead"]), time.monotonic())
         if h["ahead"]:  # streaming: computed before its lease, so its time says nothing of compute's
             p.totals.segments_ahead += 1
         else:

@@ -37,7 +37,7 @@ class Handout:
         prefer = holdings.prefer(identity, step) if holdings is not None else set()
         avoid: set[int] = set()
         if holdings is not None and p.trainer.fragments:
-            fair = -(-p.cfg.train.microbatches // max(1, p.live_workers))
+            fair = p.leasing.pace.fair(p.live_workers)  # ⌈R / workers⌉, over those a slow host's share left
             avoid = holdings.elsewhere(identity, step, p.admission.admitted, fair, p.leasing.timeout)
         return prefer, avoid
 

@@ -18,11 +18,12 @@ one parameter set per lease, never a queue of copies.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from cmemi.services.aggregator.common.admission import LeaseSeal, WorkerInfo
 from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.services.aggregator.common.pace import Pace
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import reduction
 
@@ -63,7 +64,9 @@ class ReissuePolicy:
 
 class Leasing:
     def __init__(self, cfg: Config, per_microbatch: bool, always_strict: bool, seal: LeaseSeal, term: int,
-                 live_workers: Callable[[], int], reclaim: Callable[[], None] = lambda: None) -> None:
+                 live_workers: Callable[[], int], reclaim: Callable[[], None] = lambda: None,
+                 live_ids: Callable[[], Iterable[str]] = tuple, emit: Callable[..., None] = lambda *_a, **_k: None,
+                 ) -> None:
         self.cfg, self.M, self.seal, self.term = cfg, cfg.train.microbatches, seal, term
         # A stateless lossy codec (fp16/bf16/int8) rounds each microbatch's gradient, as the reference does, so it
         # leases microbatch by microbatch; the lossless and the error-feedback codecs encode a block's sum.
@@ -78,6 +81,9 @@ class Leasing:
         # worker goes back when it is fenced, or after its timeout
         self.reissue = ReissuePolicy(enabled=cfg.train.fragments <= 1)
         self.reclaim = reclaim  # a step's gradient buffers are free again (Intake.reclaim)
+        # local steps: how many replicas a step each worker may hold, from how late its replicas land (pace.py)
+        self.live_ids = live_ids
+        self.pace = Pace(cfg.train.microbatches, cfg.train.local_steps > 0 and cfg.cluster.pace_replicas, emit)
         self.collector = self.new_step(0)
 
     def new_step(self, step: int, strict: bool = False) -> StepCollector:
@@ -87,6 +93,7 @@ class Leasing:
         block = 1 if self.per_microbatch else reduction.block_size(self.M, max(self.cfg.cluster.workers,
                                                                                   self.live_workers()))
         self.collector = StepCollector(step, self.M, block=block, strict=strict or self.always_strict)
+        self.pace.new_step(step, time.monotonic(), self.live_ids())
         return self.collector
 
     @property
@@ -105,12 +112,20 @@ class Leasing:
         is parked until there is one."""
         now = time.monotonic()
         self.reissue.leased(info, now)
+        if not self.pace.allows(info.wid, self.leased_to(info.wid), now):  # its share of this step is leased
+            self.parked[identity] = (info, held_version)
+            return None
+        self.pace.leased(info.wid, now)
         node = self.collector.lease(info.wid, info.inc, now, self.timeout, self.reissue.after, prefer, avoid)
         if node is None:
             self.parked[identity] = (info, held_version)
             return None
         self.parked.pop(identity, None)
         return node[0], node[1], self.seal.seal(self.term, self.collector.step, node[0], node[1], info.wid, info.inc)
+
+    def leased_to(self, wid: str) -> int:
+        """Nodes of this step leased to any incarnation of `wid` so far."""
+        return sum(any(h[0] == wid for h in holders) for holders in self.collector.granted.values())
 
     def waiting(self) -> list[tuple[bytes, WorkerInfo, int]]:
         """The parked workers, oldest first: (identity, worker, parameter version it holds)."""

@@ -189,7 +189,8 @@ def build(ctx: ServiceContext) -> LeaderParts:
     p.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
     # (local steps: a lease is one replica's round)
     p.leasing = Leasing(cfg, p.codec.per_microbatch or trainer.local, trainer.sharded, seal, term,
-                        lambda: p.live_workers, intake.reclaim)
+                        lambda: p.live_workers, intake.reclaim, lambda: [w.wid for w in p.admission.workers.values()],
+                        ctx.emit)
     p.leasing.new_step(trainer.step)
     return p
 

@@ -139,6 +139,8 @@ class Aggregator:
             return
         p.reporter.started(time.monotonic())
         prefer, avoid = self.handout.placement(identity, p.leasing.collector.step)
+        if avoid and p.leasing.pace.cap:  # local steps: a slow worker's replicas beyond its share go to others
+            avoid -= p.leasing.pace.movable(self._held(p.leasing.collector.step), time.monotonic())
         if (node := p.leasing.lease(identity, info, held_version, prefer, avoid)) is not None:
             # streaming: nothing else this step for this worker (every leaf left is held elsewhere), so it may compute
             # its next segments as soon as it has sent this one, not only once its gradient is here (`parked`)
@@ -147,6 +149,13 @@ class Aggregator:
             self.handout.work(identity, node, held_version, last)
         elif after_grad and p.trainer.fragments:  # streaming: the worker may compute its next segments meanwhile
             p.outbox.send(identity, "parked", step=p.leasing.collector.step)
+
+    def _held(self, step: int) -> dict[str, list[int]]:
+        """Local steps: the replicas each admitted worker holds for `step` (Holdings), by worker id."""
+        p = self.p
+        if p.holdings is None:
+            return {}
+        return {w.wid: sorted(p.holdings.prefer(i, step)) for i, w in p.admission.workers.items()}
 
     def _serve_parked(self) -> None:
         for identity, info, held_version in self.p.leasing.waiting():

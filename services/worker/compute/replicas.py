@@ -56,8 +56,14 @@ class Replicas:
 
     def keep(self, r: int, rnd: int, inner: InnerState | None) -> None:
         self.held[r] = (rnd, inner)
-        while len(self.held) > self.hold_at_most:  # the oldest round goes, never the one just kept
-            del self.held[min((x for x in self.held if x != r), key=lambda x: self.held[x][0])]
+        # the oldest round goes, never the one just kept, nor one of the last two rounds: a worker the leader gave more
+        # than its share (a slow host's replicas: services/aggregator/common/pace.py) needs each of them next step
+        newest = max(t for t, _ in self.held.values())
+        while len(self.held) > self.hold_at_most:
+            old = [x for x in self.held if x != r and self.held[x][0] < newest - 1]
+            if not old:
+                return
+            del self.held[min(old, key=lambda x: self.held[x][0])]
 
     def state_for(self, r: int, step: int) -> Held | None:
         """Replica r's state for its round at `step` (streaming: one from the last snapshot period will do, the
