@@ -32,7 +32,7 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 - `cmemi_kn_powersgd2_r8`, `cmemi_k1_powersgd2_r8`, `cmemi_kn_dedicated_powersgd2_r8`: `powersgd` both ways at
   `compression.powersgd_rank: 8` (the rank that keeps an AdamW transformer's loss within 2 % of dense both ways,
   bench/compression.py); DDP's hook stays at rank 2.
-- `<system>_nolog` (any synchronous CMEMI system above, e.g. `cmemi_k1_nolog`, `cmemi_kn_powersgd2_r8_nolog`): the
+- `<system>_nolog` (any CMEMI system above but the pipelined one, local steps included, e.g. `cmemi_k1_nolog`, `cmemi_kn_powersgd2_r8_nolog`): the
   same with `checkpoint.step_log: false`; `ratios.<system>_steplog_overhead` = the step time with the step log (the
   default) over without it, in the same run (issue 47: what keeping the servers' state recoverable costs per step).
 
@@ -536,8 +536,7 @@ NOLOG = "_nolog"  # a synchronous CMEMI system's name + this: the same with chec
 
 def known_system(name: str) -> bool:
     base = name.removesuffix(NOLOG)
-    return base in SYSTEMS and (name == base or (base.startswith("cmemi") and base not in LOCAL_SYSTEMS
-                                                 and base != "cmemi_kn_pipelined"))
+    return base in SYSTEMS and (name == base or (base.startswith("cmemi") and base != "cmemi_kn_pipelined"))
 
 
 def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, stages: int,
@@ -550,13 +549,14 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     system = system.removesuffix(LEADER_STATES)
     if system == "cmemi_local":  # K = N co-located shards, as cmemi_kn; a round is H steps' worth of samples
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "none", shards=n, local_steps=local_steps,
-                             inner_states=states, pace=pace)
+                             inner_states=states, pace=pace, step_log=step_log)
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
-                             downlink="int8", inner_states=states, pace=pace)
+                             downlink="int8", inner_states=states, pace=pace, step_log=step_log)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
-                             local_steps=local_steps, fragments=fragments, inner_states=states, pace=pace)
+                             local_steps=local_steps, fragments=fragments, inner_states=states, pace=pace,
+                             step_log=step_log)
     if system == "cmemi_kn_pipelined":
         return cluster.cmemi(n, steps, warmup, "none", shards=n + 1, dedicated=True, stages=stages)
     shape = compressed_system(system)
@@ -600,7 +600,7 @@ def main() -> None:
     p.add_argument("--tcp-cc", default="cubic", help="every host's TCP congestion control (default cubic, Linux's "
                    "default; BBRv1, this machine's, ignores losses, and many flows into one 100 ms queue then lose "
                    "40 %% of their packets)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}; a synchronous CMEMI "
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}; a CMEMI "
                    f"one + {NOLOG}: the same with checkpoint.step_log false")
     p.add_argument("--backward-ms", type=float, default=0.0,
                    help="emulated compute per backward pass too, between the layers (default 0: forward only)")

@@ -101,7 +101,8 @@ def test_local_step_bounds_follow_where_the_states_go() -> None:
 
 def test_whole_rounds_with_a_downlink_run_int8_both_ways() -> None:
     """cmemi_local_int8_down is cmemi_local (K = N, N replicas, rounds a quarter of --steps) with int8 changes up and
-    compression.downlink int8; it is a local-steps system (compute bounds recorded), with no _nolog variant."""
+    compression.downlink int8; it is a local-steps system (compute bounds recorded); its _nolog variant turns the step
+    log off (the log's cost with local steps: each step's entries carry the replicas' states to the checkpointer)."""
     calls = []
 
     class Recorder:
@@ -111,9 +112,11 @@ def test_whole_rounds_with_a_downlink_run_int8_both_ways() -> None:
 
     run_system(Recorder(), "cmemi_local_int8_down", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
     run_system(Recorder(), "cmemi_local", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
-    (args, kwargs), (plain_args, plain) = calls
+    run_system(Recorder(), "cmemi_local_stream_nolog", 4, 40, 4, 0, local_steps=200)  # type: ignore[arg-type]
+    (args, kwargs), (plain_args, plain), (_, nolog) = calls
     assert args == (4, 10, 2, "int8") and kwargs == {"shards": 4, "local_steps": 200, "downlink": "int8",
-                                                     "inner_states": "shards", "pace": True}
+                                                     "inner_states": "shards", "pace": True, "step_log": True}
+    assert nolog["step_log"] is False and nolog["fragments"] == 4
     assert plain_args == (4, 10, 2, "none") and plain.get("downlink", "none") == "none"
     assert "cmemi_local_int8_down" in LOCAL_SYSTEMS and known_system("cmemi_local_int8_down")
-    assert not known_system("cmemi_local_int8_down_nolog")
+    assert known_system("cmemi_local_int8_down_nolog") and not known_system("cmemi_kn_pipelined_nolog")
