@@ -1,0 +1,51 @@
+"""Issue 48's home-links table: local steps on the emulated cluster at home link rates (20-50 Mbit/s), every
+`bench/results/cluster_home*.json` (bench/cluster.py with `--rate`), each system's samples/s against the compute
+bound: N hosts x one host's compute-only rate (the emulated one: 20 ms per 64-sample microbatch; and, with
+`--compute-bound`, the same system measured in the same run with its links at 10 Gbit/s). Issue 48's goal is 90 %."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scripts.tables.provenance import RESULTS, load_path, measured
+
+SYSTEMS = {
+    "cmemi_local": "whole rounds, states spread",
+    "cmemi_local_leaderstates": "whole rounds, states on the leader",
+    "cmemi_local_int8_down": "whole rounds, int8 up + int8 θ down",
+    "cmemi_local_stream": "streaming F = 4, states spread",
+    "cmemi_local_stream_leaderstates": "streaming F = 4, states on the leader",
+}
+
+
+def system_name(name: str) -> str:
+    base, nolog = (name[: -len("_nolog")], True) if name.endswith("_nolog") else (name, False)
+    return SYSTEMS.get(base, f"`{base}`") + (", step log off" if nolog else "")
+
+
+def share(x: Any) -> str:
+    return "—" if x is None else f"{x:.0%}"
+
+
+def home() -> str:
+    files = sorted(RESULTS.glob("cluster_home*.json"))
+    lines = ["| results file | N | link | system | samples/s | s per step (round / segment) | of the emulated compute "
+             "bound | of the measured compute bound | bytes/sample | packets dropped at the server host's downlink |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for path in files:
+        d = load_path(path)
+        for n, x in d["by_n"].items():
+            for name, r in x["runs"].items():
+                if "samples_per_s" not in r:
+                    continue
+                emulated = r.get("of_emulated_compute_bound")
+                if emulated is None:  # a run without --compute-bound: the same bound from the workload
+                    w = d["workload"]
+                    per_host = 1000 * w["batch_per_worker"] / w["emulated_compute_ms_per_forward"]
+                    emulated = r["samples_per_s"] / (int(n) * per_host)
+                drops = r.get("link_drops", {}).get("by_host", {}).get("srv", {}).get("down")
+                lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name)} | "
+                             f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
+                             f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
+                             f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
+    return "\n".join([*lines, "", measured(paths=tuple(files))])
