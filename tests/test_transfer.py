@@ -225,3 +225,34 @@ def test_the_default_cap_stops_scaling_with_the_model_but_the_logical_bound_does
     # the replica's parameters), so 8 replicas of a 1 GiB model bound a message at 4 + 8 x 3 GiB
     local = load_config(DIGITS, ["train.local_steps=5", "train.replicas=8"])
     assert limits.logical_bytes(local) == (4 + 8 * 3) * (1 << 30) + limits.MARGIN
+
+
+def test_a_bad_reply_on_a_dealer_is_logged_and_dropped_and_the_next_one_read() -> None:
+    """`Assembler.reply` (the step log's and the snapshot sender's reply loops): a reply that does not decode is one
+    warning naming its source and None, never an exception out of the reader's loop; a good one comes back whole."""
+    warnings: list[tuple[str, dict]] = []
+
+    class Log:
+        def warning(self, event: str, **kw: object) -> None:
+            warnings.append((event, kw))
+
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send(b"hello")
+        assert router.poll(10_000)
+        ident, _ = router.recv_multipart()
+        router.send_multipart([ident, b"\x00not msgpack"])
+        good = transfer.messages("snapshot", RUN, FIELDS, 1 << 30, {"a": torch.arange(4.0)})
+        assert len(good) == 1
+        router.send_multipart([ident, *good[0]])
+        asm, got = assembly.Assembler(RUN, bound=1 << 30), []
+        for _ in range(2):
+            assert dealer.poll(10_000)
+            got.append(asm.reply(dealer, Log(), "checkpointer"))
+        assert got[0] is None and [e for e, _ in warnings] == ["bad reply from checkpointer"]
+        assert got[1] is not None and torch.equal(got[1].tensors["a"], torch.arange(4.0))
+    finally:
+        ctx.destroy(linger=0)

@@ -71,6 +71,15 @@ class Assembler:
             raise ProtocolError("unexpected_part", "a part from a peer not admitted")
         return self.feed(peer, header, FrameList(frames[1:]), into)
 
+    def reply(self, sock: zmq.Socket[bytes], log: Any, source: str) -> Message | None:
+        """One message waiting on a DEALER (no identity frame): the message, or None while a transfer is incomplete
+        or when it is bad (logged with `source` and dropped: a bad reply never ends the reader's loop)."""
+        try:
+            return self.decode(b"", sock.recv_multipart(copy=False))
+        except ProtocolError as exc:
+            log.warning(f"bad reply from {source}", error=str(exc))
+            return None
+
     def recv(self, sock: zmq.Socket[bytes], into: Into = None, peer: bytes = b"",
              first: zmq.Frame | None = None, cap: int | None = None) -> Message | None:
         """Like `protocol.recv` (DEALER, PULL), parts included; None while a transfer is incomplete. `first`: the

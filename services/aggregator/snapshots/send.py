@@ -103,12 +103,8 @@ class CheckpointerLink:
     def _replies(self, timeout_ms: int) -> list[protocol.Message]:
         out = []
         while self.sock is not None and self.sock.poll(timeout_ms):
-            try:
-                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
-                if msg is not None:
-                    out.append(msg)
-            except protocol.ProtocolError as exc:
-                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
+            if (msg := self.parts.reply(self.sock, self.ctx.log, "checkpointer")) is not None:
+                out.append(msg)
             timeout_ms = 0
         return out
 

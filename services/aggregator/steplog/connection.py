@@ -127,12 +127,8 @@ class LogConnection:
                 if events & zmq.POLLOUT and handed:
                     continue
                 break
-            try:
-                msg = self.parts.decode(b"", self.sock.recv_multipart(copy=False))
-                if msg is not None:
-                    out.append(msg)
-            except protocol.ProtocolError as exc:
-                self.ctx.log.warning("bad reply from checkpointer", error=str(exc))
+            if (msg := self.parts.reply(self.sock, self.ctx.log, "checkpointer")) is not None:
+                out.append(msg)
             deadline = 0.0
         return out
 
