@@ -174,10 +174,10 @@ class HostsRun:
             self.lab.stop(proc)
         return codes
 
-    def reference(self) -> str:
+    def reference(self, timeout: float = 300) -> str:
         """params_sha256 of `cmemi reference` for this config (a fault-free run, in the root namespace)."""
         r = subprocess.run([sys.executable, "-m", "cmemi", "reference", str(self.cfg_path)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=timeout)
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout
 
