@@ -55,6 +55,7 @@ class ShardStepLog:
         self.next_check = 0.0
         self.shipped = -1  # the newest step shipped
         self.boundary: tuple[int, dict[str, torch.Tensor]] | None = None  # see _boundary
+        self.restored: int | None = None  # the step its slice was restored at (see replay)
 
     def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals, upto: int | None = None) -> int:
         """After restoring the leader's checkpoint: this shard's entries, each with its leader's decision, as far as
@@ -62,11 +63,16 @@ class ShardStepLog:
         it: `shard_behind`). Every step the log holds a decision of was applied by the leader of this term: it
         replayed its log and cut what it had not applied before it advertised the term this shard joins
         (checkpointer/steplog_replies.py). Only when the leader has moved past this shard's checkpoint (at its
-        term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all."""
+        term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all.
+        The first call comes right after the restore: the step restored then is the checkpoint each replay of this
+        process names in `step_log_replayed` (`shard_behind`'s goes on from the first one's end, and named that end
+        as its checkpoint: the once-seen failure of `checkpoint == 0` in tests/test_steplog_sharded.py)."""
+        if self.restored is None:
+            self.restored = trainer.step
         if upto is None and not moved_on(ctx, trainer.step):
             return trainer.step
         replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=upto,
-               each=lambda step: self._boundary(ctx.cfg, trainer, step))
+               each=lambda step: self._boundary(ctx.cfg, trainer, step), checkpoint=self.restored)
         return trainer.step
 
     def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
