@@ -33,6 +33,7 @@ from cmemi.services.aggregator.steplog.connection import resend_after
 from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.services.aggregator.steplog.replicas import states_of
+from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
 
@@ -43,6 +44,18 @@ def in_use(cfg: Config, trainer: Trainer) -> bool:
     pipelined shards (stages are stepped before the commit, from no single entry). The same answer on every shard,
     so a cluster has the log on all or none."""
     return cfg.checkpoint.step_log and not (trainer.sharded and cfg.cluster.pipeline_stages)
+
+
+def replays_in_term(cfg: Config, trainer: Trainer, codec: GradientCodec) -> bool:
+    """Can a restarted shard's replay alone give it back its dead incarnation's place within the term (the leader's
+    `Restarts`), or must the cluster go to a new term? Its replay brings back what its log holds: its slice, with
+    the log `in_use`. What a new term also resets, and a restart within the term does not, lives outside the shard:
+    the replicas' states of local steps (`trainer.local`: the worker-side rules that keep them exact were built and
+    tested for a new term; in the term the suite saw a local-steps shard not replay) and a stateful codec's residuals
+    (`codec.stateful`, error feedback: the rewound residual of services/worker/residual.py, likewise; in the term
+    the suite saw a topk run off `cmemi reference`). Those go to a new term, whose leader and shards replay the log
+    (still no step redone)."""
+    return in_use(cfg, trainer) and not trainer.local and not codec.stateful
 
 
 class ShardStepLog:
