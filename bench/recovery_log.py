@@ -54,7 +54,9 @@ def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log
     counts = Counter(m["step"] for m in metrics)
     for r in rows:
         last_before = max((m["step"] for m in metrics if m["t"] < r["t"]), default=0)
-        new = [m for m in metrics if m["t"] > r["t"] and m["step"] > last_before]
+        # (a replayed line is not a new step: the restarted leader writes the line of a step its dead incarnation
+        # committed without logging it; that came before any step trained after the kill, ~1 s early at K = 2)
+        new = [m for m in metrics if m["t"] > r["t"] and m["step"] > last_before and not m.get("replayed")]
         r["last_step_before_kill"] = last_before
         r["kill_to_next_new_step_s"] = new[0]["t"] - r["t"] if new else None
     killed_at = [r["t"] for r in rows]

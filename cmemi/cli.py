@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from cmemi.commands.configs import bundled_examples, config_path
-from cmemi.launcher.launch import SERVICES, run_service, user_code_importable
+from cmemi.launcher.launch import SERVICES, exit_code, exit_now, run_service, user_code_importable
 from cmemi.shared.runtime.exits import Exit
 
 if TYPE_CHECKING:
@@ -243,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     if cmd in SERVICES:
         if from_command_line:
             _with_huge_pages(argv)
-            _exit_now(_exit_code(lambda: run_service(cmd, rest)))
+            exit_now(exit_code(lambda: run_service(cmd, rest)))
         run_service(cmd, rest)
         return
     if cmd == "zygote":  # started by `cmemi up` only (cmemi/launcher/zygote.py)
@@ -256,31 +254,5 @@ def main(argv: list[str] | None = None) -> None:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)
         sys.exit(Exit.FATAL)
     if cmd == "up" and from_command_line:
-        _exit_now(_exit_code(lambda: COMMANDS[cmd](rest)))
+        exit_now(exit_code(lambda: COMMANDS[cmd](rest)))
     sys.exit(COMMANDS[cmd](rest))
-
-
-def _exit_code(fn: Callable[[], int | None]) -> int:
-    """Run `fn` as `sys.exit(fn())` would, and return the exit code instead of exiting (a message given to
-    SystemExit is printed, code 1). An exception other than SystemExit propagates (its traceback as usual)."""
-    try:
-        code: str | int | None = fn()
-    except SystemExit as exc:
-        code = exc.code
-    if isinstance(code, str):
-        print(code, file=sys.stderr)
-        return 1
-    return int(code or 0)
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Leave without tearing the interpreter down: with torch imported that takes 0.5-0.8 s, which every process
-    of a finished run paid one after another before `cmemi up` returned. Only where all is closed by now: a
-    service's and `cmemi up`'s own shutdown has run; the streams are flushed here."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)

@@ -125,3 +125,25 @@ def test_the_worker_reads_where_each_shard_is_now(redis_server) -> None:
         assert moved == (1, "tcp://new")
     finally:
         addrs.stop()
+
+
+@pytest.mark.parametrize("sets,in_term", [
+    ((), True),  # the log on, no state outside the shard: its replay alone makes it its dead incarnation
+    (("checkpoint.step_log=false",), False),  # nothing to replay: a new term from the checkpoint, as before the log
+    (("cluster.pipeline_stages=2",), False),  # pipelined shards keep no log
+    (("compression.codec=topk",), False),  # the workers' residuals: rewound at a new term only
+    (("train.local_steps=5", "train.replicas=2"), False),  # the replicas' states: likewise
+])
+def test_a_restarted_shard_is_taken_in_the_term_only_where_its_replay_alone_brings_back_what_it_held(
+        tmp_path, sets: tuple[str, ...], in_term: bool) -> None:
+    """services/aggregator/steplog/shard.py `replays_in_term`, read off what holds the state (the trainer's log and
+    local steps, the codec's residuals), as the leader passes it to its roster (`replays`)."""
+    from cmemi.services.aggregator.common.trainer import Trainer
+    from cmemi.services.aggregator.steplog.shard import replays_in_term
+    from cmemi.shared.compression.registry import make_codec
+    from cmemi.shared.config.loading import load_config
+
+    from tests.conftest import DIGITS
+
+    cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "cluster.shards=2", *sets])
+    assert replays_in_term(cfg, Trainer(cfg), make_codec(cfg.compression)) is in_term

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from cmemi.services.coordinator.run_state import RunState
 from cmemi.services.coordinator.slots import Slots
 from cmemi.services.coordinator.supervisor import Child, load_children, save_children
@@ -82,15 +83,18 @@ def test_a_spare_that_took_a_slot_restarts_as_that_worker(redis_server, tmp_path
             c.kill()
 
 
-def test_a_leader_that_trained_since_its_restart_is_restarted_without_backoff(redis_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ident", ["0", "1"])
+def test_a_leader_that_trained_since_its_restart_is_restarted_without_backoff(redis_server, tmp_path: Path,
+                                                                             ident: str) -> None:
     """A crash loop's backoff is for a process that dies before doing its job; a leader killed again after it moved
-    the run's progress on (a second fault within a minute) is restarted at once. One that did not is backed off."""
+    the run's progress on (a second fault within a minute) is restarted at once. One that did not is backed off.
+    A shard k > 0 (ident 1) likewise: no step commits without it (issue 47's repeated shard kills)."""
     cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "run.name=slots"])
     keys = Keys("slots")
     ctx = SimpleNamespace(cfg=cfg, redis=connect(redis_server.url), keys=keys, run_dir=tmp_path,
                           log=SimpleNamespace(error=print, warning=print, info=print), emit=lambda kind, **f: None)
     slots = Slots(ctx, "unused.yaml", RunState(ctx))
-    leader = Child("aggregator", "0", sleeper("--leader"))
+    leader = Child("aggregator", ident, sleeper("--leader", ident))
     slots.children[leader.name] = leader
     ctx.redis.hset(keys.progress, "step", 10)
     try:

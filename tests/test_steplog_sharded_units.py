@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.steplog import StepLog
@@ -117,6 +118,7 @@ def shard_log(link: FakeLink) -> Any:
     log = ShardStepLog.__new__(ShardStepLog)  # (its link is the fake: no context, no socket)
     log.link, log.kept, log.again_at, log.next_check, log.shipped = link, {}, None, 0.0, -1
     log.resend_s, log.sent_at = 2.0, 0.0  # (resend_after's, at cluster.dead_after 2 s)
+    log.boundary, log.restored = None, None
     return log
 
 
@@ -176,3 +178,60 @@ def test_a_shard_sends_what_it_keeps_again_when_no_ack_came_within_resend_s_of_t
     link.answer("logged", 4)
     log.poll()
     assert log.kept == {}
+
+
+class HeldLog:
+    """The checkpointer's side of a replay (steplog/reading.py `LogEntries`): the merged entries it holds, in order,
+    and nothing past its end: `end` moves when the leader's entry of its last step arrives."""
+
+    def __init__(self, entries: list[SimpleNamespace]) -> None:
+        self.all, self.end = entries, 0
+
+    def __call__(self, _link: Any) -> HeldLog:
+        return self
+
+    def entries(self, after: int) -> Any:
+        yield from (e for e in self.all if after < e.header["step"] <= self.end)
+
+
+def test_a_shard_told_it_is_behind_replays_on_from_where_it_ended_and_names_the_checkpoint_it_restored(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Issue 47's flake (tests/test_steplog_sharded.py, seed 376012946, `checkpoint == 0`): a shard restarted within
+    the term replays to the log's end, one step short of the leader (its entry of that step still on its way), is
+    told `shard_behind` and replays on. That second replay goes on from the first one's end (nothing applied twice:
+    bitwise a straight run's five steps) and names the checkpoint the process restored, 0, not where it started.
+    The one-line change that fails this: ShardStepLog.replay not passing `checkpoint=self.restored`."""
+    from cmemi.services.aggregator.common.totals import RunTotals
+    from cmemi.services.aggregator.common.trainer import Trainer
+    from cmemi.services.aggregator.steplog import replay as replay_module
+    from cmemi.services.aggregator.steplog.link import inputs_of, tensors_of
+    from cmemi.shared.config.loading import load_config
+
+    from tests.conftest import DIGITS
+
+    cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "cluster.shards=2"])
+    replayed, straight = Trainer(cfg, shard=1), Trainer(cfg, shard=1)
+    g = torch.Generator().manual_seed(0)
+    held = HeldLog([])
+    for step in range(1, 6):
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in straight.pieces.items()}
+        header = {"step": step, "skip": False, "evals": None, "partials": None, "loss": 1.0 / step}
+        held.all.append(SimpleNamespace(header=header, tensors=tensors_of(grads, None)))
+        straight.apply(*inputs_of(tensors_of(grads, None), False))
+    monkeypatch.setattr(replay_module, "LogEntries", held)
+    emitted: list[dict[str, Any]] = []
+    quiet = SimpleNamespace(info=lambda *a, **k: None, warning=lambda *a, **k: None)
+    redis = SimpleNamespace(hget=lambda key, field: "4" if field == "step" else None)  # the leader's progress
+    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path, log=quiet, redis=redis,
+                          keys=SimpleNamespace(aggregator="aggregator", progress="progress"),
+                          emit=lambda kind, **fields: emitted.append({"kind": kind, **fields}),
+                          fatal=lambda why: pytest.fail(why))
+    log = shard_log(FakeLink())
+    held.end = 3  # the leader is at 4: its entry of step 4 still on its way
+    assert log.replay(ctx, replayed, RunTotals()) == 3
+    held.end = 5
+    assert log.replay(ctx, replayed, RunTotals(), upto=4) == 4  # told shard_behind(4)
+    assert log.replay(ctx, replayed, RunTotals(), upto=5) == 5  # and once more
+    got = [(e["checkpoint"], e["start"], e["replayed"], e["step"]) for e in emitted]
+    assert got == [(0, 0, 3, 3), (0, 3, 1, 4), (0, 4, 1, 5)], got
+    assert replayed.params_sha256() == straight.params_sha256()

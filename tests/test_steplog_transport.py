@@ -86,3 +86,55 @@ def test_entries_go_and_come_back_bitwise(tmp_path: Path, redis_server, transpor
         for s in spooled:
             s.discard()
         zctx.term()
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_a_leader_and_a_shard_replaying_at_once_each_get_their_own_entries_bitwise(
+        tmp_path: Path, redis_server, transport: str) -> None:
+    """K = 2: the leader's and shard 1's entries of steps 1..4, then both replays read in turns, one entry each, as a
+    new leader's and a restarted shard's may run at once. Same host, each through a ring of the checkpointer's own
+    (checkpointer/logserver.py `slots[shard]`): both get their slices bitwise. Before issue 47's change a shard's
+    replay came as frames (about twice the leader's time per entry, CurveZMQ on both sides); with one ring for both,
+    one's entries would overwrite the other's (`shm_overwritten`). The one-line change that fails this: reading.py
+    asking for slots only at shard 0 (`shm` false at shard 1)."""
+    if transport == "auto" and not shm.available():
+        pytest.fail("this test needs a writable /dev/shm (the same-host step log's slots)")
+    ctx = context(tmp_path, redis_server.url, f"cluster.transport={transport}", "cluster.shards=2",
+                  "cluster.max_message_bytes=16777216")
+    ctx.redis.set(ctx.keys.term, 1)
+    import zmq
+
+    zctx = zmq.Context()
+    log = StepLog(0, 64 << 20, lambda header, metas: pytest.fail("nothing spills at 64 MB"))
+    server = LogServer(ctx, zctx, log, threading.Lock()).start()
+    ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
+    leader, shard = StepLogLink(ctx, zctx, term=1), StepLogLink(ctx, zctx, term=1, shard=1)
+
+    def slice_of(k: int, step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * k + step)
+        return {f"p{k}": torch.randn(200, 100, generator=g)}
+
+    replays: list[StepLogLink] = []
+    try:
+        for step in range(1, 5):
+            shard.send(shard.encode(step, slice_of(1, step), None, None, 0.0))  # (with its shard_ready)
+            leader.ship_staged(step, leader.stage(slice_of(0, step), None), False, [1.0, 2.0], float(step))
+            assert leader.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
+        ctx.redis.set(ctx.keys.term, 2)  # a new leader and a restarted shard replay after the run's start
+        replays = [StepLogLink(ctx, zctx, term=2), StepLogLink(ctx, zctx, term=2, shard=1)]
+        readers = [LogEntries(r).entries(0) for r in replays]
+        got: list[list[int]] = [[], []]
+        for _ in range(4):
+            for k, entries in enumerate(readers):  # in turns: each one's next entry while the other's is out
+                msg = next(entries)
+                g, _ = inputs_of(msg.tensors, msg.header["skip"])
+                assert g is not None and torch.equal(g[f"p{k}"], slice_of(k, msg.header["step"])[f"p{k}"]), (k, msg.header)
+                assert ("shm" in msg.header) == (transport == "auto"), (k, msg.header)
+                got[k].append(msg.header["step"])
+        assert got == [[1, 2, 3, 4], [1, 2, 3, 4]]
+        assert [list(r) for r in readers] == [[], []]  # both end at the log's end
+    finally:
+        for link in (leader, shard, *replays):
+            link.close()
+        server.close()
+        zctx.term()

@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
 
@@ -25,3 +28,31 @@ def run_service(role: str, argv: list[str]) -> None:
     service = importlib.import_module(f"cmemi.services.{role}.__main__")
     startup.mark("imported")
     service.main(argv)
+
+
+def exit_code(fn: Callable[[], int | None]) -> int:
+    """Run `fn` as `sys.exit(fn())` would, and return the exit code instead of exiting (a message given to
+    SystemExit is printed, code 1). An exception other than SystemExit propagates (its traceback as usual)."""
+    try:
+        code: str | int | None = fn()
+    except SystemExit as exc:
+        code = exc.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        return 1
+    return int(code or 0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave without tearing the interpreter down: with torch imported that takes 0.5-0.8 s, which every process
+    of a finished run paid one after another before `cmemi up` returned, and a service the zygote forked paid
+    before its restart (a shard leaving its term: 0.66-0.73 s of a leader kill's 2.0-2.7 s to its replacement's
+    start at K = 2, bench/recovery.py --parts steplog, issue 47). Only where all is closed by now: a service's and
+    `cmemi up`'s own shutdown has run; the streams are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

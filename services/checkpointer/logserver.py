@@ -11,8 +11,10 @@ A server on this host (the address's host identity, services/aggregator/steplog/
 with CurveZMQ still, bound without the workers' PLAIN (`samehost.bind_ipc`): the aggregator's key is proven as over
 tcp:// — and ships each entry's tensors in a shared-memory slot of its own (`shm` in the header, a descriptor as a
 worker's gradient's), copied here once into the log (or its spool file) before the ack; the replies of a replay come
-back the same way. Over tcp://, CurveZMQ carried the 2.4 MB entry of bench/recovery.py's model at about 2.5 ms of CPU
-per step on two sides of a 2-core machine, most of the log's step-time overhead there (issue 47).
+back the same way, each server's replay through a ring of its own (`slots[shard]`): a leader and a shard may
+replay at once, and one ring would let either overwrite the other's entry. Over tcp://, CurveZMQ carried the 2.4 MB
+entry of bench/recovery.py's model at about 2.5 ms of CPU per step on two sides of a 2-core machine, most of the log's
+step-time overhead there (issue 47); a shard's replay paid it until it had a ring too.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class LogServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.cluster.message_cap())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.addr = protocol.bind(self.sock, self.cfg.cluster.host, 0)
-        self.slots: shm.Writer | None = None  # a replay's entries to a same-host server
-        self.slotted: set[bytes] = set()  # the peers whose log_req asked for slots (`shm`)
+        self.local = False  # an ipc:// endpoint: a same-host server's replay may ask for slots
+        self.slots: dict[int, shm.Writer] = {}  # shard -> the ring of its replay's entries (made at its first ask)
+        self.slotted: dict[bytes, int] = {}  # the peers whose log_req asked for slots (`shm`) -> their shard
         self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor)
         self.reader = shm_reader.Reader(ctx.run, self.cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(self.cfg))
         if self.cfg.cluster.transport != "tcp" and shm.available():
@@ -61,7 +64,7 @@ class LogServer:
                 ctx.log.warning("step log: no ipc:// endpoint; same-host servers use tcp://", error=str(exc))
             else:
                 self.addr = samehost.advertise(self.addr, local)
-                self.slots = shm.Writer(ctx.run, "steplog", shm.checksums(self.cfg.cluster.checksum))
+                self.local = True
         self.drops = Drops(ctx.redis, ctx.keys, ctx.log)  # published from this thread, when it has any
         # one partial entry per server (K of them), plus one for a restarted server's new connection
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(self.cfg), self.cfg.cluster.checksum,
@@ -107,8 +110,8 @@ class LogServer:
             return
         if msg.type == "step_log" and "shm" in msg.header and not self._landed(msg):
             return
-        if msg.type == "log_req" and msg.header["shm"] and self.slots is not None:
-            self.slotted.add(identity)
+        if msg.type == "log_req" and msg.header["shm"] and self.local:
+            self.slotted[identity] = int(msg.header["shard"])
         if msg.type not in LogReplies.TYPES or not self.terms.current(msg.header["term"]):
             spool.discard(msg.tensors)
             reason = "unexpected_type" if msg.type not in LogReplies.TYPES else "stale_term"
@@ -143,8 +146,11 @@ class LogServer:
         return True
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
-        if tensors and identity in self.slotted and self.slots is not None:  # a same-host replay: the entry in a slot
-            fields = {**fields, "shm": self.slots.write(tensors)}
+        if tensors and (shard := self.slotted.get(identity)) is not None:  # a same-host replay: the entry in a slot
+            if shard not in self.slots:
+                self.slots[shard] = shm.Writer(self.ctx.run, f"steplog{shard or ''}",
+                                               shm.checksums(self.cfg.cluster.checksum))
+            fields = {**fields, "shm": self.slots[shard].write(tensors)}
             tensors = {}
         reply(self.ctx, self.sock, identity, mtype, fields, tensors)
 
@@ -154,5 +160,5 @@ class LogServer:
             self._thread.join(timeout=2)
         self.parts.close()
         self.sock.close(linger=0)
-        if self.slots is not None:
-            self.slots.close()
+        for ring in self.slots.values():
+            ring.close()

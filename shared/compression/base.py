@@ -52,6 +52,7 @@ Frames = dict[str, torch.Tensor]
 class GradientCodec(Protocol):
     name: str
     deterministic: bool
+    stateful: bool  # per-worker state (error feedback's residuals) that a step changes
     per_microbatch: bool
 
     def encode(self, grads: dict[str, torch.Tensor], step: int) -> tuple[Info, Frames]:

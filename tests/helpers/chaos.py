@@ -29,8 +29,10 @@ def poll(cond, timeout: float, what: str, interval: float = 0.02) -> Any:
 
 
 def seeded_steps(spans: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """A fresh seed (name it in every failure) and one step drawn from it in each [lo, hi) span, in order."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh seed (name it in every failure) and one step drawn from it in each [lo, hi) span, in order.
+    CMEMI_TEST_SEED=<seed> draws from a failure's seed instead, to run it again."""
+    forced = os.environ.get("CMEMI_TEST_SEED")
+    seed = int(forced) if forced else int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     return seed, [rng.randrange(lo, hi) for lo, hi in spans]
 

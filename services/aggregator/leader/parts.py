@@ -36,6 +36,7 @@ from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.services.aggregator.steplog.link import StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.services.aggregator.steplog.shard import in_use as steplog_in_use
+from cmemi.services.aggregator.steplog.shard import replays_in_term
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.config.checks import ConfigError
@@ -148,7 +149,7 @@ def build(ctx: ServiceContext) -> LeaderParts:
                           EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                           cfg.cluster.require_same_environment, outbox.send, drops, ctx.log)
     roster = (ShardRoster(ctx, trainer.partition, term, outbox, drops, lambda: {"lease_key": seal.key, "fp": dict(fp)},
-                          replays=in_term_restarts(cfg, codec))  # (issue 47)
+                          replays=replays_in_term(cfg, trainer, codec))  # (issue 47)
               if trainer.sharded else None)
     # messages bigger than one, from admitted workers (gradients) and joined shards (their final and evaluation
     # slices) only: one partial transfer each, and one for a replacement
@@ -193,17 +194,6 @@ def build(ctx: ServiceContext) -> LeaderParts:
                         ctx.emit)
     p.leasing.new_step(trainer.step)
     return p
-
-
-def in_term_restarts(cfg: Config, codec: object) -> bool:
-    """Is a restarted shard taken back within the term (leader/roster.py `Restarts`), or does the cluster go to a new
-    term? Within the term needs the step log, and not pipelined shards (no log there), local steps or a codec with
-    per-worker state (error feedback): the worker-side rules that keep those exact (the replicas' states, the
-    rewound residual of services/worker/residual.py) were built and tested for a new term; with a restart in the
-    term the suite found a topk run off `cmemi reference` and a local-steps shard not replaying. Those go to a new
-    term, whose leader and shards replay the log (still no step redone)."""
-    return (cfg.checkpoint.step_log and not cfg.cluster.pipeline_stages and not cfg.train.local_steps
-            and not getattr(codec, "stateful", False))
 
 
 def _restore(p: LeaderParts) -> None:

@@ -178,12 +178,12 @@ class ShardServer:
             self.leader.send("shard_have", step=self.current.version, have=self.current.have())
         if self.steplog is not None:
             self.steplog.poll()
+        self.leader.check_term()  # each pass (a read of what the watch last saw): a new term is left at once
         if now < self._next_check:
             return
         self._next_check = now + 0.25
         self.leader.join_again(self.seal is not None, now)
         self.ckpt.poll()
-        self.leader.check_term()
 
     def _from_leader(self) -> None:
         for msg in self.leader.received():

@@ -138,8 +138,13 @@ class LeaderLink:
                   drops=drops, mirror=trainer.mirror_hashes())
 
     def close(self) -> None:
-        deadline = time.monotonic() + 0.5  # what still waits (shard_final) gets as long as the socket's linger
+        """Once finishing, what still waits (shard_final) gets half a second to go, and as long again in the socket.
+        Else nothing it holds is worth a wait: its periodic messages, or those of a term this shard leaves, to a
+        leader that is most often dead (its socket's queue then never drains: the context's end waited out the whole
+        linger, 0.5 s of each shard's restart after a leader's death, issue 47)."""
+        linger = 500 if self.finishing else 0
+        deadline = time.monotonic() + linger / 1000
         while len(self.queue) and self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLOUT):
             self.queue.flush(self.sock)
         self.watch.stop()
-        self.sock.close(linger=500)
+        self.sock.close(linger=linger)

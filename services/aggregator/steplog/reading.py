@@ -29,12 +29,13 @@ class LogEntries:
         asked: deque[int] = deque()
         into: dict[str, torch.Tensor] = {}
 
-        # only the leader's replay is answered through the checkpointer's slots: they are one ring for every
-        # requester, and a leader and a shard replaying at once would overwrite each other's entries there
+        # a same-host server's replay is answered through the checkpointer's slots, a ring of its own per shard
+        # (checkpointer/logserver.py): a shard's entries over frames paid CurveZMQ's CPU on both sides, about twice
+        # the leader's time per entry (bench/recovery.py --parts steplog, a leader's kill at K = 2, issue 47)
         def ask(a: int) -> None:
             asked.append(a)
             self.link.send(transfer.messages("log_req", self.link.ctx.run, {"term": self.link.term, "after": a, "shard": self.link.shard,
-                                                                   "shm": self.link.local and self.link.shard == 0}, self.link.cap))
+                                                                   "shm": self.link.local}, self.link.cap))
 
         def again() -> None:  # a restarted checkpointer, or requests lost with a connection: every one still out
             for a in list(asked):
@@ -47,7 +48,7 @@ class LogEntries:
         # issue 47's soak, "did not answer the step log's entry after step 921"), except where answers come through
         # the checkpointer's slots: a same-host ipc:// link loses nothing while both ends live, and every answer
         # asked twice would take one more slot of a ring sized for the requests out
-        slotted = self.link.local and self.link.shard == 0
+        slotted = self.link.local
         for a in range(after, after + AHEAD):
             ask(a)
         while asked:

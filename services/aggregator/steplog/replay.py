@@ -34,14 +34,16 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
            bg: BackgroundEval | None = None, where: str = "",
            unlogged: Callable[[int, float, float], None] | None = None, judge: bool = True,
            upto: int | None = None, each: Callable[[int], None] | None = None,
-           resume: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> int:
+           resume: Callable[[int, dict[str, torch.Tensor]], None] | None = None, checkpoint: int | None = None) -> int:
     """Replay every entry after the trainer's step; returns how many. `bg`: the leader's evaluations (early
     stopping: evals.py). `where`: who replays (" on shard 2"). `unlogged(step, loss, lr)`: called for each replayed
     step past metrics.jsonl's last step line — one whose entry was acknowledged (committed) while its server died
     before writing its line (the leader writes it then: every committed step has its line, once). `judge`: say how
     many committed steps the log did not hold (`steps_redone`); a shard k > 0 leaves that to its leader, whose log end
     is the cluster's. `upto`: the step to stop at (a shard k > 0: the one its leader replayed to). `each(step)`: after each
-    replayed step. `resume(step, weights)`: starts the last boundary's evaluation no entry holds (evals.py)."""
+    replayed step. `resume(step, weights)`: starts the last boundary's evaluation no entry holds (evals.py).
+    `checkpoint`: the step this server restored, where the replay goes on from an earlier one's end (a shard told
+    `shard_behind`); the event says it, and where this replay started (`start`), not that end as a checkpoint."""
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
@@ -68,9 +70,10 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     replayed = trainer.step - restored
     committed = last_committed(ctx) if judge else None
     if replayed or restored:  # (not a fresh run's start)
-        ctx.emit("step_log_replayed", checkpoint=restored, replayed=replayed, step=trainer.step, shard=trainer.shard,
-                 seconds=round(time.monotonic() - t0, 4))
-        ctx.log.info("step log replayed", checkpoint=restored, replayed=replayed, step=trainer.step)
+        checkpoint = restored if checkpoint is None else checkpoint
+        ctx.emit("step_log_replayed", checkpoint=checkpoint, start=restored, replayed=replayed, step=trainer.step,
+                 shard=trainer.shard, seconds=round(time.monotonic() - t0, 4))
+        ctx.log.info("step log replayed", checkpoint=checkpoint, start=restored, replayed=replayed, step=trainer.step)
     if committed is not None and committed > trainer.step:  # the log did not hold them: the workers redo them
         ctx.emit("steps_redone", steps=committed - trainer.step, step=trainer.step, committed=committed,
                  shard=trainer.shard, reason="not in the step log (the checkpointer restarted, or a checkpoint "

@@ -33,6 +33,7 @@ from cmemi.services.aggregator.steplog.connection import resend_after
 from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
 from cmemi.services.aggregator.steplog.replicas import states_of
+from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
 
@@ -45,6 +46,18 @@ def in_use(cfg: Config, trainer: Trainer) -> bool:
     return cfg.checkpoint.step_log and not (trainer.sharded and cfg.cluster.pipeline_stages)
 
 
+def replays_in_term(cfg: Config, trainer: Trainer, codec: GradientCodec) -> bool:
+    """Can a restarted shard's replay alone give it back its dead incarnation's place within the term (the leader's
+    `Restarts`), or must the cluster go to a new term? Its replay brings back what its log holds: its slice, with
+    the log `in_use`. What a new term also resets, and a restart within the term does not, lives outside the shard:
+    the replicas' states of local steps (`trainer.local`: the worker-side rules that keep them exact were built and
+    tested for a new term; in the term the suite saw a local-steps shard not replay) and a stateful codec's residuals
+    (`codec.stateful`, error feedback: the rewound residual of services/worker/residual.py, likewise; in the term
+    the suite saw a topk run off `cmemi reference`). Those go to a new term, whose leader and shards replay the log
+    (still no step redone)."""
+    return in_use(cfg, trainer) and not trainer.local and not codec.stateful
+
+
 class ShardStepLog:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int) -> None:
         self.link = StepLogLink(ctx, zctx, term, shard)
@@ -55,6 +68,7 @@ class ShardStepLog:
         self.next_check = 0.0
         self.shipped = -1  # the newest step shipped
         self.boundary: tuple[int, dict[str, torch.Tensor]] | None = None  # see _boundary
+        self.restored: int | None = None  # the step its slice was restored at (see replay)
 
     def replay(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals, upto: int | None = None) -> int:
         """After restoring the leader's checkpoint: this shard's entries, each with its leader's decision, as far as
@@ -62,11 +76,16 @@ class ShardStepLog:
         it: `shard_behind`). Every step the log holds a decision of was applied by the leader of this term: it
         replayed its log and cut what it had not applied before it advertised the term this shard joins
         (checkpointer/steplog_replies.py). Only when the leader has moved past this shard's checkpoint (at its
-        term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all."""
+        term's start, or since: the run's progress in Redis, a few steps behind) is the log asked at all.
+        The first call comes right after the restore: the step restored then is the checkpoint each replay of this
+        process names in `step_log_replayed` (`shard_behind`'s goes on from the first one's end, and named that end
+        as its checkpoint: the once-seen failure of `checkpoint == 0` in tests/test_steplog_sharded.py)."""
+        if self.restored is None:
+            self.restored = trainer.step
         if upto is None and not moved_on(ctx, trainer.step):
             return trainer.step
         replay(ctx, trainer, self.link, totals, where=f" on shard {trainer.shard}", judge=False, upto=upto,
-               each=lambda step: self._boundary(ctx.cfg, trainer, step))
+               each=lambda step: self._boundary(ctx.cfg, trainer, step), checkpoint=self.restored)
         return trainer.step
 
     def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
