@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,8 @@ from cmemi.shared.config.loading import config_from_dict
 from cmemi.shared.config.system import CompressionConfig
 from cmemi.shared.core.grid import Partition
 
-from tests.conftest import DIGITS, FAST, ROOT, cmemi_cmd, run_up
+from tests.conftest import FAST, run_up
+from tests.helpers import references
 from tests.helpers.chaos import Cluster
 
 CODECS = ["bf16", "int8", "topk", "powersgd", "sign"]
@@ -249,11 +249,8 @@ SHORT = (*FAST[2:], "train.steps=30", "scheduler.kwargs.T_max=30")
 
 
 def reference(tmp_path: Path, *sets: str) -> dict:
-    out = tmp_path / "reference.json"
-    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    """`cmemi reference`'s summary, once per config per session (tests/helpers/references.py)."""
+    return references.reference(tmp_path, *sets)
 
 
 @pytest.mark.integration

@@ -22,6 +22,7 @@ from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core import innerstate
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up
+from tests.helpers import references
 from tests.helpers.chaos import Cluster
 from tests.test_supervision import redis_pid
 
@@ -30,11 +31,8 @@ LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler
 
 
 def reference(tmp_path: Path, *sets: str, config: str = DIGITS) -> dict:
-    out = tmp_path / f"reference-{abs(hash(sets)) % 10**8}.json"
-    proc = subprocess.run(cmemi_cmd("reference", config, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    """`cmemi reference`'s summary, once per config per session (tests/helpers/references.py)."""
+    return references.reference(tmp_path, *sets, config=config)
 
 
 def digits(*sets: str):

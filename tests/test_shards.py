@@ -15,16 +15,14 @@ from cmemi.shared.core.grid import CHUNK, Partition, clip_coefficient, join
 from cmemi.shared.memory import shm
 from safetensors.torch import load_file
 
-from tests.conftest import DIGITS, FAST, LONG, ROOT, cmemi_cmd, run_up
+from tests.conftest import FAST, LONG, ROOT, cmemi_cmd, run_up
+from tests.helpers import references
 from tests.helpers.chaos import Cluster
 
 
 def reference_sha(tmp_path: Path, *sets: str) -> str:
-    out = tmp_path / "reference.json"
-    proc = subprocess.run(cmemi_cmd("reference", DIGITS, *[a for s in sets for a in ("--set", s)], "--out", str(out)),
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())["params_sha256"]
+    """`cmemi reference`'s params_sha256, once per config per session (tests/helpers/references.py)."""
+    return str(references.reference(tmp_path, *sets)["params_sha256"])
 
 
 # ---------------------------------------------------------------------------------------------- the grid (unit)
