@@ -127,7 +127,8 @@ class Reader:
         """The checks that need nothing mapped, then the map (segment, slot, tensor entries, offsets)."""
         if not isinstance(desc, dict):
             raise ShmError("shm_bad", "the descriptor is not a map")
-        name, slot, seq, at, metas = (desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors"))
+        fields: list[Any] = [desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors")]  # (typed by the checks)
+        name, slot, seq, at, metas = fields
         if not isinstance(name, str) or (m := NAME.fullmatch(name)) is None or m.group(1) != self.tag:
             raise ShmError("shm_bad", f"segment name {str(name)[:60]!r}")
         if not _plain(slot, seq, at, metas):
