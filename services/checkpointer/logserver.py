@@ -86,7 +86,7 @@ class LogServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self.sock.poll(100):
+            if protocol.poll(self.sock, 100):
                 self._receive()
             elif self.drops.unpublished:
                 self.drops.publish()

@@ -122,9 +122,9 @@ class LogConnection:
         while self.sock is not None:
             handed = self._flush()  # what waits goes as the socket takes it, while this waits for replies
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = self.sock.poll(wait_ms, zmq.POLLIN | (zmq.POLLOUT if len(self.queue) else 0))
-            if not events & zmq.POLLIN:
-                if events & zmq.POLLOUT and handed:
+            events = protocol.poll(self.sock, wait_ms, protocol.POLLIN | (protocol.POLLOUT if len(self.queue) else 0))
+            if not events & protocol.POLLIN:
+                if events & protocol.POLLOUT and handed:
                     continue
                 break
             if (msg := self.parts.reply(self.sock, self.ctx.log, "checkpointer")) is not None:
@@ -134,8 +134,8 @@ class LogConnection:
 
     def readable(self) -> bool:
         """Is a reply waiting to be read now? (ZMQ_EVENTS: no syscall unless the I/O thread signalled something.)"""
-        events = self.sock.getsockopt(zmq.EVENTS) if self.sock is not None else 0
-        return isinstance(events, int) and bool(events & zmq.POLLIN)  # (an int option: typed int | bytes)
+        events = self.sock.getsockopt(protocol.EVENTS) if self.sock is not None else 0
+        return isinstance(events, int) and bool(events & protocol.POLLIN)  # (an int option: typed int | bytes)
 
     def close(self) -> None:
         if self.sock is not None:

@@ -88,12 +88,12 @@ class LeaderLink:
     def waiting(self) -> bool:
         """Is a message waiting (a lease goes before work computed ahead)?"""
         assert self.sock is not None
-        return bool(self.sock.poll(0))
+        return bool(protocol.poll(self.sock, 0))
 
     def recv(self, timeout_ms: int) -> protocol.Message | None:
         """The next whole message within `timeout_ms` (parameters landing where `landing` says); None if none yet."""
         assert self.sock is not None
-        if not self.sock.poll(timeout_ms):
+        if not protocol.poll(self.sock, timeout_ms):
             return None
         self.patience.heard()
         try:  # new parameters land straight in the model's tensors
