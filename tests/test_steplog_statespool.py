@@ -9,8 +9,9 @@ states, and a SIGKILLed server reads them back from there.
   (`state_spool_lost`, `steps_redone` naming the state spool), the steps since are computed again, and the run still
   ends at the reference.
 
-The one-line change that fails them: `StateSpool.read` returning `{}` (a replay then finds no state: the first two
-fail at the reference or with a fatal entry error; the double fault finds no `state_spool_lost`).
+The one-line change that fails all four (tried): `replicas.restore` skipping the items that reference the spool
+(`continue`): the replays then keep no state, the first three end away from the reference, and the double fault
+finds no `state_spool_lost`.
 """
 
 from __future__ import annotations
