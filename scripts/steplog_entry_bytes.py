@@ -1,6 +1,9 @@
 """The step log entry's size for a config (docs/design/step-log.md, "Local steps"): the reduced change or gradient
 slice, the buffer sum, and with train.local_steps the replicas' states the step makes current, for the first
-server steps (streaming: each step carries a different fragment and the snapshots of different replicas).
+server steps (streaming: each step carries a different fragment and the snapshots of different replicas). With the
+checkpointer's spool on (the default) those states are written to the server's own state spool and the entry carries
+a reference to them (services/aggregator/steplog/statespool.py): both sizes are shown; `--set
+checkpoint.step_log_spool=false` shows the entry that carries them.
 
     .venv/bin/python scripts/steplog_entry_bytes.py examples/digits.yaml --set train.local_steps=5 \
         --set train.replicas=4 --set train.steps=200
@@ -38,15 +41,20 @@ def main() -> None:
     params = {n: p.numel() * p.element_size() for n, p in trainer.pieces.items()}
     buffers = sum(b.numel() * b.element_size() for b in trainer.buffers.values())
     one = state_bytes(trainer) if inner is not None else 0
+    spool = inner is not None and cfg.checkpoint.step_log_spool  # (steplog/statespool.py)
     print(f"model P = {sum(params.values()):,} B; buffers {buffers:,} B; one replica's state S = {one:,} B")
     for step in range(args.steps):
         change = sum(params[n] for n in (trainer.expected(step) or params))
         shipping = [] if inner is None else [r for r in range(inner.R) if not trainer.fragments
                                              or fragments.ships_state(step, trainer.snapshot_every, r)]
-        total = change + buffers + one * len(shipping)
-        print(f"entry of server step {step + 1}: {total:,} B = change {change:,} + buffers {buffers:,} + "
-              f"{len(shipping)} of {cfg.train.microbatches if inner is not None else 0} replicas' states "
-              f"{one * len(shipping):,}")
+        states = one * len(shipping)
+        of = f"{len(shipping)} of {cfg.train.microbatches if inner is not None else 0} replicas' states"
+        if spool:  # the states go to the server's own state spool; the entry carries their references
+            print(f"entry of server step {step + 1}: {change + buffers:,} B = change {change:,} + buffers "
+                  f"{buffers:,} (+ {of}' metadata and references); the server's state spool: {states:,} B")
+        else:
+            print(f"entry of server step {step + 1}: {change + buffers + states:,} B = change {change:,} + buffers "
+                  f"{buffers:,} + {of} {states:,}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ next checkpoint went back to that checkpoint: 7 of the 1,000 faults of bench/res
   to the one open segment, in the order they were held. A written checkpoint closes the open segment (the next entry
   opens a new one) and deletes every segment whose entries it covers, so the disk holds the entries since about the
   checkpoint before last (`checkpoint.every_steps: 0`: the whole run's, as the log in memory held it).
-- **A record.** `MAGIC | meta length (u32) | payload length (u64) | meta | payload | xxh3-64 of meta and payload`; the
-  meta (msgpack) names the shard, the step, the entry's fields and each tensor's (name, dtype, shape, bytes, offset
-  in the payload); the payload is the landed entry's one buffer (steplog.Held: its tensors at 64-byte offsets) or
+- **A record.** shared/runtime/records.py's (`MAGIC | meta length (u32) | payload length (u64) | meta | payload |
+  xxh3-64 of meta and payload`; a server's state spool writes the same); the meta (msgpack) names the shard, the
+  step, the entry's fields and each tensor's (name, dtype, shape, bytes, offset in the payload); the payload is the landed entry's one buffer (steplog.Held: its tensors at 64-byte offsets) or
   the tensors' bytes one after another. One `pwritev` per record at the segment's end.
 - **Durability.** The write reaches the page cache before the ack, which is what a process's death needs: SIGKILL
   loses nothing the kernel took. No fsync: a host's death (power, kernel) can lose the tail not yet written back
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import os
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,16 +33,11 @@ from typing import Any
 
 import msgpack
 import torch
-import xxhash
+from cmemi.shared.runtime import records
+from cmemi.shared.runtime.records import Buffer
 from cmemi.shared.wire.protocol import DTYPES
 
-MAGIC = b"CSL1"
-HEAD = struct.Struct("<4sIQ")  # magic, meta length, payload length
-TAIL = struct.Struct("<Q")  # xxh3-64 of meta + payload
-CHUNK = 1 << 20  # bytes read at a time when a record's checksum is checked
 FULL = (errno.ENOSPC, errno.EDQUOT)
-IOV_GROUP = 512  # buffers per pwritev (Linux takes at most IOV_MAX, 1024)
-Buffer = bytes | memoryview
 Placed = tuple[str, str, tuple[int, ...], int, int]  # a tensor in a record: name, dtype, shape, bytes, payload offset
 
 
@@ -103,28 +97,6 @@ class Recovered:
     cut_bytes: int = 0  # bytes cut from the segments' ends
 
 
-def _write_all(fd: int, bufs: list[Buffer], at: int) -> int:
-    """Every buffer written at `at`, in order, returns the bytes written: `pwritev` in groups of IOV_GROUP buffers,
-    and what a short write (a signal, a nearly full disk) left, one buffer at a time."""
-    done = 0
-    for g in range(0, len(bufs), IOV_GROUP):
-        group = [memoryview(b).cast("B") for b in bufs[g:g + IOV_GROUP]]
-        n = os.pwritev(fd, group, at + done)
-        want = sum(v.nbytes for v in group)
-        done += n
-        if n < want:
-            skip = n
-            for view in group:
-                if skip >= view.nbytes:
-                    skip -= view.nbytes
-                    continue
-                view, skip = view[skip:], 0
-                while view.nbytes:
-                    k = os.pwrite(fd, view, at + done)
-                    done, view = done + k, view[k:]
-    return done
-
-
 class LogFiles:
     """The step log's segments under `root`. `on_full(exc, attempt)`: a write found the disk full; attempt 1 makes
     room (the record is written again at the same place), attempt 2 stops the service (diskfull.py)."""
@@ -166,13 +138,8 @@ class LogFiles:
             self.closed = False
         seg = self.segments[-1]
         meta = msgpack.packb({"shard": shard, "step": step, "fields": fields, "tensors": [list(t) for t in tensors]})
-        h = xxhash.xxh3_64(meta)
-        size = 0
-        for b in payload:
-            h.update(b)
-            size += memoryview(b).nbytes
-        n = self._write(seg, [HEAD.pack(MAGIC, len(meta), size), meta, *payload, TAIL.pack(h.intdigest())])
-        at = seg.end + HEAD.size + len(meta)
+        n = self._write(seg, records.frame(meta, payload).bufs)
+        at = seg.end + records.HEAD.size + len(meta)
         out = {name: Stored(seg, at + off, dtype, tuple(shape), nbytes) for name, dtype, shape, nbytes, off in tensors}
         seg.end += n
         seg.last = max(seg.last, step)
@@ -184,7 +151,7 @@ class LogFiles:
         assert seg.fd is not None
         for attempt in (1, 2):
             try:
-                return _write_all(seg.fd, bufs, seg.end)
+                return records.write_all(seg.fd, bufs, seg.end)
             except OSError as exc:
                 if exc.errno not in FULL:
                     raise
@@ -233,25 +200,12 @@ class LogFiles:
     @staticmethod
     def _read(seg: Segment, at: int) -> tuple[Record | None, int, str]:
         """The record at `at`: (record, its size, "") or (None, 0, "torn" | "corrupt")."""
-        left = seg.end - at
-        if left < HEAD.size + TAIL.size:
-            return None, 0, "torn"
-        magic, mlen, plen = HEAD.unpack(seg.pread(HEAD.size, at))
-        if magic != MAGIC:
-            return None, 0, "corrupt"
-        size = HEAD.size + mlen + plen + TAIL.size
-        if size > left:
-            return None, 0, "torn"
-        meta = seg.pread(mlen, at + HEAD.size)
-        h = xxhash.xxh3_64(meta)
-        p = at + HEAD.size + mlen
-        for off in range(0, plen, CHUNK):
-            h.update(seg.pread(min(CHUNK, plen - off), p + off))
-        (want,) = TAIL.unpack(seg.pread(TAIL.size, p + plen))
-        if h.intdigest() != want:
-            return None, 0, "corrupt"
+        found = records.check(seg.pread, at, seg.end)
+        if isinstance(found, str):
+            return None, 0, found
+        p, plen = found.payload_at, found.payload_len
         try:
-            m = msgpack.unpackb(meta, strict_map_key=False)
+            m = msgpack.unpackb(found.meta, strict_map_key=False)
             tensors = {name: Stored(seg, p + off, dtype, tuple(shape), nbytes)
                        for name, dtype, shape, nbytes, off in m["tensors"]}
             if any(t.offset + t.nbytes > p + plen for t in tensors.values()):
@@ -259,7 +213,7 @@ class LogFiles:
             rec = Record(int(m["shard"]), int(m["step"]), m["fields"], tensors)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             return None, 0, "corrupt"
-        return rec, size, ""
+        return rec, found.size, ""
 
     def close(self) -> None:
         for s in self.segments:

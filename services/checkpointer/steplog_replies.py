@@ -3,6 +3,9 @@
 - `step_log` -> `logged` (held: the server's step may commit) or `log_gap` (it would leave a gap in the log: this
   process restarted since the server's last checkpoint; the server takes one at once, which rebases the log).
 - `log_req` (a restarted server, after restoring step `after`) -> `log_entry` of step after + 1, or `log_end`.
+  With `cut` (its replay stopped at `after`: a step's replicas' states were not in its state spool, a double fault,
+  services/aggregator/steplog/statespool.py) every shard's entries past `after` go, and `log_end` answers: those
+  steps are computed again, and their new entries take the place of the old.
   Each answer is one entry; a replay keeps two requests out, so it holds at most two entries in flight on either
   side, however long the log.
 
@@ -44,6 +47,12 @@ class LogReplies:
         h = msg.header
         if msg.type == "step_log":
             self._entry(identity, h, msg)
+        elif h.get("cut"):  # (a header built without the default: the unit tests)
+            self.log.truncate(h["after"])
+            self.waiting.clear()
+            self.emit("step_log_cut", shard=h["shard"], restored=h["after"], term=h["term"],
+                      reason="a server's state spool lost a step's replicas' states")
+            self.reply(identity, "log_end", {"after": h["after"]})
         elif h["shard"] == 0:
             self._leader_replay(identity, h)
         else:

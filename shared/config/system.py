@@ -139,7 +139,9 @@ class CheckpointConfig:
     step_log_spool: bool = True
     """Write every step log entry through to a file in the run directory before it is acknowledged, so a restarted
     checkpointer reads its log back and a server's death after that restart redoes no step (docs/design/step-log.md);
-    false: a checkpointer's restart loses the log and the servers checkpoint at once."""
+    false: a checkpointer's restart loses the log and the servers checkpoint at once. With train.local_steps each
+    server also writes the replicas' states a step makes current to its own state spool (RUN_DIR/steplog/states-K/)
+    and the entry carries references, so they never cross the checkpointer's link; false: they travel in the entry."""
 
     def __post_init__(self) -> None:
         if self.step_log_memory_mb < 0:

@@ -11,4 +11,5 @@
 - proctitle   this process's command line, as ps and pgrep read it
 - atomic      files that are the old version or the new one, never half
 - links       the options of every socket that may cross hosts: a dead link given up in seconds, re-dialled fast
+- records     checksummed records appended to a file: the step log's segments and a server's state spool
 """

@@ -207,8 +207,7 @@ class NoCheckpoint(TypedDict):
 
 # ---------------------------------------------------------------- a server <-> the checkpointer: the step log
 class StepLog(TypedDict):
-    """A committed step's inputs (services/checkpointer/steplog.py): its reduced gradient slice (`g.` tensors, none if
-    skipped) and buffer sum (`b.`), the decisions that are not a function of the step and the checkpoint."""
+    """A committed step's inputs that are no function of the step and the checkpoint (checkpointer/steplog.py)."""
     step: int  # the step these inputs make (the server's step after applying them)
     term: int
     shard: Annotated[int, Default(0)]
@@ -216,7 +215,7 @@ class StepLog(TypedDict):
     loss: float
     partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
     evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
-    replicas: Annotated[list[Any] | None, Default(None)]  # local steps: states made current, [[r, meta]] (`i.{r}.`)
+    replicas: Annotated[list[Any] | None, Default(None)]  # local steps: [[r, meta, its state spool's record]]
     tensors: list[Any]
     shm: Annotated[Any, ABSENT]  # same host: the tensors' slot descriptor instead of frames (shared/memory/shm.py)
 
@@ -235,6 +234,7 @@ class LogReq(TypedDict):  # a restarted server, after restoring step `after`: th
     after: int
     shard: Annotated[int, Default(0)]
     shm: Annotated[bool, Default(False)]  # same host: the entries' tensors in the checkpointer's slots
+    cut: Annotated[bool, Default(False)]  # it replays no further (its state spool lost a step): every entry past goes
 
 
 class LogEntry(StepLog):  # the answer to a log_req (its `term` is the requester's)

@@ -176,6 +176,8 @@ def build(ctx: ServiceContext) -> LeaderParts:
     p.slices = ShardSlices(roster) if roster is not None else None
     if steplog_in_use(cfg, trainer):
         p.steplog = StepLogLink(ctx, zctx, term)
+        if p.steplog.states is not None:  # a written checkpoint frees the state spool's older segments
+            ckpt.on_saved.append(p.steplog.states.covered)
     elif cfg.checkpoint.step_log:  # (docs/design/step-log.md, "Where it stands")
         ctx.log.info("step log not built yet for cluster.pipeline_stages: a server's death goes back to the last "
                      "checkpoint")

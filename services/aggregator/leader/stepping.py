@@ -111,7 +111,7 @@ class Stepper:
         entry = None
         if self.p.steplog is not None:  # its inputs, copied now (steplog/link.py: into a slot or kept buffers): the
             # step changes them in place, the next reuses them; local steps: the replicas' states it makes current
-            replicas, states = states_of(self.trainer.inner)
+            replicas, states = states_of(self.trainer.inner, self.p.steplog.states, self.trainer.step + 1)
             entry = (self.trainer.step + 1, self.p.steplog.stage(grads, buffer_sum, states), grads is None, partials,
                      loss, self.evallog.to_ship(), replicas)
         with users_step(self.ctx.fatal, self.trainer.step + 1):

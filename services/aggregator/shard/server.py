@@ -92,7 +92,7 @@ class ShardServer:
         self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
                                              newest=self.restarted)
-        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard) if logged else None
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard, self.ckpt.on_saved) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
         self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)

@@ -45,6 +45,7 @@ class CheckpointerLink:
         self.queued: list[Outgoing] = []  # unsent: milestones and the final one (kept), and at most one other
         self.saved_path: dict[int, str] = {}  # step -> where the checkpointer wrote it (the final one's is reported)
         self.once_saved: dict[int, Callable[[], None]] = {}  # step -> what runs once it is written (`offer_final`)
+        self.on_saved: list[Callable[[int], object]] = []  # told each step written (the state spool's retention)
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(ctx.cfg), ctx.cfg.cluster.checksum,
                                         on_abandon=on_drop)  # a restore bigger than one message
         self._next_check = 0.0
@@ -172,6 +173,9 @@ class CheckpointerLink:
             elif msg.type == "retry":  # the checkpointer could not check our term yet (Redis restarted): again, soon
                 self._retry_at = time.monotonic() + 0.5
         for step in saved:
+            if step in self.saved_path:
+                for told in self.on_saved:
+                    told(step)
             if step in self.saved_path and (then := self.once_saved.pop(step, None)) is not None:
                 then()
         if self.in_flight is not None and self._retry_at is not None and time.monotonic() > self._retry_at:

@@ -31,6 +31,7 @@ import torch
 import zmq
 from cmemi.services.aggregator.steplog.connection import LogConnection
 from cmemi.services.aggregator.steplog.staging import Staging
+from cmemi.services.aggregator.steplog.statespool import StateSpool
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import protocol, transfer
 
@@ -65,6 +66,8 @@ class StepLogLink(LogConnection):
         self.pending: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None  # until acknowledged:
         # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
+        self.states = StateSpool(ctx.run_dir / "steplog" / f"states-{shard}") if \
+            ctx.cfg.train.local_steps and ctx.cfg.checkpoint.step_log_spool else None  # local steps: statespool.py
 
     def stage(self, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
               extra: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -192,4 +195,6 @@ class StepLogLink(LogConnection):
     def close(self) -> None:
         super().close()
         self.staging.close()
+        if self.states is not None:
+            self.states.close()
 

@@ -62,6 +62,17 @@ class LogEntries:
             ask(a + AHEAD)
             yield msg
 
+    def cut(self, after: int) -> None:
+        """The log past `after` dropped at the checkpointer (this server's replay stopped there: a step's replicas'
+        states were not in its state spool), once its `log_end` says so; the answers still out are dropped."""
+        def send() -> None:  # (again to a restarted checkpointer)
+            self.link.send(transfer.messages("log_req", self.link.ctx.run, {"term": self.link.term, "after": after,
+                                                                            "shard": self.link.shard, "cut": True},
+                                             self.link.cap))
+        send()
+        self.link.wait(lambda m: m.type == "log_end" and m.header["after"] == after, send,
+                       f"the step log's cut after step {after}")
+
     def _kept(self, msg: protocol.Message, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A replayed entry's tensors, copied into `into`'s buffers: out of the checkpointer's slot, or its frames."""
         if "shm" not in msg.header:
@@ -78,7 +89,6 @@ class LogEntries:
             self.link.ctx.fatal(f"aggregator: the step log's entry of step {msg.header['step']} could not be read from the "
                            f"checkpointer's shared memory ({exc}); set cluster.transport: tcp to replay over tcp://")
         return out
-
 
 
 def _answers(msg: protocol.Message, after: int) -> bool:

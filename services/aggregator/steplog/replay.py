@@ -6,7 +6,9 @@ of the step and the checkpoint (the reduced gradient, a skipped step, the buffer
 states the step makes current: replicas.py; the LR schedule, the loss scale
 and the downlink mirror follow from those), so the state after the replay is bitwise the one the dead server had.
 The steps the log does not hold (none, unless the checkpointer died too, or the newest checkpoint was damaged) are
-redone by the workers, as without the log; the run says how many in events.jsonl (`steps_redone`).
+redone by the workers, as without the log; the run says how many in events.jsonl (`steps_redone`). So are the
+steps from the first whose replicas' states this server's state spool lost (its host died: `state_spool_lost`,
+statespool.py): the replay stops before it and the log is cut there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cmemi.services.aggregator.steplog import replicas
 from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.services.aggregator.steplog.reading import LogEntries
+from cmemi.services.aggregator.steplog.statespool import Lost
 from cmemi.shared.runtime.service import ServiceContext
 
 
@@ -47,7 +50,8 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
-    for msg in LogEntries(link).entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
+    entries, lost = LogEntries(link), None
+    for msg in entries.entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
         if upto is not None and trainer.step >= upto:  # (a shard: no further than its leader's log end)
             break
         h = msg.header
@@ -55,9 +59,12 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         evals.load(h["evals"])
         if trainer.inner is not None:  # local steps: the replicas' states this step makes current (replicas.py)
             try:
-                replicas.restore(trainer.inner, h["replicas"], msg.tensors)
+                replicas.restore(trainer.inner, h["replicas"], msg.tensors, link.states, h["step"])
             except replicas.EntryError as exc:
                 ctx.fatal(f"aggregator: the step log's entry of step {h['step']} cannot be replayed: {exc}")
+            except Lost as exc:  # this host's state spool lost it (a double fault): the log ends here
+                lost = f"the replicas' states of step {h['step']} are not in this server's state spool ({exc})"
+                break
         with users_step(ctx.fatal, trainer.step + 1, where):
             trainer.apply(grads, buffer_sum, partials=h["partials"])
         totals.final_loss = float(h["loss"])
@@ -67,6 +74,8 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         if each is not None:
             each(trainer.step)
     evals.resume(resume)
+    if lost is not None:
+        state_spool_lost(ctx, entries, trainer.step, trainer.shard, lost)
     replayed = trainer.step - restored
     committed = last_committed(ctx) if judge else None
     if replayed or restored:  # (not a fresh run's start)
@@ -76,11 +85,19 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
         ctx.log.info("step log replayed", checkpoint=checkpoint, start=restored, replayed=replayed, step=trainer.step)
     if committed is not None and committed > trainer.step:  # the log did not hold them: the workers redo them
         ctx.emit("steps_redone", steps=committed - trainer.step, step=trainer.step, committed=committed,
-                 shard=trainer.shard, reason="not in the step log (the checkpointer restarted, or a checkpoint "
-                                             "was damaged): back to the checkpoint")
+                 shard=trainer.shard, reason=lost or "not in the step log (the checkpointer restarted, or a "
+                                                      "checkpoint was damaged): back to the checkpoint")
         ctx.log.warning("steps redone: the step log did not hold them", steps=committed - trainer.step,
                         step=trainer.step, committed=committed)
     return replayed
+
+
+def state_spool_lost(ctx: ServiceContext, entries: LogEntries, step: int, shard: int, reason: str) -> None:
+    """The replay stopped at `step` (`reason`: a step's states this server's spool lost): the log past it is cut at the
+    checkpointer, so the steps after it are computed again and their new entries logged in the old ones' place."""
+    ctx.emit("state_spool_lost", step=step, shard=shard, reason=reason)
+    ctx.log.warning("step log replay stopped: the state spool lost a step's replicas' states", step=step, reason=reason)
+    entries.cut(step)
 
 
 def last_committed(ctx: ServiceContext) -> int | None:

@@ -20,6 +20,7 @@ would never come. Nothing here waits to send (the link's SendQueue).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -59,8 +60,12 @@ def replays_in_term(cfg: Config, trainer: Trainer, codec: GradientCodec) -> bool
 
 
 class ShardStepLog:
-    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int) -> None:
+    def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int,
+                 saved: list[Callable[[int], object]] | None = None) -> None:
+        """`saved`: told each checkpoint step written (CheckpointerLink.on_saved): the state spool's retention."""
         self.link = StepLogLink(ctx, zctx, term, shard)
+        if saved is not None and self.link.states is not None:
+            saved.append(self.link.states.covered)
         self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
         self.resend_s = resend_after(ctx.cfg.cluster)
         self.sent_at = 0.0  # when an entry was last sent (shipped, or sent again)
@@ -106,7 +111,8 @@ class ShardStepLog:
         if step <= self.shipped:
             return
         self.shipped = step
-        msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner))
+        spool = getattr(self.link, "states", None)  # (None: the checkpointer's spool is off, or a test's fake link)
+        msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner, spool, step))
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
         self.sent_at = time.monotonic()
