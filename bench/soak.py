@@ -11,21 +11,31 @@ it measured): faults by kind and role, restarts, steps redone, double faults apa
 step committed under a term after a newer term took over (or two results for one step), or when fewer faults hit
 than asked (the run ended first: raise --steps); 2 when it cannot run here (not root, no `ip netns`). Bounded:
 `--deadline` seconds for the faults and the run's end, then `cmemi reference` of the same config (minutes).
+
+    .venv/bin/python bench/soak.py --rescore WORK --log LOG [--reference-summary FILE] --out OUT
+
+rebuilds the result of a soak that died before writing it (tests/helpers/soak_rescore.py) from its `--work` folder
+and its stdout; the reference's params_sha256 from FILE (`cmemi reference`'s printed JSON summary first) or, without
+it, from running `cmemi reference` on WORK/cluster.yaml. Needs no root; exit codes as above.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
 from tests.helpers import netns  # noqa: E402
 from tests.helpers.netns_soak import soak  # noqa: E402
+from tests.helpers.soak_rescore import RescoreError, rescore  # noqa: E402
+from tests.helpers.soak_result import reference_timeout, sha_in  # noqa: E402
 
 OUT = C.ROOT / "bench" / "results" / "soak.json"
 
@@ -39,7 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=2400, help="seconds for the whole soak; exit 1 past it")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--work", type=Path, help="keep the run (logs, metrics.jsonl, events.jsonl) in this new folder")
+    p.add_argument("--rescore", type=Path, metavar="WORK", help="rebuild the result of the soak run in this --work "
+                   "folder instead of running one (with --log; --faults and --seed as that soak was given them)")
+    p.add_argument("--log", type=Path, help="--rescore: that soak's stdout (its `[soak T s] fault N: ...` lines)")
+    p.add_argument("--reference-summary", type=Path, metavar="FILE", help="--rescore: `cmemi reference "
+                   "WORK/cluster.yaml`'s output (its JSON summary first) instead of running it again")
+    p.add_argument("--run-commit", metavar="SHA", help="--rescore: the commit that soak ran at (`git rev-parse HEAD` "
+                   "in its checkout); the result's own provenance is this checkout's, the rescoring's")
     a = p.parse_args(argv)
+    words = " ".join(argv if argv is not None else sys.argv[1:])
+    if a.rescore:
+        return rescored(a, words)
     why = netns.unavailable()
     if why:
         print(f"bench/soak.py: {why}; run it as root on Linux with iproute2 and iptables", file=sys.stderr)
@@ -58,14 +78,59 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lab.close()
     result = {"bench": "soak", **measured, "machine": C.machine(),
-              "command": "sudo .venv/bin/python bench/soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              **r}
+              "command": "sudo .venv/bin/python bench/soak.py " + words, **r}
+    return report(result, a.out, a.faults)
+
+
+def reference_of(a: argparse.Namespace) -> str | None:
+    """--rescore: the reference's params_sha256 from --reference-summary (the JSON object `cmemi reference` prints
+    first), else from running it on the soak's config with the soak's scaled timeout."""
+    if a.reference_summary:
+        text = a.reference_summary.read_text()
+        summary, _ = json.JSONDecoder().raw_decode(text[text.index("{"):]) if "{" in text else (None, 0)
+        if not isinstance(summary, dict) or not sha_in(str(summary.get("params_sha256", ""))):
+            raise RescoreError(f"{a.reference_summary} does not start with `cmemi reference`'s JSON summary "
+                               "(params_sha256): give that command's output, or leave --reference-summary out")
+        return str(summary["params_sha256"])
+    cfg = a.rescore / "cluster.yaml"
+    import yaml
+
+    steps = int(yaml.safe_load(cfg.read_text())["train"]["steps"])
+    r = subprocess.run([sys.executable, "-m", "cmemi", "reference", str(cfg)], cwd=C.ROOT, capture_output=True,
+                       text=True, timeout=reference_timeout(steps), check=False)
+    if r.returncode != 0:
+        raise RescoreError(f"cmemi reference {cfg} exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    return sha_in(r.stdout)
+
+
+def rescored(a: argparse.Namespace, words: str) -> int:
+    """`--rescore WORK --log LOG`: the result of a soak that died before writing it (tests/helpers/soak_rescore.py)."""
+    if not a.log:
+        print("bench/soak.py: --rescore needs --log (the soak's stdout)", file=sys.stderr)
+        return 2
+    measured = C.provenance()
+    try:
+        r = rescore(a.rescore, a.log, reference=reference_of(a), faults=a.faults, seed=a.seed)
+    except (RescoreError, OSError, subprocess.TimeoutExpired) as exc:
+        print(f"bench/soak.py --rescore: {exc}", file=sys.stderr)
+        return 2
+    at = f"at commit {a.run_commit}" if a.run_commit else "at a commit not given (--run-commit)"
+    note = (f"the soak's run itself was {at}; this result was rescored from its work folder and log at commit "
+            f"{measured['commit']} (bench/soak.py --rescore), which reads its files and runs no training")
+    result = {"bench": "soak", **measured, "commit_note": note, "run_commit": a.run_commit, "machine": C.machine(),
+              "command": ".venv/bin/python bench/soak.py " + words, **r}
+    return report(result, a.out, a.faults)
+
+
+def report(result: dict[str, Any], out: Path, faults: int) -> int:
+    """Print the result (less the schedule), write it to `out`, and say in one line whether the soak passed."""
+    r = result
     print(json.dumps({k: v for k, v in result.items() if k not in ("schedule", "machine")}, indent=1, default=C.jsonable))
-    a.out.write_text(json.dumps(result, indent=1, default=C.jsonable) + "\n")
-    ok = r["bitwise_equal"] and not r["violations"] and r["faults"] >= a.faults
+    out.write_text(json.dumps(result, indent=1, default=C.jsonable) + "\n")
+    ok = r["bitwise_equal"] and not r["violations"] and r["faults"] >= faults
     print(f"soak: {r['faults']} faults, {r['steps_redone']} steps redone ({r['double_faults']} double faults), "
           f"params_sha256 {'equal to' if r['bitwise_equal'] else 'DIFFERENT FROM'} cmemi reference; "
-          f"{len(r['violations'])} fencing violations; wrote {a.out}")
+          f"{len(r['violations'])} fencing violations; wrote {out}")
     return 0 if ok else 1
 
 

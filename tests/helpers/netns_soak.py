@@ -7,7 +7,8 @@ checkpointer), `h0`..`h2` (a worker each). Faults come one after another (tests/
 for a seeded 0.3-1.5 s, the next `gap` s after it is healed) and anything that exits early is restarted on its host
 with the same arguments, as an orchestrator would. The run is long enough not to end before the last fault
 (`steps`); once the faults are done it is left to finish. The result: faults by kind and by role, restarts, steps
-redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill:
+redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill
+(tests/helpers/soak_result.py, which builds the result):
 their recovery may overlap, so a fallback to a checkpoint is allowed there; and a server's death after the
 checkpointer restarted having lost some of its log — its spool's read-back says so — and before a checkpoint covered
 it, `log_lost_redone`) and the final params_sha256 against
@@ -16,9 +17,7 @@ it, `log_lost_redone`) and the final params_sha256 against
 
 from __future__ import annotations
 
-import json
 import random
-import re
 import subprocess
 import time
 from collections import Counter
@@ -26,16 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import netns
-from tests.helpers.netns_checks import fencing, log_lost_redone
 from tests.helpers.netns_cluster import HostsRun
 from tests.helpers.netns_faults import Faults, role_of, schedule
-from tests.test_netns import read_jsonl
+from tests.helpers.soak_result import mark_double, outcome, reference_timeout, sha_in
 
 PLACEMENT = {"redis": "ctl", "coord": "ctl", "agg": "agg", "agg1": "shard", "ckpt": "ckpt",
              "w0": "h0", "w1": "h1", "w2": "h2"}
 WORKERS = ("w0", "w1", "w2")
-SERVER_KILLS = ("agg", "agg1", "ckpt")
-DOUBLE_S = 5.0
 
 
 def argv() -> dict[str, tuple[str, ...]]:
@@ -61,8 +57,6 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
         run.start(key, *args)
     run.wait_step(20, timeout=300)
     done: list[dict[str, Any]] = []
-    last_server_kill: tuple[str, float] | None = None
-    double = 0
     for kind, key, seconds in schedule(rng, list(PLACEMENT), 2 * faults, hold):
         if sum(r["hit"] for r in done) >= faults:
             break
@@ -72,11 +66,6 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
             raise TimeoutError(f"the soak ran past {deadline_s:g}s after {len(done)} faults at step {run.step()}")
         fault = f.inject(kind, key, seconds)
         row = {**fault.row(), "role": role_of(key), "step": run.step()}
-        if kind == "kill" and key in SERVER_KILLS and fault.hit:
-            if last_server_kill and last_server_kill[0] != key and fault.t - last_server_kill[1] < DOUBLE_S:
-                row["double"] = True
-                double += 1
-            last_server_kill = (key, fault.t)
         done.append(row)
         print(f"[soak {time.monotonic() - t0:7.1f}s] fault {len(done)}: {kind} {key} {seconds:.2f}s at step {row['step']}"
               f"{'' if fault.hit else ' (missed: no such process or port)'}", flush=True)
@@ -93,31 +82,12 @@ def soak(lab: netns.NetLab, work: Path, faults: int, seed: int, steps: int, gap:
         error = f"{exc}{run.diagnostics()}"
     for proc in lab.procs:
         lab.stop(proc)
-    # the reference trains every step again, fault-free: 60,000 steps took over 300 s on a loaded 2-core machine
     try:
-        found = re.search(r"\b[0-9a-f]{64}\b", run.reference(timeout=max(300.0, steps / 40)))
+        reference = sha_in(run.reference(timeout=reference_timeout(steps)))
     except subprocess.TimeoutExpired as exc:  # the run's own figures are still worth keeping: said in `error`
-        found, error = None, f"{error or ''}\ncmemi reference did not finish within {exc.timeout:g} s"
-    reference = found.group(0) if found else None
-    summary_path = run.run_dir / "summary.json"
-    sha = json.loads(summary_path.read_text())["params_sha256"] if summary_path.is_file() else None
-    events = read_jsonl(run.run_dir / "events.jsonl")
-    checks = fencing(run.metrics(), steps, events)
-    lost = log_lost_redone(events)
-    hits = [r for r in done if r["hit"]]
-    return {
-        "faults_asked": faults, "faults": len(hits), "faults_missed": len(done) - len(hits), "seed": seed,
-        "steps": steps, "hosts": len(run.hosts), "shards": 2, "workers": len(WORKERS),
-        "by_kind": dict(Counter(r["kind"] for r in hits)),
-        "by_role": dict(Counter(r["role"] for r in hits)),
-        "by_kind_role": dict(Counter(f"{r['kind']}:{r['role']}" for r in hits)),
-        "restarts": f.restarts, "exit_codes": dict(Counter(f"{k}={rc}" for k, rc in f.exit_codes)),
-        "double_faults": double + lost["events"], "steps_redone": checks["steps_redone"],
-        "double_faults_log_lost": lost["events"], "steps_redone_double": lost["steps"],
-        "redone_events": lost["all_events"],
-        "steps_logged_twice": checks["steps_logged_twice"], "terms": len(checks["terms"]),
-        "violations": checks["violations"][:20],
-        "params_sha256": sha, "reference_params_sha256": reference, "bitwise_equal": sha is not None and sha == reference,
-        "error": error[-6000:] if error else None,
-        "faults_s": round(t_faults, 1), "wall_s": round(time.monotonic() - t0, 1), "schedule": done,
-    }
+        reference, error = None, f"{error or ''}\ncmemi reference did not finish within {exc.timeout:g} s"
+    return outcome(done, run.run_dir, faults=faults, seed=seed, steps=steps, hosts=len(run.hosts),
+                   workers=len(WORKERS), restarts=f.restarts,
+                   exit_codes=dict(Counter(f"{k}={rc}" for k, rc in f.exit_codes)),
+                   double=mark_double(done, lambda r: r["t"]), reference=reference, error=error,
+                   faults_s=round(t_faults, 1), wall_s=round(time.monotonic() - t0, 1))
