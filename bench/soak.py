@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,10 @@ def rescored(a: argparse.Namespace, words: str) -> int:
     if not a.log:
         print("bench/soak.py: --rescore needs --log (the soak's stdout)", file=sys.stderr)
         return 2
+    if a.run_commit and not re.fullmatch(r"[0-9a-f]{7,40}", a.run_commit):
+        print(f"bench/soak.py: --run-commit {a.run_commit!r} is not a commit: give `git rev-parse HEAD` of the "
+              "checkout the soak ran from", file=sys.stderr)
+        return 2
     measured = C.provenance()
     try:
         r = rescore(a.rescore, a.log, reference=reference_of(a), faults=a.faults, seed=a.seed)
@@ -117,7 +122,10 @@ def rescored(a: argparse.Namespace, words: str) -> int:
     at = f"at commit {a.run_commit}" if a.run_commit else "at a commit not given (--run-commit)"
     note = (f"the soak's run itself was {at}; this result was rescored from its work folder and log at commit "
             f"{measured['commit']} (bench/soak.py --rescore), which reads its files and runs no training")
-    result = {"bench": "soak", **measured, "commit_note": note, "run_commit": a.run_commit, "machine": C.machine(),
+    caveat = "rebuilt at that commit (`bench/soak.py --rescore`) from a soak run " + (
+        f"at commit `{a.run_commit[:7]}`" if a.run_commit else "at a commit not given")  # scripts/tables: `measured`
+    result = {"bench": "soak", **measured, "commit_note": note, "caveat": caveat, "run_commit": a.run_commit,
+              "machine": C.machine(),
               "command": ".venv/bin/python bench/soak.py " + words, **r}
     return report(result, a.out, a.faults)
 

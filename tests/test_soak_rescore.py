@@ -135,3 +135,5 @@ def test_bench_soak_rescore_writes_a_result_the_table_shows(tmp_path: Path, monk
     ref.write_text("no summary here\n")
     assert bench_soak.main(args) == 2 and "JSON summary" in capsys.readouterr().err
     assert bench_soak.main(["--rescore", str(work), "--out", str(out)]) == 2
+    assert bench_soak.main([*args[:-4], "--run-commit", "HEAD", "--out", str(out)]) == 2
+    assert "--run-commit 'HEAD' is not a commit" in capsys.readouterr().err

@@ -27,23 +27,22 @@ def restarted(d: dict[str, Any]) -> str:
     if d.get("exit_codes") is not None:
         aborts, where = sum(n for k, n in d["exit_codes"].items() if k.endswith("=-6")), ""
     else:
-        aborts, where = sum(d.get("aborts_logged", {}).values()), " (counted from their assertion lines in the logs)"
+        aborts, where = sum(d.get("aborts_logged", {}).values()), "; counted from their assertion lines in the logs"
     if d.get("restarts") is None:
         return f"Processes restarted: not recorded; {aborts} aborts inside libzmq{where}"
     restarts = ", ".join(f"{k} {n}" for k, n in sorted(d["restarts"].items())) or "none"
     lead = ("Processes restarted (at least: starts announced in events.jsonl)" if d.get("rescored")
             else "Processes restarted")
     return (f"{lead}: {restarts}; of their exits, {aborts} were aborts inside libzmq (SIGABRT, "
-            f"[below](#libzmq-aborts)){where}, restarted like any crash")
+            f"[below](#libzmq-aborts){where}), restarted like any crash")
 
 
 def rescored(d: dict[str, Any]) -> list[str]:
     """A sentence on where a rescored result came from (empty for a soak that wrote its own)."""
     if not d.get("rescored"):
         return []
-    run = f"at commit `{d['run_commit'][:7]}`" if d.get("run_commit") else "at a commit it does not name"
-    return [f"Rebuilt with `bench/soak.py --rescore` from the run's folder and the soak's log (the run itself was "
-            f"{run}): {d['rescored']['why'][:240]}.", ""]
+    return [f"Rebuilt with `bench/soak.py --rescore` from the run's folder and the soak's log: "
+            f"{d['rescored']['why'][:240]}.", ""]
 
 
 def soak() -> str:
