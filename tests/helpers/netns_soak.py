@@ -7,12 +7,12 @@ checkpointer), `h0`..`h2` (a worker each). Faults come one after another (tests/
 for a seeded 0.3-1.5 s, the next `gap` s after it is healed) and anything that exits early is restarted on its host
 with the same arguments, as an orchestrator would. The run is long enough not to end before the last fault
 (`steps`); once the faults are done it is left to finish. The result: faults by kind and by role, restarts, steps
-redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill
-(tests/helpers/soak_result.py, which builds the result):
+redone (tests/helpers/netns_checks.py), double faults (a server killed within `DOUBLE_S` of another server's kill:
 their recovery may overlap, so a fallback to a checkpoint is allowed there; and a server's death after the
 checkpointer restarted having lost some of its log — its spool's read-back says so — and before a checkpoint covered
 it, `log_lost_redone`) and the final params_sha256 against
-`cmemi reference` of the same config.
+`cmemi reference` of the same config, built by tests/helpers/soak_result.py's `outcome` (which `bench/soak.py
+--rescore` shares: tests/helpers/soak_rescore.py).
 """
 
 from __future__ import annotations
