@@ -93,12 +93,14 @@ def main(argv: list[str]) -> int:
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
-    from cmemi.launcher.launch import exit_code, exit_now, run_service, user_code_importable
+    from cmemi.launcher.launch import run_service, user_code_importable
 
     user_code_importable()
-    # the service closed what it opened: leave as a service started from the command line does, without the
-    # interpreter's teardown (0.5-0.8 s with torch imported, which a restart waited for)
-    exit_now(exit_code(lambda: run_service(request["argv"][3], request["argv"][4:])))
+    # Through the interpreter's teardown (0.5-0.8 s with torch imported), not launch.exit_now: the teardown's
+    # ZeroMQ context termination is what unlinks a service's ipc:// socket files (tests/test_samehost_faults.py
+    # found them left behind after an os._exit)
+    run_service(request["argv"][3], request["argv"][4:])
+    return 0
 
 
 def _spawned_at() -> float:
