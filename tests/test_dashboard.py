@@ -143,8 +143,10 @@ def test_every_path_needs_the_token_when_one_is_set(run_dir: Path) -> None:
 @contextmanager
 def cli(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`cmemi dashboard ARGS` in a real process, with the line it printed first (the URL once bound); stopped after."""
+    # SIGINT as a terminal's foreground job has it: a suite started in the background (`make test &`) ignores it, and
+    # a child inherits the ignoring (Python then installs no KeyboardInterrupt handler: Ctrl-C would do nothing)
     with subprocess.Popen(cmemi_cmd("dashboard", *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as proc:
+                          text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         try:
             assert proc.stdout is not None
             yield proc, proc.stdout.readline()  # EOF ("") if it failed: the assertions below show its stderr
