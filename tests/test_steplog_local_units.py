@@ -4,6 +4,8 @@ its outer parameters and momentum, and every replica's inner state (docs/design/
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 import torch
@@ -46,6 +48,34 @@ def through_the_wire(fields: dict, tensors: dict[str, torch.Tensor]) -> protocol
     return protocol.decode(frames, "run")
 
 
+
+def logged_rounds(cfg, live: Trainer, n: int, spool: Any = None) -> list[protocol.Message]:
+    """`n` rounds of two replicas (real LocalRounds, each starting from the leader's parameters, as a lease's)
+    applied by `live`; each round's entry as the checkpointer gets it (through the wire), its states in `spool` (a
+    StateSpool) when one is given, each round's record in a segment of its own."""
+    assert live.inner is not None
+    worker = runner(cfg)
+    local = LocalRound(cfg, worker)
+    entries = []
+    for rnd in range(n):
+        with torch.no_grad():
+            for name, p in worker.params.items():
+                p.copy_(live.params[name])
+        deltas = []
+        for r in range(2):
+            _, delta, _, state = local.run(rnd, r, innerstate.through_wire(live.inner.start(r)))
+            live.inner.keep(r, innerstate.through_wire(state))
+            deltas.append(delta)
+        mean = {k: (deltas[0][k] + deltas[1][k]) / 2 for k in deltas[0]}
+        header, states = replicas.states_of(live.inner, spool, live.step + 1)
+        msg = through_the_wire({"replicas": header}, {**tensors_of(mean, None), **states})
+        msg.header["step"] = live.step + 1
+        entries.append(msg)
+        live.apply(mean)
+        if spool is not None:
+            spool.close()
+    return entries
+
 def test_an_entry_carries_the_states_a_step_makes_current_and_a_replay_puts_them_back(tmp_path) -> None:
     cfg = config(tmp_path)
     live = Trainer(cfg)
@@ -86,22 +116,7 @@ def test_a_replay_of_logged_rounds_ends_bitwise_where_the_leader_ended(tmp_path)
     cfg = config(tmp_path)
     live, replayed = Trainer(cfg), Trainer(cfg)
     assert live.inner is not None and replayed.inner is not None
-    worker = runner(cfg)
-    local = LocalRound(cfg, worker)
-    entries = []
-    for rnd in range(4):
-        with torch.no_grad():  # the round starts from the leader's parameters, as a lease's
-            for n, p in worker.params.items():
-                p.copy_(live.params[n])
-        deltas = []
-        for r in range(2):
-            _, delta, _, state = local.run(rnd, r, innerstate.through_wire(live.inner.start(r)))
-            live.inner.keep(r, innerstate.through_wire(state))
-            deltas.append(delta)
-        mean = {n: (deltas[0][n] + deltas[1][n]) / 2 for n in deltas[0]}
-        header, states = replicas.states_of(live.inner)
-        entries.append(through_the_wire({"replicas": header}, {**tensors_of(mean, None), **states}))
-        live.apply(mean)
+    entries = logged_rounds(cfg, live, 4)
     for msg in entries:
         replicas.restore(replayed.inner, msg.header["replicas"], msg.tensors)
         grads, buffer_sum = inputs_of(msg.tensors, msg.header["skip"])

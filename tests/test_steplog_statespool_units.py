@@ -19,13 +19,9 @@ import torch
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.steplog import replay as replaying
-from cmemi.services.aggregator.steplog import replicas
-from cmemi.services.aggregator.steplog.link import tensors_of
 from cmemi.services.aggregator.steplog.statespool import Lost, StateSpool
-from cmemi.services.worker.compute.local import LocalRound
-from cmemi.shared.core import innerstate
 
-from tests.test_steplog_local_units import config, runner, same_state, through_the_wire
+from tests.test_steplog_local_units import config, logged_rounds, same_state
 
 
 def test_write_and_read_back_bitwise_every_dtype_and_shape(tmp_path) -> None:
@@ -87,27 +83,7 @@ def rounds(tmp_path, spool: StateSpool | None, n: int = 3) -> tuple[Trainer, lis
     checkpointer gets it (through the wire), its states in `spool` when one is given."""
     cfg = config(tmp_path)
     live = Trainer(cfg)
-    assert live.inner is not None
-    worker = runner(cfg)
-    local = LocalRound(cfg, worker)
-    entries = []
-    for rnd in range(n):
-        with torch.no_grad():
-            for name, p in worker.params.items():
-                p.copy_(live.params[name])
-        deltas = []
-        for r in range(2):
-            _, delta, _, state = local.run(rnd, r, innerstate.through_wire(live.inner.start(r)))
-            live.inner.keep(r, innerstate.through_wire(state))
-            deltas.append(delta)
-        mean = {k: (deltas[0][k] + deltas[1][k]) / 2 for k in deltas[0]}
-        header, states = replicas.states_of(live.inner, spool, live.step + 1)
-        msg = through_the_wire({"replicas": header}, {**tensors_of(mean, None), **states})
-        msg.header["step"] = live.step + 1
-        entries.append(msg)
-        live.apply(mean)
-        if spool is not None:
-            spool.close()  # (each round's record in its own segment: one of them can go)
+    entries = logged_rounds(cfg, live, n, spool)
     return live, entries
 
 
