@@ -116,7 +116,9 @@ class StateSpool:
                 raise Lost(f"the record at {path}:{at} is {found}")
             if found.size != size or found.xxh != xxh:
                 raise Lost(f"the record at {path}:{at} is not the one step {step}'s entry names")
-            payload = bytearray(os.pread(fd, found.payload_len, found.payload_at))
+            payload = bytearray(found.payload_len)  # read straight into it (a pread's bytes would be copied again)
+            if os.preadv(fd, [payload], found.payload_at) != found.payload_len:
+                raise Lost(f"the record at {path}:{at} ends early")
         finally:
             os.close(fd)
         try:
