@@ -12,22 +12,29 @@ Here, with T = `link_timeout(cluster)` = max(1 s, cluster.dead_after / 2):
   receive window closed for T ends the sender's connection even while the window probes are answered (issue 47:
   on 6.18 a loopback sender under T = 1 s got ETIMEDOUT, its reader a reset). So every loop that serves a link
   reads it at least every T: its ZeroMQ stops reading the kernel once RCVHWM messages wait, and a reset that finds
-  a connection stopped so trips libzmq's `!_io_error` abort (docs/concepts/faults.md, "libzmq aborts"). A shard's
-  final slice, sent while the leader waited for the final checkpoint without reading, did (shard/upstream.py
-  `finish`).
-- ZeroMQ heartbeats, a PING every cluster.heartbeat_interval: no connection is ever idle, so an end that only waits
-  (for work, for a gradient) has a PING unacknowledged during a cut and its user timeout fires too. Their own
-  timeout and TTL (`FROZEN_PEER_S`) are long on purpose: libzmq counts only complete frames as signs of life, and
-  one 4 MiB frame takes seconds on a slow link (tests/test_slow_link.py: about 5.6 s at 6 Mbit/s); they catch
-  only a peer whose kernel answers while its ZeroMQ does not.
-- TCP keepalive (idle 1 s, the least ZeroMQ takes, then every 1 s): the last resort for a connection without
-  heartbeats; Linux ends it at the user timeout after the first unanswered probe.
+  a connection stopped so tripped libzmq's `!_io_error` abort while heartbeats were on (below). A shard's final
+  slice, sent while the leader waited for the final checkpoint without reading, did (shard/upstream.py `finish`).
+- No ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL stays 0, on both ends): in libzmq 4.3.5 (pyzmq 27.3's, the newest
+  release; its master is unchanged) they abort the process. A connection that fails (a peer's reset, this
+  user timeout) while its input is stopped (RCVHWM messages wait for the reader) is only taken off epoll and
+  marked failed (`_io_error`, stream_engine_base.cpp:249); the heartbeat timer's PING (ZMQ_HEARTBEAT_IVL on this
+  end) and the PONG to a PING decoded when the reader drains (ZMQ_HEARTBEAT_IVL on the other end) then call
+  `out_event`, which asserts `!_io_error`: SIGABRT (zeromq/libzmq#4841; the 1,000-fault soak lost 16 servers to it,
+  bench/results/soak.json). Every other write path checks the flag first. tests/test_zmq_abort.py reproduces it
+  with each end's heartbeats and shows that without them the server lives (tests/helpers/zmq_abort.py).
+- TCP keepalive instead (idle 1 s, the least ZeroMQ takes, then every 1 s) keeps an end that only waits (for
+  work, for a gradient) from holding a dead connection: Linux ends it once it has sent a probe unanswered and
+  heard nothing for T, so it is given up max(2 s, ⌈T⌉) after the last packet it received (whole seconds, as
+  the probes go), where the PINGs gave T plus one heartbeat interval. An end with data unacknowledged gives up at T
+  either way. The heartbeats' own timeout also caught a peer whose kernel answers while its ZeroMQ does not (a
+  SIGSTOPped process); such a peer is now left to membership (cluster.dead_after) and, once its receive window
+  closes, to the sender's user timeout.
 - Re-dials 0.1 s after a connection is lost, backing off to at most `RECONNECT_MAX_S`, and a dial unanswered for
   `CONNECT_TIMEOUT_S` is given up and made again (ZMQ_CONNECT_TIMEOUT): a SYN lost in the outage would otherwise
   be retried by the kernel 1, 3, 7, 15 s after it was sent. (The first draft re-dialled every 0.5 s after a 1 s
   dial timeout: the 4 s port-down above then cost D + 1.4 s.)
 
-So a link cut for d seconds is given up within T (+ one heartbeat interval) of the cut, on both ends, and is up
+So a link cut for d seconds is given up within max(2 s, ⌈T⌉) of the cut, on both ends, and is up
 again within CONNECT_TIMEOUT_S + RECONNECT_MAX_S of its return; what was queued meanwhile (a worker's re-ask) goes
 out then. A link that comes back before T is never given up. `docs/concepts/faults.md` (links) has the formula.
 """
@@ -40,7 +47,6 @@ from cmemi.shared.config.system import ClusterConfig
 RECONNECT_IVL_S = 0.1  # the first re-dial after a connection is lost
 RECONNECT_MAX_S = 0.25  # re-dials back off to at most this
 CONNECT_TIMEOUT_S = 0.5  # a dial unanswered this long is given up and made again (a SYN-ACK takes ms on a LAN)
-FROZEN_PEER_S = 60.0  # ZeroMQ's own heartbeat timeout/TTL (see the module docstring: why long)
 KEEPALIVE_IDLE_S = 1  # whole seconds: ZeroMQ's TCP keepalive options take nothing finer
 KEEPALIVE_INTVL_S = 1
 KEEPALIVE_CNT = 2
@@ -54,9 +60,7 @@ def link_timeout(cluster: ClusterConfig) -> float:
 def set_link_options(sock: zmq.Socket[bytes], cluster: ClusterConfig) -> None:
     """Set every option above on `sock`, before it connects or binds (they apply to its later connections)."""
     timeout_ms = int(link_timeout(cluster) * 1000)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cluster.heartbeat_interval * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(FROZEN_PEER_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(FROZEN_PEER_S * 1000))  # sent to the peer (whole tenths of a second)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)  # libzmq's default, said here: heartbeats abort it (module docstring)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
