@@ -22,6 +22,8 @@ from cmemi.shared.wire import assembly, protocol, transfer
 from cmemi.shared.wire.protocol import ProtocolError
 from safetensors.torch import load_file, save_file
 
+from tests.helpers.sockets import joined_pair
+
 RUN = "r1"
 CAP = 1 << 16
 STEP = 7
@@ -181,11 +183,7 @@ def restored(path: Path, fields: dict, cap: int, count: int, **kw) -> tuple[int,
     no more come)."""
     ctx = zmq.Context()
     try:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send(b"hi")
-        identity, _ = router.recv_multipart()
+        router, dealer, (identity, _) = joined_pair(ctx, b"hi")
         sent = restore.send(router, identity, RUN, fields, path, cap, checksum=True, **kw)
         got = []
         while len(got) < count:

@@ -26,6 +26,7 @@ from cmemi.shared.wire import assembly, limits
 from cmemi.shared.wire.sendq import SendQueue
 
 from tests.helpers.rig import context, until
+from tests.helpers.sockets import pair
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,12 +142,7 @@ def test_a_leaders_entry_lost_on_the_way_is_sent_again_and_its_ack_comes(tmp_pat
 def test_a_send_queue_keeps_order_never_waits_and_drops_the_oldest_past_its_limit() -> None:
     """shared/wire/sendq.py on its own, as the shard's link to its leader uses it (services/aggregator/shard/upstream.py)."""
     zctx = zmq.Context()
-    router, dealer = zctx.socket(zmq.ROUTER), zctx.socket(zmq.DEALER)
-    router.setsockopt(zmq.RCVHWM, 1)
-    router.setsockopt(zmq.RCVBUF, 4096)
-    dealer.setsockopt(zmq.SNDHWM, 2)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealer.connect(f"tcp://127.0.0.1:{port}")
+    router, dealer = pair(zctx, {zmq.RCVHWM: 1, zmq.RCVBUF: 4096}, {zmq.SNDHWM: 2})
     q = SendQueue("a peer that reads nothing", 4, structlog.get_logger())
     try:
         t0 = time.monotonic()

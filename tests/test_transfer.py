@@ -10,6 +10,8 @@ import zmq
 from cmemi.shared.wire import assembly, protocol, transfer
 from cmemi.shared.wire.protocol import ProtocolError
 
+from tests.helpers.sockets import joined_pair
+
 RUN = "r1"
 CAP = 1 << 16
 FIELDS = {"step": 7, "term": 2, "final": False, "meta": {"k": [1, 2]}}
@@ -238,12 +240,7 @@ def test_a_bad_reply_on_a_dealer_is_logged_and_dropped_and_the_next_one_read() -
 
     ctx = zmq.Context()
     try:
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send(b"hello")
-        assert router.poll(10_000)
-        ident, _ = router.recv_multipart()
+        router, dealer, (ident, _) = joined_pair(ctx)
         router.send_multipart([ident, b"\x00not msgpack"])
         good = transfer.messages("snapshot", RUN, FIELDS, 1 << 30, {"a": torch.arange(4.0)})
         assert len(good) == 1

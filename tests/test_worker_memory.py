@@ -24,6 +24,7 @@ from cmemi.shared.wire import assembly, layout, limits, transfer
 from torch.utils.checkpoint import checkpoint
 
 from tests.conftest import DIGITS
+from tests.helpers.sockets import joined_pair
 
 CFG = load_config(DIGITS, ["run.name=memory", "train.global_batch=32", "train.microbatches=4"])
 RUN = CFG.run.name
@@ -124,13 +125,9 @@ class Shard:
         self.params = {"w": torch.zeros(300, 600), "b": torch.zeros(7)}
         self.partition = Partition(self.params, 2)
         self.zctx = zmq.Context()
-        self.router = self.zctx.socket(zmq.ROUTER)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        dealer = self.zctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, b"w0")
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealer.send(b"")  # a ROUTER drops messages to a peer it has not heard from yet
-        assert self.router.poll(10_000) and self.router.recv_multipart() == [b"w0", b""]
+        # a ROUTER drops messages to a peer it has not heard from yet: the DEALER says hello first
+        self.router, dealer, hello = joined_pair(self.zctx, b"", identity=b"w0")
+        assert hello == [b"w0", b""]
         fatal = lambda message: pytest.fail(message)  # noqa: E731
         ctx = SimpleNamespace(run=RUN, stopping=threading.Event(), fatal=fatal)
         self.links = ShardLinks(ctx, CFG, self.partition, self.params, lambda: {"wid": "w0", "inc": 1},
