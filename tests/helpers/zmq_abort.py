@@ -20,11 +20,11 @@ write to it, and `out_event` asserts `!_io_error`: the server dies of SIGABRT (e
 greeting then garbage, resets, a half-open connection): the server must serve the real client all the same.
 `--server-ping MS` / `--client-ping MS` turn heartbeats on at that end, over the project's options (which set none
 since this was found; shared/runtime/links.py); the PONG path needs the PING among the bytes libzmq had read but not
-yet passed on when it stopped, so it wants small messages (`--part 16`) and frequent PINGs (`--client-ping 1`).
+yet passed on when it stopped, so it wants small messages (`--part 64`) and frequent PINGs (`--client-ping 1`).
 
     python -m tests.helpers.zmq_abort 20                          # the project's options: 20 rounds; prints the aborts
     python -m tests.helpers.zmq_abort 20 --server-ping 200        # the server's heartbeat timer (as before the fix)
-    python -m tests.helpers.zmq_abort 20 --client-ping 1 --part 16  # the server's PONG to a client's PING
+    python -m tests.helpers.zmq_abort 20 --client-ping 1 --part 64  # the server's PONG to a client's PING
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ PART = 64 * 1024  # bytes per client message: a few fill the server's RCVHWM and
 CLIENT_SNDHWM = 4  # the client's own queue, small so "full" comes after a few hundred KiB, not SNDHWM's 1,000 parts
 PING_TIMEOUT_S = 60.0  # links.py's heartbeat timeout and TTL while it set heartbeats (FROZEN_PEER_S)
 START_S = 20.0  # a child must say it is ready within this (a loaded CI host starts Python slowly)
+FILL_S = 60.0  # the client must fill its queue within this (tiny `--part`s take the longest to fill the kernels' buffers)
 
 
 def _options(sock: zmq.Socket[bytes], ping_ms: int) -> None:
@@ -103,7 +104,7 @@ def client(keys: Path, port: int, ping_ms: int, part: int) -> int:
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send(b"hello")
     payload = os.urandom(part)
-    deadline = time.monotonic() + START_S
+    deadline = time.monotonic() + FILL_S
     while time.monotonic() < deadline:
         if not sock.poll(200, zmq.POLLOUT):  # the pipe stayed full: the server's input has stopped
             print("full", flush=True)
