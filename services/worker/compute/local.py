@@ -24,6 +24,7 @@ from cmemi.shared.config.plugins import build_optimizer, build_scheduler
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core import innerstate
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.innerstate import InnerState
 from cmemi.shared.errors import WireError
@@ -66,8 +67,11 @@ class LocalRound:
         return loss, self.with_feedback(step, self.views(delta), state, new), contribution, new
 
     def ships_state(self, step: int, r: int) -> bool:
-        """Does replica r's state after this step's lease go up beside its change? (Whole rounds: always.)"""
-        return not self.fragments or fragmenting.ships_state(step, self.snapshot_every, r)
+        """Does replica r's state after this step's lease go up beside its change? (Whole rounds: after the rounds
+        `innerstate.due` names, every round with train.state_every = 1.)"""
+        if self.fragments:
+            return fragmenting.ships_state(step, self.snapshot_every, r)
+        return innerstate.due(step, r, self.cfg.train.state_every)
 
     @property
     def ahead(self) -> bool:
