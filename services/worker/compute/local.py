@@ -14,6 +14,7 @@ left holding θ_t again, so another replica of the same round needs no new param
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 
 import torch
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
@@ -176,6 +177,33 @@ class LocalRound:
         for s in range(first, seg):
             state = self.segment(s, r, state)[3]
         return self.segment(seg, r, state)
+
+    def catch_up(self, first: int, rnd: int, r: int, state: InnerState | None,
+                 start_of: Callable[[int], Mapping[str, torch.Tensor]]) -> InnerState | None:
+        """Whole rounds with train.state_every = D > 1: replica r's state at the start of round `rnd`, from its snapshot
+        `state` that starts round `first` (at most D − 1 rounds before): rounds first … rnd − 1 computed again, each from
+        the parameters it started from (`start_of(u)`: θ_u by parameter name, or with compression.downlink the mirror
+        m_u; with travelling buffers, the round's buffers by name too), its own microbatches and, sparse2, its
+        residual, as the first run computed them; their changes were summed already and are dropped. The model is left
+        holding what it held (θ_rnd and its buffers), for the lease itself."""
+        params, buffers = self.runner.params, self.runner.step_buffers
+        held = {n: p.detach().clone() for n, p in {**params, **buffers}.items()}
+        try:
+            for u in range(first, rnd):
+                with torch.no_grad():
+                    theta = start_of(u)
+                    for n, p in {**params, **buffers}.items():
+                        p.copy_(theta[n])
+                _, delta, _, new = self.run(u, r, state)
+                if self.feedback is not None:  # the residual advances by the change the round sent
+                    assert self.views is not None
+                    self.with_feedback(u, self.views(delta), state, new)
+                state = new
+        finally:
+            with torch.no_grad():
+                for n, p in {**params, **buffers}.items():
+                    p.copy_(held[n])
+        return state
 
     def _inner_steps(self, first: int, count: int, r: int) -> list[float]:
         """`count` inner steps of replica r from virtual step `first` on: microbatch r of each, its gradient clipped
