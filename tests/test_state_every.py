@@ -7,6 +7,9 @@ history of versions a replay needs (services/aggregator/common/history.py) and t
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from cmemi.services.worker.compute.local import LocalRound
@@ -20,18 +23,22 @@ from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.history import Versions
 from cmemi.shared.wire import limits
 
-from tests.conftest import DIGITS
+from tests.conftest import DIGITS, run_up
+from tests.helpers import references
 
 WHOLE = ("train.local_steps=5", "train.replicas=4", "train.steps=60")
+LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
+         "cluster.spare_workers=0", "checkpoint.every_steps=0", "eval.every_steps=4")  # (test_local_steps.py's)
 
 
 def test_state_every_defaults_to_every_round_and_refuses_what_it_cannot_keep_exact() -> None:
     assert load_config(DIGITS, list(WHOLE)).train.state_every == 1
+    assert load_config(DIGITS, [*WHOLE, "train.state_every=4"]).train.state_every == 4  # whole rounds, one server
     for sets, why in [(("train.state_every=0",), "must be >= 1"),
                       (("train.steps=300", "train.state_every=4"), "train.local_steps is 0"),
                       (("train.local_steps=6", "train.fragments=3", "train.steps=60", "train.state_every=4"),
                        "streaming sends"),
-                      ((*WHOLE, "train.state_every=4"), "does not do yet")]:
+                      ((*WHOLE, "train.state_every=4", "cluster.shards=2"), "needs cluster.shards: 1")]:
         with pytest.raises(ConfigError, match=f"config field 'train.state_every' = .*{why}.*; (use|set)") as err:
             load_config(DIGITS, ["train.steps=300", *sets] if "train.steps=60" not in sets else list(sets))
         assert "\n" not in str(err.value)  # one line, naming the field and the fix
@@ -95,7 +102,7 @@ def test_the_history_keeps_the_window_prunes_the_rest_and_refuses_a_version_outs
 def test_the_message_bound_counts_the_history_and_is_unchanged_at_d_equal_one() -> None:
     cfg = load_config(DIGITS, list(WHOLE))
     before = limits.logical_bytes(cfg)
-    cfg.train.state_every = 4  # (refused by the config today; the bound is ready for it)
+    cfg.train.state_every = 4
     assert limits.logical_bytes(cfg) >= before + 3 * limits.model_bytes(cfg)
 
 
@@ -127,7 +134,7 @@ def test_a_replay_of_rounds_s_to_t_minus_one_is_bitwise_the_rounds_computed_in_o
     states: dict[int, list] = {0: [None], 1: [None]}
     versions, results = [], []
     for u in range(5):
-        versions.append({n: p.detach().clone() for n, p in ra.params.items()})
+        versions.append({n: p.detach().clone() for n, p in views(ra.params).items()})  # by piece, as servers keep them
         deltas = []
         for r in (0, 1):
             _, delta, _, new = a.lease(u, r, u, states[r][-1])
@@ -140,10 +147,10 @@ def test_a_replay_of_rounds_s_to_t_minus_one_is_bitwise_the_rounds_computed_in_o
                 v.sub_(0.5 * (deltas[0][n] + deltas[1][n]))
     r, s, t = 1, 1, 4
     with torch.no_grad():
-        for n, p in rb.params.items():
+        for n, p in views(rb.params).items():
             p.copy_(versions[t][n])
     state = b.catch_up(s, t, r, states[r][s], lambda u: versions[u])
-    assert all(torch.equal(p, versions[t][n]) for n, p in rb.params.items())  # θ_t again, for the lease
+    assert all(torch.equal(p, versions[t][n]) for n, p in views(rb.params).items())  # θ_t again, for the lease
     _, delta, _, new = b.lease(t, r, t, state)
     want_delta, (want_meta, want_tensors) = results[t]
     meta, tensors = _flat(new)
@@ -154,3 +161,28 @@ def test_a_replay_of_rounds_s_to_t_minus_one_is_bitwise_the_rounds_computed_in_o
     wrong = b.catch_up(s, t, r, states[r][s], lambda u: versions[t])  # no history: every round from θ_t
     _, bad, _, _ = b.lease(t, r, t, wrong)
     assert any(not torch.equal(bad[n], want_delta[n]) for n in want_delta)
+
+
+# ---------------------------------------------------------------------------------------------- clusters
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_states_every_four_rounds_give_the_reference_at_any_worker_count(tmp_path: Path) -> None:
+    """D = 4, whole rounds, K = 1, W = 2 and 3 (3 workers for 4 replicas: replicas move between workers, so new holders
+    replay from snapshots): the params_sha256 of `cmemi reference` (which D does not change), and fewer states up."""
+    want = references.reference(tmp_path, *LOCAL)["params_sha256"]
+    replayed = 0
+    for w in (2, 3):
+        r = run_up(tmp_path / f"w{w}", *LOCAL, "train.state_every=4", f"cluster.workers={w}")
+        assert r.rc == 0, r.stderr[-3000:]
+        assert r.summary["steps"] == 12 and r.summary["params_sha256"] == want, (w, r.summary)
+        assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
+        replays = [e for e in _events(tmp_path / f"w{w}") if e["kind"] == "replay"]
+        assert all(1 <= e["rounds"] <= 3 for e in replays), replays  # at most D − 1 rounds computed again
+        assert r.summary["inner_rounds_replayed"] == sum(e["rounds"] for e in replays)
+        replayed += len(replays)
+    assert replayed, "no replica moved: the replay was not exercised"

@@ -206,8 +206,8 @@ class TrainConfig:
                   f"use e.g. {self.local_steps * max(1, round(self.steps / self.local_steps))}")
 
     def _check_state_every(self) -> None:
-        """`state_every` where a replay from a snapshot D rounds old can be exact: whole rounds of local steps, and
-        (until the servers' history of θ and the worker's replay across rounds are wired into the cluster) D = 1."""
+        """`state_every` where a replay from a snapshot D rounds old can be exact: whole rounds of local steps (and one
+        server: Config's rule, shared/config/schema.py)."""
         if self.state_every < 1:
             fail("train.state_every", self.state_every, "must be >= 1", "use 1 (a state every round) or e.g. 8")
         if self.state_every == 1:
@@ -219,9 +219,6 @@ class TrainConfig:
             fail("train.state_every", self.state_every, "applies to whole rounds; streaming sends a replica's state "
                  "every F - 1 segments so that a replay needs no history (fragments.snapshot_period)",
                  "use 1 with train.fragments > 1")
-        fail("train.state_every", self.state_every, "needs the servers to keep D versions of their pieces and to "
-             "answer a worker's pull of an older one, which the cluster does not do yet (issue 48: the due rule, "
-             "the history and the worker's replay are built, the wire is not)", "use 1")
 
     @property
     def rounds(self) -> int:

@@ -118,6 +118,26 @@ def snapshot_start(rnd: int, r: int, every: int) -> int:
     return next((t + 1 for t in range(rnd - 1, -1, -1) if due(t, r, every)), 0)
 
 
+# The versions a replay starts its rounds from travel beside the snapshot in its `inner` message (train.state_every >
+# 1, shared/core/history.py), as tensors named ".past.<version>.<piece>": no parameter's name starts with ".", and the
+# state's own are ".inner.…"
+PAST = ".past."
+
+
+def past_tensors(version: int, pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Version `version` of the pieces (and buffers) a round starts from, named for an `inner` message."""
+    return {f"{PAST}{version}.{n}": t for n, t in pieces.items()}
+
+
+def split_past(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """An `inner` message's tensors: (the state's, the past versions by version and piece name)."""
+    past: dict[int, dict[str, torch.Tensor]] = {}
+    for n in [n for n in tensors if n.startswith(PAST)]:
+        version, name = n[len(PAST):].split(".", 1)
+        past.setdefault(int(version), {})[name] = tensors.pop(n)
+    return tensors, past
+
+
 def owner(r: int, shards: int, placement: str) -> int:
     """The server that keeps replica r's state (`train.inner_states`): shard r mod K when spread over the shards, so
     no server's link carries more than ⌈R / K⌉ of them; the leader (shard 0) with `leader` or one server."""

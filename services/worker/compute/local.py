@@ -85,8 +85,8 @@ class LocalRound:
     @property
     def window(self) -> int:
         """How many steps before the leased one a held state may start (the rest is replayed): streaming, the snapshot
-        period; whole rounds, only the leased step's own."""
-        return self.snapshot_every if self.fragments else 1
+        period; whole rounds, train.state_every (a state from before the leased round is replayed: `catch_up`)."""
+        return self.snapshot_every if self.fragments else self.cfg.train.state_every
 
     def state(self) -> InnerState:
         """The inner optimizer's and scheduler's state as they are (their live tensors: the next `load` replaces them,
@@ -182,21 +182,21 @@ class LocalRound:
                  start_of: Callable[[int], Mapping[str, torch.Tensor]]) -> InnerState | None:
         """Whole rounds with train.state_every = D > 1: replica r's state at the start of round `rnd`, from its snapshot
         `state` that starts round `first` (at most D − 1 rounds before): rounds first … rnd − 1 computed again, each from
-        the parameters it started from (`start_of(u)`: θ_u by parameter name, or with compression.downlink the mirror
-        m_u; with travelling buffers, the round's buffers by name too), its own microbatches and, sparse2, its
+        the parameters it started from (`start_of(u)`: θ_u by piece of the grid, or with compression.downlink the
+        mirror m_u; with travelling buffers, the round's buffers by name too), its own microbatches and, sparse2, its
         residual, as the first run computed them; their changes were summed already and are dropped. The model is left
         holding what it held (θ_rnd and its buffers), for the lease itself."""
+        assert self.views is not None
         params, buffers = self.runner.params, self.runner.step_buffers
         held = {n: p.detach().clone() for n, p in {**params, **buffers}.items()}
         try:
             for u in range(first, rnd):
                 with torch.no_grad():
                     theta = start_of(u)
-                    for n, p in {**params, **buffers}.items():
+                    for n, p in {**self.views(params), **buffers}.items():
                         p.copy_(theta[n])
                 _, delta, _, new = self.run(u, r, state)
                 if self.feedback is not None:  # the residual advances by the change the round sent
-                    assert self.views is not None
                     self.with_feedback(u, self.views(delta), state, new)
                 state = new
         finally:
