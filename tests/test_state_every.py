@@ -25,6 +25,8 @@ from cmemi.shared.wire import limits
 
 from tests.conftest import DIGITS, run_up
 from tests.helpers import references
+from tests.helpers.chaos import Cluster
+from tests.test_steplog_local import ROUNDS, killed_leader_runs_to_the_reference
 
 WHOLE = ("train.local_steps=5", "train.replicas=4", "train.steps=60")
 LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
@@ -186,3 +188,53 @@ def test_states_every_four_rounds_give_the_reference_at_any_worker_count(tmp_pat
         assert r.summary["inner_rounds_replayed"] == sum(e["rounds"] for e in replays)
         replayed += len(replays)
     assert replayed, "no replica moved: the replay was not exercised"
+
+
+PACED = ("cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "model.factory=tests.helpers.fixtures:paced_mlp",
+         "model.kwargs={pace: 0.01}")
+SPARSE = ("compression.codec=sparse2", "compression.min_compress_numel=256", "compression.sparse_chunk=256",
+          "compression.downlink=int8")
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("codec", ["none", "sparse2"])
+def test_a_worker_killed_costs_at_most_d_rounds_replayed_bitwise(tmp_path: Path, codec: str) -> None:
+    """D = 4, whole rounds, W = 2 and a spare, a paced model, K = 1 (D > 1 needs one server for now): SIGKILL a worker
+    mid-run; its replicas go to the others and the spare with their snapshots and the versions since, and each is
+    replayed (at most D − 1 rounds) and computed on: bitwise `cmemi reference` (with sparse2 and an int8 downlink: the
+    residual replayed, each round from its mirror m_u; params_sha256 and mirror_sha256)."""
+    sets = (*[s for s in LOCAL if not s.startswith(("checkpoint", "cluster.spare", "eval", "train.steps",
+                                                     "scheduler"))],
+            "train.steps=200", "scheduler.kwargs.T_max=200", "checkpoint.every_steps=4", *PACED,
+            *(SPARSE if codec == "sparse2" else ()))
+    want = references.reference(tmp_path, *sets)
+    c = Cluster(tmp_path / "run", *sets, "train.state_every=4", "cluster.workers=2", "cluster.spare_workers=1")
+    try:
+        c.wait_step(6, timeout=300)
+        inc = c.signal("worker", "w0")
+        c.replaced("worker", "w0", inc, timeout=120)
+    finally:
+        rc = c.wait(timeout=600)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
+    assert s.get("mirror_sha256") == want.get("mirror_sha256"), (s, want)
+    replays = [e for e in _events(c.run_dir) if e["kind"] == "replay"]
+    assert replays and all(1 <= e["rounds"] <= 3 for e in replays), replays  # a death costs at most D − 1 + 1 rounds
+    assert any(e["round"] > 6 for e in replays), replays  # after the kill: the dead worker's replicas were replayed
+    assert s["inner_rounds_replayed"] == sum(e["rounds"] for e in replays), s
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+def test_the_leader_killed_restores_the_history_from_its_checkpoint_and_step_log(tmp_path: Path) -> None:
+    """D = 4, the step log on, a checkpoint every 12 rounds: the leader SIGKILLed twice after the first checkpoint;
+    each new term restores the checkpoint (its snapshots and the history of versions since the oldest one) and replays
+    the log to the step, re-keeping each version: bitwise `cmemi reference`, no round trained twice (the step log
+    tests' checks, tests/test_steplog_local.py)."""
+    replays = killed_leader_runs_to_the_reference(tmp_path, (*ROUNDS, "train.state_every=4"), [(14, 20), (26, 32)],
+                                                  checkpoint=12)
+    assert all(e["checkpoint"] in (12, 24, 36) and e["checkpoint"] < e["step"] for e in replays), replays
