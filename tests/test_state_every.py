@@ -160,6 +160,8 @@ def test_a_replay_of_rounds_s_to_t_minus_one_is_bitwise_the_rounds_computed_in_o
     assert meta == want_meta and all(torch.equal(tensors[n], want_tensors[n]) for n in want_tensors)
     if codec == "sparse2":
         assert "residual" in new and any(float(x.abs().max()) > 0 for x in new["residual"].values())
+    _, leased, _, _ = b.lease(t, r, s, states[r][s], lambda u: versions[u])  # the worker's one call: the same
+    assert all(torch.equal(leased[n], want_delta[n]) for n in want_delta)
     wrong = b.catch_up(s, t, r, states[r][s], lambda u: versions[t])  # no history: every round from θ_t
     _, bad, _, _ = b.lease(t, r, t, wrong)
     assert any(not torch.equal(bad[n], want_delta[n]) for n in want_delta)

@@ -56,14 +56,18 @@ class LocalRound:
         # with the replica, and any worker sends the same bits (shared/compression/sparse2.py)
         self.feedback = make_codec(cfg.compression) if cfg.compression.replica_residual else None
 
-    def lease(self, step: int, r: int, first: int, state: InnerState | None) -> tuple[
+    def lease(self, step: int, r: int, first: int, state: InnerState | None,
+              start_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> tuple[
             float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
         """A lease of replica r at server step `step`, from its state at the start of step `first`: its round (`run`),
-        or streaming its segment, replayed from a snapshot when `first` < `step` (`replay`); the change by piece of
-        the grid."""
+        or streaming its segment, replayed from a snapshot when `first` < `step` (`replay`; whole rounds with
+        train.state_every > 1: `catch_up`, from the versions `start_of` gives); the change by piece of the grid."""
         if self.fragments:
             return self.replay(first, step, r, state)
-        assert self.views is not None and first == step
+        if first < step:
+            assert start_of is not None
+            state = self.catch_up(first, step, r, state, start_of)
+        assert self.views is not None
         loss, delta, contribution, new = self.run(step, r, state)
         return loss, self.with_feedback(step, self.views(delta), state, new), contribution, new
 

@@ -103,10 +103,11 @@ class Replicas:
         if ahead is not None and ahead[0] is held:
             return ahead[1], True
         assert self.local is not None
-        if not self.local.fragments and held[0] < step:  # train.state_every > 1: a snapshot, replayed to `step`
-            state = self.local.catch_up(held[0], step, r, held[1], self.past.__getitem__)
-            self.replayed.append((r, held[0], step))
-            needed = min((t for x, (t, _) in self.held.items() if x != r and t < step), default=step)
-            self.past = {u: v for u, v in self.past.items() if u >= needed}
-            held = (step, state)
-        return self.compute.local_round(self.local, step, r, *held), False
+        if self.local.fragments or held[0] == step:
+            return self.compute.local_round(self.local, step, r, *held), False
+        # train.state_every > 1: a snapshot, its rounds up to `step` replayed from the versions sent with it
+        out = self.compute.local_round(self.local, step, r, *held, self.past.__getitem__)
+        self.replayed.append((r, held[0], step))
+        needed = min((t for x, (t, _) in self.held.items() if x != r and t < step), default=step)
+        self.past = {u: v for u, v in self.past.items() if u >= needed}
+        return out, False
