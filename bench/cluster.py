@@ -38,6 +38,9 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 
 `cmemi_local_int8_down`: `cmemi_local` with `int8` changes up and `compression.downlink: int8` (a round starts
 from the mirror m_t, docs/design.md §10), so both of a round's slices are a quarter of fp32's.
+`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int8`, one server (`train.state_every` > 1 needs
+`cluster.shards: 1` for now) and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
+`cmemi_local_rare_every`: the same with a state every round, its same-run baseline.
 
 Local steps (`cmemi_local`, `cmemi_local_stream`, `cmemi_local_int8_down`) record their samples/s as a fraction of the emulated compute
 bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
@@ -110,7 +113,7 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
            "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
            "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates",
-           "cmemi_local_stream_leaderstates", "cmemi_local_int8_down")
+           "cmemi_local_stream_leaderstates", "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every")
 BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 FRAGMENTS = 4  # cmemi_local_stream's train.fragments (--fragments)
@@ -310,12 +313,12 @@ class Cluster:
     def cmemi(self, n: int, steps: int, warmup: int, codec: str, shards: int = 1, dedicated: bool = False,
               curve: bool = True, stages: int = 0, downlink: str = "none", local_steps: int = 0,
               rank: int = POWERSGD_RANK, fragments: int = 1, step_log: bool = True,
-              inner_states: str = "shards", pace: bool = True) -> dict[str, Any]:
+              inner_states: str = "shards", pace: bool = True, state_every: int = 1) -> dict[str, Any]:
         """`shards` > 1: shard k on worker host k, or (`dedicated`) on server host k of its own. `stages`
         (pipelined, dedicated): the leader on the server host, shard k on server host k - 1. `downlink`:
         compression.downlink. `local_steps` (H): train.local_steps with N replicas, `steps` and `warmup` in rounds
         (`fragments` F > 1, streaming: in segments of H / F inner steps); a step's figures are then a round's (a
-        segment's), and a round trains H times the samples (a segment H / F). `pace`: cluster.pace_replicas."""
+        segment's), and a round trains H times the samples (a segment H / F). `pace`: cluster.pace_replicas. `state_every`: train.state_every (D)."""
         from cmemi.shared.config.loading import dump_config, load_config
 
         down = "" if downlink == "none" else f"-down{downlink}"
@@ -330,7 +333,8 @@ class Cluster:
         cfg = C.cmemi_config(name, run_dir, {"model": MODEL, "data": DATA, "global_batch": BATCH * n, "lr": 0.01},
                              steps=steps * segment, microbatches=n, workers=n, spares=0, ckpt_every=0)
         if local_steps:
-            cfg["train"].update(local_steps=local_steps, replicas=n, fragments=fragments, inner_states=inner_states)
+            cfg["train"].update(local_steps=local_steps, replicas=n, fragments=fragments, inner_states=inner_states,
+                                state_every=state_every)
         cfg["compression"] = {"codec": codec, "powersgd_rank": rank, "downlink": downlink}
         cfg["cluster"]["shards"] = shards
         cfg["cluster"]["pipeline_stages"] = stages
@@ -487,6 +491,12 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
             "cmemi_local_bytes_per_sample_vs_cmemi_local_int8_down": C.ratio(
                 runs.get("cmemi_local", {}).get("bytes_per_sample"),
                 runs.get("cmemi_local_int8_down", {}).get("bytes_per_sample")),
+            # train.state_every: what a state every RARE_EVERY rounds saves, and costs in time, against every round
+            "cmemi_local_rare_every_bytes_per_sample_vs_cmemi_local_rare": C.ratio(
+                runs.get("cmemi_local_rare_every", {}).get("bytes_per_sample"),
+                runs.get("cmemi_local_rare", {}).get("bytes_per_sample")),
+            "cmemi_local_rare_time_per_sample_vs_cmemi_local_rare_every": C.ratio(
+                per_sample.get("cmemi_local_rare"), per_sample.get("cmemi_local_rare_every")),
             **{f"{k.removesuffix(NOLOG)}_steplog_overhead": C.ratio(med.get(k.removesuffix(NOLOG)), med.get(k))
                for k in runs if k.endswith(NOLOG)},
             "ddp_vs_ring_bound": C.ratio(med.get("ddp"), b["ring_allreduce_s"] + sleep),
@@ -498,7 +508,8 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
 
 
 LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates", "cmemi_local_stream_leaderstates",
-                 "cmemi_local_int8_down")
+                 "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every")
+RARE_EVERY = 8  # cmemi_local_rare's train.state_every (D)
 LEADER_STATES = "_leaderstates"  # a local-steps system's name + this: every replica's state on the leader (issue 48's
 # baseline: train.inner_states leader), measured beside the default (spread, replica r on shard r mod K)
 
@@ -553,6 +564,11 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
                              downlink="int8", inner_states=states, pace=pace, step_log=step_log)
+    if system in ("cmemi_local_rare", "cmemi_local_rare_every"):  # int4 up, int8 down, one server (D > 1 needs K = 1),
+        # a replica's state up every RARE_EVERY rounds (cmemi_local_rare) or every round (the same run's D = 1 baseline)
+        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int4", shards=1, local_steps=local_steps,
+                             downlink="int8", inner_states=states, pace=pace, step_log=step_log,
+                             state_every=RARE_EVERY if system == "cmemi_local_rare" else 1)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
                              local_steps=local_steps, fragments=fragments, inner_states=states, pace=pace,
@@ -682,6 +698,11 @@ def main() -> None:
             "cmemi_local_int8_down": "cmemi_local with compression.codec int8 (each replica's change up) and "
                                      "compression.downlink int8 (a round starts from the mirror, whose change comes "
                                      "down in int8): about a quarter of cmemi_local's bytes both ways",
+            "cmemi_local_rare": f"whole rounds with compression.codec int4 up, compression.downlink int8, one server "
+                                f"(cluster.shards 1) and train.state_every {RARE_EVERY}: a replica's state up every "
+                                f"{RARE_EVERY} rounds (issue 48, docs/design/local-steps.md)",
+            "cmemi_local_rare_every": "cmemi_local_rare with train.state_every 1 (a state every round), the same run's "
+                                      "baseline for what D saves",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
         "by_n": {},
@@ -740,7 +761,8 @@ def main() -> None:
                     frags = args.fragments if system.startswith("cmemi_local_stream") else 1
                     # SGD with momentum: a replica's inner state is as big as the parameters; int8 both ways: the
                     # changes' and the parameters' slices a quarter of them (whole rounds: the states stay fp32)
-                    slices = pbytes // 4 if system == "cmemi_local_int8_down" else pbytes
+                    slices = pbytes // 4 if system in ("cmemi_local_int8_down", "cmemi_local_rare",
+                                                       "cmemi_local_rare_every") else pbytes
                     runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
                         n, slices, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
                     if args.compute_bound and "error" not in runs[system]:

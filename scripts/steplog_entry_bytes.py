@@ -45,8 +45,9 @@ def main() -> None:
     print(f"model P = {sum(params.values()):,} B; buffers {buffers:,} B; one replica's state S = {one:,} B")
     for step in range(args.steps):
         change = sum(params[n] for n in (trainer.expected(step) or params))
-        shipping = [] if inner is None else [r for r in range(inner.R) if not trainer.fragments
-                                             or fragments.ships_state(step, trainer.snapshot_every, r)]
+        shipping = [] if inner is None else [r for r in range(inner.R) if (
+            fragments.ships_state(step, trainer.snapshot_every, r) if trainer.fragments
+            else innerstate.due(step, r, cfg.train.state_every))]
         states = one * len(shipping)
         of = f"{len(shipping)} of {cfg.train.microbatches if inner is not None else 0} replicas' states"
         if spool:  # the states go to the server's own state spool; the entry carries their references

@@ -20,7 +20,8 @@ from cmemi.shared.coordination.keys import Keys
 
 SECTIONS = {"model", "optimizer", "scheduler", "rng", "scaler", "progress"}
 # the final snapshot carries the run's summary; early stopping its state; a sharded run's the pieces each shard owns
-OPTIONAL = {"summary", "early_stop", "owned", "downlink", "inner"}  # downlink: compression.downlink's mirror; inner: train.local_steps' replicas
+# history: train.state_every > 1's versions a replay starts from (shared/core/history.py)
+OPTIONAL = {"summary", "early_stop", "owned", "downlink", "inner", "history"}  # downlink: compression.downlink's mirror; inner: train.local_steps' replicas
 PROGRESS: dict[str, type | tuple[type, ...]] = {"step": int, "term": int, "final_loss": (int, float), "bytes_sent": int, "bytes_received": int,
             "fingerprint": dict, "skipped": int, "wall_s": (int, float)}
 MAX_DEPTH = 32

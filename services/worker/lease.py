@@ -71,6 +71,10 @@ class LeaseWork:
                 self.log.info("no inner state for this replica's round; asking again", replica=lo, round=step)
                 return None
             (losses, grads, buffers, state), ahead = self.replicas.lease(step, lo, held)
+            if self.replicas.replayed:  # train.state_every > 1: a snapshot's rounds computed again (at most D − 1)
+                r, first, rnd = self.replicas.replayed.pop()
+                self.log.info("replayed a replica's rounds from its snapshot", replica=r, first=first, round=rnd,
+                              rounds=rnd - first)
             g = Gradient(losses, grads, buffers, True, {"ahead": ahead})
             self.replicas.keep(lo, step + 1, state)
             if local.ships_state(step, lo):

@@ -162,6 +162,12 @@ class TrainConfig:
     """Where the servers keep the replicas' inner states (with local_steps, cluster.shards > 1): `shards`, replica r's
     on shard r mod K (the leader is shard 0), so each server's link carries 1/K of them (docs/design/local-steps.md);
     `leader`, every one on the leader, the placement before issue 48, kept as the baseline to measure against."""
+    state_every: int = 1
+    """D (with local_steps, whole rounds): replica r's inner state goes up beside its change only after rounds t with
+    (t + r) mod D = 0 (and round 0), not every round. The trade-off: a server's link takes 1/D of the states' bytes
+    (the largest share of a round's bytes once Δ and θ are coded), and a worker's death costs up to D rounds of its
+    replica, recomputed bitwise from the last snapshot, for which the servers keep D versions of their pieces
+    (docs/design/local-steps.md, "Snapshotted every D rounds"). 1: every round (a death costs one round)."""
 
     def __post_init__(self) -> None:
         if self.local_steps < 0:
@@ -192,11 +198,27 @@ class TrainConfig:
         if self.fragments > 1 and (not self.local_steps or self.local_steps % self.fragments):
             fail("train.fragments", self.fragments, f"must divide train.local_steps={self.local_steps}",
                   "set train.local_steps to a multiple of it (e.g. 4 fragments of a 100-step round)")
+        self._check_state_every()
         if not 0 <= self.fragment_mix <= 1:
             fail("train.fragment_mix", self.fragment_mix, "must be in [0, 1]", "use e.g. 0.5")
         if self.local_steps and self.steps % self.local_steps:
             fail("train.steps", self.steps, f"must be a multiple of train.local_steps={self.local_steps} (whole rounds)",
                   f"use e.g. {self.local_steps * max(1, round(self.steps / self.local_steps))}")
+
+    def _check_state_every(self) -> None:
+        """`state_every` where a replay from a snapshot D rounds old can be exact: whole rounds of local steps (and one
+        server: Config's rule, shared/config/schema.py)."""
+        if self.state_every < 1:
+            fail("train.state_every", self.state_every, "must be >= 1", "use 1 (a state every round) or e.g. 8")
+        if self.state_every == 1:
+            return
+        if not self.local_steps:
+            fail("train.state_every", self.state_every, "counts rounds of local steps, but train.local_steps is 0",
+                 "set train.local_steps (e.g. 200), or leave train.state_every out")
+        if self.fragments > 1:
+            fail("train.state_every", self.state_every, "applies to whole rounds; streaming sends a replica's state "
+                 "every F - 1 segments so that a replay needs no history (fragments.snapshot_period)",
+                 "use 1 with train.fragments > 1")
 
     @property
     def rounds(self) -> int:

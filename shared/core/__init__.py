@@ -7,4 +7,5 @@
 - environment what changes a gradient's bits besides the data, said in a worker's hello
 - fragments   Streaming DiLoCo's fragments: which pieces each holds and when it syncs
 - innerstate  a replica's inner optimizer and scheduler state on the wire
+- history     the versions of θ a replica's replay starts its rounds from (train.state_every > 1)
 """

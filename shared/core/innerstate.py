@@ -102,6 +102,42 @@ def through_wire(inner: dict[str, Any] | None) -> dict[str, Any] | None:
                      {n: t.clone() for n, t in tensors.items()})
 
 
+def due(rnd: int, r: int, every: int) -> bool:
+    """Whole rounds: does replica r's state after round `rnd` go up beside its change (`train.state_every` = D)? After
+    round 0, always (a replay from the fresh state would need θ_0 kept for the whole run); then after rounds with
+    (rnd + r) mod D = 0, staggered by replica as `fragments.ships_state` staggers streaming's snapshots, so a round's
+    servers take about R / D states, not all R every D rounds. The worker sends by this rule and every server takes by
+    it (a state where none is due, or none where one is, is `bad_inner`); D = 1: every round, as before issue 48."""
+    return rnd == 0 or (rnd + r) % every == 0
+
+
+def snapshot_start(rnd: int, r: int, every: int) -> int:
+    """The round that replica r's last snapshot at the start of round `rnd` starts (0: the fresh state): the round after
+    the last one before `rnd` whose state was `due`; `rnd` itself when D = 1. A worker that takes replica r at round
+    `rnd` without its live state replays the rounds from there (at most D − 1 of them)."""
+    return next((t + 1 for t in range(rnd - 1, -1, -1) if due(t, r, every)), 0)
+
+
+# The versions a replay starts its rounds from travel beside the snapshot in its `inner` message (train.state_every >
+# 1, shared/core/history.py), as tensors named ".past.<version>.<piece>": no parameter's name starts with ".", and the
+# state's own are ".inner.…"
+PAST = ".past."
+
+
+def past_tensors(version: int, pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Version `version` of the pieces (and buffers) a round starts from, named for an `inner` message."""
+    return {f"{PAST}{version}.{n}": t for n, t in pieces.items()}
+
+
+def split_past(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """An `inner` message's tensors: (the state's, the past versions by version and piece name)."""
+    past: dict[int, dict[str, torch.Tensor]] = {}
+    for n in [n for n in tensors if n.startswith(PAST)]:
+        version, name = n[len(PAST):].split(".", 1)
+        past.setdefault(int(version), {})[name] = tensors.pop(n)
+    return tensors, past
+
+
 def owner(r: int, shards: int, placement: str) -> int:
     """The server that keeps replica r's state (`train.inner_states`): shard r mod K when spread over the shards, so
     no server's link carries more than ⌈R / K⌉ of them; the leader (shard 0) with `leader` or one server."""

@@ -114,7 +114,10 @@ def _derived(cfg: Config) -> int:
     # with local steps the leader's snapshot also holds every replica's inner state: up to two optimizer copies
     # (Adam's moments) and, streaming, the replica's own parameters (services/aggregator/common/replicas.py)
     states = cfg.train.microbatches * 3 * size if cfg.train.local_steps else 0
-    return 4 * size + states + MARGIN
+    # with train.state_every = D > 1 a server's snapshot also holds the versions a replay may start from, D − 1 of
+    # its pieces besides the current ones (shared/core/history.py); none at D = 1, so the bound is the one before
+    history = (cfg.train.state_every - 1) * size if cfg.train.local_steps else 0
+    return 4 * size + states + history + MARGIN
 
 
 def derive_max_message_bytes(cfg: Config) -> int:

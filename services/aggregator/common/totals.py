@@ -19,6 +19,7 @@ class RunTotals:
     slot_out: int = 0  # of bytes_out, likewise
     duplicate_param_sends: int = 0  # parameters of a version sent again to the same worker (services/aggregator/leader/leasing.py)
     inner_states_sent: int = 0  # local steps: replicas' inner states sent to a worker that did not hold them (moved)
+    inner_rounds_replayed: int = 0  # train.state_every > 1: rounds a moved replica's new holder computes again
     segments_ahead: int = 0  # streaming local steps: accepted segments their worker had computed before the lease
     changes_sent: int = 0  # compression.downlink: parameter changes (or chains of them) sent to workers; streaming:
     # messages of only the pieces changed since the worker's version
@@ -49,7 +50,8 @@ class RunTotals:
                 "wall_s": self.wall_s(), "duplicate_param_sends": self.duplicate_param_sends,
                 "inner_states_sent": self.inner_states_sent, "segments_ahead": self.segments_ahead,
                 "changes_sent": self.changes_sent,
-                "mirrors_sent": self.mirrors_sent}
+                "mirrors_sent": self.mirrors_sent,
+                **({"inner_rounds_replayed": self.inner_rounds_replayed} if self.inner_rounds_replayed else {})}
 
     def load_state_dict(self, sd: dict[str, float | int]) -> None:
         self.final_loss = float(sd["final_loss"])
@@ -58,5 +60,6 @@ class RunTotals:
         self.duplicate_param_sends = int(sd.get("duplicate_param_sends", 0))
         self.inner_states_sent = int(sd.get("inner_states_sent", 0))
         self.segments_ahead = int(sd.get("segments_ahead", 0))
+        self.inner_rounds_replayed = int(sd.get("inner_rounds_replayed", 0))
         self.changes_sent, self.mirrors_sent = int(sd.get("changes_sent", 0)), int(sd.get("mirrors_sent", 0))
         self.slot_in, self.slot_out = int(sd.get("bytes_sent_via_slots", 0)), int(sd.get("bytes_received_via_slots", 0))  # (checkpoints from before it was kept)

@@ -38,6 +38,7 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
         "samples_per_s": trainer.step * cfg.train.samples_per_round / wall if wall > 0 else None,
         "workers": cfg.cluster.workers, "duplicate_param_sends": totals.duplicate_param_sends,
         **({"inner_states_sent": totals.inner_states_sent} if cfg.train.local_steps else {}),
+        **({"inner_rounds_replayed": totals.inner_rounds_replayed} if cfg.train.state_every > 1 else {}),
         **({"segments_ahead": totals.segments_ahead} if cfg.train.fragments > 1 else {}), "final_lr": trainer.lr,
         **(parts.leasing.pace.summary() if cfg.train.local_steps else {}),  # who computed the replicas (pace.py)
         "dropped_messages": drops, "term": term, "codec": cfg.compression.codec,

@@ -93,7 +93,8 @@ class GradIntake:
             return None, False, None
         # local steps: the state the replica's round ended with, kept once accepted; none where the round ships none
         # (streaming) or another shard keeps the replica's (train.inner_states: shards)
-        due = not trainer.fragments or fragmenting.ships_state(h["step"], trainer.snapshot_every, h["lo"])
+        due = (fragmenting.ships_state(h["step"], trainer.snapshot_every, h["lo"]) if trainer.fragments
+               else innerstate.due(h["step"], h["lo"], trainer.cfg.train.state_every))  # (train.state_every)
         return trainer.inner.take(h["lo"], h["inner"], tensors, due)
 
     def misfit(self, identity: bytes, info: WorkerInfo, reason: str, detail: str) -> None:

@@ -19,6 +19,7 @@ import torch
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.shared.compression.downlink import DELTA, DENSE, SentChanges
 from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core import innerstate
 from cmemi.shared.memory import shm
 from cmemi.shared.wire import protocol
 
@@ -89,6 +90,18 @@ class Handout:
         p.totals.inner_states_sent += bool(meta)  # (a fresh one, round 0's, is an empty map)
         if p.trainer.fragments:  # streaming: the snapshot's own segment (the worker computes the ones since again)
             step = (inner.start(r) or {}).get("start", 0)
+        elif p.trainer.history.on:  # train.state_every > 1: the snapshot's round, and the versions its replay needs
+            step, past = innerstate.snapshot_start(step, r, p.cfg.train.state_every), {}
+            for u in range(step, p.trainer.step):
+                pieces, why = p.trainer.history.get(u)
+                if pieces is None:  # (not by construction: the window covers every current snapshot)
+                    p.ctx.log.error("cannot send a moved replica's past version", replica=r, version=u, reason=why)
+                    return
+                past.update(innerstate.past_tensors(u, pieces))
+            if step < p.trainer.step:  # the rounds its new holder computes again (a `replay` event, counted)
+                p.totals.inner_rounds_replayed += p.trainer.step - step
+                p.ctx.emit("replay", replica=r, first=step, round=p.trainer.step, rounds=p.trainer.step - step)
+            tensors = {**tensors, **past}
         n = p.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, p.cfg.cluster.checksum), None),
                           replica=r, round=step, meta=meta)
         p.reporter.work_bytes(n)

@@ -49,7 +49,8 @@ class ShardStates:
         if self.inner is None:
             return None, False, "bad_inner" if h["inner"] or own else None
         t = self.trainer
-        due = not t.fragments or fragmenting.ships_state(h["step"], t.snapshot_every, h["lo"])
+        due = (fragmenting.ships_state(h["step"], t.snapshot_every, h["lo"]) if t.fragments
+               else innerstate.due(h["step"], h["lo"], t.cfg.train.state_every))  # (train.state_every)
         return self.inner.take(h["lo"], h["inner"], own, due)
 
     def accepted(self, r: int, state: Any, keep: bool) -> None:

@@ -49,6 +49,9 @@ def collect(trainer: Trainer, totals: RunTotals, term: int, fp: dict[str, Any],
         # train.local_steps: the inner optimizer and scheduler state at the round's start of every replica this server
         # keeps (the leader: all, or with train.inner_states: shards, each shard its replicas r mod K)
         **({"inner": t.inner.state_dict()} if t.inner is not None else {}),
+        # train.state_every > 1: the versions a replay may start from (shared/core/history.py), so that a restored
+        # server answers a moved replica's replay as the one it replaces would (docs/design/local-steps.md)
+        **({"history": t.history.state_dict()} if t.history.on else {}),
     }
     meta, tensors = state.flatten(named, copy=False)
     return t.step, meta, tensors
@@ -112,6 +115,9 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
         _restore_mirror(t, named.get("downlink") if not other_k else _merged_mirrors(meta, tensors))
     if t.inner is not None:
         t.inner.load_state_dict(named.get("inner") if not other_k else _merged_inner(meta, tensors))
+    if t.history.on:  # (one server: train.state_every > 1 needs cluster.shards: 1)
+        t.history.load_state_dict(named.get("history"))
+        t.history.keep(t.step, t.wire_state())
     early = named.get("early_stop")
     if bg_eval is not None and early is not None:
         bg_eval.load_state_dict(early)

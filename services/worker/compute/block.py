@@ -4,7 +4,7 @@ the leaves; user code that raises is run once more to tell a bug from a transien
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -134,7 +134,8 @@ class BlockComputer:
         """Gradient of microbatch (step, m), unscaled, and the buffers its forward produced (see microbatch.py)."""
         return self._twice(lambda: self.runner.run(step, m, scale))
 
-    def local_round(self, local: LocalRound, rnd: int, r: int, first: int, state: InnerState | None) -> tuple[
+    def local_round(self, local: LocalRound, rnd: int, r: int, first: int, state: InnerState | None,
+                    start_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> tuple[
             list[float], dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
         """Replica r's lease at step `rnd` of local steps, from its state at the start of step `first`
         (services/worker/compute/local.py, `LocalRound.lease`): (its mean inner loss as the lease's one loss, Δ_r by piece of
@@ -142,7 +143,7 @@ class BlockComputer:
         if self.trim:
             allocator.trim()
         try:
-            loss, delta, buffers, new = self._twice(lambda: local.lease(rnd, r, first, state))
+            loss, delta, buffers, new = self._twice(lambda: local.lease(rnd, r, first, state, start_of))
         except (FloatingPointError, InnerStateError) as exc:  # diverged; or a state from another config (the leader
             self.fatal(f"worker {self.who()}: {exc}")  # checks each against this model's: not a transient fault)
         return [loss], delta, buffers, new

@@ -14,6 +14,7 @@ left holding θ_t again, so another replica of the same round needs no new param
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 
 import torch
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
@@ -24,6 +25,7 @@ from cmemi.shared.config.plugins import build_optimizer, build_scheduler
 from cmemi.shared.config.schema import Config
 from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core import fragments as fragmenting
+from cmemi.shared.core import innerstate
 from cmemi.shared.core.grid import Partition
 from cmemi.shared.core.innerstate import InnerState
 from cmemi.shared.errors import WireError
@@ -54,20 +56,27 @@ class LocalRound:
         # with the replica, and any worker sends the same bits (shared/compression/sparse2.py)
         self.feedback = make_codec(cfg.compression) if cfg.compression.replica_residual else None
 
-    def lease(self, step: int, r: int, first: int, state: InnerState | None) -> tuple[
+    def lease(self, step: int, r: int, first: int, state: InnerState | None,
+              start_of: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> tuple[
             float, dict[str, torch.Tensor], dict[str, torch.Tensor] | None, InnerState]:
         """A lease of replica r at server step `step`, from its state at the start of step `first`: its round (`run`),
-        or streaming its segment, replayed from a snapshot when `first` < `step` (`replay`); the change by piece of
-        the grid."""
+        or streaming its segment, replayed from a snapshot when `first` < `step` (`replay`; whole rounds with
+        train.state_every > 1: `catch_up`, from the versions `start_of` gives); the change by piece of the grid."""
         if self.fragments:
             return self.replay(first, step, r, state)
-        assert self.views is not None and first == step
+        if first < step:
+            assert start_of is not None
+            state = self.catch_up(first, step, r, state, start_of)
+        assert self.views is not None
         loss, delta, contribution, new = self.run(step, r, state)
         return loss, self.with_feedback(step, self.views(delta), state, new), contribution, new
 
     def ships_state(self, step: int, r: int) -> bool:
-        """Does replica r's state after this step's lease go up beside its change? (Whole rounds: always.)"""
-        return not self.fragments or fragmenting.ships_state(step, self.snapshot_every, r)
+        """Does replica r's state after this step's lease go up beside its change? (Whole rounds: after the rounds
+        `innerstate.due` names, every round with train.state_every = 1.)"""
+        if self.fragments:
+            return fragmenting.ships_state(step, self.snapshot_every, r)
+        return innerstate.due(step, r, self.cfg.train.state_every)
 
     @property
     def ahead(self) -> bool:
@@ -80,8 +89,8 @@ class LocalRound:
     @property
     def window(self) -> int:
         """How many steps before the leased one a held state may start (the rest is replayed): streaming, the snapshot
-        period; whole rounds, only the leased step's own."""
-        return self.snapshot_every if self.fragments else 1
+        period; whole rounds, train.state_every (a state from before the leased round is replayed: `catch_up`)."""
+        return self.snapshot_every if self.fragments else self.cfg.train.state_every
 
     def state(self) -> InnerState:
         """The inner optimizer's and scheduler's state as they are (their live tensors: the next `load` replaces them,
@@ -172,6 +181,33 @@ class LocalRound:
         for s in range(first, seg):
             state = self.segment(s, r, state)[3]
         return self.segment(seg, r, state)
+
+    def catch_up(self, first: int, rnd: int, r: int, state: InnerState | None,
+                 start_of: Callable[[int], Mapping[str, torch.Tensor]]) -> InnerState | None:
+        """Whole rounds with train.state_every = D > 1: replica r's state at the start of round `rnd`, from its snapshot
+        `state` that starts round `first` (at most D − 1 rounds before): rounds first … rnd − 1 computed again, each from
+        the parameters it started from (`start_of(u)`: θ_u by piece of the grid, or with compression.downlink the
+        mirror m_u; with travelling buffers, the round's buffers by name too), its own microbatches and, sparse2, its
+        residual, as the first run computed them; their changes were summed already and are dropped. The model is left
+        holding what it held (θ_rnd and its buffers), for the lease itself."""
+        assert self.views is not None
+        params, buffers = self.runner.params, self.runner.step_buffers
+        held = {n: p.detach().clone() for n, p in {**params, **buffers}.items()}
+        try:
+            for u in range(first, rnd):
+                with torch.no_grad():
+                    theta = start_of(u)
+                    for n, p in {**self.views(params), **buffers}.items():
+                        p.copy_(theta[n])
+                _, delta, _, new = self.run(u, r, state)
+                if self.feedback is not None:  # the residual advances by the change the round sent
+                    self.with_feedback(u, self.views(delta), state, new)
+                state = new
+        finally:
+            with torch.no_grad():
+                for n, p in {**params, **buffers}.items():
+                    p.copy_(held[n])
+        return state
 
     def _inner_steps(self, first: int, count: int, r: int) -> list[float]:
         """`count` inner steps of replica r from virtual step `first` on: microbatch r of each, its gradient clipped

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from cmemi.services.worker.compute.block import BlockComputer
 from cmemi.services.worker.compute.local import LocalRound
 from cmemi.shared.config.schema import Config
@@ -31,6 +32,10 @@ class Replicas:
                  fatal: Callable[[str], None]) -> None:
         self.cfg, self.local, self.compute, self.fatal = cfg, local, compute, fatal
         self.held: dict[int, Held] = {}  # replica -> its state
+        # train.state_every > 1: the versions a held snapshot's replay starts its rounds from, by version and piece
+        # (sent beside the snapshot: shared/core/history.py); `replayed`: (replica, first, round) of each replay
+        self.past: dict[int, dict[str, torch.Tensor]] = {}
+        self.replayed: list[tuple[int, int, int]] = []
         self.ahead: dict[tuple[int, int], tuple[Held, Any]] = {}  # (step, replica) -> (the state it started from, result)
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
         self.wid = "?"
@@ -42,8 +47,10 @@ class Replicas:
     def hold(self, msg: protocol.Message) -> None:
         """A replica's inner state from the server that keeps it (`inner`), for the work that follows."""
         h = msg.header
+        tensors, past = innerstate.split_past(dict(msg.tensors))
+        self.past.update({u: {n: t.clone() for n, t in pieces.items()} for u, pieces in past.items()})
         try:
-            inner = innerstate.from_wire(h["meta"], msg.tensors)
+            inner = innerstate.from_wire(h["meta"], tensors)
         except ValueError as exc:  # the leader checked it: a bug or another config, not a transient fault
             self.fatal(f"worker {self.wid}: replica {h['replica']}'s inner state from the aggregator cannot be "
                        f"read ({exc}); use the same optimizer and model on every host")
@@ -69,8 +76,9 @@ class Replicas:
         """Replica r's state for its round at `step` (streaming: one from the last snapshot period will do, the
         segments since are computed again); None, and forgotten, when none held will do."""
         assert self.local is not None
-        if (held := self.held.get(r)) is None or not 0 <= step - held[0] < self.local.window:
-            self.held.pop(r, None)
+        if (held := self.held.get(r)) is None or not 0 <= step - held[0] < self.local.window or (
+                not self.local.fragments and not all(u in self.past for u in range(held[0], step))):
+            self.held.pop(r, None)  # (whole rounds: a state from before `step` needs the versions since, for a replay)
             return None
         return held
 
@@ -95,4 +103,11 @@ class Replicas:
         if ahead is not None and ahead[0] is held:
             return ahead[1], True
         assert self.local is not None
-        return self.compute.local_round(self.local, step, r, *held), False
+        if self.local.fragments or held[0] == step:
+            return self.compute.local_round(self.local, step, r, *held), False
+        # train.state_every > 1: a snapshot, its rounds up to `step` replayed from the versions sent with it
+        out = self.compute.local_round(self.local, step, r, *held, self.past.__getitem__)
+        self.replayed.append((r, held[0], step))
+        needed = min((t for x, (t, _) in self.held.items() if x != r and t < step), default=step)
+        self.past = {u: v for u, v in self.past.items() if u >= needed}
+        return out, False

@@ -20,6 +20,7 @@ from cmemi.shared.core import buffers as buffer_rule
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.grid import Partition, clip_coefficient
+from cmemi.shared.core.history import Versions
 from cmemi.shared.memory import allocator
 from cmemi.shared.wire import limits
 
@@ -73,6 +74,11 @@ class Trainer(OwnRows, Outward):
         # unsent parts, parameters queued zero-copy for a worker) copies or moves them first
         self.before_change: list[Callable[[], None]] = []
         self._trims = allocator.worth_trimming(limits.nbytes(self.params.values()))
+        # train.state_every = D > 1 (whole rounds): what each round of the window started from, for a moved replica's
+        # replay (shared/core/history.py); with D = 1 nothing is kept
+        self.history = Versions(cfg.train.microbatches, cfg.train.state_every if self.local and not self.fragments
+                                else 1)
+        self.history.keep(0, self.wire_state())
 
     @property
     def reads_grads_only(self) -> bool:
@@ -178,3 +184,4 @@ class Trainer(OwnRows, Outward):
             self.inner.advance()
         if self.mirror is not None:
             self.mirror.advance(self.pieces, self.step)
+        self.history.keep(self.step, self.wire_state())
