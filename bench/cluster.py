@@ -593,6 +593,7 @@ def compressed_system(system: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    global RARE_EVERY  # --state-every sets it: read by run_system and the systems' descriptions
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="N = 2, 4 and fewer steps (to debug)")
     p.add_argument("--hosts", default=None, help="comma-separated N values (default 2,4,8; --quick 2,4)")
@@ -604,6 +605,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8, help="cluster.pipeline_stages of cmemi_kn_pipelined")
     p.add_argument("--local-steps", type=int, default=LOCAL_STEPS, help="train.local_steps of cmemi_local(_stream)")
     p.add_argument("--fragments", type=int, default=FRAGMENTS, help="train.fragments of cmemi_local_stream")
+    p.add_argument("--state-every", type=int, default=RARE_EVERY, help="train.state_every of cmemi_local_rare (D: a "
+                   "replica's state up every D rounds)")
     p.add_argument("--compute-bound", action="store_true", help="measure cmemi_local(_stream) again with every link "
                    "at --bound-rate: the compute bound of the same run (`of_measured_compute_bound`)")
     p.add_argument("--bound-rate", default="10gbit", help="the links' rate of the --compute-bound runs (default 10gbit)")
@@ -624,6 +627,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON object here (e.g. bench/results/cluster.json)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
     args = p.parse_args()
+    RARE_EVERY = args.state_every
     why = netns.unavailable() or (None if shutil.which("tc") else "the `tc` command (iproute2) is not installed")
     if why is not None:
         print(f"bench/cluster.py needs root and Linux network namespaces with tc: {why}", file=sys.stderr)
