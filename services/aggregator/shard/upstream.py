@@ -47,6 +47,7 @@ class NewTerm(Rejoin):
 
 JOIN_AGAIN_S = 1.0  # a join not welcomed this long is said again
 QUEUED = 64  # messages kept for a leader that does not read: 30 s of shard_have and shard_ready, then drops
+QUIET_S = 0.1  # the leader silent this long (dead, restarting, or a slow step): the term is read again at once
 
 
 class LeaderLink:
@@ -61,6 +62,7 @@ class LeaderLink:
         self.joining: dict[str, Any] | None = None  # the join said, until the leader's welcome (`join_again`)
         self.next_join = 0.0
         self.finishing = False  # the final snapshot went to the checkpointer (`finish`)
+        self.heard_at = self.poked_at = time.monotonic()  # the leader's last message here; the last read asked
         self.watch = Watch(ctx.redis, 0.25, lambda r: (text(r.hget(ctx.keys.aggregator, "term")), text(r.get(ctx.keys.state))),
                            "shard").start()
 
@@ -102,6 +104,7 @@ class LeaderLink:
                 continue
             if msg is None:
                 continue
+            self.heard_at = time.monotonic()
             if msg.type == "reject":
                 raise Rejoin(msg.header["reason"])
             if msg.header.get("term") == self.term:
@@ -109,7 +112,13 @@ class LeaderLink:
 
     def check_term(self) -> None:
         """Raises NewTerm once the leader started another term, SystemExit(0) once the run is over (as Redis said
-        when the watch last read it)."""
+        when the watch last read it). While the leader is silent, the next reading is asked for at once (every
+        QUIET_S at most), as a worker does while idle: a new leader's term is seen within a loop pass or two, not the
+        watch's quarter second (most of the wait between the new leader's advertisement and this shard's join)."""
+        now = time.monotonic()
+        if now - max(self.heard_at, self.poked_at) >= QUIET_S:
+            self.poked_at = now
+            self.watch.poke()
         if (seen := self.watch.take()) is not None:
             term, state = seen[0]
             if term is not None and int(term) != self.term:
