@@ -7,11 +7,14 @@ the parts that move to the new term, each against its real other end where it ha
 - its snapshots (snapshots/send.py `enter_term`) against a played checkpointer on real sockets: the old term's
   snapshot in flight is given up (the checkpointer drops it and never answers), the next goes out under the new term;
 - its door for workers' hellos (door.py): the old term's workers forgotten, hellos parked until the new leader's
-  welcome, then answered.
+  welcome, then answered;
+- where it must restart instead, it leaves without the interpreter's teardown and still removes its ipc:// files.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,10 +126,40 @@ def test_the_door_forgets_the_old_terms_workers_and_parks_hellos_until_the_new_w
     door = Door(admission, intake, lambda i, m, **f: sent.append((i, m, f)), SimpleNamespace(info=lambda *a, **k: None),
                 shard=1)  # type: ignore[arg-type]
     door.opened({"sha256": "x"}, term=1, step=10, total=100)
-    door.new_term()
+    door.new_term(2)
     assert not admitted and kept == [set()] and door.fp is None
+    assert sent == [(b"old", "reject", {"fatal": False, "reason": "term 2 started: say hello again"})]  # not waiting
+    sent.clear()
     door.hello(b"new", {"wid": "w0", "inc": 1}, term=2, step=10, total=100)
     assert sent == [] and door.parked and door.agrees({"sha256": "x"}) is False  # parked: no welcome, no reject
     door.opened({"sha256": "x"}, term=2, step=10, total=100)
     assert [(i, m, f["term"]) for i, m, f in sent] == [(b"new", "welcome", 2)] and b"new" in admitted
     assert not door.parked and door.agrees({"sha256": "x"})
+
+
+LEAVER = """
+import sys, zmq
+from pathlib import Path
+from cmemi.shared.runtime.service import leave_now
+from cmemi.shared.wire import samehost
+
+zctx = zmq.Context()
+sock = zctx.socket(zmq.ROUTER)
+print(samehost.bind_ipc(sock, Path(sys.argv[1]), "aggregator"), flush=True)
+sock.close(linger=0)
+zctx.term()  # (what the shard's close does before it leaves: ShardServer.close)
+leave_now(4)
+"""
+
+
+def test_a_service_that_leaves_now_removes_its_ipc_socket_files(tmp_path: Path) -> None:
+    """A shard leaving its term to restart exits by os._exit (shared/runtime/service.py `leave_now`), which runs no
+    exit handler: the one that removes its ipc:// socket file and, the last one out, the run's socket directory
+    (shared/wire/samehost.py) is run by hand. A real process, its real exit code. The one-line change that fails
+    this: `leave_now` not calling `samehost.unlink_bound` (the directory stays)."""
+    done = subprocess.run([sys.executable, "-c", LEAVER, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 4, done.stderr
+    endpoint = done.stdout.strip()
+    assert endpoint.startswith("ipc://"), done.stdout
+    path = Path(endpoint.removeprefix("ipc://"))
+    assert path.parent.parent == tmp_path and not path.exists() and not path.parent.exists()

@@ -45,10 +45,15 @@ class Door:
         for identity, h in parked:
             self.admit(identity, h, term, step, total)
 
-    def new_term(self) -> None:
-        """Joined a new term in place: hellos wait for its leader's welcome, and the old term's workers are forgotten
-        (what they send names the old term's connections: `unknown_worker`; their new connections say hello)."""
+    def new_term(self, term: int) -> None:
+        """Joined a new term in place: hellos wait for its leader's welcome, and the old term's workers are told to
+        say hello again, then forgotten (what they send on the old term's connections: `unknown_worker`). Told: a
+        worker waiting here for a slice of the old term's step would otherwise wait out its shard timeout (10 s in
+        bench/recovery_log.py's shard kills that fell back to a new term), since this shard's address, which it
+        watches, did not change."""
         self.fp, self.parks, self.parked = None, True, []
+        for identity in self.admission.workers:
+            self.send(identity, "reject", fatal=False, reason=f"term {term} started: say hello again")
         self.admission.workers.clear()
         self.intake.keep(self.admission.workers)
 

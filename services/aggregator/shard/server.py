@@ -184,7 +184,7 @@ class ShardServer:
             self.log.info("leaving the term; starting again from its checkpoint", reason=str(new), why=link)
             return False
         self.leader, self.term, self.seal = link, link.term, None
-        self.door.new_term()
+        self.door.new_term(self.term)
         self._next_ready = self._next_have = self._next_check = 0.0
         self._join_here()
         return True
