@@ -158,6 +158,8 @@ def main() -> None:
                           True, args.kills)
             keys = sorted({k for r in run["per_kill"] for k in r["phases_s"]})
             run["phases_median_s"] = {k: C.rnd(C.median(r["phases_s"].get(k) for r in run["per_kill"])) for k in keys}
+            for way in ("shard1_joined_in_place", "shard1_left_term"):  # how shard 1 came into each new term
+                run[f"kills_{way}"] = sum(way in r["phases_s"] for r in run["per_kill"])
             out[name] = run
     finally:
         C.ROOT = root
