@@ -453,7 +453,9 @@ class CmemiRun:
 
         shutil.rmtree(self.run_dir, ignore_errors=True)  # a stale cluster.json would point at a dead Redis
         self.t_start = time.time()
-        self.group = ProcGroup([PY, "-m", "cmemi", "up", str(self.config_path), "--overwrite"], self.log_path)
+        # (in ROOT, read now: bench/recovery_log.py --base points it at another commit's tree, whose code then runs)
+        self.group = ProcGroup([PY, "-m", "cmemi", "up", str(self.config_path), "--overwrite"], self.log_path,
+                               cwd=ROOT)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -8,17 +8,29 @@ above the last one written before the kill); and the median step time of each ru
 ratio is the log's step-time overhead.
 
     .venv/bin/python bench/recovery.py --parts steplog [--checkpoint-every 20] [--quick]
+
+Alone (no results file: it prints one JSON object), with each kill's phases from the run's events.jsonl, the
+leader or shard 1 SIGKILLed at K = 2 with the log on, this checkout's code and, in the same invocation, another
+commit's (`--base`: its tree extracted under runs/, run by this venv's python with that tree first on PYTHONPATH):
+
+    .venv/bin/python bench/recovery_log.py --kill leader --checkpoint-every 1000 --kills 3 --base 2d8e885
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench import common as C
-from bench.models import WORKLOADS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (run as a script: bench/ is a package of ROOT)
+
+from bench import common as C  # noqa: E402
+from bench.models import WORKLOADS  # noqa: E402
 
 WL = "small"
 BIG = 10_000_000  # training "forever": the run is stopped once its kills are measured
@@ -59,6 +71,7 @@ def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log
         new = [m for m in metrics if m["t"] > r["t"] and m["step"] > last_before and not m.get("replayed")]
         r["last_step_before_kill"] = last_before
         r["kill_to_next_new_step_s"] = new[0]["t"] - r["t"] if new else None
+        r["phases_s"] = phases(run.run_dir, r["t"], ident)
     killed_at = [r["t"] for r in rows]
     calm = [m["step_time_s"] for m in metrics if m["step"] > WARMUP and "step_time_s" in m  # (not a replayed line)
             and all(abs(m["t"] - t) > 3.0 for t in killed_at)]
@@ -82,3 +95,76 @@ def rows(work: Path, every: int, kills: int) -> dict[str, Any]:
         out[key] = {"with_log": with_log, "without_log": without,
                     "step_time_overhead": C.rnd(a / b) if a and b else None}
     return out
+
+
+def phases(run_dir: Path, t_kill: float, ident: str) -> dict[str, float]:
+    """Seconds from a kill to each server event that follows it, before the next kill (the first of each kind): the
+    coordinator's `died` and `restarted` of the server killed, the leader's replay and advertised term, and shard 1's
+    way into the new term: joined in place (`shard_term_joined`) or by an exit, a restart and a replay."""
+    path = run_dir / "events.jsonl"
+    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    later = [e for e in events if e["t"] > t_kill]
+    stop = next((e["t"] for e in later if e["kind"] == "fault_injected" and e["t"] > t_kill + 0.01), float("inf"))
+    wanted = {
+        "died": lambda e: e["kind"] == "died" and e.get("id") == ident,
+        "restarted": lambda e: e["kind"] == "restarted" and e.get("id") == ident,
+        "leader_replayed": lambda e: e["kind"] == "step_log_replayed" and e.get("shard") == 0,
+        "leader_advertised": lambda e: e["kind"] == "aggregator_started",
+        "shard1_joined_in_place": lambda e: e["kind"] == "shard_term_joined" and e.get("shard") == 1,
+        "shard1_left_term": lambda e: e["kind"] == "shard_left_term" and e.get("shard") == 1,
+        "shard1_exited": lambda e: e["kind"] == "exited" and e.get("id") == "1",
+        "shard1_restarted": lambda e: e["kind"] == "restarted" and e.get("id") == "1",
+        "shard1_replayed": lambda e: e["kind"] == "step_log_replayed" and e.get("shard") == 1 and not e.get("in_place"),
+    }
+    out: dict[str, float] = {}
+    for name, match in wanted.items():
+        found = next((e for e in later if e["t"] < stop and match(e)), None)
+        if found is not None:
+            out[name] = found["t"] - t_kill
+            if "seconds" in found:
+                out[name.replace("replayed", "replay_took")] = found["seconds"]
+    return out
+
+
+def base_tree(commit: str) -> Path:
+    """`commit`'s tree under runs/, laid out as the installed package maps it (cmemi.shared -> shared/, ...)."""
+    root = C.ROOT / "runs" / f"base-{commit}"
+    if not root.is_dir():
+        root.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(C.ROOT), "archive", commit], check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+        for sub in ("shared", "services", "examples"):
+            (root / "cmemi" / sub).symlink_to(f"../{sub}")
+    return root
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="kill -> next new step at K = 2 with the step log, per phase; prints JSON")
+    p.add_argument("--kill", choices=("leader", "shard"), default="leader")
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--base", default=None, help="a commit to run too, in the same invocation (before/after)")
+    args = p.parse_args()
+    C.setup(threads=1)
+    work = C.workdir("recovery-log")
+    ident = "0" if args.kill == "leader" else "1"
+    trees = [("head", C.ROOT)] + ([("base", base_tree(args.base))] if args.base else [])
+    out: dict[str, Any] = {"kill": args.kill, "checkpoint_every": args.checkpoint_every, **C.provenance()}
+    root = C.ROOT
+    try:
+        for name, tree in trees:
+            C.ROOT = tree  # (the services' code: C.env puts it first on PYTHONPATH)
+            run = one_run(work, f"{name}_{args.kill}_every{args.checkpoint_every}", ident, 2, args.checkpoint_every,
+                          True, args.kills)
+            keys = sorted({k for r in run["per_kill"] for k in r["phases_s"]})
+            run["phases_median_s"] = {k: C.rnd(C.median(r["phases_s"].get(k) for r in run["per_kill"])) for k in keys}
+            for way in ("shard1_joined_in_place", "shard1_left_term"):  # how shard 1 came into each new term
+                run[f"kills_{way}"] = sum(way in r["phases_s"] for r in run["per_kill"])
+            out[name] = run
+    finally:
+        C.ROOT = root
+    print(json.dumps(C.rnd(out), indent=1))
+
+
+if __name__ == "__main__":
+    main()

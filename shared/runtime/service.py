@@ -7,6 +7,7 @@ message in Redis (`error`), so the supervisor reports them instead of restarting
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -153,3 +154,20 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context[zmq.Socket[bytes]], port
         except samehost.TransportError as exc:
             ctx.fatal(str(exc))
     return sock, samehost.advertise(tcp, local)
+
+
+def leave_now(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown (0.4-0.7 s of a zygote-forked service with torch imported, measured
+    as a shard's exit on leaving its term: bench/recovery_log.py's `shard1_left_term` to `shard1_exited`). Only once
+    the service closed what it holds: its sockets closed and its ZeroMQ context terminated (zmq's termination is what
+    unlinks its ipc:// socket files, which an os._exit before it left behind: tests/test_samehost_faults.py), its
+    heartbeat stopped. Its ipc:// socket files are removed here (libzmq may leave them, and os._exit runs no exit
+    handler: samehost.unlink_bound), its log and the standard streams flushed."""
+    samehost.unlink_bound()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -154,7 +154,18 @@ def bind_ipc(sock: zmq.Socket[bytes], run_dir: Path, name: str) -> str:
     endpoint = f"ipc://{path}"
     sock.bind(endpoint)
     atexit.register(_unlink, path)  # libzmq may leave the file behind; a SIGKILL certainly does (swept above)
+    BOUND.append(path)
     return endpoint
+
+
+BOUND: list[Path] = []  # this process's ipc:// socket files (`unlink_bound`)
+
+
+def unlink_bound() -> None:
+    """Remove this process's ipc:// socket files now: what the exit handler would do, for a process that leaves by
+    os._exit (shared/runtime/service.py `leave_now`), which runs no exit handler."""
+    while BOUND:
+        _unlink(BOUND.pop())
 
 
 def _unlink(path: Path) -> None:

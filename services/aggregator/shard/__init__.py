@@ -3,6 +3,8 @@
 - `server.py`: the shard's loop: gradients' slices in, its slice stepped, served to workers.
 - `join.py`: how a shard joins its leader's term: the leader found through Redis, the same checkpoint restored.
 - `upstream.py`: the shard's link to its leader: what it says (`shard_join`, `shard_have`, ...) and what it hears.
+- `newterm.py`: a shard that outlives its leader joins the new term in place (its process and state kept), or why not.
+- `door.py`: which workers' hellos the shard answers, and when (parked until its leader's welcome, or turned away).
 - `checks.py`: what a shard checks of a worker's gradient before it decodes a byte of it.
 - `stages.py`: the shard's current step, stage by stage (`cluster.pipeline_stages`).
 - `pulls.py`: answers to workers' pulls: each stage of the slice at the version asked for, as soon as it has it.

@@ -14,8 +14,9 @@ Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 ow
 - `pull(version)` is answered with that version's slice as soon as the shard has it, or (naming a replica) with the state of a
   replica r ≡ k mod K this shard keeps (`train.inner_states: shards`: it comes with its slice, inner.py).
 - pipelined (`cluster.pipeline_stages`), each stage is stepped as soon as it is in (stages.py).
-- a new leader term means this shard's state is not the cluster's any more: it exits (upstream.py). Snapshots go to
-  the checkpointer like the leader's; it writes one checkpoint once it has every shard's slice of a step.
+- a new leader term is joined in place, this process and its state kept (newterm.py), or left by a restart where it
+  cannot be. Snapshots go to the checkpointer like the leader's; it writes one checkpoint once it has every shard's
+  slice of a step.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from cmemi.services.aggregator.common.misfits import Misfits
 from cmemi.services.aggregator.common.outbox import Encoded, Outbox
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.common.userstep import users_step
-from cmemi.services.aggregator.shard import checks
+from cmemi.services.aggregator.shard import checks, newterm
 from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.services.aggregator.shard.door import Door
 from cmemi.services.aggregator.shard.inner import ShardStates
 from cmemi.services.aggregator.shard.pulls import SliceServer
 from cmemi.services.aggregator.shard.stages import StepStages
-from cmemi.services.aggregator.shard.upstream import LeaderLink, Rejoin
+from cmemi.services.aggregator.shard.upstream import LeaderLink, NewTerm, Rejoin
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
 from cmemi.services.aggregator.steplog import shard as shard_log
@@ -71,16 +72,16 @@ class ShardServer:
         self.drops = Drops(self.log)
         self.misfits = Misfits()  # admitted workers' gradients in a row that do not fit (misfits.py)
         self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.message_cap(), self.log, ctx.fatal)
-        # the run's fingerprint and the lease seal come with the leader's welcome (shard_welcome)
-        self.fp: dict[str, Any] | None = None
+        # the run's fingerprint (door.py) and the lease seal come with the leader's welcome (shard_welcome)
         self.seal: LeaseSeal | None = None
-        self.admission = Admission(ctx.redis, ctx.keys, lambda fp: fp == self.fp,
+        self.admission = Admission(ctx.redis, ctx.keys, lambda fp: self.door.agrees(fp),
                                    EnvironmentCheck(environment(torch.device("cpu"), cfg)),
                                    cfg.cluster.require_same_environment, self._send, self.drops, self.log)
         self.intake = Intake(ctx.run, cfg.cluster.message_cap(), limits.logical_bytes(cfg), cfg.cluster.checksum,
                              cfg.cluster.workers + cfg.cluster.spare_workers, ctx.curve, ("hello", "grad", "pull"),
                              self.admission.admitted, self.drops, slots=cfg.cluster.transport != "tcp",
                              spare_bytes=2 * limits.nbytes(self.trainer.pieces.values()))
+        self.door = Door(self.admission, self.intake, self._send, self.log, shard)  # workers' hellos
         self.member = Member(ctx.redis, ctx.keys, "aggregator", str(shard), cfg.cluster.heartbeat_interval,
                              cfg.cluster.dead_after, extra={"addr": self.addr, **ctx.member_extra}).start()
         self.term, leader_addr, restored_step = shard_join.find_leader(ctx, shard)
@@ -89,13 +90,14 @@ class ShardServer:
         self.totals = RunTotals()
         self.states = ShardStates(self.trainer, self.outbox.send, self.totals, cfg.cluster.checksum)  # local steps
         logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
-        self.restarted = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
+        self.door.parks = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
-                                             newest=self.restarted)
+                                             newest=self.door.parks)
         self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard, self.ckpt.on_saved) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
         self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)
+        self.last_eval: newterm.Boundary | None = None  # sent at the last evaluation step; a new term may ask again
         self.trainer.keep_own_rows()  # this shard's rows only, from here on (docs/design.md, "Memory")
         # one stage, the whole slice, unless steps are pipelined (cluster.pipeline_stages)
         self.pipelined = bool(cfg.cluster.pipeline_stages)
@@ -113,7 +115,6 @@ class ShardServer:
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
-        self.parked: list[tuple[bytes, dict[str, Any]]] = []  # workers' hellos before the leader's welcome
         self._next_ready = self._next_have = self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
@@ -121,16 +122,13 @@ class ShardServer:
         self.log.info("shard listening", shard=shard, addr=self.addr, term=self.term, step=self.trainer.step,
                       pieces=len(self.trainer.pieces), bytes=self.trainer.partition.bytes_of(shard))
 
-    def _catch_up(self, step: int) -> None:
-        """Restarted within the term, behind the leader's `step` (leader/roster.py `Restarts`): this shard's entries on
-        to it, then the join again (not moved: the join said again in a second asks again)."""
-        before = self.trainer.step
-        if self.steplog is not None and self.seal is None and step > before:
-            self.steplog.replay(self.ctx, self.trainer, self.totals, upto=step)
-        if self.trainer.step > before:
-            self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
-            self.done = self.trainer.step >= self.total
-            self.leader.join(self.trainer.step, self.addr)
+    def _join_here(self) -> None:
+        """The join said at this shard's step, where its sums start anew (what the old ones held goes)."""
+        self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
+        self.intake.reclaim()
+        self.trainer.release_heap()
+        self.done = self.trainer.step >= self.total
+        self.leader.join(self.trainer.step, self.addr)
 
     def _stage(self, g: int) -> dict[str, torch.Tensor]:
         pieces = self.trainer.pieces if self.trainer.mirror is None else self.trainer.mirror.tensors
@@ -146,28 +144,50 @@ class ShardServer:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> int:
+        while True:
+            try:
+                return self._loop()
+            except NewTerm as exc:
+                if not self._enter_term(exc):
+                    return Exit.REJOIN
+            except Rejoin as exc:
+                self.log.info("leaving the term; starting again from its checkpoint", reason=str(exc))
+                return Exit.REJOIN
+
+    def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.leader.sock, zmq.POLLIN)
-        try:
-            while not self.ctx.stopping.is_set():
-                self.ckpt.wake_for_room(poller)
-                events = dict(poller.poll(50))
-                if self.leader.sock in events:
-                    self._from_leader()
-                if self.sock in events:
-                    for _ in range(64):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._receive(frames)
-                self.ckpt.pump()  # the next parts of a snapshot (outgoing.py)
-                self._housekeeping()
-        except Rejoin as exc:
-            self.log.info("leaving the term; starting again from its checkpoint", reason=str(exc))
-            return Exit.REJOIN
+        while not self.ctx.stopping.is_set():
+            self.ckpt.wake_for_room(poller)
+            events = dict(poller.poll(50))
+            if self.leader.sock in events:
+                self._from_leader()
+            if self.sock in events:
+                for _ in range(64):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+            self.ckpt.pump()  # the next parts of a snapshot (outgoing.py)
+            self._housekeeping()
         return 0
+
+    def _enter_term(self, new: NewTerm) -> bool:
+        """Join the leader's new term in place (newterm.py); False: leave it by a restart."""
+        link = newterm.restarts_instead(self.cfg, self.trainer, self.codec, self.done or self.leader.finishing) or \
+            newterm.enter(self.ctx, self.zctx, new, self.leader, self.ckpt, self.steplog, self.trainer, self.totals,
+                          self.last_eval, lambda: self.member.incarnation, self.drops)
+        if isinstance(link, str):
+            self.ctx.emit("shard_left_term", shard=self.shard, term=new.term, step=self.trainer.step, why=link)
+            self.log.info("leaving the term; starting again from its checkpoint", reason=str(new), why=link)
+            return False
+        self.leader, self.term, self.seal = link, link.term, None
+        self.door.new_term(self.term)
+        self._next_ready = self._next_have = self._next_check = 0.0
+        self._join_here()
+        return True
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -191,17 +211,17 @@ class ShardServer:
             if msg.type == "shard_commit" and h["step"] == self.current.version:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
-                self.fp, self.seal = h["fp"], LeaseSeal(h["lease_key"])
+                self.seal = LeaseSeal(h["lease_key"])
                 if self.steplog is not None and (boundary := self.steplog.take_boundary()) is not None:
                     # its evaluation may run again; sent once joined (before, a restarted one's would not count)
                     self.leader.send("shard_eval", tensors=boundary[1], step=boundary[0])
-                for identity, hello in self.parked:
-                    self._hello(identity, hello)
-                self.parked = []
+                self.door.opened(h["fp"], self.term, self.trainer.step, self.total)
                 if self.done and not self.leader.finishing:  # joined at the last step: its end comes only now
                     self._finish()
-            elif msg.type == "shard_behind":
-                self._catch_up(h["step"])
+            elif msg.type == "shard_behind" and self.steplog is not None and self.seal is None:
+                # (leader/roster.py `Restarts`; not moved: the join said again in a second asks again)
+                if self.steplog.catch_up(self.ctx, self.trainer, self.totals, h["step"]):
+                    self._join_here()
             elif msg.type == "shard_fence":
                 self.admission.fence(h["wid"], h["inc"])
             elif msg.type == "shard_snapshot" and h["step"] == self.trainer.step != self.snapshotted:
@@ -219,13 +239,7 @@ class ShardServer:
             return
         h = msg.header
         if msg.type == "hello":
-            if self.fp:
-                self._hello(identity, h)
-            elif self.restarted:  # restarted in the term: the worker that linked to it keeps its lease meanwhile
-                self.parked = [*[p for p in self.parked if p[0] != identity], (identity, h)][-64:]
-            else:  # the leader has not told us the run's fingerprint yet (it does before its first welcome)
-                self._send(identity, "reject", fatal=False, reason=f"shard {self.shard} has not joined its leader's "
-                           "term yet; say hello again")
+            self.door.hello(identity, h, self.term, self.trainer.step, self.total)
             return
         if self.admission.known(identity, h, self.term) is None:
             pass
@@ -238,12 +252,6 @@ class ShardServer:
             self._on_grad(identity, msg)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
             self.intake.settle(self.current.holds())
-
-    def _hello(self, identity: bytes, h: dict[str, Any]) -> None:
-        if (info := self.admission.hello(identity, h)) is not None:
-            self._send(identity, "welcome", term=self.term, step=self.trainer.step, version=self.trainer.step,
-                       total_steps=self.total, shm=self.intake.grant(identity, h))
-            self.log.info("worker admitted", worker=info.wid, incarnation=info.inc, host=info.host)
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
         h = msg.header
@@ -276,13 +284,8 @@ class ShardServer:
     def _step_stage(self, g: int) -> None:
         """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
         stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
-        grads, _ = self.current.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
         self.slices.encoded(g, self.current.version)
-        with users_step(self.ctx.fatal, self.current.version + 1, f" on shard {self.shard}"):
-            self.trainer.apply_stage(grads or {})
-            if len(self.current.applied) == len(self.stages) - 1:
-                self.trainer.end_step()
-        self.current.applied.add(g)
+        self.current.step_stage(g, self.trainer, self.ctx.fatal, f" on shard {self.shard}")
         self._answer_pulls()
         if self.current.complete:
             self._ready()
@@ -302,12 +305,7 @@ class ShardServer:
         if self.pipelined and skip:  # nothing overflows without fp16: a leader of another configuration
             self.ctx.fatal(f"shard {self.shard}: told to skip step {version + 1} of a pipelined run; use the "
                            "same cluster.pipeline_stages and precision everywhere")
-        if not self.pipelined:
-            assert self.current.mean is not None
-            grads, _ = self.current.mean
-            self.current.mean = None
-            with users_step(self.ctx.fatal, self.trainer.step + 1, f" on shard {self.shard}"):
-                self.trainer.apply(None if skip else grads, None, partials=partials)
+        self.current.apply(self.trainer, skip, partials, self.ctx.fatal, f" on shard {self.shard}")
         step = self.trainer.step
         self.intake.reclaim()  # the step's gradient buffers take the next step's
         self.current.next_step(step)
@@ -315,8 +313,8 @@ class ShardServer:
         self._answer_pulls()
         if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
-            self.leader.send("shard_eval", tensors={n: p.detach().clone() for n, p in self.trainer.pieces.items()},
-                             step=step)
+            self.last_eval = (step, {n: p.detach().clone() for n, p in self.trainer.pieces.items()})
+            self.leader.send("shard_eval", tensors=self.last_eval[1], step=step)
         if last:  # train.steps, or the leader stopped early
             self._finish()
         elif snapshot:  # the leader names the steps every shard checkpoints

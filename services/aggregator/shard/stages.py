@@ -12,8 +12,13 @@ servable until the commit (a microbatch leased again is computed from it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NoReturn
+
 import torch
 from cmemi.services.aggregator.common.collector import StepCollector
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.common.userstep import users_step
 
 
 class StepStages:
@@ -53,3 +58,24 @@ class StepStages:
     def next_step(self, step: int) -> None:
         self.collectors = self._new(step)
         self.applied.clear()
+
+    def step_stage(self, g: int, trainer: Trainer, fatal: Callable[[str], NoReturn], where: str) -> None:
+        """Pipelined: stage g of the step is in: step it; the trainer's step ends with the last stage."""
+        grads, _ = self.collectors[g].mean()  # None: a stage without pieces (no overflow: no fp16 here)
+        with users_step(fatal, self.version + 1, where):
+            trainer.apply_stage(grads or {})
+            if len(self.applied) == len(self.names) - 1:
+                trainer.end_step()
+        self.applied.add(g)
+
+    def apply(self, trainer: Trainer, skip: bool, partials: list[float], fatal: Callable[[str], NoReturn],
+              where: str) -> None:
+        """The leader's commit of the complete step: not pipelined, its mean gradient applied (or skipped: an
+        overflow somewhere); pipelined, its stages were stepped as they came."""
+        if self.pipelined:
+            return
+        assert self.mean is not None
+        grads, _ = self.mean
+        self.mean = None
+        with users_step(fatal, trainer.step + 1, where):
+            trainer.apply(None if skip else grads, None, partials=partials)

@@ -1,9 +1,10 @@
 """A shard k > 0's link to its leader (shard 0): what it says (`shard_join`, `shard_have`, `shard_ready`,
 `shard_eval`, `shard_final`, each with the shard's number, incarnation and term) and what it hears.
 
-Only the leader's messages of this shard's term count; a `reject`, or a new term in Redis (the leader restarted, or
-rolled back because a shard restarted), means this shard's state is not the cluster's any more (`Rejoin`: it exits
-and starts again from the checkpoint the new term restores). The leader's messages bigger
+Only the leader's messages of this shard's term count; a `reject` means this shard's state is not the cluster's any
+more (`Rejoin`: it exits and starts again from the checkpoint the term restores). A new term in Redis (the leader
+restarted, or rolled back because a shard restarted) is `NewTerm`: the shard joins it in place where it can
+(newterm.py), on a new LeaderLink to the new leader, and leaves it as a `Rejoin` elsewhere. The leader's messages bigger
 than one arrive in parts and are assembled here, so the shard's loop sees whole messages only.
 
 What the shard says goes through a SendQueue (shared/wire/sendq.py, issue 47): its loop never waits on a leader that
@@ -36,8 +37,17 @@ class Rejoin(Interrupt):
     """This shard's state is not the cluster's any more: leave the term, start again from its checkpoint."""
 
 
+class NewTerm(Rejoin):
+    """The leader started another term (`term`, read in Redis): joined in place where the shard can (newterm.py)."""
+
+    def __init__(self, term: int, old: int) -> None:
+        super().__init__(f"the leader started term {term} (this shard was in {old})")
+        self.term = term
+
+
 JOIN_AGAIN_S = 1.0  # a join not welcomed this long is said again
 QUEUED = 64  # messages kept for a leader that does not read: 30 s of shard_have and shard_ready, then drops
+QUIET_S = 0.1  # the leader silent this long (dead, restarting, or a slow step): the term is read again at once
 
 
 class LeaderLink:
@@ -52,6 +62,7 @@ class LeaderLink:
         self.joining: dict[str, Any] | None = None  # the join said, until the leader's welcome (`join_again`)
         self.next_join = 0.0
         self.finishing = False  # the final snapshot went to the checkpointer (`finish`)
+        self.heard_at = self.poked_at = time.monotonic()  # the leader's last message here; the last read asked
         self.watch = Watch(ctx.redis, 0.25, lambda r: (text(r.hget(ctx.keys.aggregator, "term")), text(r.get(ctx.keys.state))),
                            "shard").start()
 
@@ -93,18 +104,25 @@ class LeaderLink:
                 continue
             if msg is None:
                 continue
+            self.heard_at = time.monotonic()
             if msg.type == "reject":
                 raise Rejoin(msg.header["reason"])
             if msg.header.get("term") == self.term:
                 yield msg
 
     def check_term(self) -> None:
-        """Raises Rejoin once the leader started another term, SystemExit(0) once the run is over (as Redis said
-        when the watch last read it)."""
+        """Raises NewTerm once the leader started another term, SystemExit(0) once the run is over (as Redis said
+        when the watch last read it). While the leader is silent, the next reading is asked for at once (every
+        QUIET_S at most), as a worker does while idle: a new leader's term is seen within a loop pass or two, not the
+        watch's quarter second (most of the wait between the new leader's advertisement and this shard's join)."""
+        now = time.monotonic()
+        if now - max(self.heard_at, self.poked_at) >= QUIET_S:
+            self.poked_at = now
+            self.watch.poke()
         if (seen := self.watch.take()) is not None:
             term, state = seen[0]
             if term is not None and int(term) != self.term:
-                raise Rejoin(f"the leader started term {term} (this shard was in {self.term})")
+                raise NewTerm(int(term), self.term)
             if state in ("completed", "failed"):
                 raise SystemExit(0)
 

@@ -223,6 +223,18 @@ class CheckpointerLink:
         raise TimeoutError(f"the checkpointer did not answer {mtype!r} within {timeout:g}s; "
                            "is `cmemi checkpointer` running and reachable?")
 
+    def enter_term(self, term: int) -> None:
+        """A shard k > 0 joined its leader's new term in place (shard/newterm.py): the old term's snapshots are the
+        checkpointer's to drop (`stale_term`: no answer comes, and one in flight would wait for it for good), so they
+        go here too, and the socket with what of them it still holds: the new term's go out on a new connection."""
+        self.term = term
+        self.in_flight, self.queued, self._retry_at = None, [], None
+        self.once_saved.clear()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.parts.keep(())
+        self.sock = self.addr = self._polled = None  # (the shard's loop polls with a new Poller from here on)
+
     def close(self) -> None:
         self.where.stop()
 

@@ -93,6 +93,14 @@ class ShardStepLog:
                each=lambda step: self._boundary(ctx.cfg, trainer, step), checkpoint=self.restored)
         return trainer.step
 
+    def catch_up(self, ctx: ServiceContext, trainer: Trainer, totals: RunTotals, step: int) -> bool:
+        """Behind the leader's `step` (`shard_behind`: restarted within the term, or joined a new one in place):
+        this shard's entries on to it; True if it moved (it joins again there)."""
+        before = trainer.step
+        if step > before:
+            self.replay(ctx, trainer, totals, upto=step)
+        return trainer.step > before
+
     def _boundary(self, cfg: Config, trainer: Trainer, step: int) -> None:
         """A copy of this shard's pieces at the last evaluation boundary replayed: the leader evaluates that step
         again if no entry holds its result (it was running when the leader died); sent once joined."""
@@ -139,6 +147,17 @@ class ShardStepLog:
             self.again_at, self.sent_at = None, now
             for step in sorted(self.kept):
                 self.link.send(self.kept[step][1])
+
+    def enter_term(self, term: int, step: int, boundary: tuple[int, dict[str, torch.Tensor]] | None) -> None:
+        """This shard joined its leader's new term in place at `step` (shard/newterm.py). What it kept or queued was
+        shipped under the old term, which the checkpointer now drops (`stale_term`), and the new leader's replay cut
+        the log after its own step: none of it is sent again. Entries from the next step on go under the new term (a
+        step shipped in the old term is shipped again). `boundary`: the pieces of the last evaluation step, sent to
+        the new leader once welcomed (`take_boundary`). A replay from here names the checkpoint it restored still."""
+        self.link.term = term
+        self.link.queue.clear()
+        self.kept.clear()
+        self.shipped, self.again_at, self.boundary = step, None, boundary
 
     def close(self) -> None:
         self.link.close()
