@@ -213,7 +213,7 @@ def test_parameters_of_another_model_stop_the_worker_with_the_fix() -> None:
 
 def test_replicas_keep_the_newest_rounds_and_a_state_only_within_its_window() -> None:
     cfg = _cfg("train.microbatches=4", "cluster.workers=2")
-    local = SimpleNamespace(window=2, ahead=False)
+    local = SimpleNamespace(window=2, ahead=False, fragments=[["w"]])  # streaming: a state within its window will do
     replicas = Replicas(cfg, local, None, _fatal)  # type: ignore[arg-type]
     assert replicas.hold_at_most == 3
     for r, rnd in ((0, 5), (1, 3), (2, 4), (3, 2)):
