@@ -7,7 +7,8 @@ acks, so its slots (two) must never be written again before what they hold is ac
 not reading yet, a third entry waits KEEP_WAIT_S for a slot, then goes as frames (counted), and every entry reaches
 the log bitwise once it reads (none is lost to a slot written again). A descriptor naming no segment, or a slot written since (a torn one), is dropped and
 counted at the checkpointer, which goes on. A kept entry sent again to a checkpointer that restarted on another
-host goes as frames read from its slot."""
+host goes as frames read from its slot. With the spool on, a same-host entry lands through one buffer reused from
+entry to entry and the log keeps it only in its segment: every entry still held bitwise, and replayed so."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from cmemi.services.aggregator.steplog.link import StepLogLink
+from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
+from cmemi.services.aggregator.steplog.reading import LogEntries
+from cmemi.services.checkpointer.logfiles import LogFiles, Stored
 from cmemi.services.checkpointer.logserver import LogServer
 from cmemi.services.checkpointer.steplog import StepLog
 from cmemi.shared.memory import shm
@@ -42,9 +45,9 @@ def same_host(tmp_path: Path, redis_url: str) -> ServiceContext:
     return ctx
 
 
-def serve(ctx: ServiceContext, zctx: zmq.Context) -> tuple[LogServer, StepLog]:
+def serve(ctx: ServiceContext, zctx: zmq.Context, files: LogFiles | None = None) -> tuple[LogServer, StepLog]:
     """A LogServer advertised in Redis, its thread not started (`start` it: until then nothing is read or acked)."""
-    log = StepLog(0, 64 << 20, lambda header, metas: pytest.fail("nothing spills at 64 MB"))
+    log = StepLog(0, 64 << 20, lambda header, metas: pytest.fail("nothing spills at 64 MB"), files)
     server = LogServer(ctx, zctx, log, threading.Lock())
     ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
     return server, log
@@ -161,4 +164,41 @@ def test_a_kept_entry_sent_again_to_a_checkpointer_on_another_host_goes_as_frame
         here.close()
         if elsewhere is not None:
             elsewhere.close()
+        zctx.term()
+
+
+def test_with_the_spool_on_same_host_entries_land_through_one_reused_buffer_and_are_held_in_the_segment_bitwise(
+        tmp_path: Path, redis_server) -> None:
+    """The one-line change that fails this: steplog.py `add` keeping a transient entry's pieces (`held` true for
+    them): every held entry would then be a view of the landing buffer, which holds the last entry's bytes."""
+    ctx = same_host(tmp_path, redis_server.url)
+    zctx = zmq.Context()
+    server, log = serve(ctx, zctx, LogFiles(tmp_path / "segments", lambda exc, attempt: pytest.fail(str(exc))))
+    server.start()
+    leader, shard = StepLogLink(ctx, zctx, term=1), StepLogLink(ctx, zctx, term=1, shard=1)
+    replayer: StepLogLink | None = None
+    try:
+        for step in (1, 2, 3):
+            shard.send(shard.encode(step, slice_of(step), None, None, 0.0))
+            g = {n: -t for n, t in slice_of(step).items()}  # the leader's slice: another layout, the same buffer
+            leader.ship_staged(step, leader.stage(g, None), False, [1.0, 2.0], float(step))
+            assert leader.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
+        for step in (1, 2, 3):
+            assert held_bitwise(log, step)
+            lead = log.entry(0, step)
+            assert lead is not None and all(isinstance(t, Stored) for t in lead.tensors.values())
+            assert torch.equal(lead.loaded()["g.w"], -slice_of(step)["w"])
+        assert log.in_memory == 0 and not server.drops.counts
+        ctx.redis.set(ctx.keys.term, 2)  # a restarted leader replays them from the segment
+        replayer = StepLogLink(ctx, zctx, term=2)
+        got = []
+        for msg in LogEntries(replayer).entries(0):
+            g, _ = inputs_of(msg.tensors, msg.header["skip"])
+            assert g is not None and torch.equal(g["w"], -slice_of(msg.header["step"])["w"])
+            got.append(msg.header["step"])
+        assert got == [1, 2, 3]
+    finally:
+        for link in (leader, shard, *([replayer] if replayer else [])):
+            link.close()
+        server.close()
         zctx.term()
