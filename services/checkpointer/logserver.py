@@ -151,8 +151,9 @@ class LogServer:
         """Where a same-host entry's bytes land: with the spool on, a buffer reused from entry to entry, and the log
         keeps the entry only in its segment (written from that buffer before the ack, read back for a replay); else
         as an entry off the wire. Each entry held in memory was a fresh allocation whose pages faulted in as the slot
-        was copied: most of this thread's CPU for bench/recovery.py's model at K = 2 (bench/steplog_overhead.py,
-        `checkpointer` with `checkpoint.step_log_spool` on and off)."""
+        was copied: bench/steplog_landing.py's MLP entry (bench/recovery.py's, 2.4 MB) landed in about a third less
+        CPU through the reused buffer, alternating with the code before it on a loaded 2-core machine; in whole runs
+        (bench/steplog_overhead.py, the `checkpointer` role) the gain was within that machine's run-to-run spread."""
         if self.log.files is None:
             return self.log.sink(header, metas)
         need = Held.size(metas)
