@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 
+import torch
 import zmq
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.admission import TermWatch
@@ -56,6 +57,7 @@ class LogServer:
         self.slots: dict[int, shm.Writer] = {}  # shard -> the ring of its replay's entries (made at its first ask)
         self.slotted: dict[bytes, int] = {}  # the peers whose log_req asked for slots (`shm`) -> their shard
         self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor)
+        self.landing = torch.empty(0, dtype=torch.uint8)  # a same-host entry's bytes on their way to the spool
         self.reader = shm_reader.Reader(ctx.run, self.cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(self.cfg))
         if self.cfg.cluster.transport != "tcp" and shm.available():
             try:
@@ -127,7 +129,7 @@ class LogServer:
         sink: Held | spool.Spool | None = None
         try:
             views = self.reader.views(desc)
-            sink = self.log.sink(msg.header, desc["tensors"])
+            sink = self._sink_of(msg.header, desc["tensors"])
             if isinstance(sink, Held):
                 sink.fill(self.raw.of(desc, views))
             else:
@@ -144,6 +146,20 @@ class LogServer:
             return False
         msg.tensors = sink.pieces() if isinstance(sink, Held) else sink.result()
         return True
+
+    def _sink_of(self, header: dict, metas: list[dict]) -> Held | spool.Spool:
+        """Where a same-host entry's bytes land: with the spool on, a buffer reused from entry to entry, and the log
+        keeps the entry only in its segment (written from that buffer before the ack, read back for a replay); else
+        as an entry off the wire. Each entry held in memory was a fresh allocation whose pages faulted in as the slot
+        was copied: bench/steplog_landing.py's MLP entry (bench/recovery.py's, 2.4 MB) landed in about a third less
+        CPU through the reused buffer, alternating with the code before it on a loaded 2-core machine; in whole runs
+        (bench/steplog_overhead.py, the `checkpointer` role) the gain was within that machine's run-to-run spread."""
+        if self.log.files is None:
+            return self.log.sink(header, metas)
+        need = Held.size(metas)
+        if self.landing.numel() < need:
+            self.landing = torch.empty(need, dtype=torch.uint8)
+        return Held(metas, self.landing)
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
         if tensors and (shard := self.slotted.get(identity)) is not None:  # a same-host replay: the entry in a slot

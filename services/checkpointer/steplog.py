@@ -44,6 +44,7 @@ class Piece:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    transient: bool = False  # in a landing buffer the next entry reuses: `add` holds the segment's copy instead
 
     def tensor(self) -> torch.Tensor:
         return self.flat[self.at:self.at + self.nbytes].view(DTYPES[self.dtype]).reshape(self.shape)
@@ -83,13 +84,16 @@ class Held:
     thread_time around each part; the one buffer, `Piece`s and `fill`'s numpy copies are the cut (issue 45):
     bench/steplog_landing.py's cnn1d entry lands in 17-19 us of CPU against 55-62 us before it."""
 
-    def __init__(self, metas: list[dict[str, Any]]) -> None:
+    def __init__(self, metas: list[dict[str, Any]], landing: torch.Tensor | None = None) -> None:
+        """`landing`: a buffer reused from entry to entry (at least `size(metas)` bytes), for an entry the log keeps
+        only in its segment file (`transient` pieces: logserver.py, a same-host entry with the spool on)."""
         self.starts: list[int] = []
         end = 0
         for m in metas:
             self.starts.append(end)
             end += (m["nbytes"] + ALIGN - 1) // ALIGN * ALIGN
-        self.flat = torch.empty(end, dtype=torch.uint8)
+        self.transient = landing is not None
+        self.flat = landing[:end] if landing is not None else torch.empty(end, dtype=torch.uint8)
         self.bytes = self.flat.numpy()
         self.metas: list[dict[str, Any]] | None = metas
 
@@ -105,8 +109,13 @@ class Held:
 
     def pieces(self) -> dict[str, Any]:
         """The entry as the log holds it (`Piece`s: no tensor views made)."""
-        return {m["name"]: Piece(self.flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"])
+        return {m["name"]: Piece(self.flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"], self.transient)
                 for m, a in zip(self.metas or (), self.starts, strict=False)}
+
+    @staticmethod
+    def size(metas: list[dict[str, Any]]) -> int:
+        """The bytes an entry of `metas` takes in one buffer (each tensor at an ALIGN offset)."""
+        return sum((m["nbytes"] + ALIGN - 1) // ALIGN * ALIGN for m in metas)
 
     def result(self) -> dict[str, Any]:
         return {n: p.tensor() for n, p in self.pieces().items()}
@@ -209,7 +218,7 @@ class StepLog:
         if step != log.last + 1:
             self._drop(tensors)
             return False
-        held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
+        held = not any(isinstance(t, spool.Spooled) or getattr(t, "transient", False) for t in tensors.values())
         nbytes = sum(int(t.nbytes) for t in tensors.values())
         if self.files is not None:  # on disk before the ack (the caller's `logged`)
             stored = self.files.append(shard, step, fields, *_placed(tensors))

@@ -37,6 +37,7 @@ from cmemi.shared.wire import protocol, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
+KEEP_WAIT_S = 0.05  # a shard's slot still held: how long its ack is waited for before the entry goes as frames
 GRAD, BUFFER = "g.", "b."
 
 
@@ -66,6 +67,10 @@ class StepLogLink(LogConnection):
         self.pending: tuple[int, dict[str, Any], dict[str, torch.Tensor]] | None = None  # until acknowledged:
         # (step, the entry's fields, its tensors: views of a slot, or the kept buffers)
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
+        self.slotted: dict[int, tuple[list[list[Any]], dict[str, Any], dict[str, torch.Tensor]]] = {}  # a shard's
+        # kept entries in slots, until acknowledged: step -> (their messages, fields, tensors: views of the slot)
+        self.framed = 0  # a shard's entries sent as frames on this host: no slot free within KEEP_WAIT_S
+        self.slots_used = 0  # a shard's entries sent through its slots
         self.states = StateSpool(ctx.run_dir / "steplog" / f"states-{shard}") if \
             ctx.cfg.train.local_steps and ctx.cfg.checkpoint.step_log_spool else None  # local steps: statespool.py
 
@@ -114,20 +119,78 @@ class StepLogLink(LogConnection):
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 
-    # a shard k > 0 ships without waiting for acks and keeps its entries for a resend (steplog/shard.py): they
-    # travel as frames, never through the staging slot, which the next step's entry overwrites
+    # a shard k > 0 ships without waiting for acks and keeps its entries for a resend (steplog/shard.py): on this host
+    # each in a slot of its own, written again only once acknowledged (staging.py `keep`); else as frames
     def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
                partials: list[float] | None, loss: float, replicas: list[Any] | None = None,
                states: dict[str, torch.Tensor] | None = None) -> list[list[Any]]:
-        """Step `step`'s entry, encoded as frames (`ship`'s arguments; the tensors copied; `replicas`, `states`: the
-        replicas' states the step makes current, of a shard that keeps some: replicas.py)."""
+        """Step `step`'s entry, encoded (`ship`'s arguments; the tensors copied; `replicas`, `states`: the
+        replicas' states the step makes current, of a shard that keeps some: replicas.py): a slot's descriptor where
+        the checkpointer is on this host and a slot is free, else frames."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
                   "partials": partials, "evals": None, "replicas": replicas}
+        if self.sock is None:
+            self.connect()
+        if self.local and self._slot_free(step):
+            if self.slots_used == 0:
+                self.ctx.log.info("step log: this shard's entries go through its shared-memory slots", shard=self.shard)
+            self.slots_used += 1
+            views = self.staging.keep(step, {**tensors_of(grads, buffer_sum, copy=False), **(states or {})})
+            msgs = self._encoded({**fields, "shm": self.staging.desc}, {})
+            self.slotted[step] = (msgs, fields, views)
+            return msgs
+        return self._encoded(fields, {**tensors_of(grads, buffer_sum), **(states or {})})
+
+    def _encoded(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[list[Any]]:
         try:
-            return transfer.messages("step_log", self.ctx.run, fields, self.cap,
-                                     {**tensors_of(grads, buffer_sum), **(states or {})}, self.ctx.cfg.cluster.checksum)
+            return transfer.messages("step_log", self.ctx.run, fields, self.cap, tensors, self.ctx.cfg.cluster.checksum)
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
+
+    def _slot_free(self, step: int) -> bool:
+        """May step `step`'s kept entry go into a slot? Its acks read first (and left for the caller to read too);
+        if the slot due still holds one not acknowledged, its ack is waited for up to KEEP_WAIT_S (it is normally
+        on its way: the leader committed the step before, which needed that entry held), then the entry goes as
+        frames (counted in `framed`)."""
+        deadline = time.monotonic() + KEEP_WAIT_S
+        read: list[protocol.Message] = []
+        wait_ms = 0
+        free = False
+        while True:
+            read += self.replies(wait_ms)  # (the backlog first: every reply read stays for the caller)
+            left = deadline - time.monotonic()
+            if (free := self.staging.can_keep()) or left <= 0 or self.sock is None:
+                break
+            wait_ms = max(1, int(left * 1000))
+        self.backlog = read
+        if free:
+            return True
+        self.framed += 1
+        if self.framed <= 3 or self.framed % 100 == 0:
+            self.ctx.log.warning("step log: no slot free (an entry not acknowledged in it); this one goes as frames",
+                                 step=step, held=sorted(self.staging.held), framed=self.framed)
+        self.staging.forget_before(step - 1)  # (the shard keeps none before step - 1 either)
+        for s in [s for s in self.slotted if s < step - 1]:
+            del self.slotted[s]
+        return False
+
+    def replies(self, timeout_ms: int = 0) -> list[protocol.Message]:
+        """`LogConnection.replies`; a `logged` frees its entry's slot (a shard's kept entries)."""
+        out = super().replies(timeout_ms)
+        if self.staging.held:
+            for msg in out:
+                if msg.type == "logged" and self.staging.free(msg.header["step"]):
+                    self.slotted.pop(msg.header["step"], None)
+        return out
+
+    def send(self, msgs: list[list[Any]]) -> None:
+        """`LogConnection.send`; a kept entry's slot descriptor goes as frames (read from its slot) to a
+        checkpointer that is not on this host (it restarted elsewhere)."""
+        if not self.local and self.slotted:
+            kept = next((k for k in self.slotted.values() if k[0] is msgs), None)
+            if kept is not None:
+                msgs = self._encoded(kept[1], dict(kept[2]))
+        super().send(msgs)
 
     @property
     def unacknowledged(self) -> int | None:

@@ -7,6 +7,12 @@ checkpointer copies it into its log before it acknowledges, and the next entry i
 the slot (one of two) is never rewritten while it is read. Over tcp:// the kept buffers are sent zero-copy by the
 same rule. A fresh copy each step (`clone`) also faulted in a new 2.4 MB of pages per step for bench/recovery.py's
 model (issue 47).
+
+A shard k > 0 keeps its entries until they are acknowledged and sends them again when late (steplog/shard.py), so
+its entries in slots (`keep`) are tracked until `free`d by their `logged`: a slot is written again only once what it
+held is acknowledged (`can_keep`), and none while an entry not acknowledged lies in an older segment (a grown one
+retires the current segment, kept linked, and unlinks the one retired before: shm.Writer), so a kept entry's
+descriptor stays readable until its ack.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Staging:
         self.slots: shm.Writer | None = None  # made at the first same-host entry
         self.desc: dict[str, Any] | None = None  # the slot the last staged entry is in (None: not in a slot)
         self.kept: dict[str, torch.Tensor] = {}
+        self.held: dict[int, tuple[str, int]] = {}  # a shard's kept entries not acknowledged: step -> (segment, slot)
 
     def _writer(self) -> shm.Writer:
         if self.slots is None:
@@ -54,6 +61,32 @@ class Staging:
             v.copy_(t)
         self.desc = writer.commit(slot, metas, views)
         return dict(zip(src, views, strict=True))
+
+    def can_keep(self) -> bool:
+        """Can `keep` stage an entry without overwriting one not acknowledged yet?"""
+        if len(self.held) >= shm.SLOTS:
+            return False
+        writer = self.slots
+        if writer is None or writer.path is None:
+            return not self.held
+        # (every held entry in the current segment: a grown one retires it, kept linked, never one already retired)
+        return all(seg == writer.path.name and slot != writer.next for seg, slot in self.held.values())
+
+    def keep(self, step: int, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`src` copied into the next slot for step `step`'s kept entry (`can_keep` first); held until `free`."""
+        views = self.copy(src, True)
+        assert self.desc is not None
+        self.held[step] = (self.desc["seg"], self.desc["slot"])
+        return views
+
+    def free(self, step: int) -> bool:
+        """Step `step`'s entry is acknowledged: its slot may be written again. True if it was in one."""
+        return self.held.pop(step, None) is not None
+
+    def forget_before(self, step: int) -> None:
+        """No longer wait for the acks of entries before `step` (steplog/shard.py keeps none of them any more)."""
+        for s in [s for s in self.held if s < step]:
+            del self.held[s]
 
     def unstaged(self) -> None:
         """The entry about to be sent was not staged here (`ship` of tensors as they lie)."""
