@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cmemi.commands.configs import bundled_examples, config_path
-from cmemi.launcher.launch import SERVICES, exit_code, exit_now, run_service, user_code_importable
-from cmemi.shared.runtime.exits import Exit
+from cmemi.launcher.launch import SERVICES, exit_code, run_service, user_code_importable
+from cmemi.shared.runtime.exits import Exit, exit_now
 
 if TYPE_CHECKING:
     from cmemi.launcher.zygote_up import Zygote

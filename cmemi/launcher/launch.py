@@ -5,11 +5,9 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
 
@@ -43,17 +41,3 @@ def exit_code(fn: Callable[[], int | None]) -> int:
     return int(code or 0)
 
 
-def exit_now(code: int) -> NoReturn:
-    """Leave without tearing the interpreter down: with torch imported that takes 0.5-0.8 s, which every process
-    of a finished run paid one after another before `cmemi up` returned. Only where all is closed by now: a
-    service's and `cmemi up`'s own shutdown has run; the streams are flushed here. Not for a service the zygote
-    forked (cmemi/launcher/zygote.py): tried there to cut a shard's exit when it leaves its term (0.66-0.73 s of a
-    leader kill's 2.0-2.7 s to its replacement's start at K = 2), it left the service's ipc:// socket files behind
-    (the ZeroMQ context's termination at teardown unlinks them; tests/test_samehost_faults.py)."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)

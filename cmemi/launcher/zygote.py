@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     from cmemi.launcher.launch import run_service, user_code_importable
 
     user_code_importable()
-    # Through the interpreter's teardown (0.5-0.8 s with torch imported), not launch.exit_now: the teardown's
+    # Through the interpreter's teardown (0.5-0.8 s with torch imported), not exits.exit_now: the teardown's
     # ZeroMQ context termination is what unlinks a service's ipc:// socket files (tests/test_samehost_faults.py
     # found them left behind after an os._exit)
     run_service(request["argv"][3], request["argv"][4:])
