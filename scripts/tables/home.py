@@ -5,6 +5,7 @@ bound: N hosts x one host's compute-only rate (the emulated one: 20 ms per 64-sa
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from scripts.tables.provenance import RESULTS, load_path, measured
@@ -15,12 +16,20 @@ SYSTEMS = {
     "cmemi_local_int8_down": "whole rounds, int8 up + int8 θ down",
     "cmemi_local_stream": "streaming F = 4, states spread",
     "cmemi_local_stream_leaderstates": "streaming F = 4, states on the leader",
+    "cmemi_local_rare": "whole rounds, int4 up + int8 θ down, K = 1, a state every D rounds",
+    "cmemi_local_rare_every": "whole rounds, int4 up + int8 θ down, K = 1, a state every round",
+    "cmemi_kn": "synchronous, dense, K = N (the bytes goal's baseline)",
 }
 
 
-def system_name(name: str) -> str:
+def system_name(name: str, described: str = "") -> str:
+    """The table's name of a system; `described`: the results file's description of it, which names
+    cmemi_local_rare's D (bench/cluster.py --state-every)."""
     base, nolog = (name[: -len("_nolog")], True) if name.endswith("_nolog") else (name, False)
-    return SYSTEMS.get(base, f"`{base}`") + (", step log off" if nolog else "")
+    text = SYSTEMS.get(base, f"`{base}`") + (", step log off" if nolog else "")
+    if (d := re.search(r"train\.state_every (\d+)", described)) and " D " in text:
+        text = text.replace(" D ", f" D = {d.group(1)} ")
+    return text
 
 
 def share(x: Any) -> str:
@@ -44,7 +53,7 @@ def home() -> str:
                     per_host = 1000 * w["batch_per_worker"] / w["emulated_compute_ms_per_forward"]
                     emulated = r["samples_per_s"] / (int(n) * per_host)
                 drops = r.get("link_drops", {}).get("by_host", {}).get("srv", {}).get("down")
-                lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name)} | "
+                lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
                              f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
                              f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
                              f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
