@@ -184,4 +184,5 @@ class Trainer(OwnRows, Outward):
             self.inner.advance()
         if self.mirror is not None:
             self.mirror.advance(self.pieces, self.step)
-        self.history.keep(self.step, self.wire_state())
+        if self.history.on:  # (train.state_every > 1 only: wire_state builds the step's buffers' dict every step)
+            self.history.keep(self.step, self.wire_state())
