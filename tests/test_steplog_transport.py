@@ -7,6 +7,7 @@ Past `checkpoint.step_log_memory_mb` the entries land in spool files and come ba
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,5 +137,49 @@ def test_a_leader_and_a_shard_replaying_at_once_each_get_their_own_entries_bitwi
     finally:
         for link in (leader, shard, *replays):
             link.close()
+        server.close()
+        zctx.term()
+
+
+def test_close_leaves_the_socket_to_the_log_thread_while_it_is_inside_a_message(tmp_path: Path, redis_server,
+                                                                                 monkeypatch) -> None:
+    """The step log's thread owns its socket: `close` while the thread is inside a message (a long spool write; here
+    held on an event) must not close the socket under it, or libzmq asserts and aborts the whole process (CI's pytest
+    process died of SIGABRT so, stop 55). The thread closes it itself once the message is done. The old `close` (join
+    2 s, then `sock.close`) fails the first assertion after `close`."""
+    import zmq
+    from cmemi.services.checkpointer import logserver
+
+    ctx = context(tmp_path, redis_server.url, "cluster.transport=tcp", "cluster.max_message_bytes=16777216")
+    ctx.redis.set(ctx.keys.term, 1)
+    zctx = zmq.Context()
+    server = LogServer(ctx, zctx, StepLog(0, 64 << 20, lambda h, m: pytest.fail("nothing spills")), threading.Lock())
+    inside, release = threading.Event(), threading.Event()
+    receive = server._receive
+
+    def held() -> None:
+        inside.set()
+        release.wait(30)
+        receive()
+
+    monkeypatch.setattr(server, "_receive", held)
+    monkeypatch.setattr(logserver, "CLOSE_S", 0.3)
+    server.start()
+    ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
+    link = StepLogLink(ctx, zctx, term=1)
+    try:
+        link.ship_staged(1, link.stage(grads(1), None), False, None, 1.0, None)
+        assert inside.wait(30), "the entry never reached the log thread"
+        server.close()  # returns after CLOSE_S: the thread is still inside the message
+        assert not server.sock.closed, "closed from another thread while the log thread was using it"
+        release.set()
+        assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False  # the entry is still acknowledged
+        deadline = time.monotonic() + 30
+        while not server.sock.closed:
+            assert time.monotonic() < deadline, "the log thread did not close its socket when it ended"
+            time.sleep(0.01)  # (a poll of the thread's own state, with a deadline)
+    finally:
+        release.set()
+        link.close()
         server.close()
         zctx.term()

@@ -15,6 +15,11 @@ back the same way, each server's replay through a ring of its own (`slots[shard]
 replay at once, and one ring would let either overwrite the other's entry. Over tcp://, CurveZMQ carried the 2.4 MB
 entry of bench/recovery.py's model at about 2.5 ms of CPU per step on two sides of a 2-core machine, most of the log's
 step-time overhead there (issue 47); a shard's replay paid it until it had a ring too.
+
+The thread owns the socket and what it reads into: it closes them itself as it ends, and `close` waits for that. A
+ZeroMQ socket is not thread-safe: closed from another thread while this one still polled it (a join that timed out
+after 2 s under load, then `sock.close`, or the context's `destroy`), libzmq asserts and the whole process aborts
+(CI's pytest process died so, SIGABRT, in stop 55's run).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ def reply(ctx: ServiceContext, sock: zmq.Socket, identity: bytes, mtype: str, fi
                                               ctx.cfg.cluster.checksum), identity)
     except transfer.TooBig as exc:
         ctx.fatal(f"checkpointer: {exc}")
+
+
+CLOSE_S = 30.0  # the longest `close` waits for the thread (a big entry's spool write, a Redis call while Redis is away)
 
 
 class LogServer:
@@ -87,11 +95,14 @@ class LogServer:
         return self.log.sink(of, metas)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if protocol.poll(self.sock, 100):
-                self._receive()
-            elif self.drops.unpublished:
-                self.drops.publish()
+        try:
+            while not self._stop.is_set():
+                if protocol.poll(self.sock, 100):
+                    self._receive()
+                elif self.drops.unpublished:
+                    self.drops.publish()
+        finally:
+            self._release()
 
     def _receive(self) -> None:
         identity = self.sock.recv()
@@ -171,9 +182,18 @@ class LogServer:
         reply(self.ctx, self.sock, identity, mtype, fields, tensors)
 
     def close(self) -> None:
+        """Stop the thread and wait until it has closed its socket (the module docstring: never closed from here while
+        it runs). It ends within a poll (0.1 s) unless a message is being received or written; a write that takes
+        longer than `CLOSE_S` is left to finish and close on its own, and the caller is told by the log."""
         self._stop.set()
+        if not self._thread.is_alive() and self._thread.ident is None:  # never started: nothing else holds it
+            self._release()
+            return
+        self._thread.join(timeout=CLOSE_S)
         if self._thread.is_alive():
-            self._thread.join(timeout=2)
+            self.ctx.log.error("step log thread still busy; it closes its socket when it ends", waited_s=CLOSE_S)
+
+    def _release(self) -> None:
         self.parts.close()
         self.sock.close(linger=0)
         for ring in self.slots.values():
