@@ -3,7 +3,8 @@ log, so no committed step is trained twice at cluster.shards > 1 either.
 
 Real `cmemi up` runs at `cluster.shards=2`, servers SIGKILLed at points of a run drawn from a seed, checkpoints far
 apart from the kills (but in the shard-kill test, whose short replays let a re-lease beat the workers' reading).
-metrics.jsonl is appended across restarts, one line per step (train.log_every 1): a step number in it twice is a step trained twice. Each run proves several things (start-up is most of a test's time).
+metrics.jsonl is appended across restarts, one line per step (train.log_every 1): a step number in it twice is a
+step trained twice. Each run proves several things (start-up is most of a test's time).
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def test_a_shard_killed_within_a_term_rejoins_it_no_new_term_no_step_twice(tmp_p
     long ones are test_the_leader_a_shard_and_both_..., every_steps 0). Each restarted shard restores the newest,
     replays its own entries to the leader's step (told it, if its first replay fell short: `shard_behind`) and
     takes its dead incarnation's place in the same term: the leader never restores nor replays, no new term starts,
-    no step is trained twice, and the result is bitwise the fault-free one. The workers follow its new address from its Redis record. The one-line change that
-    fails this: `Restarts.decide` returning ROLL_BACK for a new incarnation at the leader's step (then every kill
+    no step is trained twice, and the result is bitwise the fault-free one. The workers follow its new address from
+    its Redis record. The one-line change that fails this: `Restarts.decide` returning ROLL_BACK for a new incarnation at the leader's step (then every kill
     starts a new term, as before issue 47). A kill that loses the entry of the leader's last step falls back to a new
     term (below): allowed, counted, and never all three. Each restarted shard taken in the term takes part in a step
     within 2 s of that, at cluster.dead_after 2 s: before the leader re-leased what a restarted shard lacks at each
