@@ -171,6 +171,22 @@ def test_microbatches_another_shard_lacks_are_leased_again_as_leaves_after_a_gra
     assert torch.equal(mean["w"], (grads(0)["w"] + grads(4)["w"]) / 8)
 
 
+def test_a_restarted_shard_gets_what_it_lacks_of_what_is_here_at_once_even_before_this_step_is_complete() -> None:
+    """A restarted shard incarnation lost every slice of the step (leader/roster.py `have`): `early`, what the leader
+    holds and it lacks goes out again at once and at each report while it lacks it (grace 0), complete here or not;
+    what the leader does not hold yet is still leased (its slice goes to the new shard with the leader's)."""
+    c = StepCollector(0, 8, block=4)
+    assert c.lease("a", 1, now=0, timeout=10) == (0, 4) and c.lease("b", 1, 0, 10) == (4, 8)
+    assert c.offer((0, 4), grads(0), [0.0] * 4, holder=("a", 1)) is None and not c.complete
+    assert c.reopen([], now=1, grace=0, early=True) == [0, 1, 2, 3]  # before issue 47's fix: [] until complete
+    assert [c.lease("c", 1, 1, 10) for _ in range(5)] == [(0, 1), (1, 2), (2, 3), (3, 4), None]
+    assert c.reopen([0, 1], now=1.5, grace=0, early=True) == [2, 3]  # their slices went to its dead address
+    assert c.offer((4, 8), grads(4), [0.0] * 4, holder=("b", 1)) is None and c.complete
+    assert c.reopen([0, 1, 2, 3], now=2, grace=0, early=True) == [4, 5, 6, 7]
+    mean, _ = c.mean()
+    assert torch.equal(mean["w"], (grads(0)["w"] + grads(4)["w"]) / 8)
+
+
 def test_spares_are_reused_only_after_reclaim_and_bounded():
     from cmemi.services.aggregator.common.gradients import Spares
     spares = Spares(limit=1 << 20)

@@ -122,15 +122,17 @@ class StepCollector:
     def expire(self, now: float) -> list[int]:
         return self._requeue(sorted(n for n, lease in self.leases.items() if lease.deadline < now))
 
-    def reopen(self, have: Sequence[int], now: float, grace: float) -> list[int]:
+    def reopen(self, have: Sequence[int], now: float, grace: float, early: bool = False) -> list[int]:
         """Another shard holds only the microbatches `have` of this step. Once this collection is complete, the ones
         it lacks go back to the front of the queue as leaves when they have been lacking `grace` seconds (time for
         a slice still on its way), and again every `grace` seconds while they still are; returns those queued.
-        Their gradients reach that shard; here they are duplicates (the first copy stays)."""
-        if not self.complete:
+        Their gradients reach that shard; here they are duplicates (the first copy stays). `early` (that shard is a
+        restarted incarnation, which lost all it held): the ones received here go back before this collection is
+        complete too; nothing of theirs is on its way to it, and the rest is still leased or queued here."""
+        if not (self.complete or early):
             return []
         held = set(have)
-        due = [m for m in range(self.M) if m not in held and now - self._lacking.setdefault(m, now) >= grace]
+        due = [m for m in sorted(self.received) if m not in held and now - self._lacking.setdefault(m, now) >= grace]
         queued = {m for lo, hi in self.pending for m in range(lo, hi)}
         due = [m for m in due if m not in queued]
         for m in due:

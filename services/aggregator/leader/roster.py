@@ -95,7 +95,7 @@ class ShardInfo:
     totals: dict[str, Any] | None = None  # with them: its bytes in and out over the run, its dropped messages
     mirror: dict[str, str] | None = None  # and (compression.downlink) its mirror pieces' SHA-256
     eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
-    fresh: bool = False  # a restarted incarnation: what it lacks of this step is leased again at once (`have`)
+    taken_at: int | None = None  # a restarted incarnation: the step it was taken in at (`have`: leased again at once)
 
 
 class ShardRoster:
@@ -151,7 +151,7 @@ class ShardRoster:
     def admit(self, k: int, identity: bytes, h: dict[str, Any], restarted: bool) -> bool:
         """Shard k joins at the leader's step: at the term's start, or restarted within it (in its dead
         incarnation's place, told this term's fences); True when it is the last one to join."""
-        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"], fresh=restarted)
+        self.shards[k] = ShardInfo(identity, h["inc"], h["addr"], taken_at=h["step"] if restarted else None)
         self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
         if restarted:
             self.ctx.emit("shard_restarted", shard=k, step=h["step"], restored=h["step"], term_kept=True, inc=h["inc"])
@@ -204,15 +204,25 @@ class ShardRoster:
 
     def have(self, identity: bytes, h: dict[str, Any], collector: StepCollector, grace: float) -> bool:
         """A shard's microbatches of its incomplete step: what it lacks of a step complete here goes back to the
-        queue after `grace` (its worker died between its sends); True if some did."""
+        queue after `grace` (its worker died between its sends); True if some did.
+
+        A restarted incarnation, in the step it was taken in at, lost every slice its dead one held or was sent:
+        what it lacks of what is here is leased again at once, complete here or not, and again at each of its
+        reports (every 0.5 s, shard/server.py) while it still lacks it, not after `grace`. The first of those leases
+        often goes to its dead address too: a worker learns the new one from the shard's Redis record, read every
+        0.25 s off its loop (services/worker/links/shard_addrs.py), and a lease handed out a moment after the
+        restart reaches it first. Its slices then died in the old link, the workers sat idle (the step complete
+        here), and the next re-lease came 2 x cluster.dead_after later: 4.2 s from the kill to the next new step in
+        2 of 3 shard kills (bench/recovery_log.py --kill shard). A re-lease is safe: a duplicate is dropped, the
+        first copy wins."""
         if self.member(identity, h) is None or h["step"] != collector.step:
             return False
         if not all(isinstance(m, int) for m in h["have"]):
             self.drop("bad_have", f"shard {h['shard']}")
             return False
-        info = self.shards[h["shard"]]  # a restarted incarnation lost the whole step: leased again at once
-        if lacking := collector.reopen(h["have"], time.monotonic(), grace=0.0 if info.fresh else grace):
-            info.fresh = False
+        restarted = self.shards[h["shard"]].taken_at == collector.step
+        if lacking := collector.reopen(h["have"], time.monotonic(), grace=0.0 if restarted else grace,
+                                       early=restarted):
             self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
             self.ctx.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
                                  microbatches=lacking)

@@ -33,7 +33,8 @@ class ShardMessages:
                 self.hello(ident, hello)
 
     def on_have(self, identity: bytes, msg: protocol.Message) -> None:
-        """A shard's microbatches of its incomplete step: what it lacks of a step complete here is leased again."""
+        """A shard's microbatches of its incomplete step: what it lacks of a step complete here is leased again (a
+        restarted incarnation's, of what is here, at once: roster.py `have`)."""
         if self.p.roster is not None and self.p.roster.have(identity, msg.header, self.p.leasing.collector,
                                                             grace=2 * self.p.cfg.cluster.dead_after):
             self.serve_parked()

@@ -291,7 +291,7 @@ class ShardLinks:
         shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
         the frames' trackers go there (services/worker/links/inflight.py). `own[k]`: header fields for shard k's
         alone (a replica's state's `inner`, train.inner_states: shards)."""
-        self.relink()  # (into a dead shard's link, a gradient is lost: leased again only after the leader's grace)
+        self.relink()  # (into a dead shard's link, a slice is lost: leased again at the new one's next `shard_have`)
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
