@@ -1,7 +1,7 @@
 """The outer-change codecs (int4, int2, sparse2; issue 48) as units (int4 and int2 also as compression.downlink):
 error bounds of a round trip, the same bits from any encoder, byte sizes, sparse2's error feedback kept in a
-replica's state (moving with it, checked by the leader), and the config's refusals and permissions. Against plain torch: tests/test_outer_codecs_oracle.py; real clusters:
-tests/test_outer_codecs_cluster.py."""
+replica's state (moving with it, checked by the leader), and the config's refusals and permissions. Against plain
+torch: tests/test_outer_codecs_oracle.py; real clusters: tests/test_outer_codecs_cluster.py."""
 
 from __future__ import annotations
 
