@@ -38,7 +38,7 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 
 `cmemi_local_int8_down`: `cmemi_local` with `int8` changes up and `compression.downlink: int8` (a round starts
 from the mirror m_t, docs/design.md §10), so both of a round's slices are a quarter of fp32's.
-`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int8`, one server (`train.state_every` > 1 needs
+`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int4`, one server (`train.state_every` > 1 needs
 `cluster.shards: 1` for now) and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
 `cmemi_local_rare_every`: the same with a state every round, its same-run baseline.
 
@@ -564,10 +564,10 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
                              downlink="int8", inner_states=states, pace=pace, step_log=step_log)
-    if system in ("cmemi_local_rare", "cmemi_local_rare_every"):  # int4 up, int8 down, one server (D > 1 needs K = 1),
+    if system in ("cmemi_local_rare", "cmemi_local_rare_every"):  # int4 up, int4 down, one server (D > 1 needs K = 1),
         # a replica's state up every RARE_EVERY rounds (cmemi_local_rare) or every round (the same run's D = 1 baseline)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int4", shards=1, local_steps=local_steps,
-                             downlink="int8", inner_states=states, pace=pace, step_log=step_log,
+                             downlink="int4", inner_states=states, pace=pace, step_log=step_log,
                              state_every=RARE_EVERY if system == "cmemi_local_rare" else 1)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
@@ -702,10 +702,11 @@ def main() -> None:
             "cmemi_local_int8_down": "cmemi_local with compression.codec int8 (each replica's change up) and "
                                      "compression.downlink int8 (a round starts from the mirror, whose change comes "
                                      "down in int8): about a quarter of cmemi_local's bytes both ways",
-            "cmemi_local_rare": f"whole rounds with compression.codec int4 up, compression.downlink int8, one server "
+            "cmemi_local_rare": f"whole rounds with compression.codec int4 up, compression.downlink int4, one server "
                                 f"(cluster.shards 1) and train.state_every {RARE_EVERY}: a replica's state up every "
                                 f"{RARE_EVERY} rounds (issue 48, docs/design/local-steps.md)",
-            "cmemi_local_rare_every": "cmemi_local_rare with train.state_every 1 (a state every round), the same run's "
+            "cmemi_local_rare_every": "cmemi_local_rare (compression.downlink int4) with train.state_every 1 (a state "
+                                      "every round), the same run's "
                                       "baseline for what D saves",
         },
         "bytes_note": "bytes_*_per_step count every shard's sockets (summary.json's bytes_sent/bytes_received)",
@@ -764,9 +765,10 @@ def main() -> None:
                     runs[system]["of_emulated_compute_bound"] = of_bound(runs[system], emulated_compute_bound(n, step_ms))
                     frags = args.fragments if system.startswith("cmemi_local_stream") else 1
                     # SGD with momentum: a replica's inner state is as big as the parameters; int8 both ways: the
-                    # changes' and the parameters' slices a quarter of them (whole rounds: the states stay fp32)
-                    slices = pbytes // 4 if system in ("cmemi_local_int8_down", "cmemi_local_rare",
-                                                       "cmemi_local_rare_every") else pbytes
+                    # changes' and the parameters' slices a quarter of them, int4 both ways (4 bits and an fp32 scale per
+                    # 128) 17 / 128 of them (whole rounds: the states stay fp32)
+                    slices = (pbytes // 4 if system == "cmemi_local_int8_down" else pbytes * 17 // 128
+                              if system in ("cmemi_local_rare", "cmemi_local_rare_every") else pbytes)
                     runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
                         n, slices, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
                     if args.compute_bound and "error" not in runs[system]:

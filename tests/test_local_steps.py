@@ -66,7 +66,7 @@ def test_local_steps_refuse_what_they_cannot_keep_exact(sets: tuple[str, ...], f
 def test_whole_rounds_take_a_downlink_and_streaming_says_why_not() -> None:
     """compression.downlink with whole rounds: a replica's round starts from the mirror m_t (docs/design.md §10), so
     every downlink codec is accepted; streaming is refused with its reason (a segment takes 1/F of θ down already)."""
-    for down in ("bf16", "int8", "topk", "powersgd", "sign"):
+    for down in ("bf16", "int8", "topk", "powersgd", "sign", "int4", "int2"):
         cfg = digits("train.steps=300", "train.local_steps=5", f"compression.downlink={down}")
         assert cfg.compression.downlink == down and Trainer(cfg).mirror is not None
     with pytest.raises(ConfigError, match="config field 'compression.downlink'.*1/F of the parameters"):

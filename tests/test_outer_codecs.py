@@ -1,7 +1,7 @@
-"""The outer-change codecs (int4, int2, sparse2; issue 48) as units: error bounds of a round trip, the same bits from
-any encoder, byte sizes, sparse2's error feedback kept in a replica's state (moving with it, checked by the leader),
-and the config's refusals and permissions. Against plain torch: tests/test_outer_codecs_oracle.py; real clusters:
-tests/test_outer_codecs_cluster.py."""
+"""The outer-change codecs (int4, int2, sparse2; issue 48) as units (int4 and int2 also as compression.downlink):
+error bounds of a round trip, the same bits from any encoder, byte sizes, sparse2's error feedback kept in a
+replica's state (moving with it, checked by the leader), and the config's refusals and permissions. Against plain
+torch: tests/test_outer_codecs_oracle.py; real clusters: tests/test_outer_codecs_cluster.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from cmemi.services.aggregator.common.replicas import InnerStates
 from cmemi.services.worker.compute.local import LocalRound
 from cmemi.services.worker.compute.microbatch import MicrobatchRunner
+from cmemi.shared.compression import downlink
 from cmemi.shared.compression.lowbit import pack, unpack
 from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.compression.sparse2 import feedback_step
@@ -63,6 +64,33 @@ def test_lowbit_error_is_at_most_half_a_step_of_its_chunk(name: str, L: int) -> 
     assert nbytes == math.ceil(13000 * bits / 8) + 4 * math.ceil(13000 / 128)
     zeros, _ = roundtrip(name, torch.zeros(300))
     assert torch.equal(zeros, torch.zeros(300))
+
+
+@pytest.mark.parametrize(("codec", "L"), [("int4", 7), ("int2", 1)])
+def test_a_lowbit_change_is_within_half_a_step_of_its_chunk_and_costs_bits_plus_a_scale_per_chunk(codec: str,
+                                                                                                 L: int) -> None:
+    """int4/int2 down (lowbit.py through `downlink.codec`, chunks of compression.lowbit_chunk, here 100 with a
+    remainder): after a step the mirror is within absmax / (2L) of θ in each chunk of each piece (round to nearest;
+    the mirror started at θ_0, so θ − m is what the codec rounded away), the piece below min_compress_numel (b) is
+    exact, and the message is bits / 8 per element plus one fp32 scale per chunk."""
+    cfg = CompressionConfig(downlink=codec, lowbit_chunk=100, min_compress_numel=100)
+    theta = {"w": rand(64, 48), "v": rand(10, 128, seed=1), "b": rand(48, seed=2)}
+    start = {n: t.clone() for n, t in theta.items()}
+    server = downlink.Mirror(cfg, theta)
+    for p in theta.values():
+        p.add_(rand(*p.shape, seed=3), alpha=0.01)
+    server.advance(theta, 1)
+    info, frames = server.change(0)
+    assert {n: m["codec"] for n, m in info.items()} == {"w": codec, "v": codec, "b": "raw"}
+    assert torch.equal(server.tensors["b"], theta["b"])
+    bits = {"int4": 4, "int2": 2}[codec]
+    for n in ("w", "v"):
+        change, miss = (theta[n] - start[n]).reshape(-1), (theta[n] - server.tensors[n]).reshape(-1)
+        for lo in range(0, change.numel(), 100):
+            amax = float(change[lo: lo + 100].abs().max())
+            assert float(miss[lo: lo + 100].abs().max()) <= amax / (2 * L) * (1 + 1e-5) + 1e-7, (n, lo)
+        numel = change.numel()
+        assert frames[f"{n}#q"].numel() == -(-numel * bits // 8) and frames[f"{n}#s"].numel() == -(-numel // 100)
 
 
 def test_sparse2_keeps_the_largest_per_chunk_at_two_bits() -> None:

@@ -42,6 +42,7 @@ def test_a_low_rank_codec_factors_whole_tensors_on_a_grid_that_still_does_not_de
     assert not CompressionConfig(codec="topk", downlink="topk").whole_pieces
     assert CompressionConfig(codec="powersgd", downlink="sign").whole_pieces  # the uplink's factors: whole tensors
     assert not CompressionConfig(codec="powersgd", downlink="int8").whole_pieces  # a quarter of the parameters down
+    assert not CompressionConfig(codec="powersgd", downlink="int4").whole_pieces  # 17 / 128 of them
     assert [p.name for p in coarse.pieces] == [p.name for p in Partition(params, 1, whole=True).pieces]
     assert [p.name for p in coarse.pieces][:3] == ["w", "v", "b"] and all(p.nbytes <= CHUNK for p in coarse.pieces)
     assert sum(p.param == "huge" for p in coarse.pieces) == 2 and sum(p.param == "w" for p in fine.pieces) > 8

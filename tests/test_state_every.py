@@ -196,21 +196,24 @@ PACED = ("cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "model.fact
          "model.kwargs={pace: 0.01}")
 SPARSE = ("compression.codec=sparse2", "compression.min_compress_numel=256", "compression.sparse_chunk=256",
           "compression.downlink=int8")
+INT4 = ("compression.codec=int4", "compression.min_compress_numel=256", "compression.lowbit_chunk=100",
+        "compression.downlink=int4")  # bench/cluster.py's cmemi_local_rare: int4 both ways
 
 
 @pytest.mark.integration
 @pytest.mark.fault
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("codec", ["none", "sparse2"])
+@pytest.mark.parametrize("codec", ["none", "sparse2", "int4"])
 def test_a_worker_killed_costs_at_most_d_rounds_replayed_bitwise(tmp_path: Path, codec: str) -> None:
     """D = 4, whole rounds, W = 2 and a spare, a paced model, K = 1 (D > 1 needs one server for now): SIGKILL a worker
     mid-run; its replicas go to the others and the spare with their snapshots and the versions since, and each is
     replayed (at most D − 1 rounds) and computed on: bitwise `cmemi reference` (with sparse2 and an int8 downlink: the
-    residual replayed, each round from its mirror m_u; params_sha256 and mirror_sha256)."""
+    residual replayed, each round from its mirror m_u; with int4 both ways, the same from int4 mirrors;
+    params_sha256 and mirror_sha256)."""
     sets = (*[s for s in LOCAL if not s.startswith(("checkpoint", "cluster.spare", "eval", "train.steps",
                                                      "scheduler"))],
             "train.steps=200", "scheduler.kwargs.T_max=200", "checkpoint.every_steps=4", *PACED,
-            *(SPARSE if codec == "sparse2" else ()))
+            *{"sparse2": SPARSE, "int4": INT4}.get(codec, ()))
     want = references.reference(tmp_path, *sets)
     c = Cluster(tmp_path / "run", *sets, "train.state_every=4", "cluster.workers=2", "cluster.spare_workers=1")
     try:

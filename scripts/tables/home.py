@@ -16,20 +16,21 @@ SYSTEMS = {
     "cmemi_local_int8_down": "whole rounds, int8 up + int8 θ down",
     "cmemi_local_stream": "streaming F = 4, states spread",
     "cmemi_local_stream_leaderstates": "streaming F = 4, states on the leader",
-    "cmemi_local_rare": "whole rounds, int4 up + int8 θ down, K = 1, a state every D rounds",
-    "cmemi_local_rare_every": "whole rounds, int4 up + int8 θ down, K = 1, a state every round",
+    "cmemi_local_rare": "whole rounds, int4 up + DOWN θ down, K = 1, a state every D rounds",
+    "cmemi_local_rare_every": "whole rounds, int4 up + DOWN θ down, K = 1, a state every round",
     "cmemi_kn": "synchronous, dense, K = N (the bytes goal's baseline)",
 }
 
 
 def system_name(name: str, described: str = "") -> str:
     """The table's name of a system; `described`: the results file's description of it, which names
-    cmemi_local_rare's D (bench/cluster.py --state-every)."""
+    cmemi_local_rare's D (bench/cluster.py --state-every) and its compression.downlink."""
     base, nolog = (name[: -len("_nolog")], True) if name.endswith("_nolog") else (name, False)
     text = SYSTEMS.get(base, f"`{base}`") + (", step log off" if nolog else "")
     if (d := re.search(r"train\.state_every (\d+)", described)) and " D " in text:
         text = text.replace(" D ", f" D = {d.group(1)} ")
-    return text
+    down = re.search(r"compression\.downlink (\w+)", described)
+    return text.replace("DOWN", down.group(1) if down else "int8")  # (cmemi_local_rare's first results: int8)
 
 
 def share(x: Any) -> str:

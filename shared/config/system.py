@@ -203,7 +203,7 @@ class SecurityConfig:
 
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign", "int4", "int2", "sparse2")
-DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd", "sign")
+DOWNLINKS = ("none", "bf16", "int8", "topk", "powersgd", "sign", "int4", "int2")
 
 
 @dataclass
@@ -233,14 +233,15 @@ class CompressionConfig:
     (train.local_steps only): to the replica's next change, the residual kept in the replica's state."""
     downlink: str = "none"
     """Parameters sent to workers: none (dense, as they are), or the change of a mirror of them through bf16, int8,
-    topk, powersgd or sign (same options as above); the servers keep what was not sent (docs/design.md §9). With
-    train.local_steps (whole rounds, not streaming) each round starts from that mirror (§10)."""
+    topk, powersgd, sign, int4 or int2 (same options as above: int4/int2 at lowbit_chunk); the servers keep what was
+    not sent (docs/design.md §9). With train.local_steps (whole rounds, not streaming) each round starts from that
+    mirror (§10)."""
 
     @property
     def whole_pieces(self) -> bool:
         """powersgd either way with a downlink that sends a few percent of the parameters (powersgd, sign or topk): the
         chunk grid's pieces are whole tensors up to 4 MiB (shared/core/grid.py), so matrices are factored whole. Not with
-        dense, bf16 or int8 parameters down: K shards must share those bytes evenly."""
+        dense, bf16, int8, int4 or int2 parameters down: K shards must share those bytes evenly."""
         return "powersgd" in (self.codec, self.downlink) and self.downlink in ("powersgd", "sign", "topk")
 
     @property
