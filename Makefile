@@ -44,8 +44,9 @@ demo: install
 	$(BIN)/cmemi up examples/digits.yaml --overwrite
 
 # Debian packages tests drive for real, installed when missing (scripts/system_packages.sh; root or sudo):
-# chromium for tests/test_dashboard_browser.py, prometheus for tests/test_prometheus.py.
-SYSTEM_PACKAGES ?= chromium prometheus
+# chromium for tests/test_dashboard_browser.py, prometheus for tests/test_prometheus.py, iptables for the emulated
+# hosts' port outages and partitions (tests/helpers/netns_cluster.py: test_netns*, test_partitions*, test_soak).
+SYSTEM_PACKAGES ?= chromium prometheus iptables
 
 system-packages:
 	bash scripts/system_packages.sh $(SYSTEM_PACKAGES)

@@ -9,7 +9,9 @@
 # package is present at the end; else 1, with one line saying which package and how to install it.
 #
 # Which tests need which package: chromium, tests/test_dashboard_browser.py (`cmemi dashboard` in a real browser);
-# prometheus, tests/test_prometheus.py (a real Prometheus scrapes a run through RUN_DIR/prometheus/targets.json).
+# prometheus, tests/test_prometheus.py (a real Prometheus scrapes a run through RUN_DIR/prometheus/targets.json);
+# iptables, the emulated hosts' blocked ports and cuts (tests/helpers/netns_cluster.py: test_netns*, test_partitions*,
+# test_soak; a fresh Debian has none, and those tests failed at their first `iptables`).
 
 set -Eeuo pipefail
 
