@@ -237,7 +237,7 @@ def test_separate_hosts_cut_worker_is_fenced_and_replaced(lab: netns.NetLab, tmp
               f"dropped_messages {drops}")
     with capsys.disabled():
         print("\n" + report, flush=True)
-    assert drops.get("fenced", 0) >= 1, drops
+    assert drops.get("fenced", 0) >= (learned == "the aggregator's reject"), drops  # (nothing sent: nothing dropped)
     assert summary["steps"] == STEPS
     assert steps == list(range(1, STEPS + 1)), "a step was lost or redone"
     assert summary["params_sha256"] == reference, "the result differs from the fault-free run"
