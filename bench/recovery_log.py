@@ -100,12 +100,17 @@ def rows(work: Path, every: int, kills: int) -> dict[str, Any]:
     return out
 
 
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's events.jsonl, one dict a line (none if it has none yet)."""
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
 def taken_in(run_dir: Path, t_kill: float, ident: str) -> float:
     """When the leader took the killed shard's new incarnation into the term (`shard_restarted`, the first after the
     kill); the kill's own time for the leader (every step after its kill is the new leader's) or when there is none
     (without the log the run goes back to a checkpoint in a new term: any later step is new)."""
-    path = run_dir / "events.jsonl"
-    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    events = read_events(run_dir)
     found = next((e["t"] for e in events if ident != "0" and e["t"] > t_kill and e["kind"] == "shard_restarted"
                   and e.get("shard") == int(ident)), None)
     return found if found is not None else t_kill
@@ -115,8 +120,7 @@ def phases(run_dir: Path, t_kill: float, ident: str) -> dict[str, float]:
     """Seconds from a kill to each server event that follows it, before the next kill (the first of each kind): the
     coordinator's `died` and `restarted` of the server killed, the leader's replay and advertised term, and shard 1's
     way into the new term: joined in place (`shard_term_joined`) or by an exit, a restart and a replay."""
-    path = run_dir / "events.jsonl"
-    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    events = read_events(run_dir)
     later = [e for e in events if e["t"] > t_kill]
     stop = next((e["t"] for e in later if e["kind"] == "fault_injected" and e["t"] > t_kill + 0.01), float("inf"))
     wanted = {
