@@ -58,7 +58,8 @@ With `--pace-off-too`, local steps also run it with `cluster.pace_replicas: fals
 `slow_host_pace_off_vs_all_fast`): the leader's slow-host policy on and off, in the same run.
 
 `--backward-ms` adds emulated compute to the backward pass too (between the layers, for both systems), and
-`--mlp IN,HIDDEN,DEPTH` changes the MLP.
+`--mlp IN,HIDDEN,DEPTH` changes the MLP. `--timeline` runs CMEMI at CMEMI_LOG_LEVEL=DEBUG and records each run's
+`timeline` (bench/round_timeline.py): where a step's (a round's) time goes, parameters out to compute to the next step.
 
 Workload: the MLP 784-512-512-10 (2.68 MB of fp32 parameters), batch 64 per worker, SGD (momentum 0.9),
 one microbatch per worker (train.microbatches = N, global batch 64·N), 20 ms of emulated compute per
@@ -94,6 +95,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
+from bench import round_timeline  # noqa: E402
 from bench.physics import comm_bounds_s, local_step_bounds_s  # noqa: E402
 from tests.helpers import netns  # noqa: E402
 
@@ -270,6 +272,7 @@ class Cluster:
         self.sampler, self.redis_url, self.keys = sampler, redis_url, keys
         self.runs = 0
         self.patience = 1.0  # --patience: every run's deadline times this (a machine loaded by others)
+        self.timeline = False  # --timeline: CMEMI runs log each lease's and step's times (bench/round_timeline.py)
 
     def _wait(self, procs: dict[str, subprocess.Popen], names: list[str], deadline: float, logs: Path) -> None:
         for k in names:
@@ -344,7 +347,8 @@ class Cluster:
         cfg_path = C.write_yaml(logs / "config.yaml", cfg)
         run_dir.mkdir()
         (run_dir / "config.yaml").write_text(dump_config(load_config(cfg_path, [])))
-        env = C.env(1, CMEMI_REDIS_URL=self.redis_url)  # the password stays out of argv
+        env = C.env(1, CMEMI_REDIS_URL=self.redis_url,  # the password stays out of argv
+                    **({"CMEMI_LOG_LEVEL": "DEBUG"} if self.timeline else {}))
 
         def start(role: str, host: netns.Host, *extra: str, log: str) -> subprocess.Popen:
             argv = [C.PY, "-m", "cmemi", role, "--config", str(cfg_path), "--set", f"cluster.host={host.ip}", *extra]
@@ -393,7 +397,8 @@ class Cluster:
                 "bytes_from_workers_per_step": round(summary["bytes_sent"] / summary["steps"]),
                 "bytes_to_workers_per_step": round(summary["bytes_received"] / summary["steps"]),
                 "duplicate_param_sends": summary.get("duplicate_param_sends"),
-                "cpu": self.sampler.window(at[first], measured[-1]["t"], len(measured))}
+                "cpu": self.sampler.window(at[first], measured[-1]["t"], len(measured)),
+                **({"timeline": round_timeline.summary(logs, n)} if self.timeline else {})}
 
 
 def tails(logs: Path, n: int = 1200) -> str:
@@ -626,6 +631,9 @@ def main() -> None:
     p.add_argument("--mlp", default="784,512,3", help="the MLP's input size, hidden width and depth (default 784,512,3)")
     p.add_argument("--out", default=None, help="also write the JSON object here (e.g. bench/results/cluster.json)")
     p.add_argument("--keep", action="store_true", help="keep the working directory (logs, run dirs)")
+    p.add_argument("--timeline", action="store_true", help="CMEMI runs at CMEMI_LOG_LEVEL=DEBUG: each run's `timeline`, "
+                   "where a step's time goes (bench/round_timeline.py: parameters out, intake, compute, barrier, "
+                   "gradients up, the leader; medians)")
     args = p.parse_args()
     RARE_EVERY = args.state_every
     why = netns.unavailable() or (None if shutil.which("tc") else "the `tc` command (iproute2) is not installed")
@@ -731,6 +739,7 @@ def main() -> None:
         generate(keys)
         cluster = Cluster(lab, server, hosts, work, sampler, start_redis(lab, server, work), keys, servers)
         cluster.patience = args.patience
+        cluster.timeline = args.timeline
         for n in ns_:
             rate = rate_bit_s(rates[n])
             for h in shaped:

@@ -14,6 +14,10 @@ leader or shard 1 SIGKILLed at K = 2 with the log on, this checkout's code and, 
 commit's (`--base`: its tree extracted under runs/, run by this venv's python with that tree first on PYTHONPATH):
 
     .venv/bin/python bench/recovery_log.py --kill leader --checkpoint-every 1000 --kills 3 --base 2d8e885
+
+The worst kill point, just before a checkpoint (the longest log to replay), at K = 1:
+
+    .venv/bin/python bench/recovery_log.py --kill leader --shards 1 --checkpoint-every 1000 --phase 995 --kills 1
 """
 
 from __future__ import annotations
@@ -38,9 +42,14 @@ WARMUP = 30  # steps left out of the step-time median (start-up)
 CALM = 150  # steps before the first kill and after the last one, for the step-time median
 
 
-def _kill_row(run: C.CmemiRun, role: str, ident: str, after: int) -> dict[str, Any]:
-    """SIGKILL role/ident once the run is `after` steps on; wait for a new step past the last one before it."""
-    run.wait_step(run.step() + after, timeout=240)
+def _kill_row(run: C.CmemiRun, role: str, ident: str, after: int, phase: tuple[int, int] | None = None) -> dict[str, Any]:
+    """SIGKILL role/ident once the run is `after` steps on (`phase` (p, every): at the first step after that which is p
+    modulo every: p = every - 5 is a kill just before a checkpoint, the longest log); wait for a new step past the last
+    one before it."""
+    target = run.step() + after
+    if phase is not None:
+        target += (phase[0] - target) % phase[1]
+    run.wait_step(target, timeout=600)
     pid, t_kill = run.kill(role, ident)
     step_at_kill = run.step()
     C.log(f"step log bench: killed {role}:{ident} pid {pid} at step {step_at_kill}")
@@ -48,8 +57,10 @@ def _kill_row(run: C.CmemiRun, role: str, ident: str, after: int) -> dict[str, A
     return {"role": role, "id": ident, "pid": pid, "t": t_kill, "step_at_kill": step_at_kill}
 
 
-def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log: bool, kills: int) -> dict[str, Any]:
-    """`ident`: the server killed (aggregator "0", the leader; "1", shard 1)."""
+def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log: bool, kills: int,
+            phase: int | None = None) -> dict[str, Any]:
+    """`ident`: the server killed (aggregator "0", the leader; "1", shard 1). `phase`: each kill at a step that is
+    `phase` modulo `every` (default: about half an interval after the previous one)."""
     cfg = C.cmemi_config(name, work / name, WORKLOADS[WL], steps=BIG, microbatches=4, workers=2, spares=0,
                          ckpt_every=every, keep_last=2, shards=shards)
     cfg["checkpoint"]["step_log"] = step_log
@@ -58,7 +69,8 @@ def one_run(work: Path, name: str, ident: str, shards: int, every: int, step_log
     with C.CmemiRun(cfg, work) as run:
         run.wait_step(WARMUP + CALM, timeout=600)  # steps away from any kill: the step time's median
         for i in range(kills):
-            rows.append(_kill_row(run, "aggregator", ident, after=max(5, every // 2 + 3 * i)))
+            rows.append(_kill_row(run, "aggregator", ident, after=max(5, every // 2 + 3 * i),
+                                  phase=None if phase is None else (phase, every)))
         run.wait_step(run.step() + CALM, timeout=600)
         time.sleep(0.5)
         run.terminate()
@@ -141,6 +153,8 @@ def phases(run_dir: Path, t_kill: float, ident: str) -> dict[str, float]:
             out[name] = found["t"] - t_kill
             if "seconds" in found:
                 out[name.replace("replayed", "replay_took")] = found["seconds"]
+            if name.endswith("_replayed") and "replayed" in found:  # (the entries that replay applied)
+                out[f"{name}_entries"] = found["replayed"]
     return out
 
 
@@ -162,6 +176,9 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=20)
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--base", default=None, help="a commit to run too, in the same invocation (before/after)")
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--phase", type=int, default=None,
+                   help="kill at a step that is this modulo --checkpoint-every (e.g. 995 of 1000: the longest log)")
     args = p.parse_args()
     C.setup(threads=1)
     work = C.workdir("recovery-log")
@@ -172,8 +189,8 @@ def main() -> None:
     try:
         for name, tree in trees:
             C.ROOT = tree  # (the services' code: C.env puts it first on PYTHONPATH)
-            run = one_run(work, f"{name}_{args.kill}_every{args.checkpoint_every}", ident, 2, args.checkpoint_every,
-                          True, args.kills)
+            run = one_run(work, f"{name}_{args.kill}_every{args.checkpoint_every}", ident, args.shards,
+                          args.checkpoint_every, True, args.kills, args.phase)
             keys = sorted({k for r in run["per_kill"] for k in r["phases_s"]})
             run["phases_median_s"] = {k: C.rnd(C.median(r["phases_s"].get(k) for r in run["per_kill"])) for k in keys}
             for way in ("shard1_joined_in_place", "shard1_left_term"):  # how shard 1 came into each new term

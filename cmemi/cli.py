@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cmemi.commands.configs import bundled_examples, config_path
-from cmemi.launcher.launch import SERVICES, exit_code, run_service, user_code_importable
+from cmemi.launcher.launch import SERVICES, exit_code, huge_pages_env, run_service, user_code_importable
 from cmemi.shared.runtime.exits import Exit, exit_now
 
 if TYPE_CHECKING:
     from cmemi.launcher.zygote_up import Zygote
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
 def _with_huge_pages(argv: list[str]) -> None:
@@ -24,12 +23,9 @@ def _with_huge_pages(argv: list[str]) -> None:
     (gradients, parameters, ZeroMQ messages): a fresh 64 MB buffer then takes ~800 page faults instead of
     ~16,000 (30 ms -> 9.5 ms on the benchmark machine). glibc >= 2.35 on Linux (older ones ignore the
     tunable); children inherit it, so this happens once. CMEMI_HUGE_PAGES=0 turns it off."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or os.environ.get("CMEMI_HUGE_PAGES") == "0"
-            or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")):
-        return
-    env = {**os.environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
-    os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
+    env = huge_pages_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, "-m", "cmemi", *argv], env)
 
 
 def _up(argv: list[str]) -> int:
@@ -91,6 +87,13 @@ def _up_with(argv: list[str], zygote: Zygote | None) -> int:
 
 
 def _reference(argv: list[str]) -> int:
+    from cmemi.launcher.zygote_up import TEMPLATE_ENV, Forked
+
+    template = os.environ.get(TEMPLATE_ENV)  # forked past its imports: cmemi/launcher/zygote_template.py
+    if template:
+        served = Forked.run(template, ["reference", *argv])
+        if isinstance(served, int):
+            return served
     from cmemi.commands.reference import main as reference_main
 
     return reference_main(argv)
@@ -250,6 +253,12 @@ def main(argv: list[str] | None = None) -> None:
         from cmemi.launcher.zygote import main as zygote_main
 
         sys.exit(zygote_main(rest))
+    if cmd == "zygote-template":  # a warm zygote for many runs (cmemi/launcher/zygote_template.py): tests, sweeps
+        if from_command_line:
+            _with_huge_pages(argv)
+        from cmemi.launcher.zygote_template import main as template_main
+
+        sys.exit(template_main(rest))
     if cmd not in COMMANDS:
         print(f"cmemi: unknown command {cmd!r}; choose one of: {', '.join([*COMMANDS, *SERVICES])}", file=sys.stderr)
         sys.exit(Exit.FATAL)

@@ -22,6 +22,7 @@ if not __package__:  # run as `python scripts/readme_tables.py`: the repository 
 from scripts.config_reference import markdown as config_reference  # noqa: E402
 from scripts.tables import cluster, compression, headlines, hf, layout, local, memory, overview, resnet, small  # noqa: E402
 from scripts.tables.home import home as home_table  # noqa: E402
+from scripts.tables.home import home_rounds  # noqa: E402
 from scripts.tables.provenance import ROOT, ProvenanceError, check_all  # noqa: E402
 from scripts.tables.soak import soak as soak_table  # noqa: E402
 from scripts.tables.steplog import steplog as steplog_table  # noqa: E402
@@ -33,7 +34,7 @@ GENERATOR = ".venv/bin/python scripts/readme_tables.py"
 TABLES: dict[str, Callable[[], str]] = {
     "headlines": headlines.headlines, "bench-table": overview.benchmark, "scaling-table": overview.scaling,
     "memory-table": memory.memory, "compression-table": compression.compression, "streaming-table": local.streaming,
-    "local-steps-table": local.local_steps, "outer-codecs-table": local.outer_codecs, "home-links-table": home_table, "small-table": small.small, "cluster-table": cluster.cluster,
+    "local-steps-table": local.local_steps, "outer-codecs-table": local.outer_codecs, "home-links-table": home_table, "home-rounds-table": home_rounds, "small-table": small.small, "cluster-table": cluster.cluster,
     "cluster-notes": cluster.cluster_notes, "resnet-accuracy": resnet.resnet_accuracy,
     "hf-lm-table": hf.hf_lm, "config-reference": config_reference, "soak-table": soak_table, "steplog-table": steplog_table,
     "layout:over-300": layout.over_300,

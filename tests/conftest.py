@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,45 @@ LONG = ("train.steps=1200", "scheduler.kwargs.T_max=1200", "checkpoint.every_ste
         "cluster.heartbeat_interval=0.1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def zygote_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """One warm zygote for the session (cmemi/launcher/zygote_template.py): every `cmemi up` a test starts forks its
+    zygote from it, past the ~4 s of imports each would spend (most of a short run's wall time). Runs it cannot
+    serve as a fresh zygote would (another namespace, PYTHONPATH, ...) start their own, as a user's `cmemi up` always
+    does; so do the tests of the zygote's own start (`no_template`). CMEMI_TEST_TEMPLATE=0 turns it off."""
+    from cmemi.shared.runtime.lifeline import die_with_parent
+    from cmemi.shared.runtime.proctitle import ROOM
+
+    from cmemi.launcher.zygote_up import TEMPLATE_ENV
+
+    if os.environ.get("CMEMI_TEST_TEMPLATE") == "0" or sys.platform != "linux":
+        yield None
+        return
+    sock = tmp_path_factory.mktemp("zygote-template") / "socket"
+    proc = subprocess.Popen(cmemi_cmd("zygote-template", str(sock), " " * ROOM), cwd=ROOT, stdin=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
+    deadline = time.monotonic() + 120
+    while not (sock.parent / "ready.json").exists():
+        assert proc.poll() is None, f"the zygote template exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the zygote template did not listen within 120 s"
+        time.sleep(0.05)
+    os.environ[TEMPLATE_ENV] = str(sock)
+    try:
+        yield str(sock)
+    finally:
+        os.environ.pop(TEMPLATE_ENV, None)
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def no_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test's `cmemi up` starts its zygote itself, as a user's does (what it checks is that start)."""
+    from cmemi.launcher.zygote_up import TEMPLATE_ENV
+
+    monkeypatch.delenv(TEMPLATE_ENV, raising=False)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     """params_sha256 of a fault-free run of LONG."""
@@ -107,3 +148,21 @@ def shm_run() -> Iterator[str]:
     yield run
     for path in shm.owned(run):
         path.unlink()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Where the suite's time goes, by test file (setup + call + teardown of its tests): `--durations` names the
+    slowest tests, this the files, so that CI's hour can be planned (docs/contributing.md)."""
+    by_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call", "teardown") and hasattr(r, "duration"):
+                name = r.nodeid.split("::")[0]
+                by_file[name] = by_file.get(name, 0.0) + r.duration
+    if not by_file:
+        return
+    total = sum(by_file.values())
+    terminalreporter.write_sep("=", f"time by test file: {total:.0f} s in {len(by_file)} files, the 25 longest")
+    for name, s in sorted(by_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{s:8.1f}s {100 * s / total:5.1f}%  {name}")

@@ -3,7 +3,7 @@ so a move or a rename cannot leave the docs pointing at a file that is gone with
 which path (issue 45: after the tree was split by job, a dozen such paths had gone stale silently: `shared/shards.py`,
 `leader/dataprint.py`, `codecs.py`).
 
-A path is a backticked token that starts with one of the repository's top-level folders (`shared/wire/messages.py`,
+A path is a backticked token that starts with one of the repository's top-level folders (`shared/wire/protocol.py`,
 `services/worker/links/intake.py:121`, `tests/helpers/`); a line number or a `.name` after it is not part of it, and a
 pattern (`bench/results/*.json`, `<run>`) is not a path."""
 
@@ -34,9 +34,9 @@ def named_paths(text: str) -> list[str]:
 
 
 def test_the_path_finder_reads_spans_as_meant() -> None:
-    text = ("see `shared/wire/messages.py:12-30`, `python scripts/typecheck.py -p x`, `bench/results/*.json`, "
+    text = ("see `shared/wire/protocol.py:12-30`, `python scripts/typecheck.py -p x`, `bench/results/*.json`, "
             "`cmemi.shared.wire`, `RUN_DIR/logs/`, and shared/not_in_a_span.py")
-    assert named_paths(text) == ["shared/wire/messages.py", "scripts/typecheck.py"]
+    assert named_paths(text) == ["shared/wire/protocol.py", "scripts/typecheck.py"]
 
 
 def test_every_path_the_docs_name_exists() -> None:

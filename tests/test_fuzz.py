@@ -196,7 +196,7 @@ class Corpus:
         return [self.pack(header), *frames]
 
     def wrong_optional_type(self) -> list[bytes]:
-        """An optional field (shared/wire/messages.py) of the wrong type: dropped as bad_field, as a required one is."""
+        """An optional field (shared/wire/messages/) of the wrong type: dropped as bad_field, as a required one is."""
         mtype = self.rng.choice([t for t, fields in schema.SCHEMAS.items()
                                  if any(not f.required and not f.anything for f in fields.values())])
         header, frames = self.valid(mtype)

@@ -1,4 +1,4 @@
-"""Every field a service reads from a message header is declared in shared/wire/messages.py.
+"""Every field a service reads from a message header is declared in shared/wire/messages/.
 
 An AST scan of services/ and cmemi/ (tests/helpers/header_reads.py) finds each string key read from a decoded
 header and fails naming file:line and the field when the message type it is read from (or, where the source does

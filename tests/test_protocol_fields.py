@@ -1,4 +1,4 @@
-"""Optional header fields (shared/wire/messages.py): typed and checked on arrival like the required ones, filled in
+"""Optional header fields (shared/wire/messages/): typed and checked on arrival like the required ones, filled in
 with their default when absent, and unknown fields left as they always were."""
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def test_the_door_forgets_the_old_terms_workers_and_parks_hellos_until_the_new_w
 LEAVER = """
 import sys, zmq
 from pathlib import Path
-from cmemi.shared.runtime.service import leave_now
+from cmemi.shared.runtime.exits import exit_now
 from cmemi.shared.wire import samehost
 
 zctx = zmq.Context()
@@ -148,15 +148,15 @@ sock = zctx.socket(zmq.ROUTER)
 print(samehost.bind_ipc(sock, Path(sys.argv[1]), "aggregator"), flush=True)
 sock.close(linger=0)
 zctx.term()  # (what the shard's close does before it leaves: ShardServer.close)
-leave_now(4)
+exit_now(4)
 """
 
 
 def test_a_service_that_leaves_now_removes_its_ipc_socket_files(tmp_path: Path) -> None:
-    """A shard leaving its term to restart exits by os._exit (shared/runtime/service.py `leave_now`), which runs no
-    exit handler: the one that removes its ipc:// socket file and, the last one out, the run's socket directory
-    (shared/wire/samehost.py) is run by hand. A real process, its real exit code. The one-line change that fails
-    this: `leave_now` not calling `samehost.unlink_bound` (the directory stays)."""
+    """A service leaves by os._exit (shared/runtime/exits.py `exit_now`: a shard leaving its term, every service the
+    zygote forked), which runs no atexit handler: what `at_exit` registered runs there instead — removing its ipc://
+    socket file and, the last one out, the run's socket directory (shared/wire/samehost.py). A real process, its real
+    exit code. The change that fails this: `exit_now` not running the `at_exit` handlers (the directory stays)."""
     done = subprocess.run([sys.executable, "-c", LEAVER, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 4, done.stderr
     endpoint = done.stdout.strip()

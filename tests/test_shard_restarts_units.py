@@ -6,9 +6,12 @@ test_roster_units.py), a real Redis for the addresses; the whole path is test_st
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
+import redis
 from cmemi.services.aggregator.leader.roster import CATCH_UP_S, Rejoin, Restarts, ShardRoster
+from cmemi.services.worker.lease import LeaseWork
 from cmemi.services.worker.links.shard_addrs import ShardAddrs
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
@@ -85,10 +88,12 @@ def test_a_restarted_shard_lacks_the_whole_step_leased_again_at_once() -> None:
     h = {"shard": 1, "inc": 9, "term": TERM, "step": 0, "have": [0]}
     assert r.have(b"s1/9", h, collector, grace=60.0) and list(collector.pending)[:3] == [(1, 2), (2, 3), (3, 4)]
     assert [collector.lease("w", 1, 0.0, 10) for _ in range(3)] == [(1, 2), (2, 3), (3, 4)]
-    # 2 and 3 went to a worker that had not read its new address yet (their slices died in the old link): its next
-    # report gets them leased again at once, not after the grace (before the fix: 4.2 s to the next step)
+    # those leases say where shard 1 is now (`news`): the worker relinks before pushing, so its next report is not
+    # answered at once again (a repeat every 0.5 s recomputed a long step's leases still on their way to it)
     h = {**h, "have": [0, 1]}
-    assert r.have(b"s1/9", h, collector, grace=60.0) and list(collector.pending) == [(2, 3), (3, 4)]
+    assert not r.have(b"s1/9", h, collector, grace=60.0) and not collector.pending
+    # what it still lacks a grace later goes back as for any shard (a worker that died between its sends)
+    assert r.have(b"s1/9", h, collector, grace=0.0) and list(collector.pending) == [(2, 3), (3, 4)]
     later = StepCollector(step=1, microbatches=4, leased=False)  # its next step: a gap waits the grace again
     later.offer((0, 1), {}, [0.5], None)
     h = {"shard": 1, "inc": 9, "term": TERM, "step": 1, "have": []}
@@ -155,3 +160,62 @@ def test_a_restarted_shard_is_taken_in_the_term_only_where_its_replay_alone_brin
 
     cfg = load_config(DIGITS, [f"run.dir={tmp_path}", "cluster.shards=2", *sets])
     assert replays_in_term(cfg, Trainer(cfg), make_codec(cfg.compression)) is in_term
+
+
+def test_a_lease_after_a_shard_was_taken_in_says_where_every_shard_is_once_per_worker() -> None:
+    r, _, _ = roster(replays=True)
+    join(r, 1, inc=1, its_step=0, step=0), join(r, 2, inc=2, its_step=0, step=0)
+    assert r.news(b"w0") is None  # no restart: a lease carries no addresses
+    join(r, 1, inc=9, its_step=0, step=0)  # shard 1 restarted, taken in
+    assert r.news(b"w0") == [[1, 9, "tcp://s1/9"], [2, 2, "tcp://s2/2"]] and r.news(b"w0") is None
+    assert r.news(b"w1") == [[1, 9, "tcp://s1/9"], [2, 2, "tcp://s2/2"]]  # each worker connection once
+    join(r, 2, inc=12, its_step=0, step=0)
+    assert r.news(b"w0") == [[1, 9, "tcp://s1/9"], [2, 12, "tcp://s2/12"]]
+
+
+def test_a_leased_address_moves_the_link_before_the_record_is_read_and_an_older_reading_never_moves_it_back(
+        redis_server) -> None:
+    client, keys = connect(redis_server.url), Keys("leased")
+    client.hset(keys.member("aggregator", "1"), mapping={"addr": "tcp://old:1", "state": "running", "incarnation": "1"})
+    addrs = ShardAddrs(client, keys, shards=3)
+    try:
+        deadline = time.monotonic() + 10
+        while addrs.newest(1, "tcp://told:1") != "tcp://old:1" and time.monotonic() < deadline:
+            addrs.poke()
+        linked = {1: "tcp://old:1", 2: "tcp://two:2"}
+        assert addrs.moved(linked) is None
+        addrs.told([[1, 9, "tcp://new:3"], [2, 2, "tcp://two:2"]])  # the lease, before the record names it
+        assert addrs.moved(linked) == (1, "tcp://new:3") and addrs.dropped == 0
+        linked[1] = "tcp://new:3"
+        # a reading of the dead incarnation's record taken after the lease never moves the link back: shard 2's record
+        # changes with it, so the reading that moves shard 2 read shard 1's old record too (moved() looks at 1 first)
+        client.hset(keys.member("aggregator", "1"), mapping={"addr": "tcp://older:5", "incarnation": "1"})
+        client.hset(keys.member("aggregator", "2"), mapping={"addr": "tcp://two:4", "state": "running",
+                                                             "incarnation": "3"})
+        moved = None
+        while moved is None and time.monotonic() < deadline:
+            addrs.poke()
+            moved = addrs.moved(linked)
+        assert moved == (2, "tcp://two:4") and addrs.newest(1, "tcp://told:1") == "tcp://new:3"
+    finally:
+        addrs.stop()
+
+
+@pytest.mark.parametrize("entries", [
+    "tcp://h:1", [[1, 9]], [[1, 9, "nonsense"]], [[7, 9, "tcp://h:1"]], [[1, True, "tcp://h:1"]],
+    [[1, -1, "tcp://h:1"]], [[1, 9, "tcp://h:1 ; rm"]], [[1, 9, b"tcp://h:1"]], [None], [[1.0, 9, "tcp://h:1"]],
+])
+def test_a_malformed_address_in_a_lease_is_dropped_and_counted_never_fails_the_worker(entries) -> None:
+    addrs = ShardAddrs(redis.Redis(port=1, socket_connect_timeout=0.1), Keys("bad"), shards=3)  # Redis unreachable
+    logged: list[tuple[str, dict]] = []
+    work = LeaseWork.__new__(LeaseWork)  # its `told` alone: what a lease's `shards` goes through
+    work.shard_links = SimpleNamespace(addrs=addrs)
+    work.log = SimpleNamespace(warning=lambda event, **kw: logged.append((event, kw)))
+    try:
+        work.told(entries)
+        assert addrs.dropped >= 1 and not addrs.seen and addrs.moved({1: "tcp://a:1", 2: "tcp://b:2"}) is None
+        assert logged and logged[0][0] == "message dropped" and logged[0][1]["reason"] == "bad_shard_addr"
+        work.told([[1, 9, "tcp://10.0.0.5:4100|ipc:///tmp/x.sock|abc"], [2, 2, "tcp://b:2"]])  # a good one still counts
+        assert addrs.moved({1: "tcp://a:1", 2: "tcp://b:2"}) == (1, "tcp://10.0.0.5:4100|ipc:///tmp/x.sock|abc")
+    finally:
+        addrs.stop()

@@ -126,13 +126,13 @@ def test_a_shard_killed_within_a_term_rejoins_it_no_new_term_no_step_twice(tmp_p
     long ones are test_the_leader_a_shard_and_both_..., every_steps 0). Each restarted shard restores the newest,
     replays its own entries to the leader's step (told it, if its first replay fell short: `shard_behind`) and takes
     its dead incarnation's place in the same term: the leader never restores nor replays, no new term starts, no
-    step is trained twice, and the result is bitwise the fault-free one. The workers follow its new address from its
-    Redis record. The one-line change that fails this: `Restarts.decide` returning ROLL_BACK for a new incarnation
+    step is trained twice, and the result is bitwise the fault-free one. The workers follow its new address from the
+    first lease the leader hands them after taking it in (`shards`), or its Redis record if read first. The one-line change that fails this: `Restarts.decide` returning ROLL_BACK for a new incarnation
     at the leader's step (then every kill starts a new term, as before issue 47). A kill that loses the entry of the
     leader's last step falls back to a new term (below): allowed, counted, and never all three. Each restarted shard
-    taken in the term takes part in a step within 2 s of that, at cluster.dead_after 2 s: before the leader
-    re-leased what a restarted shard lacks at each of its reports (leader/roster.py `have`), the slices of the first
-    re-lease could go to its dead address, and the next re-lease came 2 x dead_after later (4.2 s to the next new
+    taken in the term takes part in a step within 2 s of that, at cluster.dead_after 2 s: before the leases said
+    where a restarted shard is (leader/roster.py `news`; a repeat at each of its reports bounded it meanwhile), the
+    slices of the first re-lease could go to its dead address, and the next re-lease came 2 x dead_after later (4.2 s to the next new
     step in 2 of 3 kills of bench/recovery_log.py --kill shard). That loss needs a short replay, so that the
     re-lease comes before the workers read the new address: with every_steps 1000 this test's kills never drew it
     (the unfixed code passed); with 20, 2 of 3 kills took 4.35 s."""

@@ -190,7 +190,7 @@ class HeldLog:
     def __call__(self, _link: Any) -> HeldLog:
         return self
 
-    def entries(self, after: int) -> Any:
+    def entries(self, after: int, lend: bool = False, count: int = 1) -> Any:
         yield from (e for e in self.all if after < e.header["step"] <= self.end)
 
 

@@ -108,7 +108,7 @@ class FakeEntries:
     def __init__(self, link: Any) -> None:
         self.link = link
 
-    def entries(self, after: int) -> Any:
+    def entries(self, after: int, lend: bool = False, count: int = 1) -> Any:
         yield from [m for m in self.link.log if m.header["step"] > after]
 
     def cut(self, after: int) -> None:

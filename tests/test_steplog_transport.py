@@ -9,11 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.services.aggregator.steplog.reading import LogEntries
+from cmemi.services.checkpointer import logfiles, steplog
 from cmemi.services.checkpointer.logserver import LogServer
 from cmemi.services.checkpointer.spool import Spool, Spooled
 from cmemi.services.checkpointer.steplog import StepLog
@@ -138,6 +140,80 @@ def test_a_leader_and_a_shard_replaying_at_once_each_get_their_own_entries_bitwi
         for link in (leader, shard, *replays):
             link.close()
         server.close()
+        zctx.term()
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_same_host_replay_reads_the_spool_into_the_slot_and_applies_the_gradient_where_it_lies(
+        tmp_path: Path, redis_server, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """Issue 47 (a replay's time grows with the steps since the checkpoint): with the spool on, a same-host entry is
+    held only in its segment file. Its replay is read from there straight into the asker's slot (no `Entry.loaded`:
+    a `bytes` and a `bytearray` per tensor on the way), and a trainer that only reads its gradient is lent the slot's
+    views (`lend`: no copy into kept buffers; the next request goes out once the entry was used), the buffer sum
+    still copied (folding divides it in place). With `count` 3, three entries per request and answer (`log_entries`,
+    one slot): the log's 4 entries come as 3, then 1 with `end`. Bitwise the entries shipped, in order, to the log's
+    end. Fails on the code before it: `entries` took no `lend` (nor `count`), and the checkpointer loaded each entry
+    before writing it to the slot."""
+    if not shm.available():
+        pytest.fail("this test needs a writable /dev/shm (the same-host step log's slots)")
+    ctx = context(tmp_path, redis_server.url, "cluster.transport=auto", "cluster.max_message_bytes=16777216")
+    ctx.redis.set(ctx.keys.term, 1)
+    import zmq
+
+    loads: list[int] = []
+    real_loaded = steplog.Entry.loaded
+
+    def loaded(self: steplog.Entry) -> dict[str, torch.Tensor]:
+        loads.append(int(self.fields.get("step", -1)))
+        return real_loaded(self)
+
+    monkeypatch.setattr(steplog.Entry, "loaded", loaded)
+    zctx = zmq.Context()
+    files, _ = logfiles.opened(tmp_path / "steplog", True, False, lambda exc, attempt: pytest.fail(str(exc)))
+    log = StepLog(0, 64 << 20, lambda header, metas: pytest.fail("nothing spills with the segments on"), files)
+    server = LogServer(ctx, zctx, log, threading.Lock()).start()
+    ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
+    link, replayer = StepLogLink(ctx, zctx, term=1), None
+    try:
+        for step in range(1, 6):
+            link.ship_staged(step, link.stage(grads(step), {"running": torch.full((4,), float(step))}), False, None,
+                             float(step))
+            assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
+        held = log.entry(0, 3)
+        assert held is not None and all(isinstance(t, logfiles.Stored) for t in held.tensors.values())
+        ctx.redis.set(ctx.keys.term, 2)  # a restarted leader replays after restoring step 1
+        replayer = StepLogLink(ctx, zctx, term=2)
+        got, where, answers = [], [], []
+        real_wait = replayer.wait
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            answers.append((msg := real_wait(*args, **kwargs)).type)
+            return msg
+
+        monkeypatch.setattr(replayer, "wait", wait)
+        for msg in LogEntries(replayer).entries(1, lend=True, count=count):
+            g, b = inputs_of(msg.tensors, msg.header["skip"])
+            step = msg.header["step"]
+            assert ("shm" in msg.header) == (count == 1) and g is not None and b is not None  # (a batch's: its own)
+            assert all(torch.equal(g[n], grads(step)[n]) for n in ("w", "b")), step
+            assert torch.equal(b["running"], torch.full((4,), float(step)))
+            b["running"].div_(4)  # (what folding does: the buffer sum is the replay's own copy, not the slot)
+            got.append(step)
+            where.append(g["w"].data_ptr())
+        assert got == [2, 3, 4, 5]
+        if count == 1:  # lent: each entry's gradient lies in its slot of the checkpointer's two (kept copies: one buffer)
+            assert where[0] == where[2] != where[1] == where[3]
+            assert answers == ["log_entry"] * 4 + ["log_end"]
+        else:  # steps 2..4 in one slot, 5 in the other, the log's end said with it
+            assert len(set(where)) == 4
+            assert answers == ["log_entries", "log_entries"]
+        assert loads == []  # every entry went from its segment into the slot, none loaded first
+    finally:
+        link.close()
+        if replayer is not None:
+            replayer.close()
+        server.close()
+        files.close()
         zctx.term()
 
 

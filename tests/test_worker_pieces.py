@@ -48,7 +48,7 @@ class _Log:
     def info(self, event: str, **_: object) -> None:
         self.lines.append(event)
 
-    warning = info
+    warning = debug = info
 
 
 def _fatal(message: str) -> None:

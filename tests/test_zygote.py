@@ -23,7 +23,7 @@ from cmemi.shared.runtime.log import LOG_DIR_ENV
 from cmemi.shared.runtime.service import REDIS_URL_ENV
 from cmemi.shared.runtime.zygote import connect_path, exit_code, running, spawn
 
-from cmemi.launcher.zygote_up import Zygote
+from cmemi.launcher.zygote_up import TEMPLATE_ENV, Zygote
 from tests.conftest import DIGITS, FAST, ROOT, up_args
 from tests.helpers.chaos import Cluster, poll
 
@@ -46,12 +46,18 @@ def parent(pid: int) -> int:
     ({"argv": ["python", "-m", "cmemi", "worker"], "env": {}, "cwd": None}, "cwd"),
 ])
 def test_only_a_service_command_line_is_a_request(request_: object, why: str) -> None:
-    from cmemi.launcher.zygote import validate
+    from cmemi.shared.runtime.zygote import validate
 
     with pytest.raises(ValueError, match=why):
         validate(request_)
     ok = {"argv": [sys.executable, "-m", "cmemi", "worker", "--config", "c.yaml"], "env": {"A": "b"}, "cwd": "/"}
-    assert validate(ok) == ok
+    assert validate(ok) == {**ok, "umask": None}
+    assert validate({**ok, "umask": 0o027})["umask"] == 0o027
+    for bad in (-1, 0o1000, "022", True):
+        with pytest.raises(ValueError, match="umask"):
+            validate({**ok, "umask": bad})
+    with pytest.raises(ValueError, match="zygote"):  # a template forks zygotes, and nothing else
+        validate(ok, roles=("zygote",))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +205,15 @@ def test_a_sigkilled_zygote_stops_nothing_and_later_starts_fall_back(tmp_path: P
 
 
 @pytest.mark.integration
-def test_a_sigkilled_cmemi_up_takes_the_zygote_and_every_forked_service_with_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zygote_from", ["cmemi up", "template"])
+def test_a_sigkilled_cmemi_up_takes_the_zygote_and_every_forked_service_with_it(
+        tmp_path: Path, zygote_from: str, zygote_template: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own zygote dies with it by PR_SET_PDEATHSIG; one forked by the session's template
+    (cmemi/launcher/zygote_template.py), whose parent is the template, by its pidfd of `cmemi up`."""
+    if zygote_from == "template" and zygote_template is None:
+        pytest.skip("CMEMI_TEST_TEMPLATE=0: no template this session")
+    if zygote_from == "cmemi up":
+        monkeypatch.delenv(TEMPLATE_ENV, raising=False)
     c = Cluster(tmp_path / "run", "train.steps=100000", "scheduler.kwargs.T_max=100000", "checkpoint.every_steps=0",
                 "cluster.spare_workers=0")
     try:
@@ -208,6 +222,10 @@ def test_a_sigkilled_cmemi_up_takes_the_zygote_and_every_forked_service_with_it(
         pids = [int(rec["pid"]) for role in ("coordinator", "aggregator", "checkpointer", "worker")
                 for rec in c.members(role).values()]
         assert len(pids) == 5 and sum(parent(p) == zpid for p in pids) == 4, pids
+        template = zygote_template and json.loads((Path(zygote_template).parent / "ready.json").read_text())["pid"]
+        said = (c.run_dir / "zygote" / "template.txt").read_text() if zygote_from == "template" else ""
+        assert said.startswith("forked by") or zygote_from != "template", said
+        assert parent(zpid) == (template if zygote_from == "template" else c.proc.pid)
         pids.append(zpid)
         c.proc.kill()  # SIGKILL: nothing of `cmemi up` runs after this
         c.proc.wait()

@@ -5,6 +5,7 @@
 - `run_security.py`: what `cmemi up` does to make a local run secure by default.
 - `zygote.py`: one process that imports torch and the services once, then forks each service on request.
 - `zygote_up.py`: `cmemi up`'s side of the zygote: start it first, hand it the run, read its verdict.
+- `zygote_template.py`: a warm zygote for many runs: forks each `cmemi up` a zygote already past its imports.
 - `zygote_user_code.py`: the zygote's import of the user's modules, paid once per host instead of once per process.
 - `zygote_data.py`: the zygote's build of the training dataset, once per host, for the workers it forks to share.
 - `zygote_check.py`: the zygote's check of the config's functions, in a forked child while the zygote builds the data.

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 SERVICES = ("aggregator", "worker", "checkpointer", "coordinator")
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
 
 
 def user_code_importable() -> None:
@@ -41,3 +42,10 @@ def exit_code(fn: Callable[[], int | None]) -> int:
     return int(code or 0)
 
 
+def huge_pages_env(env: dict[str, str]) -> dict[str, str] | None:
+    """The environment a service started with `env` re-execs itself with (cmemi/cli.py `_with_huge_pages`); None: no re-exec."""
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if (sys.platform != "linux" or "glibc.malloc.hugetlb" in tunables or env.get("CMEMI_HUGE_PAGES") == "0"
+            or not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")):
+        return None
+    return {**env, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}

@@ -33,6 +33,7 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import emit
 from cmemi.shared.runtime import startup
+from cmemi.shared.runtime.lifeline import Stoppable
 
 PR_SET_CHILD_SUBREAPER = 36
 LOCK_FILE = "lock"
@@ -140,7 +141,7 @@ class Supervisor:
         self.restarts = {"coordinator": 0, "redis": 0}
         self.started = {"coordinator": 0.0, "redis": time.monotonic()}
         self.next_start = 0.0
-        self.others: list[subprocess.Popen] = []  # more children of ours, not to be reaped here (the zygote)
+        self.others: list[Stoppable] = []  # more children of ours, not to be reaped here (the zygote)
 
     def start_coordinator(self) -> None:
         # PR_SET_PDEATHSIG: the coordinator dies with `cmemi up`; the services it starts do too (shared/runtime/lifeline.py)

@@ -8,14 +8,15 @@ named on the terminal, so a slow exit is never a silent wait.
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
+
+from cmemi.shared.runtime.lifeline import Stoppable
 
 SAY_AFTER_S = 1.0  # a stop that takes longer than this names what it waits for
 
 
-def stop_together(procs: dict[str, subprocess.Popen], grace: float = 5.0, say: bool = True) -> None:
+def stop_together(procs: dict[str, Stoppable], grace: float = 5.0, say: bool = True) -> None:
     """SIGTERM every process in `procs` (name -> process), wait up to `grace` seconds for all of them, SIGKILL
     whoever is left; returns once all are reaped."""
     live = {name: p for name, p in procs.items() if p.poll() is None}

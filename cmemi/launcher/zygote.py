@@ -32,25 +32,29 @@ import random
 import select
 import signal
 import socket
+import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cmemi.launcher import zygote_check, zygote_data
 from cmemi.launcher import zygote_user_code as user_code
 from cmemi.shared.runtime import atomic, prebuilt, proctitle
-from cmemi.shared.runtime.zygote import MAX_MESSAGE, connect_path
+from cmemi.shared.runtime.exits import exit_now
+from cmemi.shared.runtime.zygote import MAX_MESSAGE, ZYGOTE_SERVICES, connect_path, validate
 
 PRELOAD = ("torch", "torch._dynamo",  # torch.optim's first optimizer imports torch._dynamo: ~2 s on its own
            "numpy", "zmq", "redis", "structlog", "safetensors.torch", "cmemi.shared.config.plugins",
            "cmemi.services.aggregator.__main__", "cmemi.services.worker.__main__",
            "cmemi.services.checkpointer.__main__")
-SERVICES = ("aggregator", "worker", "checkpointer")
 REQUEST_S = 2.0  # a connected client sends its whole request within this, or is dropped
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], lifeline: int | None = None) -> int:
+    """`lifeline`: a pidfd of `cmemi up`, for a zygote forked by a template (cmemi/launcher/zygote_template.py),
+    whose parent is not `cmemi up` (a Popen'd one dies with its parent: PR_SET_PDEATHSIG)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: `cmemi up` stops us
     proctitle.set_cmdline([sys.executable, "-m", "cmemi", "zygote"])  # without the padding `cmemi up` gave it
     phases = {"spawned": _spawned_at()}
@@ -86,21 +90,22 @@ def main(argv: list[str]) -> int:
     if rc != 0:
         atomic.write_text(zdir / "ready.json", json.dumps({"rc": rc, "error": error, "phases": phases}))
         while True:  # never listen: the coordinator waits instead of starting services; `cmemi up` stops us
-            signal.pause()
-    server = Server(sock_path, exits)
+            if lifeline is None:
+                signal.pause()
+            elif select.select([lifeline], [], [])[0]:
+                return 0
+    server = Server(sock_path, exits, lifeline=lifeline)
     phases["listening"] = time.time()
     atomic.write_text(zdir / "ready.json", json.dumps({"rc": 0, "pid": os.getpid(), "phases": phases, "data_built": built,
                                                        "cpu_s": round(time.process_time(), 3)}))  # load-proof
     request = server.serve()  # returns in a forked child only
     _become(request)
-    from cmemi.launcher.launch import run_service, user_code_importable
+    from cmemi.launcher.launch import exit_code, run_service, user_code_importable
 
     user_code_importable()
-    # Through the interpreter's teardown (0.5-0.8 s with torch imported), not exits.exit_now: the teardown's
-    # ZeroMQ context termination is what unlinks a service's ipc:// socket files (tests/test_samehost_faults.py
-    # found them left behind after an os._exit)
-    run_service(request["argv"][3], request["argv"][4:])
-    return 0
+    # without the interpreter's teardown (0.5-0.8 s with torch imported, paid by every service at a run's end and
+    # before a restart), as a service started from the command line leaves: exit_now runs what at_exit registered
+    exit_now(exit_code(lambda: run_service(request["argv"][3], request["argv"][4:])))
 
 
 def _spawned_at() -> float:
@@ -116,8 +121,14 @@ def _stdin_to_devnull() -> None:
 
 
 class Server:
-    def __init__(self, path: str, exits: Path) -> None:
+    """Forks on request: the run's services (the zygote), or zygotes themselves (cmemi/launcher/zygote_template.py:
+    `roles`, the descriptors a request must bring (`fds`), and `admit`, which refuses a request it cannot serve
+    faithfully). With a `lifeline` (a pidfd of `cmemi up`), it stops serving once that process is gone."""
+
+    def __init__(self, path: str, exits: Path, roles: tuple[str, ...] = ZYGOTE_SERVICES, fds: int = 0,
+                 admit: Callable[[dict[str, Any]], str | None] | None = None, lifeline: int | None = None) -> None:
         self.exits = exits
+        self.roles, self.fds, self.admit, self.lifeline = roles, fds, admit, lifeline
         self.dropped = 0
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(self.wake_w)
@@ -138,7 +149,11 @@ class Server:
         """Answer requests until one forks: returns that request, in the child."""
         while True:
             watched: list[socket.socket | int] = [self.sock, self.wake_r]
+            if self.lifeline is not None:
+                watched.append(self.lifeline)
             ready = select.select(watched, [], [])[0]
+            if self.lifeline in ready:
+                raise SystemExit(0)  # `cmemi up` is gone: nobody is left to ask (its services hold their own lifeline)
             if self.wake_r in ready:
                 while True:
                     try:
@@ -163,45 +178,68 @@ class Server:
             except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
                 self.drop(str(exc) or type(exc).__name__)
                 return None
-            if len(proctitle.encoded(request["argv"])) > proctitle.room():
-                _reply(conn, {"error": "command line longer than the zygote's (shared/runtime/proctitle.py ROOM)"})
-                return None
+            received = list(request["fds"])
             try:
-                pid = os.fork()
-            except OSError as exc:  # out of processes or memory: the asker starts it without us
-                _reply(conn, {"error": f"fork failed: {exc}"})
-                return None
-            if pid == 0:
-                self.close()
-                return request
-            (self.exits / str(pid)).unlink(missing_ok=True)  # an earlier run's record for a reused pid
-            pidfd = None
-            try:
-                pidfd = os.pidfd_open(pid)
-            except (AttributeError, OSError):
-                pass
-            if not _reply(conn, {"pid": pid, "exits": str(self.exits)}, [pidfd] if pidfd is not None else []):
-                os.kill(pid, signal.SIGKILL)  # nobody knows of it: the asker starts its own (no duplicate service)
-            if pidfd is not None:
-                os.close(pidfd)
+                return self.fork(conn, request)
+            finally:
+                for fd in received:
+                    os.close(fd)  # a forked child took its own copies first
+
+    def fork(self, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any] | None:
+        """Fork for `request`: returns it in the child; None in the zygote (the asker has the pid and a pidfd)."""
+        if len(proctitle.encoded(request["argv"])) > proctitle.room():
+            _reply(conn, {"error": "command line longer than the zygote's (shared/runtime/proctitle.py ROOM)"})
+            return None
+        refused = self.admit(request) if self.admit is not None else None
+        if refused is not None:
+            _reply(conn, {"error": refused})
+            return None
+        try:
+            pid = os.fork()
+        except OSError as exc:  # out of processes or memory: the asker starts it without us
+            _reply(conn, {"error": f"fork failed: {exc}"})
+            return None
+        if pid == 0:
+            self.close()
+            request["fds"] = [os.dup(fd) for fd in request["fds"]]
+            return request
+        (self.exits / str(pid)).unlink(missing_ok=True)  # an earlier run's record for a reused pid
+        pidfd = None
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pass
+        if not _reply(conn, {"pid": pid, "exits": str(self.exits)}, [pidfd] if pidfd is not None else []):
+            os.kill(pid, signal.SIGKILL)  # nobody knows of it: the asker starts its own (no duplicate service)
+        if pidfd is not None:
+            os.close(pidfd)
         return None
 
     def read(self, conn: socket.socket) -> dict[str, Any]:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        uid = int.from_bytes(creds[4:8], sys.byteorder)
+        """The request, with "peer" (the asker's pid) and "fds" (the descriptors it sent: exactly `self.fds`)."""
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             raise ValueError(f"request from uid {uid}, not this run's owner")
         conn.setblocking(True)
         conn.settimeout(REQUEST_S)
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                raise ValueError("connection closed before a whole request")
-            data += chunk
-            if len(data) > MAX_MESSAGE:
-                raise ValueError(f"request longer than {MAX_MESSAGE} bytes")
-        return validate(json.loads(data))
+        data, fds = b"", []
+        try:
+            while not data.endswith(b"\n"):
+                chunk, got, _flags, _addr = socket.recv_fds(conn, 65536, max(self.fds, 1))
+                fds += got
+                if not chunk:
+                    raise ValueError("connection closed before a whole request")
+                data += chunk
+                if len(data) > MAX_MESSAGE:
+                    raise ValueError(f"request longer than {MAX_MESSAGE} bytes")
+            if len(fds) != self.fds:
+                raise ValueError(f"request brought {len(fds)} descriptors, not {self.fds}")
+            request = validate(json.loads(data), self.roles)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return {**request, "peer": pid, "fds": fds}
 
     def drop(self, why: str) -> None:
         self.dropped += 1
@@ -226,23 +264,8 @@ class Server:
         self.sock.close()
         os.close(self.wake_r)
         os.close(self.wake_w)
-
-
-def validate(req: Any) -> dict[str, Any]:
-    """A request: {"argv": ["python", "-m", "cmemi", ROLE, ...], "env": {str: str}, "cwd": str}."""
-    if not isinstance(req, dict):
-        raise ValueError("request is not an object")
-    argv, env, cwd = req.get("argv"), req.get("env"), req.get("cwd")
-    if not (isinstance(argv, list) and len(argv) >= 4 and all(isinstance(a, str) and "\0" not in a for a in argv)):
-        raise ValueError("argv is not a list of strings")
-    if argv[1:3] != ["-m", "cmemi"] or argv[3] not in SERVICES:
-        raise ValueError(f"argv is not `python -m cmemi {'|'.join(SERVICES)} ...`")
-    if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str) and "\0" not in k + v
-                                          and "=" not in k and k for k, v in env.items())):
-        raise ValueError("env is not a map of strings")
-    if not isinstance(cwd, str) or "\0" in cwd:
-        raise ValueError("cwd is not a string")
-    return {"argv": argv, "env": env, "cwd": cwd}
+        if self.lifeline is not None:
+            os.close(self.lifeline)
 
 
 def _reply(conn: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> bool:

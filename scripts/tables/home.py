@@ -59,3 +59,39 @@ def home() -> str:
                              f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
                              f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
     return "\n".join([*lines, "", measured(paths=tuple(files))])
+
+
+def _secs(x: Any) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def home_rounds() -> str:
+    """Where a round's time goes (bench/cluster.py --timeline, bench/round_timeline.py), each run beside its
+    --compute-bound rerun at 10 Gbit/s, with the cores the run got and its CPU-seconds a round by role."""
+    files = [p for p in sorted(RESULTS.glob("cluster_home*.json"))
+             if any("timeline" in r for x in load_path(p)["by_n"].values() for r in x["runs"].values())]
+    lines = ["| results file | N | link | system | rounds | s a round | θ out to the last worker | its intake | compute, "
+             "shortest – longest | barrier (ends' spread) | Δ encoded | last Δ up, without / with a state | leader, "
+             "last Δ to the next leases | slowest worker not computing | cores the run got | CPU-s a round: workers / "
+             "leader / coordinator / checkpointer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path in files:
+        d = load_path(path)
+        for n, x in d["by_n"].items():
+            for name, run in x["runs"].items():
+                for r, link in ((run, x["link"]["rate"]), (run.get("compute_bound", {}), "10gbit (compute bound)")):
+                    t = r.get("timeline")
+                    if not t or not t.get("steps"):
+                        continue
+                    cpu = r.get("cpu", {})
+                    role = cpu.get("ms_per_step_by_role", {})
+                    by = " / ".join(_secs(role.get(k, 0) / 1000) for k in ("worker", "leader (shard 0)", "coordinator",
+                                                                            "checkpointer"))
+                    lines.append(
+                        f"| `{path.name}` | {n} | {link} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
+                        f"{t['steps']} | {_secs(t['step_s'])} | {_secs(t['params_out_last_s'])} | {_secs(t['intake_s'])} | "
+                        f"{_secs(t['compute_min_s'])} – {_secs(t['compute_max_s'])} | {_secs(t['barrier_s'])} | "
+                        f"{_secs(t['encode_s'])} | {_secs(t['last_up_without_s'])} / {_secs(t['last_up_with_a_state_s'])} | "
+                        f"{_secs(t['leader_s'])} | {_secs(t['not_computing_s'])} | "
+                        f"{cpu.get('this_run_cores_busy', '—')} of {cpu.get('cpus', '—')} | {by} |")
+    return "\n".join([*lines, "", measured(paths=tuple(files))])

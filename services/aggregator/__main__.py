@@ -6,8 +6,8 @@ import sys
 
 from cmemi.services.aggregator.leader.server import Aggregator
 from cmemi.services.aggregator.shard.server import ShardServer
-from cmemi.shared.runtime.exits import Exit
-from cmemi.shared.runtime.service import common_parser, leave_now, start_service
+from cmemi.shared.runtime.exits import Exit, exit_now
+from cmemi.shared.runtime.service import common_parser, start_service
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             shard.close()
         if code == Exit.REJOIN:  # leaving its term to restart at once: closed (its ZeroMQ context too), no teardown
-            leave_now(code)
+            exit_now(code)
         sys.exit(code)
     agg = Aggregator(ctx)
     try:

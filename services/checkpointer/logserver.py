@@ -24,6 +24,7 @@ after 2 s under load, then `sock.close`, or the context's `destroy`), libzmq ass
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -31,7 +32,8 @@ import zmq
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.admission import TermWatch
 from cmemi.services.checkpointer.drops import Drops
-from cmemi.services.checkpointer.steplog import Held, SlotBytes, StepLog
+from cmemi.services.checkpointer.logfiles import Stored
+from cmemi.services.checkpointer.steplog import Entry, Held, SlotBytes, StepLog
 from cmemi.services.checkpointer.steplog_replies import LogReplies
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.links import set_link_options
@@ -81,7 +83,7 @@ class LogServer:
                                         peers=self.cfg.cluster.shards + 1, on_abandon=self.drops.count,
                                         sink=self._sink)
         self.terms = TermWatch(ctx.redis, ctx.keys)
-        self.replies = LogReplies(log, self._reply, ctx.emit, self.cfg.cluster.shards)
+        self.replies = LogReplies(log, self._reply, ctx.emit, self.cfg.cluster.shards, self._slotted)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="step-log", daemon=True)
 
@@ -174,12 +176,49 @@ class LogServer:
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
         if tensors and (shard := self.slotted.get(identity)) is not None:  # a same-host replay: the entry in a slot
-            if shard not in self.slots:
-                self.slots[shard] = shm.Writer(self.ctx.run, f"steplog{shard or ''}",
-                                               shm.checksums(self.cfg.cluster.checksum))
-            fields = {**fields, "shm": self.slots[shard].write(tensors)}
+            fields = {**fields, "shm": self._ring(shard).write(tensors)}
             tensors = {}
         reply(self.ctx, self.sock, identity, mtype, fields, tensors)
+
+    def _ring(self, shard: int) -> shm.Writer:
+        if shard not in self.slots:
+            self.slots[shard] = shm.Writer(self.ctx.run, f"steplog{shard or ''}", shm.checksums(self.cfg.cluster.checksum))
+        return self.slots[shard]
+
+    def _slotted(self, identity: bytes, after: int | None, run: list[tuple[dict, Entry]], end: bool) -> bool:
+        """A same-host replay's entries (`run`: one `log_entry` where `after` is None, else one `log_entries`) read
+        from the log's segment file straight into the asker's slot (one copy, from the page cache; what is held in
+        memory is copied in as before). False: the asker has no slot (frames). Reading each entry first
+        (`Entry.loaded`: a `bytes` per tensor from `pread`, copied into a `bytearray`), then into the slot, was three
+        copies and two allocations per tensor, the checkpointer's larger share of a replayed step (issue 47)."""
+        if (shard := self.slotted.get(identity)) is None:
+            return False
+        named = [(n if after is None else f"{i}/{n}", t) for i, (_, e) in enumerate(run) for n, t in e.tensors.items()]
+        if not named:
+            return False
+        ring = self._ring(shard)
+        held = {name: t for name, t in named if not isinstance(t, Stored)}
+        loaded = Entry({}, held, 0).loaded() if held else {}
+        metas = [{"name": name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes} if isinstance(t, Stored)
+                 else {"name": name, "dtype": protocol.DTYPE_NAMES[loaded[name].dtype], "shape": list(loaded[name].shape),
+                       "nbytes": loaded[name].numel() * loaded[name].element_size()} for name, t in named]
+        slot, views = ring.begin(metas)
+        whole = protocol.tensor_bytes(ring.wholes[slot])  # (one byte view of the slot: a view per tensor cost 24 us)
+        for view, at, (name, t) in zip(views, ring.opened[slot], named, strict=True):
+            if not isinstance(t, Stored):
+                view.copy_(loaded[name])
+            elif t.nbytes and (fd := t.segment.fd) is not None:
+                if (got := os.preadv(fd, [whole[at:at + t.nbytes]], t.offset)) != t.nbytes:
+                    raise OSError(f"step log segment {t.segment.path}: {got} of {t.nbytes} bytes at {t.offset}")
+            elif t.nbytes:
+                raise OSError(f"a step log entry read after its segment {t.segment.path} was deleted")
+        desc = ring.commit(slot, metas, views)
+        if after is None:
+            reply(self.ctx, self.sock, identity, "log_entry", {**run[0][0], "shm": desc}, {})
+        else:
+            reply(self.ctx, self.sock, identity, "log_entries",
+                  {"after": after, "entries": [f for f, _ in run], "end": end, "shm": desc}, {})
+        return True
 
     def close(self) -> None:
         """Stop the thread and wait until it has closed its socket (the module docstring: never closed from here while

@@ -1,4 +1,4 @@
-"""The step log's messages at the checkpointer: an entry held and acknowledged, a replay answered one entry at a time.
+"""The step log's messages at the checkpointer: an entry held and acknowledged, a replay answered in order.
 
 - `step_log` -> `logged` (held: the server's step may commit) or `log_gap` (it would leave a gap in the log: this
   process restarted since the server's last checkpoint; the server takes one at once, which rebases the log).
@@ -6,7 +6,8 @@
   With `cut` (its replay stopped at `after`: a step's replicas' states were not in its state spool, a double fault,
   services/aggregator/steplog/statespool.py) every shard's entries past `after` go, and `log_end` answers: those
   steps are computed again, and their new entries take the place of the old.
-  Each answer is one entry; a replay keeps two requests out, so it holds at most two entries in flight on either
+  Each answer is one entry, or with `count` > 1 (a same-host replay: reading.py) that many consecutive entries in one
+  `log_entries` and one slot; a replay keeps two requests out, so it holds at most two answers in flight on either
   side, however long the log.
 
 Sharded (`cluster.shards` K > 1, docs/design/step-log.md): a step is held only once every shard's entry of it is.
@@ -22,20 +23,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cmemi.services.checkpointer.steplog import StepLog
-from cmemi.shared.wire import protocol
+from cmemi.services.checkpointer.steplog import Entry, StepLog
+from cmemi.shared.wire import limits, protocol
 
 FIELDS = ("step", "skip", "loss", "partials", "evals")
 CARRIED = ("replicas",)  # the leader's, with local steps: the replicas' states' metadata, held and served back as is
 DECIDED = ("skip", "loss", "partials")  # the leader's decision of a step, which a shard's replay applies
+MAX_BATCH = limits.STEP_LOG_BATCH  # entries in one `log_entries` at most (the asker bounds its count by bytes)
 
 
 class LogReplies:
     TYPES = ("step_log", "log_req")
 
-    def __init__(self, log: StepLog, reply: Callable[..., None], emit: Callable[..., None], shards: int = 1) -> None:
-        """`reply(identity, type, fields, tensors=None)`: the checkpointer's. `shards`: cluster.shards."""
-        self.log, self.reply, self.emit, self.shards = log, reply, emit, shards
+    def __init__(self, log: StepLog, reply: Callable[..., None], emit: Callable[..., None], shards: int = 1,
+                 slotted: Callable[[bytes, int | None, list[tuple[dict, Entry]], bool], bool] | None = None) -> None:
+        """`reply(identity, type, fields, tensors=None)`: the checkpointer's. `shards`: cluster.shards. `slotted(identity,
+        after, [(fields, entry)], end)`: a replay's `log_entry` (after None) or `log_entries` read from the log straight
+        into the asker's slot (logserver.py), False where it goes as frames (then `reply` sends the entries loaded)."""
+        self.log, self.reply, self.emit, self.shards, self.slotted = log, reply, emit, shards, slotted
         self.replaying: set[tuple[int, int]] = set()  # (term, shard) whose replay started (one event each)
         self.waiting: dict[int, bytes] = {}  # the leader's steps held but not every shard's entry yet: its identity
 
@@ -85,14 +90,16 @@ class LogReplies:
             self.log.restart_at(0, after)
             if after < base:
                 self.emit("step_log_cut", shard=0, restored=after, base=base, term=h["term"])
-        entry = self.log.entry(0, after + 1)
-        if entry is None or not self.whole(after + 1):
-            if self.shards > 1:  # the leader's log end: a step past it was never committed
-                self.log.truncate(after)
-                self.waiting.clear()
-            self.reply(identity, "log_end", {"after": after})
-        else:
-            self.reply(identity, "log_entry", {**entry.fields, "term": h["term"], "shard": 0}, entry.loaded())
+        run: list[tuple[dict, Entry]] = []
+        while len(run) < _count(h):
+            entry = self.log.entry(0, after + len(run) + 1)
+            if entry is None or not self.whole(after + len(run) + 1):
+                if self.shards > 1:  # the leader's log end: a step past it was never committed
+                    self.log.truncate(after + len(run))
+                    self.waiting.clear()
+                break
+            run.append(({**entry.fields, "term": h["term"], "shard": 0}, entry))
+        self._answer(identity, h, run)
 
     def _shard_replay(self, identity: bytes, h: dict) -> None:
         """A shard k > 0 replays its own entries, each with the leader's decision, to the leader's log end. (Only
@@ -100,9 +107,35 @@ class LogReplies:
         whose leader restored it long ago; it then replays nothing, and its join rolls the cluster back.)"""
         shard, after = h["shard"], h["after"]
         self._started(h)
-        own, leader = self.log.entry(shard, after + 1), self.log.entry(0, after + 1)
-        if own is None or leader is None or after < self.log.base_of(shard):
-            self.reply(identity, "log_end", {"after": after})
-            return
-        fields = {**own.fields, **{k: leader.fields[k] for k in DECIDED}, "term": h["term"], "shard": shard}
-        self.reply(identity, "log_entry", fields, own.loaded())
+        run: list[tuple[dict, Entry]] = []
+        while after >= self.log.base_of(shard) and len(run) < _count(h):
+            own, leader = self.log.entry(shard, after + len(run) + 1), self.log.entry(0, after + len(run) + 1)
+            if own is None or leader is None:
+                break
+            run.append(({**own.fields, **{k: leader.fields[k] for k in DECIDED}, "term": h["term"], "shard": shard},
+                        own))
+        self._answer(identity, h, run)
+
+    def _answer(self, identity: bytes, h: dict, run: list[tuple[dict, Entry]]) -> None:
+        """The entries after h["after"] the log holds (`run`, at most the count asked): none, `log_end`; asked one at
+        a time, a `log_entry`; else one `log_entries` holding them all, which says whether the log ends there."""
+        if not run:
+            self.reply(identity, "log_end", {"after": h["after"]})
+        elif _count(h) == 1:
+            self._serve(identity, *run[0])
+        else:
+            end = len(run) < _count(h)
+            if self.slotted is None or not self.slotted(identity, h["after"], run, end):
+                self.reply(identity, "log_entries", {"after": h["after"], "entries": [f for f, _ in run], "end": end},
+                           {f"{i}/{n}": t for i, (_, e) in enumerate(run) for n, t in e.loaded().items()})
+
+    def _serve(self, identity: bytes, fields: dict, entry: Entry) -> None:
+        """A replay's `log_entry`: into the asker's slot where it has one (no copy of it on the way), else as frames."""
+        if self.slotted is None or not self.slotted(identity, None, [(fields, entry)], False):
+            self.reply(identity, "log_entry", fields, entry.loaded())
+
+
+def _count(h: dict) -> int:
+    """The entries a `log_req` asks for, at most MAX_BATCH (a header built without its defaults, as in the unit
+    tests, asks for one)."""
+    return min(h.get("count", 1), MAX_BATCH)

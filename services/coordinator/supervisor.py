@@ -23,7 +23,7 @@ from pathlib import Path
 
 from cmemi.shared.runtime import zygote
 from cmemi.shared.runtime.exits import Exit
-from cmemi.shared.runtime.lifeline import die_with_parent
+from cmemi.shared.runtime.lifeline import Stoppable, die_with_parent
 
 
 class SlotState(enum.Enum):
@@ -155,7 +155,7 @@ class Child:
             _wait_gone(self, 10.0)
 
 
-def terminate(proc: subprocess.Popen, grace: float = 5.0) -> None:
+def terminate(proc: Stoppable, grace: float = 5.0) -> None:
     """SIGTERM a child we started, SIGKILL it after `grace` seconds; returns once it is reaped."""
     if proc.poll() is None:
         proc.terminate()

@@ -1,7 +1,8 @@
 """One lease of work, in four named steps: its parameters in, its gradient computed, sent, and what comes after.
 
-1. `_parameters`: the leader's slice lands in the model (services/worker/links/intake.py) and every other shard's
-   slice of the same version is fetched (services/worker/links/shard_links.py). Any of them stale or torn: ask again.
+1. `_parameters`: a restarted shard's address first when the lease names it (`told`), then the leader's slice lands
+   in the model (services/worker/links/intake.py) and every other shard's slice of the same version is fetched
+   (services/worker/links/shard_links.py). Any of them stale or torn: ask again.
 2. `_compute`: a block of microbatches (services/worker/compute/block.py), or a replica's round of local steps
    (services/worker/compute/replicas.py; a state not held is asked of the shard that keeps it, r mod K, when not the
    leader: train.inner_states). Before it, the last gradient's frames leave ZeroMQ's queues (a big model
@@ -9,10 +10,14 @@
    computed on (services/worker/links/lending.py) makes the lease stale: nothing is sent, the whole version is asked for.
 3. `outbox.send`: encoded and sent to every shard (services/worker/links/outbox.py).
 4. `_after`: streaming computes the next step's segments ahead; a data loader guesses the next step's block.
+
+At CMEMI_LOG_LEVEL=DEBUG each lease logs `lease_timing` (wall-clock times it was in hand, its parameters in, computed,
+sent): with the leader's `grad_timing` and `step_timing`, where a step's time goes (bench/round_timeline.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from cmemi.services.worker.compute.block import BlockComputer, StaleParameters
@@ -41,16 +46,36 @@ class LeaseWork:
     def run(self, msg: protocol.Message) -> None:
         """Lease `msg` (a `work` of this term): computed and sent, or (stale) asked for again."""
         h = msg.header
+        got = time.time()  # (wall clock: `lease_timing`, a round's timeline on one machine, bench/round_timeline.py)
+        if h["shards"] is not None:  # a shard restarted in the term: where it is now, before any slice goes to it
+            self.told(h["shards"])
         if not self._parameters(msg):
             self.want()
             return
+        ready = time.time()
         self.sends.settle()  # a big model's last gradient is out of ZeroMQ's queues before the next one exists
         g = self._compute(h)
         if g is None:
             self.want()
             return
+        computed = time.time()
         self.outbox.send(h, g, self.intake.number)
+        self.log.debug("lease_timing", step=h["step"], lo=h["lo"], got=got, ready=ready, computed=computed,
+                       sent=time.time(), state="inner" in g.extra or bool(g.inner))
         self._after(h)
+
+    def told(self, entries: Any) -> None:
+        """The leader's word on where every shard is (a lease's `shards`): the next pull or push relinks to a
+        restarted one (services/worker/links/shard_addrs.py). A malformed entry is dropped and counted; the lease
+        goes on (the shard's Redis record still tells)."""
+        addrs = self.shard_links.addrs
+        if addrs is None:
+            return
+        before = addrs.dropped
+        addrs.told(entries)
+        if addrs.dropped > before:
+            self.log.warning("message dropped", reason="bad_shard_addr", detail=repr(entries)[:200],
+                             count=addrs.dropped)
 
     def _parameters(self, msg: protocol.Message) -> bool:
         """The leader's slice into the model, then the other shards' slices of the same version; False if stale."""

@@ -16,15 +16,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
 def add_into(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """a += b, tensor by tensor, in a's storage (an empty dict stands for an overflowed microbatch)."""
+    """a += b, tensor by tensor, in a's storage (an empty dict stands for an overflowed microbatch). One foreach
+    call: the same `add_` per pair (the same bits), without a Python dispatch per tensor (issue 45: ~1 us a tensor)."""
     if not a or not b:
         return a or b
-    for k, v in a.items():
-        v.add_(b[k])
+    torch._foreach_add_(list(a.values()), [b[k] for k in a])
     return a
 
 

@@ -28,7 +28,6 @@ comm-bound step), so slots carry them only on other machines, and only with clus
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import itertools
@@ -44,6 +43,7 @@ from typing import Any
 
 import torch
 import xxhash
+from cmemi.shared.runtime.exits import at_exit
 from cmemi.shared.wire import protocol
 from cmemi.shared.wire.protocol import ProtocolError
 from cmemi.shared.wire.samehost import alive  # the same liveness rule as the ipc:// socket files
@@ -180,7 +180,7 @@ class Writer:
         self.wholes: list[torch.Tensor] = []
         self.laid: dict[tuple[int, tuple[tuple[str, tuple[int, ...], int], ...]], tuple[list[int], list[torch.Tensor]]] = {}
         self.opened: list[list[int]] = [[] for _ in range(SLOTS)]
-        atexit.register(self.close)
+        at_exit(self.close)
 
     def _grow(self, need: int) -> None:
         # the segment it replaces stays linked until the next one replaces this one: a descriptor of it may still be

@@ -1,4 +1,5 @@
-"""Process lifetimes: die with `cmemi up`, not with the coordinator (`hold`); die with the parent (`die_with_parent`).
+"""Process lifetimes: die with `cmemi up`, not with the coordinator (`hold`); die with the parent (`die_with_parent`);
+what stopping a process needs of it (`Stoppable`).
 
 `cmemi up` exports CMEMI_UP_PID to everything it starts. Services started by the coordinator must
 survive a coordinator restart (the new one adopts them), so they cannot use PR_SET_PDEATHSIG on
@@ -13,6 +14,7 @@ import os
 import select
 import signal
 import threading
+from typing import Protocol
 
 
 def _die() -> None:
@@ -49,3 +51,16 @@ def hold() -> None:
         _die()
 
     threading.Thread(target=watch, name="lifeline", daemon=True).start()
+
+
+class Stoppable(Protocol):
+    """What stopping a process needs of it: a Popen, or a process we did not start but hold a pidfd of
+    (cmemi/launcher/zygote_up.py Forked)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...

@@ -24,7 +24,7 @@ from cmemi.shared.config.schema import Config
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect, emit, text, wait_for_redis
 from cmemi.shared.runtime import lifeline, metrics, startup
-from cmemi.shared.runtime.exits import Exit, exit_now
+from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.log import setup_logging
 from cmemi.shared.wire import samehost
@@ -153,13 +153,3 @@ def serve_router(ctx: ServiceContext, zctx: zmq.Context[zmq.Socket[bytes]], port
         except samehost.TransportError as exc:
             ctx.fatal(str(exc))
     return sock, samehost.advertise(tcp, local)
-
-
-def leave_now(code: int) -> NoReturn:
-    """A zygote-forked service's `exit_now` (0.4-0.7 s of teardown saved, measured as a shard's exit on leaving its
-    term: bench/recovery_log.py's `shard1_left_term` to `shard1_exited`). Only once the service closed what it holds:
-    its sockets closed and its ZeroMQ context terminated (zmq's termination is what unlinks its ipc:// socket files,
-    which an os._exit before it left behind: tests/test_samehost_faults.py), its heartbeat stopped. Its ipc:// socket
-    files are removed here too (libzmq may leave them, and os._exit runs no exit handler: samehost.unlink_bound)."""
-    samehost.unlink_bound()
-    exit_now(code)

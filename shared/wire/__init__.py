@@ -1,7 +1,7 @@
 """The wire: what goes over ZeroMQ between CMEMI processes, and how it is checked on receipt.
 
 - header      the torch-free core: protocol version and the header every message starts with
-- messages    every message's header declared once: its fields, their types, what an absent optional reads as
+- messages/   every message's header declared once: its fields, their types, what an absent optional reads as
 - schema      the run-time side of messages: each declared field as protocol.check_header checks it
 - protocol    every message encoded, and validated on receipt against its type's declaration
 - transfer    a message bigger than the cap cut into parts, and sent (or streamed from files)

@@ -2,7 +2,7 @@
 
 `shared/wire/protocol.py` (tensor frames, validation) builds on it; a process that only sends header-only
 messages — the coordinator's `fence` — imports this alone and never pays for importing torch. What each type's
-fields are is declared in shared/wire/messages.py (torch-free too).
+fields are is declared in shared/wire/messages/ (torch-free too).
 """
 
 from __future__ import annotations

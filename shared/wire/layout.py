@@ -81,7 +81,8 @@ class Layout:
             out = {self.frame_name(d): torch.empty(n, dtype=d) for d, n in self.sizes.items()}
             for frame, lo, hi in self._gaps:
                 out[frame][lo:hi].zero_()
-        with torch.no_grad():
-            for name, view in self.views(out).items():
-                view.copy_(tensors[name])
+        views = self.views(out)
+        with torch.no_grad():  # one foreach copy, not a dispatch per tensor (a worker packs every gradient: issue 45)
+            if views:  # (a foreach call refuses an empty list)
+                torch._foreach_copy_(list(views.values()), [tensors[name] for name in views])
         return out

@@ -33,6 +33,7 @@ from cmemi.shared.config.schema import Config
 MARGIN = 16 << 20
 DEFAULT_CAP = 64 << 20  # cluster.max_message_bytes: null never means more than this
 FALLBACK = 1 << 31  # logical bound when the model cannot be built
+STEP_LOG_BATCH = 64  # a replay's entries in one `log_entries` at most (a log_req's `count`: services/*/steplog*)
 
 _built: dict[str, int | None] = {}  # parameter + buffer bytes of the models this process built, by `_key`
 

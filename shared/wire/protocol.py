@@ -1,4 +1,4 @@
-"""The wire protocol: every message validated on receipt against its type's declaration (shared/wire/messages.py).
+"""The wire protocol: every message validated on receipt against its type's declaration (shared/wire/messages/).
 
 A message is a ZeroMQ multipart message: frame 0 is a small msgpack header, the next frames are
 raw tensor bytes, one per entry of the header's `tensors` list, sent and received without copies
@@ -116,7 +116,7 @@ def send(sock: zmq.Socket[bytes], parts: list[Any], identity: bytes | None = Non
 
 def _check_fields(header: dict[str, Any], schema: dict[str, Field], what: str) -> None:
     """Every declared field present and of its type, and each absent optional one filled in with its default
-    (shared/wire/messages.py), in place: a handler reads `h["ahead"]`, never tests a type again."""
+    (shared/wire/messages/), in place: a handler reads `h["ahead"]`, never tests a type again."""
     for key, field in schema.items():
         value = header.get(key, ABSENT)
         if value is ABSENT:

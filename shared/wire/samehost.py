@@ -23,7 +23,6 @@ bytes never leave the kernel, and only root or our own uid could read them (see 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import zmq
 from cmemi.shared.errors import WireError
+from cmemi.shared.runtime.exits import at_exit
 from cmemi.shared.wire.security import LOCAL_USER, Curve
 
 _SEP = "|"
@@ -153,19 +153,8 @@ def bind_ipc(sock: zmq.Socket[bytes], run_dir: Path, name: str) -> str:
         path.unlink()
     endpoint = f"ipc://{path}"
     sock.bind(endpoint)
-    atexit.register(_unlink, path)  # libzmq may leave the file behind; a SIGKILL certainly does (swept above)
-    BOUND.append(path)
+    at_exit(lambda: _unlink(path))  # libzmq may leave the file behind; a SIGKILL certainly does (swept above)
     return endpoint
-
-
-BOUND: list[Path] = []  # this process's ipc:// socket files (`unlink_bound`)
-
-
-def unlink_bound() -> None:
-    """Remove this process's ipc:// socket files now: what the exit handler would do, for a process that leaves by
-    os._exit (shared/runtime/service.py `leave_now`), which runs no exit handler."""
-    while BOUND:
-        _unlink(BOUND.pop())
 
 
 def _unlink(path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The run-time side of shared/wire/messages.py: each declared field as `protocol.check_header` checks it.
+"""The run-time side of shared/wire/messages/: each declared field as `protocol.check_header` checks it.
 
 The TypedDicts there are what a type checker sees; this reads their annotations once, at import, into `Field`s
 (`int` -> (int,), `float` -> (int, float), `X | None` -> (X, NoneType), `Any` -> any value), so the check and the

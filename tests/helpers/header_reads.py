@@ -181,8 +181,8 @@ def undeclared(reads: list[Read], schemas: dict[str, set[str]]) -> list[str]:
             continue
         if r.types is not None and (lacking := sorted(t for t in r.types if r.key not in schemas.get(t, set()))):
             out.append(f"{r.where()}: field {r.key!r} is read from a {'/'.join(lacking)} message, which does not "
-                       f"declare it (shared/wire/messages.py)")
+                       f"declare it (shared/wire/messages/)")
         elif r.types is None and r.key not in everywhere:
             out.append(f"{r.where()}: field {r.key!r} is read from a message header, and no message type declares it "
-                       f"(shared/wire/messages.py)")
+                       f"(shared/wire/messages/)")
     return out

@@ -5,6 +5,7 @@
     p = lab.start(redis, ["redis-server", ...], log_path)   # the process runs inside that namespace
     lab.reach(w1, redis, 6379)            # wait until w1 can open a TCP connection to redis:6379
     lab.cut(w1); lab.restore(w1)          # pull a host's cable (its bridge port goes down) and plug it back
+    iptables(w1, "-A", "OUTPUT", ...)     # a rule in the host's own namespace
     lab.close()                           # kills what it started, deletes every namespace (and so every veth)
 
 `gated_mlp` is the digits MLP with a test hook: in a process started with CMEMI_TEST_GATE=PATH, a
@@ -80,6 +81,23 @@ def _tc(ns: str, *args: str) -> None:
         raise RuntimeError(f"`tc {' '.join(args)}` in {ns} failed: {r.stderr.strip()}")
 
 
+def iptables(host: Host, *args: str) -> None:
+    """Run iptables in the host's namespace (its own tables: nothing outside the lab is touched)."""
+    r = subprocess.run(["ip", "netns", "exec", host.ns, "iptables", *args], capture_output=True, text=True,
+                       timeout=20)
+    if r.returncode != 0:
+        raise RuntimeError(f"`iptables {' '.join(args)}` in {host.name} failed: {r.stderr.strip()}")
+
+
+def connected(host: Host, peer: Host) -> bool:
+    """Does the host hold an established TCP connection with `peer` (either end's view, `ss` in its namespace)?"""
+    r = subprocess.run(["ip", "netns", "exec", host.ns, "ss", "-Htn", "state", "established", "dst", peer.ip],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        raise RuntimeError(f"`ss` in {host.name} failed: {r.stderr.strip()}")
+    return bool(r.stdout.strip())
+
+
 def _namespaces() -> list[str]:
     out = _ip("netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
@@ -146,6 +164,7 @@ class NetLab:
         self.bridge_ns = f"{self.tag}-br"
         self.hosts: dict[str, Host] = {}
         self.procs: list[subprocess.Popen] = []
+        self.others: list[subprocess.Popen] = []  # in the root namespace, stopped at close (IdleReference)
         self._created: list[str] = []
         _ip("netns", "add", self.bridge_ns)
         self._created.append(self.bridge_ns)
@@ -221,6 +240,8 @@ class NetLab:
 
     def close(self) -> list[str]:
         """Stop every process started here, delete every namespace; returns what could not be removed."""
+        self.procs.extend(self.others)
+        self.others.clear()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

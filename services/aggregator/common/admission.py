@@ -108,11 +108,12 @@ class Admission:
         self.workers[identity] = info
         return info
 
-    def known(self, identity: bytes, h: dict[str, Any], term: int) -> WorkerInfo | None:
-        """The admitted worker a want/grad/pull comes from, or None (refused: counted, answered)."""
+    def known(self, identity: bytes, kind: str, h: dict[str, Any], term: int) -> WorkerInfo | None:
+        """The admitted worker a want/grad/pull (`kind`) comes from, or None (refused: counted, answered). A fenced
+        sender's drop names the message's kind: a stale gradient dropped is told from a stale want or pull."""
         wid, inc = h["wid"], h["inc"]
         if self.is_fenced(wid, inc):
-            self._refuse(identity, "fenced", f"{wid}/{inc}", f"incarnation {inc} of worker {wid} is fenced")
+            self._refuse(identity, "fenced", f"{wid}/{inc} {kind}", f"incarnation {inc} of worker {wid} is fenced")
             return None
         info = self.workers.get(identity)
         if info is None or info.wid != wid or info.inc != inc:

@@ -66,9 +66,12 @@ class Spares:
         return t
 
     def own(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A copy of borrowed gradients, in spares."""
-        with torch.no_grad():
-            return {n: self.take(n, g.dtype, tuple(g.shape)).copy_(g) for n, g in grads.items()}
+        """A copy of borrowed gradients, in spares (one foreach copy: the leader makes it every step, issue 45)."""
+        out = {n: self.take(n, g.dtype, tuple(g.shape)) for n, g in grads.items()}
+        if out:  # (a foreach call refuses an empty list: an overflowed microbatch's gradient is {})
+            with torch.no_grad():
+                torch._foreach_copy_(list(out.values()), list(grads.values()))
+        return out
 
     def lend(self, metas: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Spares for the tensors of a gradient about to arrive (`metas`: its validated tensor entries)."""
@@ -81,9 +84,18 @@ class Spares:
     def give_back(self, needed: Iterable[torch.Tensor]) -> None:
         """Mid-step, after a gradient message was handled: what was lent and shares no storage with `needed` (the
         step's partial sums, the transfers still arriving) is free again for the step's next gradient."""
-        held = {_storage(t) for t in needed}
+        if not self.lent:
+            return
+        needed = list(needed)
+        same = {id(t) for t in needed}  # a partial sum is normally the lent tensor itself: no storage to look up
+        held: set[int] | None = None  # (issue 45: 12 storage look-ups a step, for a gradient of 6 tensors)
         lent = []
         for key, t in self.lent:
+            if id(t) in same:
+                lent.append((key, t))
+                continue
+            if held is None:
+                held = {_storage(x) for x in needed}
             if _storage(t) in held:
                 lent.append((key, t))
             else:
@@ -101,7 +113,7 @@ class Spares:
                     free.setdefault(key, []).append(t)
         lent = []
         for key, t in self.lent:
-            (lent.append((key, t)) if _storage(t) in held else free.setdefault(key, []).append(t))
+            (lent.append((key, t)) if held and _storage(t) in held else free.setdefault(key, []).append(t))
         self.free, self.lent = free, lent
         self.lent_bytes = sum(t.numel() * t.element_size() for _, t in lent)
         self.used = {id(t) for _, t in lent}

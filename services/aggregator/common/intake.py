@@ -3,7 +3,7 @@
 What a received multipart message passes, in this order, before any handler sees it:
 1. it has an identity and a body (`no_identity`);
 2. the whole message is within `cluster.max_message_bytes` (`too_big`; ZeroMQ's MAXMSGSIZE bounds one frame);
-3. its header passes the schema (declared in `shared/wire/messages.py`, checked via `shared/wire/schema.py`:
+3. its header passes the schema (declared in `shared/wire/messages/`, checked via `shared/wire/schema.py`:
    type, run, protocol version, fields); a part of a bigger message is taken only from an admitted peer, which
    bounds what an unauthenticated flood can make us allocate (`shared/wire/assembly.py`);
 4. its type is one this server takes (`unexpected_type`);

@@ -158,9 +158,9 @@ class SlotPublisher:
                     self.targets = {k: v for k, v in self.targets.items() if k[0] == key[0]}  # a replaced segment's go
                     self.targets[key] = self.layout.views(targets)  # the padding stays zero (never written)
                 targets = self.targets[key]
-            with torch.no_grad():
-                for n, p in params.items():
-                    targets[n].copy_(p)
+            with torch.no_grad():  # one foreach copy, not a dispatch per tensor (issue 45)
+                if params:  # (a foreach call refuses an empty list: a shard that owns no piece)
+                    torch._foreach_copy_([targets[n] for n in params], list(params.values()))
             self.desc = self.writer.commit(slot, metas, views)
             self.version = version
         return self.desc

@@ -70,6 +70,8 @@ class Handout:
             encoded = (([], []), None)  # a work message always lists its tensors, here none
         if trainer.inner is not None:
             self._inner(identity, node[0])
+        if p.roster is not None and (placed := p.roster.news(identity)) is not None:
+            fields["shards"] = placed  # a shard restarted in the term: where it is now, before any slice goes to it
         n = p.outbox.send(identity, "work", encoded, term=p.term, step=p.leasing.collector.step, lo=node[0],
                           hi=node[1], lease=node[2], version=trainer.step, scale=trainer.scaler.scale, **fields)
         p.totals.duplicate_param_sends += p.leasing.sent(identity, trainer.step if stale else None)

@@ -29,6 +29,7 @@ class Reporter:
         self.trackers = Trackers(ctx)
         self.throughput = Throughput(cfg.train.samples_per_round)  # the progress line's samples/s
         self.unpublished_mb: Counter[str] = Counter()  # accepted microbatches per "wid:incarnation", not yet in Redis
+        self.accepted_by: dict[str, Any] = {}  # wid -> its ACCEPTED child: `labels()` takes a lock and checks every call
         self.bytes_in = self.bytes_out = 0  # this step's
         self.codec_s = 0.0  # encode (reported by workers) + decode time of this step's accepted gradients
         self.t_step = time.monotonic()
@@ -47,7 +48,12 @@ class Reporter:
 
     def accepted(self, wid: str, inc: int, microbatches: int) -> None:
         self.unpublished_mb[f"{wid}:{inc}"] += microbatches
-        metrics.ACCEPTED.labels(wid).inc(microbatches)  # per-worker throughput in Grafana (docker/grafana/)
+        child = self.accepted_by.get(wid)
+        if child is None:
+            if len(self.accepted_by) >= 4096:  # (worker ids churn in a long elastic run: the cache stays bounded)
+                self.accepted_by.clear()
+            child = self.accepted_by[wid] = metrics.ACCEPTED.labels(wid)
+        child.inc(microbatches)  # per-worker throughput in Grafana (docker/grafana/)
 
     def started(self, now: float) -> None:
         """The first lease of the run (or of this restart): the first step's time counts from here."""

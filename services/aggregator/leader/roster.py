@@ -96,6 +96,7 @@ class ShardInfo:
     mirror: dict[str, str] | None = None  # and (compression.downlink) its mirror pieces' SHA-256
     eval: tuple[int, dict[str, torch.Tensor]] | None = None  # its pieces at an evaluation step (eval.every_steps)
     taken_at: int | None = None  # a restarted incarnation: the step it was taken in at (`have`: leased again at once)
+    relet: bool = False  # its first report of that step was answered (what it lacked went back at once)
 
 
 class ShardRoster:
@@ -109,6 +110,8 @@ class ShardRoster:
         self.fences: dict[str, int] = {}  # worker id -> the highest incarnation fenced this term (said again: redialled)
         self.restarts = Restarts()  # a joined shard's new incarnation: taken in this term, or rolled back
         self.replays = replays  # a restarted shard replays the step log (steplog/shard.py `in_use`): taken in the term
+        self.moves = 0  # shards restarted and taken in this term: a worker told fewer is told where they are (`news`)
+        self.told: dict[bytes, int] = {}  # worker connection -> `moves` when its last lease said where the shards are
 
     @property
     def complete(self) -> bool:
@@ -117,6 +120,19 @@ class ShardRoster:
 
     def addrs(self) -> list[str]:
         return [self.shards[k].addr for k in sorted(self.shards)]
+
+    def news(self, identity: bytes) -> list[list[Any]] | None:
+        """[[k, incarnation, address], ...] of every shard, for a lease to this worker connection when a shard was
+        taken in since it was last told (None: nothing new). A worker then relinks before it pulls or pushes, so a
+        re-leased slice never goes into the dead incarnation's link (it learned the address from the shard's Redis
+        record, read every 0.25 s off its loop: a re-lease that came first was lost there). Told at most once per
+        restart: a lease carries no addresses otherwise (the bytes goal of bench/cluster.py counts every byte)."""
+        if self.told.get(identity, 0) >= self.moves:
+            return None
+        if len(self.told) > 4096:  # connections of workers gone: forgetting them only tells a live one again
+            self.told.clear()
+        self.told[identity] = self.moves
+        return [[k, self.shards[k].inc, self.shards[k].addr] for k in sorted(self.shards)]
 
     def join(self, identity: bytes, h: dict[str, Any], step: int) -> bool:
         """A shard joins this term at `step`; True when it is the last one to join."""
@@ -154,6 +170,7 @@ class ShardRoster:
         self.shards[k] = ShardInfo(identity, h["inc"], h["addr"], taken_at=h["step"] if restarted else None)
         self.outbox.send(identity, "shard_welcome", term=self.term, **self.welcome())
         if restarted:
+            self.moves += 1
             self.ctx.emit("shard_restarted", shard=k, step=h["step"], restored=h["step"], term_kept=True, inc=h["inc"])
             self.ctx.log.warning("a shard restarted; taken in this term at the leader's step", shard=k,
                                  addr=h["addr"], step=h["step"])
@@ -207,22 +224,22 @@ class ShardRoster:
         queue after `grace` (its worker died between its sends); True if some did.
 
         A restarted incarnation, in the step it was taken in at, lost every slice its dead one held or was sent:
-        what it lacks of what is here is leased again at once, complete here or not, and again at each of its
-        reports (every 0.5 s, shard/server.py) while it still lacks it, not after `grace`. The first of those leases
-        often goes to its dead address too: a worker learns the new one from the shard's Redis record, read every
-        0.25 s off its loop (services/worker/links/shard_addrs.py), and a lease handed out a moment after the
-        restart reaches it first. Its slices then died in the old link, the workers sat idle (the step complete
-        here), and the next re-lease came 2 x cluster.dead_after later: 4.2 s from the kill to the next new step in
-        2 of 3 shard kills (bench/recovery_log.py --kill shard). A re-lease is safe: a duplicate is dropped, the
-        first copy wins."""
+        what it lacks of what is here is leased again at once at its first report, complete here or not. Every lease
+        handed out after it was taken in says where it is (`news`), so a worker relinks before it pushes and the
+        re-leased slices reach it. Before that, the worker learned the address only from the shard's Redis record
+        (read every 0.25 s off its loop): a re-lease that came first went into the dead link, and a repeat at each
+        report (every 0.5 s) bounded the loss, at the price of a whole step's compute again for a long step. What it
+        still lacks after that first report goes back after `grace`, as for any shard (a worker that died between
+        its sends). A re-lease is safe: a duplicate is dropped, the first copy wins."""
         if self.member(identity, h) is None or h["step"] != collector.step:
             return False
         if not all(isinstance(m, int) for m in h["have"]):
             self.drop("bad_have", f"shard {h['shard']}")
             return False
-        restarted = self.shards[h["shard"]].taken_at == collector.step
-        if lacking := collector.reopen(h["have"], time.monotonic(), grace=0.0 if restarted else grace,
-                                       early=restarted):
+        info = self.shards[h["shard"]]
+        restarted = info.taken_at == collector.step
+        first, info.relet = restarted and not info.relet, info.relet or restarted
+        if lacking := collector.reopen(h["have"], time.monotonic(), grace=0.0 if first else grace, early=restarted):
             self.ctx.emit("leases_reopened", step=collector.step, shard=h["shard"], microbatches=lacking)
             self.ctx.log.warning("a shard lacks microbatches this step holds; leasing them again", shard=h["shard"],
                                  microbatches=lacking)

@@ -25,6 +25,7 @@ from cmemi.services.aggregator.leader.shard_messages import Handler, ShardMessag
 from cmemi.services.aggregator.leader.stepping import Stepper
 from cmemi.shared.coordination.heard import HeardWriter
 from cmemi.shared.runtime import startup
+from cmemi.shared.runtime.log import debug_enabled
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import protocol
 
@@ -32,6 +33,7 @@ from cmemi.shared.wire import protocol
 class Aggregator:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx, self.cfg, self.log = ctx, ctx.cfg, ctx.log
+        self.timing = debug_enabled(ctx.log)  # `grad_timing` lines (CMEMI_LOG_LEVEL=DEBUG); else not timed
         self.p = p = build(ctx)
         self.stepper = Stepper(p, self._serve_parked)
         self.handout = Handout(p)
@@ -183,7 +185,7 @@ class Aggregator:
 
     def _on_want(self, identity: bytes, msg: protocol.Message) -> None:
         p = self.p
-        if (info := p.admission.known(identity, msg.header, p.term)) is None:
+        if (info := p.admission.known(identity, "want", msg.header, p.term)) is None:
             return
         if not p.leasing.answered(identity, msg.header["reask"]):  # its work may still be arriving
             p.outbox.send(identity, "pending", reask=msg.header["reask"])
@@ -196,10 +198,14 @@ class Aggregator:
         self._serve(identity, info, msg.header["version"])
 
     def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
-        if (info := self.p.admission.known(identity, msg.header, self.p.term)) is None:
+        if (info := self.p.admission.known(identity, "grad", msg.header, self.p.term)) is None:
             return
         self.p.leasing.answered(identity, None)
+        arrived = time.time() if self.timing else 0.0  # (`grad_timing`: a step's timeline, bench/round_timeline.py)
         self.grads.take(identity, info, msg.header, msg.tensors)
+        if self.timing:
+            self.log.debug("grad_timing", wid=info.wid, step=msg.header["step"], lo=msg.header["lo"], arrived=arrived,
+                           taken=time.time())
         self.handout.note_holds(identity, msg.header)
         self._serve(identity, info, msg.header["version"], after_grad=True)
 

@@ -35,6 +35,7 @@ from cmemi.services.aggregator.steplog.evals import EvalLog
 from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.compression.base import all_finite
 from cmemi.shared.runtime import metrics
+from cmemi.shared.runtime.log import debug_enabled
 
 
 class Ending(enum.Enum):
@@ -74,10 +75,12 @@ class Stepper:
         self.unacked: Applied | None = None  # published, its step log entry not acknowledged yet
         self.forcing: int | None = None  # sharded: the step whose forced checkpoint is being written (log_gap)
         self.stall_s: list[float] = []  # checkpoint snapshot stalls
+        self.timing = debug_enabled(self.ctx.log)  # `step_timing` lines (CMEMI_LOG_LEVEL=DEBUG); else not timed
 
     def apply(self) -> None:
         """The step's gradient is complete here (called again as shards report theirs complete)."""
         collector = self.p.leasing.collector
+        collected = time.time() if self.timing else 0.0  # (`step_timing`, bench/round_timeline.py)
         if self.mean is None:
             self.mean = collector.mean()
         grads, loss = self.mean
@@ -130,7 +133,10 @@ class Stepper:
                 self.settle(block=True)
         self.p.leasing.new_step(step)  # (done: a collector that leases nothing, and the last gradient sum is freed)
         self.trainer.release_heap()
+        stepped = time.time() if self.timing else 0.0
         self.serve_parked()  # the step's parameters go out now, before its entry is even encoded
+        if self.timing:
+            self.ctx.log.debug("step_timing", step=step, collected=collected, applied=stepped, served=time.time())
         if entry is not None and not last:
             self._ship(entry)  # (a death before this: the step was never committed, and is computed again)
 

@@ -241,7 +241,7 @@ class ShardServer:
         if msg.type == "hello":
             self.door.hello(identity, h, self.term, self.trainer.step, self.total)
             return
-        if self.admission.known(identity, h, self.term) is None:
+        if self.admission.known(identity, msg.type, h, self.term) is None:
             pass
         elif msg.type == "pull" and h["replica"] is not None:  # a replica's state this shard keeps (inner.py)
             self.states.pull(identity, h)

@@ -28,9 +28,10 @@ from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.steplog import replicas
 from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
-from cmemi.services.aggregator.steplog.reading import LogEntries
+from cmemi.services.aggregator.steplog.reading import LogEntries, batch_of
 from cmemi.services.aggregator.steplog.statespool import Lost
 from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits
 
 
 def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: RunTotals,
@@ -51,7 +52,10 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
     entries, lost = LogEntries(link), None
-    for msg in entries.entries(trainer.step):  # (two requested ahead: the next one travels while this one applies)
+    # (two requested ahead: the next one travels while this one applies; a gradient only read is applied from the
+    # checkpointer's slot where it lies, reading.py)
+    lend = trainer.reads_grads_only and not trainer.local
+    for msg in entries.entries(trainer.step, lend=lend, count=batch_of(limits.nbytes(trainer.pieces.values()))):
         if upto is not None and trainer.step >= upto:  # (a shard: no further than its leader's log end)
             break
         h = msg.header

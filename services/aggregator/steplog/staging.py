@@ -57,8 +57,10 @@ class Staging:
                   "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in src.items()]
         writer = self._writer()
         slot, views = writer.begin(metas)
-        for v, t in zip(views, src.values(), strict=True):
-            v.copy_(t)
+        if len(views) != len(src):
+            raise ValueError(f"{len(views)} slot views for {len(src)} tensors")
+        if views:  # one call, not a dispatch per tensor (issue 45); none for an empty entry (a skipped step)
+            torch._foreach_copy_(views, list(src.values()))
         self.desc = writer.commit(slot, metas, views)
         return dict(zip(src, views, strict=True))
 

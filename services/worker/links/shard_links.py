@@ -17,8 +17,8 @@ come as slot descriptors, copied from the slot into the model's pieces and used 
 meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
 segment of its own per shard.
 
-A shard that does not answer within `timeout` raises `Lost`: the worker says hello again. One whose Redis record
-names a new address (restarted within the term: shard_addrs.py) is linked to there in place (`relink`) before a
+A shard that does not answer within `timeout` raises `Lost`: the worker says hello again. One whose lease or Redis
+record names a new address (restarted within the term: shard_addrs.py) is linked to there in place (`relink`) before a
 pull, an ask ahead or a push, so the lease in hand goes on; while the worker says hello (`connect`), it is `Lost`
 too, and each shard is linked to where its record says it is.
 """
@@ -291,7 +291,7 @@ class ShardLinks:
         shard, then stage 1, ...; ZeroMQ's I/O thread carries them all at once, each shard's in order. `trackers`:
         the frames' trackers go there (services/worker/links/inflight.py). `own[k]`: header fields for shard k's
         alone (a replica's state's `inner`, train.inner_states: shards)."""
-        self.relink()  # (into a dead shard's link, a slice is lost: leased again at the new one's next `shard_have`)
+        self.relink()  # to where the lease or the record says a restarted shard is: never into the dead link
         for g in range(max((len(e) for e in encoded), default=0)):
             for link, stages in zip(self.links, encoded, strict=True):
                 info, frames = stages[g]
