@@ -3,6 +3,9 @@ dropped with its reason while memory stays bounded. Fast: no processes; one pair
 
 from __future__ import annotations
 
+import threading
+import time
+
 import msgpack
 import pytest
 import torch
@@ -251,5 +254,45 @@ def test_a_bad_reply_on_a_dealer_is_logged_and_dropped_and_the_next_one_read() -
             got.append(asm.reply(dealer, Log(), "checkpointer"))
         assert got[0] is None and [e for e, _ in warnings] == ["bad reply from checkpointer"]
         assert got[1] is not None and torch.equal(got[1].tensors["a"], torch.arange(4.0))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_streamed_message_reuses_two_buffers_and_every_part_arrives_intact() -> None:
+    """`stream` reads each part's bytes into one of two buffers, written again only once ZeroMQ is done with the part
+    sent from it (its tracker): a receiver that reads slowly, with the sender's queue full, still gets every part
+    bit-exact (a buffer overwritten too early would hand it the bytes of a later part)."""
+    cap = 1 << 18  # parts of 256 KiB: zero-copy frames, tracked
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a": torch.randn(5 * cap // 4 + 7, generator=g), "b": torch.randn(cap // 8, generator=g)}
+    metas, frames = protocol.encode_tensors(tensors)
+    ctx = zmq.Context()
+    try:
+        a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        for s in (a, b):
+            s.setsockopt(zmq.SNDHWM, 1)
+            s.setsockopt(zmq.RCVHWM, 1)
+        port = a.bind_to_random_port("tcp://127.0.0.1")
+        b.connect(f"tcp://127.0.0.1:{port}")
+        reads: list[int] = []
+
+        def read(ti: int, off: int, out: memoryview) -> None:
+            reads.append(ti)
+            out[:] = frames[ti][off:off + out.nbytes]
+
+        sent: list[int] = []
+        sender = threading.Thread(target=lambda: sent.append(transfer.stream(a, "snapshot", RUN, FIELDS, metas, read,
+                                                                            cap, timeout=30)))
+        sender.start()
+        asm, msg, parts = assembly.Assembler(RUN, bound=1 << 30), None, 0
+        while msg is None:
+            assert b.poll(10_000), "a part did not come"
+            time.sleep(0.02)  # (a slow reader: the sender waits on its trackers meanwhile)
+            msg = asm.recv(b)
+            parts += 1
+        sender.join(30)
+        assert not sender.is_alive() and sent and parts >= 5
+        for n, t in tensors.items():
+            assert torch.equal(msg.tensors[n], t), n
     finally:
         ctx.destroy(linger=0)

@@ -119,7 +119,10 @@ def stream(sock: zmq.Socket[bytes], mtype: str, run: str, fields: dict[str, Any]
     them (checksums included), `read(tensor, offset, buf)` fills `buf` with that tensor's bytes from `offset`. The
     messages are exactly those `messages` would send; at most two of them are held: the bytes of message i+2 are
     read only once ZeroMQ is done with message i's (tracked sends), waited for at most `timeout` s each (then
-    `TimeoutError`: the peer does not read). Returns the bytes sent."""
+    `TimeoutError`: the peer does not read), and into message i's buffer. (A new buffer for each message let a third
+    be resident: pyzmq drops its reference to a sent buffer on a thread of its own, after the tracker is done; on a
+    loaded machine the checkpointer's restore then peaked a part above its bound, tests/test_checkpointer_memory.py.)
+    Returns the bytes sent."""
     header = protocol.encode(mtype, run, fields, encoded=(metas, []))[0]
     sizes = [m["nbytes"] for m in metas]
     if len(header) + sum(sizes) <= cap:
@@ -127,11 +130,13 @@ def stream(sock: zmq.Socket[bytes], mtype: str, run: str, fields: dict[str, Any]
     else:
         layout = plan(msgpack.unpackb(header), cap)
     in_flight: list[list[zmq.MessageTracker]] = []
+    largest = max(sum(n for _, _, n in entries) for _, entries in layout)
+    buffers = [memoryview(bytearray(largest)) for _ in range(min(2, len(layout)))]
     total = 0
-    for head, entries in layout:
+    for i, (head, entries) in enumerate(layout):
         if len(in_flight) == 2:
             _sent(in_flight.pop(0), timeout)
-        buf = memoryview(bytearray(sum(n for _, _, n in entries)))
+        buf = buffers[i % 2]
         frames, at = [], 0
         for ti, off, n in entries:
             frames.append(buf[at:at + n])
@@ -140,7 +145,7 @@ def stream(sock: zmq.Socket[bytes], mtype: str, run: str, fields: dict[str, Any]
         trackers: list[zmq.MessageTracker] = []
         total += protocol.send(sock, [head, *frames], identity, trackers)
         in_flight.append(trackers)
-        del buf, frames  # ZeroMQ holds them until it has sent them
+        del buf, frames  # ZeroMQ holds them until it has sent them; the buffer is written again only after that
     for trackers in in_flight:
         _sent(trackers, timeout)
     return total
