@@ -15,9 +15,11 @@ commit's (`--base`: its tree extracted under runs/, run by this venv's python wi
 
     .venv/bin/python bench/recovery_log.py --kill leader --checkpoint-every 1000 --kills 3 --base 2d8e885
 
-The worst kill point, just before a checkpoint (the longest log to replay), at K = 1:
+The worst kill point, just before a checkpoint (the longest log to replay), at K = 1 (`--out`: the JSON written there
+too):
 
-    .venv/bin/python bench/recovery_log.py --kill leader --shards 1 --checkpoint-every 1000 --phase 995 --kills 1
+    .venv/bin/python bench/recovery_log.py --kill leader --shards 1 --checkpoint-every 1000 --phase 995 --kills 1 \
+        --base COMMIT --out bench/results/recovery_steplog_worst.json
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=3)
     p.add_argument("--base", default=None, help="a commit to run too, in the same invocation (before/after)")
     p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/recovery_steplog_worst.json)")
     p.add_argument("--phase", type=int, default=None,
                    help="kill at a step that is this modulo --checkpoint-every (e.g. 995 of 1000: the longest log)")
     args = p.parse_args()
@@ -198,7 +201,10 @@ def main() -> None:
             out[name] = run
     finally:
         C.ROOT = root
-    print(json.dumps(C.rnd(out), indent=1))
+    text = json.dumps(C.rnd(out), indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":

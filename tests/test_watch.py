@@ -1,5 +1,6 @@
-"""Redis off the loops: shared/coordination/watch.py's Watch and the leader's ProgressWriter, against a real redis-server,
-stopped and started again under them."""
+"""Redis off the loops: shared/coordination/watch.py's Watch (and an idle worker's check on it,
+services/worker/lifecycle.py) and the leader's ProgressWriter, against a real redis-server, stopped and started again
+under them."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 
 import redis
 from cmemi.services.aggregator.leader.progress import ProgressWriter
+from cmemi.services.worker.lifecycle import Lifecycle
 from cmemi.shared.coordination.keys import Keys
 from cmemi.shared.coordination.membership import connect
 from cmemi.shared.coordination.watch import Watch
 
 from cmemi.launcher.redis_server import EmbeddedRedis
+from tests.helpers.rig import context
 
 
 def _until(cond: Callable[[], object], timeout: float = 10.0) -> object:
@@ -83,6 +86,49 @@ def test_poke_reads_now_instead_of_after_the_interval(tmp_path: Path) -> None:
         assert time.monotonic() - t1 < 2.0
     finally:
         watch.stop()
+        server.stop()
+
+
+def test_fresh_waits_for_a_reading_begun_after_it_and_gives_up_at_its_timeout(tmp_path: Path) -> None:
+    """`fresh` is the record as it is now, not the reading an earlier poke made; with Redis away it returns at its
+    timeout with nothing new, and the loop goes on."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client = connect(server.url)
+    client.set("k", "old")
+    watch = Watch(client, 3600.0, lambda r: r.get("k"), "test").start()
+    try:
+        assert _until(watch.take) == ("old",)
+        client.set("k", "new")
+        assert watch.fresh(5.0) == ("new",)
+        assert watch.take() is None  # given once
+        server.stop()
+        t0 = time.monotonic()
+        assert watch.fresh(0.2) is None  # (the read failed, or is still trying: nothing new either way)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        watch.stop()
+        server.stop()
+
+
+def test_an_idle_worker_sees_a_new_leaders_record_at_its_first_idle_check_after_it_was_written(tmp_path: Path) -> None:
+    """Issue 47: a worker whose leader went silent checks Redis at each idle wait (100 ms). It compared the reading
+    its previous check had asked for, so a restarted leader's record written after that reading was seen one idle
+    wait late (0.1-0.2 s of a leader's kill -> next new step). Now the check reads Redis and waits for that reading.
+    Fails on the code before it (`take` then `poke` in `idle_check`): the first check after the record was written
+    returns nothing new."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    ctx = context(tmp_path, server.url)
+    life = Lifecycle(ctx)
+    try:
+        life.register("w0")
+        _until(lambda: life.idle_check() is not None)  # the record as it was (no leader yet)
+        assert life.watch is not None
+        _until(life.watch.take)  # whatever that check asked for was read already: nothing pending now
+        ctx.redis.hset(ctx.keys.aggregator, mapping={"addr": "tcp://127.0.0.1:5", "term": "2"})
+        info = life.idle_check()
+        assert info is not None and info.get("addr") == "tcp://127.0.0.1:5" and info.get("term") == "2"
+    finally:
+        life.close()
         server.stop()
 
 

@@ -51,6 +51,35 @@ def reply(ctx: ServiceContext, sock: zmq.Socket, identity: bytes, mtype: str, fi
         ctx.fatal(f"checkpointer: {exc}")
 
 
+class Reads:
+    """A replay's tensors read from the log's segment files into a slot (`whole`: its bytes), as few `preadv`s as can
+    be: each run of tensors that lie in one segment as they lie in the slot (an entry's record holds its tensors at
+    ALIGN offsets, as a slot does) in one, padding and all. One `preadv` per tensor was a system call, and a release
+    and a retake of the GIL, per piece of the model: 24 an entry for bench/recovery.py's MLP (issue 47)."""
+
+    def __init__(self, whole: memoryview) -> None:
+        self.whole = whole
+        self.fd: int | None = None
+        self.file = self.slot = self.length = 0  # the run: where it starts in its segment and in the slot, its bytes
+        self.where: Stored | None = None  # (the run's first tensor: its segment named in an error)
+
+    def add(self, t: Stored, at: int) -> None:
+        """Tensor `t`, to be read into the slot at `at`."""
+        if t.segment.fd != self.fd or t.offset - self.file != at - self.slot or t.offset < self.file + self.length:
+            self.done()
+            self.fd, self.file, self.slot, self.length, self.where = t.segment.fd, t.offset, at, 0, t
+        self.length = t.offset + t.nbytes - self.file
+
+    def done(self) -> None:
+        """Read the run gathered so far (if any)."""
+        if self.fd is None:
+            return
+        if (got := os.preadv(self.fd, [self.whole[self.slot:self.slot + self.length]], self.file)) != self.length:
+            path = self.where.segment.path if self.where is not None else "?"
+            raise OSError(f"step log segment {path}: {got} of {self.length} bytes at {self.file}")
+        self.fd = None
+
+
 CLOSE_S = 30.0  # the longest `close` waits for the thread (a big entry's spool write, a Redis call while Redis is away)
 
 
@@ -204,14 +233,17 @@ class LogServer:
                        "nbytes": loaded[name].numel() * loaded[name].element_size()} for name, t in named]
         slot, views = ring.begin(metas)
         whole = protocol.tensor_bytes(ring.wholes[slot])  # (one byte view of the slot: a view per tensor cost 24 us)
+        reads = Reads(whole)
         for view, at, (name, t) in zip(views, ring.opened[slot], named, strict=True):
+            if isinstance(t, Stored) and t.nbytes and t.segment.fd is not None:
+                reads.add(t, at)
+                continue
+            reads.done()  # (a run covers only the places of the tensors it reads: none copied in between)
             if not isinstance(t, Stored):
                 view.copy_(loaded[name])
-            elif t.nbytes and (fd := t.segment.fd) is not None:
-                if (got := os.preadv(fd, [whole[at:at + t.nbytes]], t.offset)) != t.nbytes:
-                    raise OSError(f"step log segment {t.segment.path}: {got} of {t.nbytes} bytes at {t.offset}")
             elif t.nbytes:
                 raise OSError(f"a step log entry read after its segment {t.segment.path} was deleted")
+        reads.done()
         desc = ring.commit(slot, metas, views)
         if after is None:
             reply(self.ctx, self.sock, identity, "log_entry", {**run[0][0], "shm": desc}, {})
