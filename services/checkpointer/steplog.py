@@ -53,16 +53,13 @@ class Piece:
 
 
 class Landed(dict[str, Any]):
-    """A same-host entry landed in the buffer the checkpointer reuses from entry to entry, with the spool on (its
-    record is written from there before the ack, and the log keeps only the record's place: logserver.py). Laid out
-    once per slot layout (`SlotBytes`): the copies (slot bytes -> buffer, one numpy copy per tensor), the record's
-    tensor entries and its payload, so landing an entry and `add` make no Python object per tensor. Making the
-    `Held`, its `Piece`s, the segment's `(name, dtype, shape, bytes, offset)` lists and one `Stored` per tensor for
-    every entry was about half of `add`'s CPU for cnn1d's six small tensors (a warm loop, thread_time, issue 45)."""
+    """A same-host entry landed in the buffer reused from entry to entry with the spool on (its record is written from
+    there before the ack; the log keeps only the record's place: logserver.py), laid out once per slot layout
+    (`SlotBytes`): the copies out of the slot, the record's tensor entries and payload. Making a `Held`, its `Piece`s,
+    those entries and lists for every entry was most of the step log thread's Python per entry (issues 45/47)."""
 
     def __init__(self, metas: list[dict[str, Any]], raw: list[np.ndarray], buffer: torch.Tensor) -> None:
-        starts = Held.starts_of(metas)
-        flat = buffer[:Held.size(metas)]
+        starts, flat = Held.starts_of(metas), buffer[:Held.size(metas)]
         out = flat.numpy()
         super().__init__({m["name"]: Piece(flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"])
                           for m, a in zip(metas, starts, strict=True)})
@@ -79,8 +76,8 @@ class Landed(dict[str, Any]):
 class SlotBytes:
     """The byte views (numpy) of a same-host server's slot views, made once per slot and layout: shm_reader.Reader
     hands out the same view objects for the same slot and layout, so each entry's copy is one numpy memcpy per
-    tensor. Kept for a few slots only (a new segment, or more layouts than that, clears them: no old mapping pinned).
-    `landed` lays such an entry out in one landing buffer, shared by every layout kept (made again when it grows)."""
+    tensor. Kept for a few slots only (a new segment, or more layouts than that, clears them: no old mapping pinned);
+    `landed`: such an entry laid out in one landing buffer, which every layout kept shares (made again to grow)."""
 
     def __init__(self) -> None:
         self.kept: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[np.ndarray], list[Landed]]] = {}
