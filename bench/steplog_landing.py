@@ -59,10 +59,22 @@ def land(shapes: list[tuple[int, ...]], entries: int, root: str | None = None, s
     log = StepLog(0, 1 << 40, lambda _h, _m: None, *([files] if files is not None else []))  # type: ignore[arg-type,return-value]  # never spills
     desc = {"seg": "bench", "slot": 0, "at": [0] * len(metas), "tensors": metas}
     raw = steplog.SlotBytes() if hasattr(steplog, "SlotBytes") else None  # (absent in a checkout before it)
-    # with the spool on, logserver.py lands a same-host entry through one reused buffer (absent in a checkout before it)
+    # with the spool on, logserver.py lands a same-host entry through one reused buffer (absent in a checkout before
+    # it): laid out once per slot layout (`SlotBytes.landed`), or a `Held` on that buffer in a checkout before that
+    laid = files is not None and raw is not None and hasattr(raw, "landed")
     landing = torch.empty(Held.size(metas), dtype=torch.uint8) if files is not None and hasattr(Held, "size") else None
     t0, w0 = time.thread_time(), time.perf_counter()
     for s in range(1, entries + 1):
+        if laid:
+            assert raw is not None
+            landed = raw.landed(desc, src)
+            landed.fill()
+            log.add(0, {"step": s}, landed)
+            if fsync and files is not None:
+                os.fsync(files.segments[-1].fd)
+            if s % 20 == 0:
+                log.covered(s)
+            continue
         sink = Held(metas, landing) if landing is not None and raw is not None else log.sink({"step": s, "shard": 0}, metas)
         assert isinstance(sink, Held)
         if raw is not None:  # as services/checkpointer/logserver.py lands a same-host entry

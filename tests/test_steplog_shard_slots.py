@@ -169,8 +169,9 @@ def test_a_kept_entry_sent_again_to_a_checkpointer_on_another_host_goes_as_frame
 
 def test_with_the_spool_on_same_host_entries_land_through_one_reused_buffer_and_are_held_in_the_segment_bitwise(
         tmp_path: Path, redis_server) -> None:
-    """The one-line change that fails this: steplog.py `add` keeping a transient entry's pieces (`held` true for
-    them): every held entry would then be a view of the landing buffer, which holds the last entry's bytes."""
+    """The one-line change that fails this: steplog.py `add` without its `Landed` branch (a same-host entry's pieces
+    then held as they landed): every held entry would be a view of the landing buffer, which holds the last entry's
+    bytes."""
     ctx = same_host(tmp_path, redis_server.url)
     zctx = zmq.Context()
     server, log = serve(ctx, zctx, LogFiles(tmp_path / "segments", lambda exc, attempt: pytest.fail(str(exc))))

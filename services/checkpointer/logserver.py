@@ -27,13 +27,12 @@ from __future__ import annotations
 import os
 import threading
 
-import torch
 import zmq
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.admission import TermWatch
 from cmemi.services.checkpointer.drops import Drops
 from cmemi.services.checkpointer.logfiles import Stored
-from cmemi.services.checkpointer.steplog import Entry, Held, SlotBytes, StepLog
+from cmemi.services.checkpointer.steplog import Entry, Held, Landed, SlotBytes, StepLog
 from cmemi.services.checkpointer.steplog_replies import LogReplies
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.links import set_link_options
@@ -95,8 +94,7 @@ class LogServer:
         self.local = False  # an ipc:// endpoint: a same-host server's replay may ask for slots
         self.slots: dict[int, shm.Writer] = {}  # shard -> the ring of its replay's entries (made at its first ask)
         self.slotted: dict[bytes, int] = {}  # the peers whose log_req asked for slots (`shm`) -> their shard
-        self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor)
-        self.landing = torch.empty(0, dtype=torch.uint8)  # a same-host entry's bytes on their way to the spool
+        self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor; the spool's landing buffer)
         self.reader = shm_reader.Reader(ctx.run, self.cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(self.cfg))
         if self.cfg.cluster.transport != "tcp" and shm.available():
             try:
@@ -137,7 +135,7 @@ class LogServer:
 
     def _receive(self) -> None:
         identity = self.sock.recv()
-        if not self.sock.getsockopt(zmq.RCVMORE):
+        if not self.sock.getsockopt(protocol.RCVMORE):
             self.drops.count("no_identity")
             return
         first = self.sock.recv(copy=False)
@@ -166,42 +164,38 @@ class LogServer:
 
     def _landed(self, msg: protocol.Message) -> bool:
         """An entry whose tensors are in the sender's slot: copied into the log's memory (or its spool file) as an
-        entry off the wire would be, then the slot checked unchanged. False (dropped, counted) if it cannot be."""
+        entry off the wire would be, then the slot checked unchanged. False (dropped, counted) if it cannot be.
+
+        With the spool on, its bytes land in one buffer reused from entry to entry (`SlotBytes.landed`, laid out once
+        per slot layout), and the log keeps the entry only in its segment (written from that buffer before the ack,
+        read back for a replay: `StepLog.add`). Each entry held in memory was a fresh allocation whose pages faulted
+        in as the slot was copied: bench/steplog_landing.py's MLP entry (bench/recovery.py's, 2.4 MB) landed in about
+        a third less CPU through the reused buffer, alternating with the code before it on a loaded 2-core machine."""
         desc = msg.header["shm"]
-        sink: Held | spool.Spool | None = None
+        sink: Held | spool.Spool | Landed | None = None
         try:
             views = self.reader.views(desc)
-            sink = self._sink_of(msg.header, desc["tensors"])
-            if isinstance(sink, Held):
-                sink.fill(self.raw.of(desc, views))
+            if self.log.files is not None:
+                sink = self.raw.landed(desc, views)
+                sink.fill()
             else:
-                for ti, meta in enumerate(desc["tensors"]):
-                    if meta["nbytes"]:
-                        sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
+                sink = self.log.sink(msg.header, desc["tensors"])
+                if isinstance(sink, Held):
+                    sink.fill(self.raw.of(desc, views))
+                else:
+                    for ti, meta in enumerate(desc["tensors"]):
+                        if meta["nbytes"]:
+                            sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
             del views
             if not self.reader.intact(desc):
                 raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
         except protocol.ProtocolError as exc:
-            if sink is not None:
+            if isinstance(sink, Held | spool.Spool):
                 sink.discard()
             self.drops.count(exc.reason, str(exc))
             return False
-        msg.tensors = sink.pieces() if isinstance(sink, Held) else sink.result()
+        msg.tensors = sink if isinstance(sink, Landed) else sink.pieces() if isinstance(sink, Held) else sink.result()
         return True
-
-    def _sink_of(self, header: dict, metas: list[dict]) -> Held | spool.Spool:
-        """Where a same-host entry's bytes land: with the spool on, a buffer reused from entry to entry, and the log
-        keeps the entry only in its segment (written from that buffer before the ack, read back for a replay); else
-        as an entry off the wire. Each entry held in memory was a fresh allocation whose pages faulted in as the slot
-        was copied: bench/steplog_landing.py's MLP entry (bench/recovery.py's, 2.4 MB) landed in about a third less
-        CPU through the reused buffer, alternating with the code before it on a loaded 2-core machine; in whole runs
-        (bench/steplog_overhead.py, the `checkpointer` role) the gain was within that machine's run-to-run spread."""
-        if self.log.files is None:
-            return self.log.sink(header, metas)
-        need = Held.size(metas)
-        if self.landing.numel() < need:
-            self.landing = torch.empty(need, dtype=torch.uint8)
-        return Held(metas, self.landing)
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:
         if tensors and (shard := self.slotted.get(identity)) is not None:  # a same-host replay: the entry in a slot

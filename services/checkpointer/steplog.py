@@ -44,7 +44,6 @@ class Piece:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    transient: bool = False  # in a landing buffer the next entry reuses: `add` holds the segment's copy instead
 
     def tensor(self) -> torch.Tensor:
         return self.flat[self.at:self.at + self.nbytes].view(DTYPES[self.dtype]).reshape(self.shape)
@@ -53,27 +52,65 @@ class Piece:
         return self.flat.numpy()[self.at:self.at + self.nbytes]
 
 
+class Landed(dict[str, Any]):
+    """A same-host entry landed in the buffer reused from entry to entry with the spool on (its record is written from
+    there before the ack; the log keeps only the record's place: logserver.py), laid out once per slot layout
+    (`SlotBytes`): the copies out of the slot, the record's tensor entries and payload. Making a `Held`, its `Piece`s,
+    those entries and lists for every entry was most of the step log thread's Python per entry (issues 45/47)."""
+
+    def __init__(self, metas: list[dict[str, Any]], raw: list[np.ndarray], buffer: torch.Tensor) -> None:
+        starts, flat = Held.starts_of(metas), buffer[:Held.size(metas)]
+        out = flat.numpy()
+        super().__init__({m["name"]: Piece(flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"])
+                          for m, a in zip(metas, starts, strict=True)})
+        self.copies = [(out[a:a + m["nbytes"]], src) for m, a, src in zip(metas, starts, raw, strict=True) if m["nbytes"]]
+        self.placed: list[Placed] = [(m["name"], m["dtype"], tuple(m["shape"]), m["nbytes"], a)
+                                     for m, a in zip(metas, starts, strict=True)]
+        self.payload: list[Buffer] = [out.data]
+
+    def fill(self) -> None:
+        for dst, src in self.copies:
+            np.copyto(dst, src)
+
+
 class SlotBytes:
     """The byte views (numpy) of a same-host server's slot views, made once per slot and layout: shm_reader.Reader
     hands out the same view objects for the same slot and layout, so each entry's copy is one numpy memcpy per
-    tensor. Kept for a few slots only (a new segment, or more layouts than that, clears them: no old mapping pinned)."""
+    tensor. Kept for a few slots only (a new segment, or more layouts than that, clears them: no old mapping pinned);
+    `landed`: such an entry laid out in one landing buffer, which every layout kept shares (made again to grow)."""
 
     def __init__(self) -> None:
-        self.kept: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[np.ndarray]]] = {}
+        self.kept: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[np.ndarray], list[Landed]]] = {}
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
-    def of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> list[np.ndarray]:
-        """The bytes of each of `desc`'s tensors (`views`, from the reader), in the descriptor's order."""
+    def _of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> tuple[Any, ...]:
         names = [m["name"] for m in desc["tensors"]]
         key = (desc["seg"], desc["slot"], tuple(desc["at"]), tuple(names))
         hit = self.kept.get(key)
         if hit is not None and all(v is views[n] for v, n in zip(hit[0], names, strict=True)):
-            return hit[1]
+            return key
         if len(self.kept) >= SLOTS_KEPT or any(k[0] != desc["seg"] for k in self.kept):
             self.kept.clear()
         ts = [views[n] for n in names]
         raw = [np.frombuffer(tensor_bytes(t), dtype=np.uint8) if t.numel() else np.empty(0, np.uint8) for t in ts]
-        self.kept[key] = (ts, raw)
-        return raw
+        self.kept[key] = (ts, raw, [])
+        return key
+
+    def of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> list[np.ndarray]:
+        """The bytes of each of `desc`'s tensors (`views`, from the reader), in the descriptor's order."""
+        return self.kept[self._of(desc, views)][1]
+
+    def landed(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> Landed:
+        """`desc`'s entry as it lands in the landing buffer (`Landed.fill` copies it there), laid out once."""
+        _, raw, landed = self.kept[self._of(desc, views)]
+        if not landed:
+            need = Held.size(desc["tensors"])
+            if self.buffer.numel() < need:  # every layout kept viewed the old buffer: laid out again on the new one
+                self.buffer = torch.empty(need, dtype=torch.uint8)
+                for _ts, _raw, other in self.kept.values():
+                    other.clear()
+            landed.append(Landed(desc["tensors"], raw, self.buffer))
+        return landed[0]
 
 
 class Held:
@@ -84,16 +121,9 @@ class Held:
     thread_time around each part; the one buffer, `Piece`s and `fill`'s numpy copies are the cut (issue 45):
     bench/steplog_landing.py's cnn1d entry lands in 17-19 us of CPU against 55-62 us before it."""
 
-    def __init__(self, metas: list[dict[str, Any]], landing: torch.Tensor | None = None) -> None:
-        """`landing`: a buffer reused from entry to entry (at least `size(metas)` bytes), for an entry the log keeps
-        only in its segment file (`transient` pieces: logserver.py, a same-host entry with the spool on)."""
-        self.starts: list[int] = []
-        end = 0
-        for m in metas:
-            self.starts.append(end)
-            end += (m["nbytes"] + ALIGN - 1) // ALIGN * ALIGN
-        self.transient = landing is not None
-        self.flat = landing[:end] if landing is not None else torch.empty(end, dtype=torch.uint8)
+    def __init__(self, metas: list[dict[str, Any]]) -> None:
+        self.starts = self.starts_of(metas)
+        self.flat = torch.empty(self.size(metas), dtype=torch.uint8)
         self.bytes = self.flat.numpy()
         self.metas: list[dict[str, Any]] | None = metas
 
@@ -109,8 +139,17 @@ class Held:
 
     def pieces(self) -> dict[str, Any]:
         """The entry as the log holds it (`Piece`s: no tensor views made)."""
-        return {m["name"]: Piece(self.flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"], self.transient)
+        return {m["name"]: Piece(self.flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"])
                 for m, a in zip(self.metas or (), self.starts, strict=False)}
+
+    @staticmethod
+    def starts_of(metas: list[dict[str, Any]]) -> list[int]:
+        """Each tensor's offset in an entry's one buffer (ALIGN multiples)."""
+        starts, end = [], 0
+        for m in metas:
+            starts.append(end)
+            end += (m["nbytes"] + ALIGN - 1) // ALIGN * ALIGN
+        return starts
 
     @staticmethod
     def size(metas: list[dict[str, Any]]) -> int:
@@ -218,7 +257,10 @@ class StepLog:
         if step != log.last + 1:
             self._drop(tensors)
             return False
-        held = not any(isinstance(t, spool.Spooled) or getattr(t, "transient", False) for t in tensors.values())
+        if isinstance(tensors, Landed) and self.files is not None:  # (same host, the spool on: its record alone)
+            log.entries[step] = Entry(fields, self.files.append(shard, step, fields, tensors.placed, tensors.payload), 0)
+            return True
+        held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
         nbytes = sum(int(t.nbytes) for t in tensors.values())
         if self.files is not None:  # on disk before the ack (the caller's `logged`)
             stored = self.files.append(shard, step, fields, *_placed(tensors))

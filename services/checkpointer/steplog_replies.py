@@ -66,7 +66,7 @@ class LogReplies:
     def _entry(self, identity: bytes, h: dict, msg: protocol.Message) -> None:
         shard, step = h["shard"], h["step"]
         fields = {**{k: h[k] for k in FIELDS}, **{k: h.get(k) for k in CARRIED}}
-        if not self.log.add(shard, fields, dict(msg.tensors)):
+        if not self.log.add(shard, fields, msg.tensors):  # (not copied: a same-host entry's is `Landed`, steplog.py)
             self.reply(identity, "log_gap", {"step": step, "base": self.log.base_of(shard)})
             return
         if shard == 0 and not self.whole(step):

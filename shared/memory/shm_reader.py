@@ -129,7 +129,8 @@ class Reader:
             raise ShmError("shm_bad", "the descriptor is not a map")
         fields: list[Any] = [desc.get(k) for k in ("seg", "slot", "seq", "at", "tensors")]  # (typed by the checks)
         name, slot, seq, at, metas = fields
-        if not isinstance(name, str) or (m := NAME.fullmatch(name)) is None or m.group(1) != self.tag:
+        if not isinstance(name, str) or (name not in self.maps  # (a mapped name was checked when it was mapped)
+                                     and ((m := NAME.fullmatch(name)) is None or m.group(1) != self.tag)):
             raise ShmError("shm_bad", f"segment name {str(name)[:60]!r}")
         if not _plain(slot, seq, at, metas):
             _fields(slot, seq, at, metas)

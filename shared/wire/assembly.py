@@ -94,7 +94,7 @@ class Assembler:
             if budget is None:
                 return self._whole(protocol.recv_body(sock, header, metas, self.checksum, resolve_into(into, header)), metas)
             rest = []
-            while sock.getsockopt(zmq.RCVMORE):
+            while sock.getsockopt(protocol.RCVMORE):
                 rest.append(sock.recv(copy=False))
             if (size := protocol.message_bytes([f.buffer for f in rest])) > budget:
                 raise ProtocolError("too_big", f"{size + len(first.bytes)} bytes")  # (cap - budget: the header)

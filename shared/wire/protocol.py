@@ -39,8 +39,8 @@ _ZERO_COPY_MIN = 1 << 16  # below this, copying is cheaper than zero-copy bookke
 # `getsockopt(zmq.EVENTS)` returns one (6.7 us against 1.8 us with the option as a plain int), `sock.poll` builds a
 # Poller and a dict around one zmq_poll (5.7 us against 1.4 us; python -m timeit, 2-core machine). Every message pays
 # them, several times a step at the leader (issue 45's small-step floor): the per-message path uses plain ints.
-SNDMORE, NOBLOCK, POLLIN, POLLOUT, EVENTS = (int(f) for f in (zmq.SNDMORE, zmq.NOBLOCK, zmq.POLLIN, zmq.POLLOUT,
-                                                                zmq.EVENTS))
+SNDMORE, NOBLOCK, POLLIN, POLLOUT, EVENTS, RCVMORE = (int(f) for f in (zmq.SNDMORE, zmq.NOBLOCK, zmq.POLLIN,
+                                                                         zmq.POLLOUT, zmq.EVENTS, zmq.RCVMORE))
 
 
 class ProtocolError(WireError, ValueError):

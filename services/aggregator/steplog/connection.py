@@ -129,6 +129,8 @@ class LogConnection:
                 break
             if (msg := self.parts.reply(self.sock, self.ctx.log, "checkpointer")) is not None:
                 out.append(msg)
+            if not (len(self.queue) or self.readable()):  # (ZMQ_EVENTS: a zmq_poll more only when there is more)
+                break
             deadline = 0.0
         return out
 

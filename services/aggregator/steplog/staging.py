@@ -42,6 +42,8 @@ class Staging:
         self.desc: dict[str, Any] | None = None  # the slot the last staged entry is in (None: not in a slot)
         self.kept: dict[str, torch.Tensor] = {}
         self.held: dict[int, tuple[str, int]] = {}  # a shard's kept entries not acknowledged: step -> (segment, slot)
+        self.sig: list[tuple[str, torch.dtype, torch.Size]] = []  # the names, dtypes and shapes `metas` describe
+        self.metas: list[dict[str, Any]] = []
 
     def _writer(self) -> shm.Writer:
         if self.slots is None:
@@ -53,8 +55,10 @@ class Staging:
         self.desc = None
         if not local:
             return {n: kept_copy(self.kept, n, t) for n, t in src.items()}
-        metas = [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                  "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in src.items()]
+        if (sig := [(n, t.dtype, t.shape) for n, t in src.items()]) != self.sig:  # (the entries' metas: made once)
+            self.sig, self.metas = sig, [{"name": n, "dtype": protocol.DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                                          "nbytes": t.numel() * t.element_size(), "xxh": None} for n, t in src.items()]
+        metas = self.metas
         writer = self._writer()
         slot, views = writer.begin(metas)
         if len(views) != len(src):
