@@ -6,6 +6,8 @@ bound: N hosts x one host's compute-only rate (the emulated one: 20 ms per 64-sa
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from scripts.tables.provenance import RESULTS, load_path, measured
@@ -37,27 +39,33 @@ def share(x: Any) -> str:
     return "—" if x is None else f"{x:.0%}"
 
 
+def each_run(files: list[Path]) -> Iterator[tuple[Path, dict[str, Any], str, dict[str, Any], str, dict[str, Any]]]:
+    """(file, its results, N, that N's results, system, its run) for every run of the home-links files."""
+    for path in files:
+        d = load_path(path)
+        for n, x in d["by_n"].items():
+            for name, run in x["runs"].items():
+                yield path, d, n, x, name, run
+
+
 def home() -> str:
     files = sorted(RESULTS.glob("cluster_home*.json"))
     lines = ["| results file | N | link | system | samples/s | s per step (round / segment) | of the emulated compute "
              "bound | of the measured compute bound | bytes/sample | packets dropped at the server host's downlink |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for path in files:
-        d = load_path(path)
-        for n, x in d["by_n"].items():
-            for name, r in x["runs"].items():
-                if "samples_per_s" not in r:
-                    continue
-                emulated = r.get("of_emulated_compute_bound")
-                if emulated is None:  # a run without --compute-bound: the same bound from the workload
-                    w = d["workload"]
-                    per_host = 1000 * w["batch_per_worker"] / w["emulated_compute_ms_per_forward"]
-                    emulated = r["samples_per_s"] / (int(n) * per_host)
-                drops = r.get("link_drops", {}).get("by_host", {}).get("srv", {}).get("down")
-                lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
-                             f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
-                             f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
-                             f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
+    for path, d, n, x, name, r in each_run(files):
+        if "samples_per_s" not in r:
+            continue
+        emulated = r.get("of_emulated_compute_bound")
+        if emulated is None:  # a run without --compute-bound: the same bound from the workload
+            w = d["workload"]
+            per_host = 1000 * w["batch_per_worker"] / w["emulated_compute_ms_per_forward"]
+            emulated = r["samples_per_s"] / (int(n) * per_host)
+        drops = r.get("link_drops", {}).get("by_host", {}).get("srv", {}).get("down")
+        lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
+                     f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
+                     f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
+                     f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
     return "\n".join([*lines, "", measured(paths=tuple(files))])
 
 
@@ -68,30 +76,26 @@ def _secs(x: Any) -> str:
 def home_rounds() -> str:
     """Where a round's time goes (bench/cluster.py --timeline, bench/round_timeline.py), each run beside its
     --compute-bound rerun at 10 Gbit/s, with the cores the run got and its CPU-seconds a round by role."""
-    files = [p for p in sorted(RESULTS.glob("cluster_home*.json"))
-             if any("timeline" in r for x in load_path(p)["by_n"].values() for r in x["runs"].values())]
+    files = sorted({path for path, *_, run in each_run(sorted(RESULTS.glob("cluster_home*.json"))) if "timeline" in run})
     lines = ["| results file | N | link | system | rounds | s a round | θ out to the last worker | its intake | compute, "
              "shortest – longest | barrier (ends' spread) | Δ encoded | last Δ up, without / with a state | leader, "
              "last Δ to the next leases | slowest worker not computing | cores the run got | CPU-s a round: workers / "
              "leader / coordinator / checkpointer |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path in files:
-        d = load_path(path)
-        for n, x in d["by_n"].items():
-            for name, run in x["runs"].items():
-                for r, link in ((run, x["link"]["rate"]), (run.get("compute_bound", {}), "10gbit (compute bound)")):
-                    t = r.get("timeline")
-                    if not t or not t.get("steps"):
-                        continue
-                    cpu = r.get("cpu", {})
-                    role = cpu.get("ms_per_step_by_role", {})
-                    by = " / ".join(_secs(role.get(k, 0) / 1000) for k in ("worker", "leader (shard 0)", "coordinator",
-                                                                            "checkpointer"))
-                    lines.append(
-                        f"| `{path.name}` | {n} | {link} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
-                        f"{t['steps']} | {_secs(t['step_s'])} | {_secs(t['params_out_last_s'])} | {_secs(t['intake_s'])} | "
-                        f"{_secs(t['compute_min_s'])} – {_secs(t['compute_max_s'])} | {_secs(t['barrier_s'])} | "
-                        f"{_secs(t['encode_s'])} | {_secs(t['last_up_without_s'])} / {_secs(t['last_up_with_a_state_s'])} | "
-                        f"{_secs(t['leader_s'])} | {_secs(t['not_computing_s'])} | "
-                        f"{cpu.get('this_run_cores_busy', '—')} of {cpu.get('cpus', '—')} | {by} |")
+    for path, d, n, x, name, run in each_run(files):
+        for r, link in ((run, x["link"]["rate"]), (run.get("compute_bound", {}), "10gbit (compute bound)")):
+            t = r.get("timeline")
+            if not t or not t.get("steps"):
+                continue
+            cpu = r.get("cpu", {})
+            role = cpu.get("ms_per_step_by_role", {})
+            by = " / ".join(_secs(role.get(k, 0) / 1000) for k in ("worker", "leader (shard 0)", "coordinator",
+                                                                    "checkpointer"))
+            lines.append(
+                f"| `{path.name}` | {n} | {link} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
+                f"{t['steps']} | {_secs(t['step_s'])} | {_secs(t['params_out_last_s'])} | {_secs(t['intake_s'])} | "
+                f"{_secs(t['compute_min_s'])} – {_secs(t['compute_max_s'])} | {_secs(t['barrier_s'])} | "
+                f"{_secs(t['encode_s'])} | {_secs(t['last_up_without_s'])} / {_secs(t['last_up_with_a_state_s'])} | "
+                f"{_secs(t['leader_s'])} | {_secs(t['not_computing_s'])} | "
+                f"{cpu.get('this_run_cores_busy', '—')} of {cpu.get('cpus', '—')} | {by} |")
     return "\n".join([*lines, "", measured(paths=tuple(files))])
