@@ -11,12 +11,13 @@ step time, `cpu_overhead` of the whole cluster's CPU per step; lower is better, 
 within each repeat, so a change's before and after are measured in the same invocation.
 
     .venv/bin/python bench/steplog_overhead.py [--shards 1,2] [--steps 200] [--repeats 3] \\
-        [--tree before=PATH_TO_A_CHECKOUT --tree head=.]
+        [--tree before=PATH_TO_A_CHECKOUT --tree head=.] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
@@ -99,11 +100,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tree", action="append", default=None, help="NAME=PATH, repeatable (default: head=.)")
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--out", default=None, help="also write the JSON object to this file")
     args = p.parse_args(argv)
     C.setup()
     t_start = time.monotonic()
     work = C.workdir("steplog-overhead", args.keep)
     result: dict[str, Any] = {"bench": "steplog_overhead", **C.provenance(), "machine": C.machine(),
+                              "command": " ".join([".venv/bin/python bench/steplog_overhead.py", *argv]),
                               "workload": WORKLOADS[WL], "steps": args.steps, "repeats": args.repeats, "by_shards": {}}
     try:
         trees = [tree(t) for t in (args.tree or ["head=."])]
@@ -132,6 +135,8 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:
         C.record_error(result, exc)
     C.finish(result, work, args.keep, t_start)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 1 if "error" in result else 0
 
 
