@@ -48,11 +48,21 @@ def each_run(files: list[Path]) -> Iterator[tuple[Path, dict[str, Any], str, dic
                 yield path, d, n, x, name, run
 
 
+def slow_host(r: dict[str, Any], n: int) -> str:
+    """The run again with one host's link at a fraction f of the others' (bench/cluster.py --slow-host): f, the
+    run's samples/s against the all-fast run's, and issue 48's goal for it, (N - 1 + f) / N."""
+    if "slow_host_vs_all_fast" not in r:
+        return "—"
+    fraction = r["slow_host_goal"] * n - (n - 1)
+    return f"{fraction:.2g}: {share(r['slow_host_vs_all_fast'])} (goal {share(r['slow_host_goal'])})"
+
+
 def home() -> str:
     files = sorted(RESULTS.glob("cluster_home*.json"))
     lines = ["| results file | N | link | system | samples/s | s per step (round / segment) | of the emulated compute "
-             "bound | of the measured compute bound | bytes/sample | packets dropped at the server host's downlink |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "bound | of the measured compute bound | bytes/sample | packets dropped at the server host's downlink | one slow host (`--slow-host`): its link's share, "
+             "samples/s of the all-fast run (goal) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, d, n, x, name, r in each_run(files):
         if "samples_per_s" not in r:
             continue
@@ -65,7 +75,7 @@ def home() -> str:
         lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
                      f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
                      f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
-                     f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} |")
+                     f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} | {slow_host(r, int(n))} |")
     return "\n".join([*lines, "", measured(paths=tuple(files))])
 
 
