@@ -1,0 +1,115 @@
+"""`train.state_every` (D > 1) at `cluster.shards` K = 2 (issue 48; docs/design/local-steps.md, "Snapshotted every D
+rounds"): each shard k > 0 keeps its own pieces of the versions a moved replica's replay starts from (its
+`Trainer.history`) and answers a worker's pull of an older version from them (services/aggregator/shard/inner.py
+`past`); the worker pulls every shard's pieces of each version s … t − 1 and assembles them with the leader's, which
+come with the `inner` message (or alone, `only_past`, when shard 1 keeps the replica's state).
+
+Real `cmemi up` runs of digits, 4 replicas of 5 inner steps, D = 4, checked bitwise against `cmemi reference`: W = 1, 2
+and 3 workers, a worker SIGKILLed (its replicas move, so a replay from a snapshot up to D − 1 rounds old happens, at K
+= 2), and shard 1 SIGKILLed (its history comes back from its checkpoint and its step log) and then both workers, so
+that replays after it read shard 1's rebuilt history.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_up
+from tests.helpers import references
+from tests.helpers.chaos import Cluster
+
+pytestmark = [pytest.mark.integration]
+
+LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
+         "cluster.spare_workers=0", "checkpoint.every_steps=0", "eval.every_steps=4", "train.state_every=4")
+PACED = ("cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "model.factory=tests.helpers.fixtures:paced_mlp",
+         "model.kwargs={pace: 0.01}")
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip())
+            if e["kind"] == kind]
+
+
+def _replays_counted(summary: dict, replays: list[dict]) -> None:
+    """Every replay event is a replica's snapshot handed out (by the leader, or by shard 1 for the replicas it keeps),
+    at most D − 1 rounds old, and summary.json counts their rounds over both servers."""
+    assert all(1 <= e["rounds"] <= 3 for e in replays), replays
+    assert summary["inner_rounds_replayed"] == sum(e["rounds"] for e in replays), (summary, replays)
+
+
+@pytest.mark.timeout(600)
+def test_two_shards_give_the_reference_at_one_two_and_three_workers(tmp_path: Path) -> None:
+    """D = 4, K = 2, W = 1, 2, 3 (3 workers for 4 replicas: replicas move, so new holders replay from snapshots with
+    the versions pulled from both servers): the reference's params_sha256 at every W."""
+    want = references.reference(tmp_path, *LOCAL)["params_sha256"]
+    replayed = 0
+    for w in (1, 2, 3):
+        r = run_up(tmp_path / f"w{w}", *LOCAL, "cluster.shards=2", f"cluster.workers={w}")
+        assert r.rc == 0, r.stderr[-3000:]
+        assert r.summary["steps"] == 12 and r.summary["params_sha256"] == want, (w, r.summary)
+        assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
+        replays = _events(tmp_path / f"w{w}", "replay")
+        _replays_counted(r.summary, replays)
+        replayed += len(replays)
+    assert replayed, "no replica moved: the replay was not exercised"
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("downlink", ["none", "int4"])
+def test_a_worker_killed_at_two_shards_replays_from_both_servers_history(tmp_path: Path, downlink: str) -> None:
+    """D = 4, K = 2, W = 2 and a spare, paced: SIGKILL a worker mid-run; its replicas go to the others with their
+    snapshots and are replayed from versions assembled from both servers' pieces (int4 up and down: from the int4
+    mirrors m_u each server keeps): bitwise the reference (params_sha256 and mirror_sha256)."""
+    codec = ("compression.codec=int4", "compression.min_compress_numel=256", "compression.lowbit_chunk=100",
+             "compression.downlink=int4") if downlink == "int4" else ()
+    sets = (*[s for s in LOCAL if not s.startswith(("cluster.spare", "eval", "checkpoint"))], "checkpoint.every_steps=4",
+            *PACED, *codec)
+    want = references.reference(tmp_path, *sets)
+    c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1")
+    try:
+        c.wait_step(5, timeout=300)
+        c.replaced("worker", "w0", c.signal("worker", "w0"), timeout=120)
+    finally:
+        rc = c.wait(timeout=300)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
+    assert s.get("mirror_sha256") == want.get("mirror_sha256"), (s, want)
+    replays = _events(c.run_dir, "replay")
+    assert any(e["round"] > 5 for e in replays), replays  # after the kill: the dead worker's replicas were replayed
+    _replays_counted(s, replays)
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(600)
+def test_shard_one_killed_rebuilds_its_history_and_answers_the_replays_after_it(tmp_path: Path) -> None:
+    """D = 4, K = 2, the step log on, a checkpoint every 4 rounds: SIGKILL shard 1 mid-run (its history comes back from
+    its checkpoint's `history` section and the log's replayed rounds, each keeping its version again), then both
+    workers, so that every replica is replayed from its snapshot with shard 1's pieces of the versions since from
+    that rebuilt history: bitwise the reference, and no round trained twice."""
+    sets = (*[s for s in LOCAL if not s.startswith(("cluster.spare", "eval", "checkpoint", "train.steps", "scheduler"))],
+            "train.steps=80", "scheduler.kwargs.T_max=80", "checkpoint.every_steps=4", "train.log_every=1", *PACED)
+    want = references.reference(tmp_path, *sets)
+    c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1")
+    try:
+        for at, role, ident in ((6, "aggregator", "1"), (9, "worker", "w0"), (12, "worker", "w1")):
+            c.wait_step(at, timeout=300)
+            c.replaced(role, ident, c.signal(role, ident), timeout=120)
+    finally:
+        rc = c.wait(timeout=300)
+    assert rc == 0, c.output()
+    s = c.summary
+    assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
+    restarts = [e for e in _events(c.run_dir, "step_log_replayed") if e["shard"] == 1]
+    assert any(e["checkpoint"] >= 4 for e in restarts), restarts  # its checkpoint's history, then the log's rounds
+    steps = [json.loads(x)["step"] for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()
+             if x.strip() and "loss" in json.loads(x) and "eval" not in json.loads(x)]
+    assert len(steps) == len(set(steps)), sorted(steps)  # no round trained twice
+    replays = _events(c.run_dir, "replay")
+    assert any(e["round"] > 9 for e in replays), replays  # after the kills: replays read shard 1's rebuilt history
+    _replays_counted(s, replays)
