@@ -4,7 +4,8 @@ rounds"): each shard k > 0 keeps its own pieces of the versions a moved replica'
 `past`); the worker pulls every shard's pieces of each version s … t − 1 and assembles them with the leader's, which
 come with the `inner` message (or alone, `only_past`, when shard 1 keeps the replica's state).
 
-Real `cmemi up` runs of digits, 4 replicas of 5 inner steps, D = 4, checked bitwise against `cmemi reference`: W = 1, 2
+A unit: shard 1's answer to a pull of an older version (the kept bits; outside the window, the reason and no tensors,
+as the leader refuses). Real `cmemi up` runs of digits, 4 replicas of 5 inner steps, D = 4, checked bitwise against `cmemi reference`: W = 1, 2
 and 3 workers, a worker SIGKILLed (its replicas move, so a replay from a snapshot up to D − 1 rounds old happens, at K
 = 2), and shard 1 SIGKILLed (its history comes back from its checkpoint and its step log) and then both workers, so
 that replays after it read shard 1's rebuilt history.
@@ -16,12 +17,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from cmemi.services.aggregator.common.totals import RunTotals
+from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.shard.inner import ShardStates
+from cmemi.shared.config.loading import load_config
+from cmemi.shared.wire import protocol
 
-from tests.conftest import run_up
+from tests.conftest import DIGITS, run_up
 from tests.helpers import references
 from tests.helpers.chaos import Cluster
-
-pytestmark = [pytest.mark.integration]
 
 LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
          "cluster.spare_workers=0", "checkpoint.every_steps=0", "eval.every_steps=4", "train.state_every=4")
@@ -41,6 +46,37 @@ def _replays_counted(summary: dict, replays: list[dict]) -> None:
     assert summary["inner_rounds_replayed"] == sum(e["rounds"] for e in replays), (summary, replays)
 
 
+def test_a_shard_answers_an_older_version_of_its_pieces_and_refuses_one_outside_its_window() -> None:
+    """Shard 1 of 2 after 6 rounds at D = 4 keeps its pieces of versions 3 … 6 (the oldest current snapshot starts
+    round 3); a `pull` marked `past` of version 4 is answered with version 4's bits (not the current ones), one of
+    version 1 with the reason and no tensors. Each answer decoded through the wire schema (`slice`, `past`)."""
+    cfg = load_config(DIGITS, ["train.local_steps=5", "train.replicas=4", "train.steps=60", "train.state_every=4",
+                               "cluster.shards=2"])
+    t, got = Trainer(cfg, shard=1), []
+    kept = {0: {n: p.detach().clone() for n, p in t.pieces.items()}}
+    for _ in range(6):
+        with torch.no_grad():
+            for p in t.pieces.values():
+                p.add_(1.0)
+        t.end_step()
+        kept[t.step] = {n: p.detach().clone() for n, p in t.pieces.items()}
+
+    def send(identity: bytes, mtype: str, encoded: tuple, **fields: object) -> int:
+        got.append(protocol.decode(protocol.encode(mtype, "r", fields, encoded=encoded[0]), "r"))
+        return 0
+    states = ShardStates(t, send, RunTotals(), True)
+    assert sorted(t.history.kept) == [3, 4, 5, 6] and t.pieces
+    for version in (4, 1):
+        states.pull(b"w", {"replica": None, "past": True, "version": version})
+    old, outside = got
+    assert old.type == "slice" and old.header["past"] and old.header["asked"] == 4 and old.header["refused"] is None
+    assert old.tensors.keys() == kept[4].keys() and all(torch.equal(old.tensors[n], kept[4][n]) for n in kept[4])
+    assert not all(torch.equal(old.tensors[n], t.pieces[n]) for n in kept[4])  # not the current version's
+    assert outside.header["past"] and not outside.tensors
+    assert "version 1 is not in this server's history (versions held: 3..6" in outside.header["refused"]
+
+
+@pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_two_shards_give_the_reference_at_one_two_and_three_workers(tmp_path: Path) -> None:
     """D = 4, K = 2, W = 1, 2, 3 (3 workers for 4 replicas: replicas move, so new holders replay from snapshots with
@@ -58,6 +94,7 @@ def test_two_shards_give_the_reference_at_one_two_and_three_workers(tmp_path: Pa
     assert replayed, "no replica moved: the replay was not exercised"
 
 
+@pytest.mark.integration
 @pytest.mark.fault
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("downlink", ["none", "int4"])
@@ -85,6 +122,7 @@ def test_a_worker_killed_at_two_shards_replays_from_both_servers_history(tmp_pat
     _replays_counted(s, replays)
 
 
+@pytest.mark.integration
 @pytest.mark.fault
 @pytest.mark.timeout(600)
 def test_shard_one_killed_rebuilds_its_history_and_answers_the_replays_after_it(tmp_path: Path) -> None:
