@@ -109,7 +109,7 @@ def test_a_worker_killed_at_two_shards_replays_from_both_servers_history(tmp_pat
     want = references.reference(tmp_path, *sets)
     c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1")
     try:
-        c.wait_step(5, timeout=300)
+        killed = c.wait_step(5, timeout=300)
         c.replaced("worker", "w0", c.signal("worker", "w0"), timeout=120)
     finally:
         rc = c.wait(timeout=300)
@@ -118,7 +118,7 @@ def test_a_worker_killed_at_two_shards_replays_from_both_servers_history(tmp_pat
     assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
     assert s.get("mirror_sha256") == want.get("mirror_sha256"), (s, want)
     replays = _events(c.run_dir, "replay")
-    assert any(e["round"] > 5 for e in replays), replays  # after the kill: the dead worker's replicas were replayed
+    assert any(e["round"] >= killed for e in replays), replays  # after the kill: its replicas were replayed
     _replays_counted(s, replays)
 
 
@@ -136,7 +136,7 @@ def test_shard_one_killed_rebuilds_its_history_and_answers_the_replays_after_it(
     c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1")
     try:
         for at, role, ident in ((6, "aggregator", "1"), (9, "worker", "w0"), (12, "worker", "w1")):
-            c.wait_step(at, timeout=300)
+            killed = c.wait_step(at, timeout=300)
             c.replaced(role, ident, c.signal(role, ident), timeout=120)
     finally:
         rc = c.wait(timeout=300)
@@ -149,5 +149,5 @@ def test_shard_one_killed_rebuilds_its_history_and_answers_the_replays_after_it(
              if x.strip() and "loss" in json.loads(x) and "eval" not in json.loads(x)]
     assert len(steps) == len(set(steps)), sorted(steps)  # no round trained twice
     replays = _events(c.run_dir, "replay")
-    assert any(e["round"] > 9 for e in replays), replays  # after the kills: replays read shard 1's rebuilt history
+    assert any(e["round"] >= killed for e in replays), replays  # after the last kill: from shard 1's rebuilt history
     _replays_counted(s, replays)
