@@ -4,8 +4,8 @@ rounds"): each shard k > 0 keeps its own pieces of the versions a moved replica'
 `past`); the worker pulls every shard's pieces of each version s … t − 1 and assembles them with the leader's, which
 come with the `inner` message (or alone, `only_past`, when shard 1 keeps the replica's state).
 
-A unit: shard 1's answer to a pull of an older version (the kept bits; outside the window, the reason and no tensors,
-as the leader refuses). Real `cmemi up` runs of digits, 4 replicas of 5 inner steps, D = 4, checked bitwise against `cmemi reference`: W = 1, 2
+Units: shard 1's answer to a pull of an older version (the kept bits; outside the window, the reason and no tensors,
+as the leader refuses), and a checkpoint of K = 2 restored at K = 1 (the history's pieces of both shards in one). Real `cmemi up` runs of digits, 4 replicas of 5 inner steps, D = 4, checked bitwise against `cmemi reference`: W = 1, 2
 and 3 workers, a worker SIGKILLed (its replicas move, so a replay from a snapshot up to D − 1 rounds old happens, at K
 = 2), and shard 1 SIGKILLed (its history comes back from its checkpoint and its step log) and then both workers, so
 that replays after it read shard 1's rebuilt history.
@@ -21,6 +21,8 @@ import torch
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.shard.inner import ShardStates
+from cmemi.services.aggregator.snapshots.contents import collect, restore
+from cmemi.services.checkpointer.merge import Pending, merged
 from cmemi.shared.config.loading import load_config
 from cmemi.shared.wire import protocol
 
@@ -74,6 +76,31 @@ def test_a_shard_answers_an_older_version_of_its_pieces_and_refuses_one_outside_
     assert not all(torch.equal(old.tensors[n], t.pieces[n]) for n in kept[4])  # not the current version's
     assert outside.header["past"] and not outside.tensors
     assert "version 1 is not in this server's history (versions held: 3..6" in outside.header["refused"]
+
+
+def test_a_checkpoint_of_two_shards_restores_the_whole_history_into_one_server() -> None:
+    """K = 2, D = 4, 6 rounds, each shard's snapshot merged as the checkpointer merges them, restored at K = 1: the one
+    server's history holds every version 3 … 6 of both shards' pieces, bit for bit (a checkpoint of another K is cut
+    again; before, shard 1's pieces were lost and a replay of its rounds could not start)."""
+    sets = ["train.local_steps=5", "train.replicas=4", "train.steps=60", "train.state_every=4"]
+    two = [Trainer(load_config(DIGITS, [*sets, "cluster.shards=2"]), shard=k) for k in range(2)]
+    for t in two:
+        t.keep_own_rows()
+        for _ in range(6):
+            with torch.no_grad():
+                for p in t.pieces.values():
+                    p.add_(1.0)
+            t.end_step()
+    pending = Pending(1, 2, two[0].partition.describe())
+    for k, t in enumerate(two):
+        pending.slices[k] = collect(t, RunTotals(), 1, {"sha256": "x"}, None)[1:]
+    meta, tensors = merged(pending)
+    one = Trainer(load_config(DIGITS, sets))
+    restore(one, RunTotals(), None, None, meta, tensors)
+    assert sorted(one.history.kept) == [3, 4, 5, 6] and one.history.kept[6].keys() == one.pieces.keys()
+    for v in (3, 4, 5, 6):
+        for t in two:
+            assert all(torch.equal(one.history.kept[v][n], x) for n, x in t.history.kept[v].items()), (v, t.shard)
 
 
 @pytest.mark.integration
