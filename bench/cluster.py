@@ -38,8 +38,8 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 
 `cmemi_local_int8_down`: `cmemi_local` with `int8` changes up and `compression.downlink: int8` (a round starts
 from the mirror m_t, docs/design.md §10), so both of a round's slices are a quarter of fp32's.
-`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int4`, one server (`train.state_every` > 1 needs
-`cluster.shards: 1` for now) and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
+`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int4`, one server (as measured so far: `train.state_every` > 1
+at `cluster.shards` > 1 is built since, not measured here yet) and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
 `cmemi_local_rare_every`: the same with a state every round, its same-run baseline.
 
 Local steps (`cmemi_local`, `cmemi_local_stream`, `cmemi_local_int8_down`) record their samples/s as a fraction of the emulated compute

@@ -74,8 +74,8 @@ def test_a_shard_keeps_checks_and_hands_out_only_its_replicas_states() -> None:
                    ({**h, "inner": {"x": 1}}, tensors)):
         assert store.take(hh, dict(tt))[2] == "bad_inner", (hh["lo"], hh["inner"] is None)
     assert store.take({**h, "lo": 0, "inner": None}, {}) == (None, False, None)  # the leader's replica: none here
-    store.pull(b"w1", {"replica": 1, "version": 1})  # not here yet: waits
-    store.pull(b"w2", {"replica": 0, "version": 0})
+    store.pull(b"w1", {"replica": 1, "version": 1, "past": False})  # not here yet: waits
+    store.pull(b"w2", {"replica": 0, "version": 0, "past": False})  # (`past`: the schema's default)
     assert [(i, m) for i, m, _ in sent] == [(b"w2", "reject")]
     store.accepted(1, got, keep)
     assert states_of(trainer.inner)[0] == [[1, meta]]  # the step log entry's replicas: this shard's, made current

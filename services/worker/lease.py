@@ -92,6 +92,9 @@ class LeaseWork:
             if (held := self.replicas.state_for(lo, step)) is None and (k := self.replicas.keeper(lo)):
                 self.replicas.hold(self.shard_links.inner(k, lo, step))  # from the shard that keeps it
                 held = self.replicas.state_for(lo, step)
+            if held is not None and (lacking := self.replicas.lacking(held[0], step)) and not self._past(lacking):
+                self.replicas.forget(lo)
+                held = None
             if held is None:
                 self.log.info("no inner state for this replica's round; asking again", replica=lo, round=step)
                 return None
@@ -116,6 +119,17 @@ class LeaseWork:
             return None
         self.intake.lending.computed()
         return g
+
+    def _past(self, versions: list[int]) -> bool:
+        """train.state_every > 1, K > 1: every shard k > 0's pieces of the older versions a replay starts its rounds
+        from (each from its history); False if a shard cannot answer one (outside its window: logged, asked again)."""
+        for (k, u), msg in self.shard_links.past(versions).items():
+            if msg.header["refused"] is not None:
+                self.log.warning("a shard cannot answer a replay's past version; asking again", shard=k, version=u,
+                                 reason=msg.header["refused"])
+                return False
+            self.replicas.add_past(k, u, dict(msg.tensors))
+        return True
 
     def _after(self, h: dict[str, Any]) -> None:
         """While the gradient travels and the aggregator steps."""

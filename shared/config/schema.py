@@ -95,12 +95,6 @@ class Config:
             fail("compression.downlink", self.compression.downlink, "is built for whole rounds, not streaming: a "
                   "segment already takes only the changed fragment down (1/F of the parameters)",
                   "set compression.downlink: none with train.fragments > 1, or train.fragments: 1")
-        if self.train.state_every > 1 and self.cluster.shards > 1:
-            # the leader sends a moved replica the versions its replay starts from (shared/core/history.py); with K > 1
-            # each shard holds its own pieces of them, which no worker pulls from a shard yet
-            fail("train.state_every", self.train.state_every, "needs cluster.shards: 1 for now: a replay's past "
-                  "versions come from the leader, and a shard does not answer a pull of an older version yet",
-                  "set cluster.shards: 1, or train.state_every: 1")
         if self.compression.codec in ("topk", "powersgd", "sign") and self.compression.error_feedback:
             fail("compression.codec", self.compression.codec, "keeps a residual per worker, but a replica's round "
                   "may go to any worker", "use sparse2 (its residual is the replica's), or none, bf16, int8, int4 or "

@@ -206,8 +206,7 @@ class TrainConfig:
                   f"use e.g. {self.local_steps * max(1, round(self.steps / self.local_steps))}")
 
     def _check_state_every(self) -> None:
-        """`state_every` where a replay from a snapshot D rounds old can be exact: whole rounds of local steps (and one
-        server: Config's rule, shared/config/schema.py)."""
+        """`state_every` where a replay from a snapshot D rounds old can be exact: whole rounds of local steps."""
         if self.state_every < 1:
             fail("train.state_every", self.state_every, "must be >= 1", "use 1 (a state every round) or e.g. 8")
         if self.state_every == 1:

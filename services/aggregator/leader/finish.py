@@ -72,6 +72,8 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
     })
     if cfg.train.local_steps:  # train.inner_states: shards, the shards' replicas' states sent too
         summary["inner_states_sent"] += shards_total("inner_states_sent")
+        if "inner_rounds_replayed" in summary:  # train.state_every > 1: the shards' replicas' replays too
+            summary["inner_rounds_replayed"] += shards_total("inner_rounds_replayed")
     if roster is not None:  # bytes_sent/received above are the whole cluster's; here, shard by shard
         summary["shards"] = [{"shard": 0, "bytes_sent": totals.bytes_in, "bytes_received": totals.bytes_out},
                              *roster.summary()]

@@ -82,31 +82,48 @@ class Handout:
 
     def _inner(self, identity: bytes, r: int) -> None:
         """Local steps: replica r's inner state at the start of this round, ahead of its work, unless the worker holds
-        it (it computed the replica's last round: docs/design.md §10)."""
+        it (it computed the replica's last round: docs/design.md §10). A replica another shard keeps: its state comes
+        from there, and with train.state_every > 1 only the leader's pieces of the versions its replay needs from here
+        (`only_past`; every shard k > 0's, the worker pulls: services/worker/links/shard_links.py `past`)."""
         p, inner = self.p, self.p.trainer.inner
         step = p.trainer.step
         assert inner is not None and p.holdings is not None
-        if p.holdings.has(identity, r, step) or not inner.owns(r):  # (another shard's: the worker asks it)
+        if p.holdings.has(identity, r, step):
+            return
+        if not inner.owns(r):  # (another shard's: the worker asks it)
+            if p.trainer.history.on and (got := self._past(r)) is not None and got[0] < step:
+                n = p.outbox.send(identity, "inner", (protocol.encode_tensors(got[1], p.cfg.cluster.checksum), None),
+                                  replica=r, round=got[0], meta={}, only_past=True)
+                p.reporter.work_bytes(n)
             return
         meta, tensors = inner.wire(r)
         p.totals.inner_states_sent += bool(meta)  # (a fresh one, round 0's, is an empty map)
         if p.trainer.fragments:  # streaming: the snapshot's own segment (the worker computes the ones since again)
             step = (inner.start(r) or {}).get("start", 0)
         elif p.trainer.history.on:  # train.state_every > 1: the snapshot's round, and the versions its replay needs
-            step, past = innerstate.snapshot_start(step, r, p.cfg.train.state_every), {}
-            for u in range(step, p.trainer.step):
-                pieces, why = p.trainer.history.get(u)
-                if pieces is None:  # (not by construction: the window covers every current snapshot)
-                    p.ctx.log.error("cannot send a moved replica's past version", replica=r, version=u, reason=why)
-                    return
-                past.update(innerstate.past_tensors(u, pieces))
+            if (got := self._past(r)) is None:
+                return
+            step = got[0]
             if step < p.trainer.step:  # the rounds its new holder computes again (a `replay` event, counted)
                 p.totals.inner_rounds_replayed += p.trainer.step - step
                 p.ctx.emit("replay", replica=r, first=step, round=p.trainer.step, rounds=p.trainer.step - step)
-            tensors = {**tensors, **past}
+            tensors = {**tensors, **got[1]}
         n = p.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, p.cfg.cluster.checksum), None),
                           replica=r, round=step, meta=meta)
         p.reporter.work_bytes(n)
+
+    def _past(self, r: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """train.state_every > 1: (the round s replica r's snapshot starts, the leader's pieces of versions s … t − 1,
+        named for an `inner` message); None, logged, if one is not in the history."""
+        p = self.p
+        first, past = innerstate.snapshot_start(p.trainer.step, r, p.cfg.train.state_every), {}
+        for u in range(first, p.trainer.step):
+            pieces, why = p.trainer.history.get(u)
+            if pieces is None:  # (not by construction: the window covers every current snapshot)
+                p.ctx.log.error("cannot send a moved replica's past version", replica=r, version=u, reason=why)
+                return None
+            past.update(innerstate.past_tensors(u, pieces))
+        return first, past
 
     def _downlink(self, held_version: int, fields: dict[str, Any]) -> Any:
         """compression.downlink: the change (or the chain of them) from the worker's version to the current one when

@@ -44,7 +44,8 @@ class ShardSlices:
             info.mirror = {str(k): str(v) for k, v in mirror.items()} if mirror is not None else {}
             reported = {"bytes_sent_via_slots": h.get("slot_in"), "bytes_received_via_slots": h.get("slot_out"),
                         "changes_sent": h.get("changes_sent"), "mirrors_sent": h.get("mirrors_sent"),
-                        "inner_states_sent": h.get("inner_states_sent")}  # ABSENT-able
+                        "inner_states_sent": h.get("inner_states_sent"),
+                        "inner_rounds_replayed": h.get("inner_rounds_replayed")}  # ABSENT-able
             info.totals = {"bytes_sent": h["bytes_in"], "bytes_received": h["bytes_out"],
                            **{k: v for k, v in reported.items() if v is not None},
                            "dropped_messages": {str(k): v for k, v in h["drops"].items() if isinstance(v, int)}}

@@ -13,7 +13,12 @@ server takes 1/K of them. Everything the leader did with them, a shard k does wi
 - `accepted`: kept only once its change is accepted (the first complete copy of the microbatch, as every shard's
   rule: a reissued lease recomputes the same bits), current once the step is committed (`Trainer.apply`);
 - `pull`: a worker that lacks a replica's state asks this shard (a `pull` naming it), answered with `inner` once this shard
-  holds the lease's version (what the leader's `inner` message carried before);
+  holds the lease's version (what the leader's `inner` message carried before); with `train.state_every` = D > 1, the
+  snapshot and the round it starts (a `replay` event when that is before the current round, as at the leader);
+- `past` (train.state_every > 1, any `train.inner_states`): a worker about to replay a replica's rounds s … t − 1 asks
+  every shard k > 0 for its pieces of each version u in s … t − 1 (a `pull` with `past`), answered at once from this
+  shard's history (`Trainer.history`, shared/core/history.py) with a `slice` marked `past`, or, outside the window,
+  one that names why (`refused`, no tensors): never other bits;
 - the states are in this shard's snapshots (section `inner`, snapshots/contents.py) and its step log entries (the
   states its step makes current, steplog/replicas.py), so a shard's death restores them as it restores its slice.
 """
@@ -33,9 +38,12 @@ from cmemi.shared.wire import protocol
 
 
 class ShardStates:
-    def __init__(self, trainer: Trainer, send: Callable[..., int], totals: RunTotals, checksum: Any) -> None:
-        """`send(identity, mtype, encoded, **fields)`: the bytes sent (the shard's outbox; counted in `bytes_out`)."""
+    def __init__(self, trainer: Trainer, send: Callable[..., int], totals: RunTotals, checksum: Any,
+                 emit: Callable[..., None] | None = None) -> None:
+        """`send(identity, mtype, encoded, **fields)`: the bytes sent (the shard's outbox; counted in `bytes_out`);
+        `emit(kind, **fields)`: a run event (`replay`)."""
         self.trainer, self.send, self.totals, self.checksum = trainer, send, totals, checksum
+        self.emit = emit or (lambda kind, **fields: None)
         self.inner: InnerStates | None = trainer.inner
         self.waiting: list[tuple[bytes, int, int]] = []  # pulls of a version not here yet: (identity, replica, version)
         if self.inner is not None:  # what a replica's state must look like (the leader's rule: leader/parts.py)
@@ -59,7 +67,11 @@ class ShardStates:
 
     def pull(self, identity: bytes, h: dict[str, Any]) -> None:
         """A worker's pull of a replica's state: answered now if this shard holds the lease's version (or is past it: the worker
-        then finds the state too new for that lease and asks the leader again), else once it does (`answer`)."""
+        then finds the state too new for that lease and asks the leader again), else once it does (`answer`). A pull
+        marked `past` asks for an older version of this shard's pieces instead (`past`)."""
+        if h["past"]:
+            self.past(identity, int(h["version"]))
+            return
         r = h["replica"]
         if self.inner is None or not self.inner.owns(r):
             self.send(identity, "reject", fatal=False, reason=f"shard {self.trainer.shard} keeps no state of replica "
@@ -78,6 +90,19 @@ class ShardStates:
             step = self.trainer.step
             if self.trainer.fragments:  # streaming: the snapshot's own segment (the worker computes the ones since)
                 step = (self.inner.start(r) or {}).get("start", 0)
+            elif self.trainer.history.on:  # train.state_every > 1: the round the snapshot starts (leader/handout.py)
+                step = innerstate.snapshot_start(step, r, self.trainer.cfg.train.state_every)
+                if step < self.trainer.step:  # the rounds its new holder computes again
+                    self.totals.inner_rounds_replayed += self.trainer.step - step
+                    self.emit("replay", replica=r, first=step, round=self.trainer.step,
+                              rounds=self.trainer.step - step)
             self.totals.inner_states_sent += bool(meta)
             self.totals.bytes_out += self.send(identity, "inner", (protocol.encode_tensors(tensors, self.checksum),
                                                                    None), replica=r, round=step, meta=meta)
+
+    def past(self, identity: bytes, version: int) -> None:
+        """This shard's pieces of an older `version` from its history, for a replay; outside the window, the reason."""
+        pieces, why = self.trainer.history.get(version)
+        encoded = protocol.encode_tensors(pieces, self.checksum) if pieces is not None else ([], [])
+        self.totals.bytes_out += self.send(identity, "slice", (encoded, None), version=version, asked=version,
+                                           shard=self.trainer.shard, past=True, refused=why)

@@ -88,7 +88,7 @@ class ShardServer:
         self.ckpt = CheckpointerLink(ctx, self.zctx, self.term, self.drops)
         self.ckpt.sharding = {"shard": shard, "shards": cfg.cluster.shards, "pieces": self.trainer.partition.describe()}
         self.totals = RunTotals()
-        self.states = ShardStates(self.trainer, self.outbox.send, self.totals, cfg.cluster.checksum)  # local steps
+        self.states = ShardStates(self.trainer, self.outbox.send, self.totals, cfg.cluster.checksum, ctx.emit)
         logged = shard_log.in_use(cfg, self.trainer)  # (its leader moved on: the newest checkpoint, then the log)
         self.door.parks = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
@@ -243,7 +243,7 @@ class ShardServer:
             return
         if self.admission.known(identity, msg.type, h, self.term) is None:
             pass
-        elif msg.type == "pull" and h["replica"] is not None:  # a replica's state this shard keeps (inner.py)
+        elif msg.type == "pull" and (h["replica"] is not None or h["past"]):  # a state, an old version (inner.py)
             self.states.pull(identity, h)
         elif msg.type == "pull":
             self.slices.pull(identity, h["version"], h["have"])

@@ -152,7 +152,7 @@ class LeaderLink:
                   step=trainer.step, bytes_in=totals.bytes_in, bytes_out=totals.bytes_out,
                   slot_in=totals.slot_in, slot_out=totals.slot_out,
                   changes_sent=totals.changes_sent, mirrors_sent=totals.mirrors_sent,
-                  inner_states_sent=totals.inner_states_sent,
+                  inner_states_sent=totals.inner_states_sent, inner_rounds_replayed=totals.inner_rounds_replayed,
                   drops=drops, mirror=trainer.mirror_hashes())
 
     def close(self) -> None:

@@ -115,8 +115,8 @@ def restore(trainer: Trainer, totals: RunTotals, fp: dict[str, Any] | None, bg_e
         _restore_mirror(t, named.get("downlink") if not other_k else _merged_mirrors(meta, tensors))
     if t.inner is not None:
         t.inner.load_state_dict(named.get("inner") if not other_k else _merged_inner(meta, tensors))
-    if t.history.on:  # (one server: train.state_every > 1 needs cluster.shards: 1)
-        t.history.load_state_dict(named.get("history"))
+    if t.history.on:  # each server its own pieces of the versions (another cluster.shards': cut again)
+        t.history.load_state_dict(named.get("history") if not other_k else _merged_history(t, meta, tensors))
         t.history.keep(t.step, t.wire_state())
     early = named.get("early_stop")
     if bg_eval is not None and early is not None:
@@ -129,6 +129,16 @@ def _merged_inner(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dic
     """Every old shard's replicas' states in one (a checkpoint of another cluster.shards: with `train.inner_states:
     shards` each shard kept its replicas', r mod K; the leader's alone held all); each server keeps its own of them."""
     return {r: s for named in reshard.old_shards(meta, tensors) for r, s in (named.get("inner") or {}).items()}
+
+
+def _merged_history(t: Trainer, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[int, Any]:
+    """Every old shard's pieces of each kept version in one, only this server's kept (a checkpoint of another
+    cluster.shards: the grid's pieces are K's alike, the step's buffers shard 0's)."""
+    own, merged = set(t.wire_state()), dict[int, dict[str, torch.Tensor]]()
+    for named in reshard.old_shards(meta, tensors):
+        for v, pieces in (named.get("history") or {}).items():
+            merged.setdefault(int(v), {}).update({n: x for n, x in pieces.items() if n in own})
+    return merged
 
 
 def _merged_mirrors(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:

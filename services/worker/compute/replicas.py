@@ -33,8 +33,11 @@ class Replicas:
         self.cfg, self.local, self.compute, self.fatal = cfg, local, compute, fatal
         self.held: dict[int, Held] = {}  # replica -> its state
         # train.state_every > 1: the versions a held snapshot's replay starts its rounds from, by version and piece
-        # (sent beside the snapshot: shared/core/history.py); `replayed`: (replica, first, round) of each replay
+        # (shared/core/history.py): the leader's pieces sent beside the snapshot (or alone, `only_past`, when shard k
+        # keeps the replica), each shard k > 0's pulled (`add_past`); `shards_of`: whose pieces of a version are here.
+        # `replayed`: (replica, first, round) of each replay
         self.past: dict[int, dict[str, torch.Tensor]] = {}
+        self.shards_of: dict[int, set[int]] = {}
         self.replayed: list[tuple[int, int, int]] = []
         self.ahead: dict[tuple[int, int], tuple[Held, Any]] = {}  # (step, replica) -> (the state it started from, result)
         self.hold_at_most = 1 + -(-cfg.train.microbatches // max(1, cfg.cluster.workers))
@@ -48,13 +51,33 @@ class Replicas:
         """A replica's inner state from the server that keeps it (`inner`), for the work that follows."""
         h = msg.header
         tensors, past = innerstate.split_past(dict(msg.tensors))
-        self.past.update({u: {n: t.clone() for n, t in pieces.items()} for u, pieces in past.items()})
+        for u, pieces in past.items():
+            self.add_past(0, u, pieces)
+        if h["only_past"]:  # (no state: the shard that keeps the replica sends it)
+            return
         try:
             inner = innerstate.from_wire(h["meta"], tensors)
         except ValueError as exc:  # the leader checked it: a bug or another config, not a transient fault
             self.fatal(f"worker {self.wid}: replica {h['replica']}'s inner state from the aggregator cannot be "
                        f"read ({exc}); use the same optimizer and model on every host")
         self.keep(h["replica"], h["round"], inner)
+
+    def add_past(self, k: int, version: int, pieces: dict[str, torch.Tensor]) -> None:
+        """Server k's pieces of an older `version` (copied: what they landed in is the link's)."""
+        self.past.setdefault(version, {}).update({n: t.clone() for n, t in pieces.items()})
+        self.shards_of.setdefault(version, set()).add(k)
+
+    def lacking(self, first: int, step: int) -> list[int]:
+        """Whole rounds: the versions first … step − 1 a replay needs of which some shard k > 0's pieces are not here
+        yet (none at K = 1: the leader's `inner` brings every piece)."""
+        if self.local is None or self.local.fragments:
+            return []
+        every = set(range(self.cfg.cluster.shards))
+        return [u for u in range(first, step) if not self.shards_of.get(u, set()) >= every]
+
+    def forget(self, r: int) -> None:
+        """Replica r's state held is of no use (a version its replay needs cannot be had): the leader sends it again."""
+        self.held.pop(r, None)
 
     def keeper(self, r: int) -> int:
         """The server that keeps replica r's state (0: the leader, which sends it ahead of the work; k > 0: shard k,
@@ -77,8 +100,10 @@ class Replicas:
         segments since are computed again); None, and forgotten, when none held will do."""
         assert self.local is not None
         if (held := self.held.get(r)) is None or not 0 <= step - held[0] < self.local.window or (
-                not self.local.fragments and not all(u in self.past for u in range(held[0], step))):
-            self.held.pop(r, None)  # (whole rounds: a state from before `step` needs the versions since, for a replay)
+                not self.local.fragments and not all(0 in self.shards_of.get(u, ()) for u in range(held[0], step))):
+            # (whole rounds: a state from before `step` needs the leader's pieces of the versions since, for a replay;
+            # the other shards' are pulled: `lacking`)
+            self.held.pop(r, None)
             return None
         return held
 
@@ -110,4 +135,5 @@ class Replicas:
         self.replayed.append((r, held[0], step))
         needed = min((t for x, (t, _) in self.held.items() if x != r and t < step), default=step)
         self.past = {u: v for u, v in self.past.items() if u >= needed}
+        self.shards_of = {u: v for u, v in self.shards_of.items() if u >= needed}
         return out, False

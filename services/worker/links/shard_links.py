@@ -161,7 +161,7 @@ class ShardLinks:
                     if msg.header["fatal"]:
                         self.ctx.fatal(msg.header["reason"])
                     raise Lost(f"shard {link.k}: {msg.header['reason']}")
-                if msg.type == "slice":  # it waits until a lease needs its version (fetch)
+                if msg.type == "slice" and not msg.header["past"]:  # it waits until a lease needs its version (fetch)
                     stage = msg.header["stage"]
                     if msg.header["version"] != msg.header["asked"]:  # the step asked for is over
                         link.over = msg
@@ -313,6 +313,19 @@ class ShardLinks:
         self._wait(lambda: bool(got), lambda lk, m: got.append(m) if lk is link and m.type == "inner" and
                    m.header["replica"] == r else None)
         return got[0]
+
+    def past(self, versions: list[int]) -> dict[tuple[int, int], protocol.Message]:
+        """train.state_every > 1: every shard k > 0's pieces of the older `versions` a replay starts its rounds from
+        (from its history, services/aggregator/shard/inner.py `past`), by (shard, version): all asked at once, then
+        waited for (`Lost` as a pull's)."""
+        self.relink()
+        for link in self.links:
+            for u in versions:
+                self._send(link, "pull", term=self.term, version=u, past=True)
+        want, got = {(lk.k, u) for lk in self.links for u in versions}, dict[tuple[int, int], protocol.Message]()
+        self._wait(lambda: want <= got.keys(), lambda lk, m: got.setdefault((lk.k, m.header["asked"]), m)
+                   if m.type == "slice" and m.header["past"] else None)
+        return got
 
     def ask_ahead(self, version: int) -> None:
         """Pull `version` now, while the leader finishes the step: it is most often the next lease's."""

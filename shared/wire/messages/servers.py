@@ -173,3 +173,4 @@ class ShardFinal(ShardMember):
     changes_sent: Annotated[int, ABSENT]
     mirrors_sent: Annotated[int, ABSENT]
     inner_states_sent: Annotated[int, ABSENT]  # train.inner_states: shards: its replicas' states sent to workers
+    inner_rounds_replayed: Annotated[int, ABSENT]  # train.state_every > 1: rounds its replicas' new holders replay

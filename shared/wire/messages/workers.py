@@ -53,6 +53,7 @@ class Pull(Worker):  # to shard k > 0: that version's slice
     version: int
     have: Annotated[int, Default(-1)]  # the version it holds (compression.downlink: a change from it will do)
     replica: Annotated[int | None, Default(None)]  # train.inner_states: shards: that replica's state instead (`inner`)
+    past: Annotated[bool, Default(False)]  # train.state_every > 1: an older version from its history, for a replay
 
 
 # ---------------------------------------------------------------- aggregator -> worker
@@ -99,6 +100,9 @@ class Inner(TypedDict):  # a replica's state at a round's start, ahead of its `w
     round: int
     meta: dict[str, Any]
     tensors: list[Any]
+    # train.state_every > 1, K > 1: no state, only the leader's pieces of the versions a replay needs (the replica's
+    # state comes from the shard that keeps it)
+    only_past: Annotated[bool, Default(False)]
 
 
 class Pending(TypedDict):  # re-ask n came while the work last sent is unanswered (leader/leasing.py)
@@ -121,6 +125,8 @@ class Slice(TypedDict):  # shard k > 0's answer to a pull
     base: Annotated[int | None, Default(None)]
     codec: Annotated[dict[str, Any] | list[Any] | None, Default(None)]  # as work's
     shm: Annotated[Any, ABSENT]  # as work's
+    past: Annotated[bool, Default(False)]  # the answer to a pull of an older version (its history's pieces)
+    refused: Annotated[str | None, Default(None)]  # past: why this shard cannot answer that version (no tensors)
 
 
 # ---------------------------------------------------------------- coordinator -> aggregator
