@@ -26,6 +26,7 @@ from scripts.tables.home import home_rounds  # noqa: E402
 from scripts.tables.provenance import ROOT, ProvenanceError, check_all  # noqa: E402
 from scripts.tables.soak import soak as soak_table  # noqa: E402
 from scripts.tables.steplog import steplog as steplog_table  # noqa: E402
+from scripts.tables.steplog import steplog_cost  # noqa: E402
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -36,7 +37,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "memory-table": memory.memory, "compression-table": compression.compression, "streaming-table": local.streaming,
     "local-steps-table": local.local_steps, "outer-codecs-table": local.outer_codecs, "home-links-table": home_table, "home-rounds-table": home_rounds, "small-table": small.small, "cluster-table": cluster.cluster,
     "cluster-notes": cluster.cluster_notes, "resnet-accuracy": resnet.resnet_accuracy,
-    "hf-lm-table": hf.hf_lm, "config-reference": config_reference, "soak-table": soak_table, "steplog-table": steplog_table,
+    "hf-lm-table": hf.hf_lm, "config-reference": config_reference, "soak-table": soak_table, "steplog-table": steplog_table, "steplog-cost-table": steplog_cost,
     "layout:over-300": layout.over_300,
     **{name: partial(layout.module_table, name.partition(":")[2]) for name in layout.block_names()},
 }

@@ -43,3 +43,34 @@ def headline() -> str:
     role, k, every, r = max((x for x in rows() if x[0] == "leader"), key=lambda x: (x[2], -x[1]))
     return (f"leader SIGKILL with a checkpoint every {every} steps: **{r['with_log']['steps_redone']}** steps redone "
             f"with the step log ({r['without_log']['steps_redone']} without)")
+
+
+COST_FILES = ("cluster_steplog", "cluster_steplog_k1psgd")  # bench/cluster.py <system>,<system>_nolog at N = 8
+CLUSTER = {"cmemi_k1": "dense, K = 1 (the servers and the checkpointer on one host)",
+           "cmemi_k1_powersgd2_r8": "PowerSGD rank 8 both ways, K = 1 (one host)",
+           "cmemi_kn": "dense, K = N (shard k on worker host k; the checkpointer on the server host)",
+           "cmemi_kn_powersgd2_r8": "PowerSGD rank 8 both ways, K = N (shards on the worker hosts)"}
+
+
+def steplog_cost() -> str:
+    """The log's step-time cost alone, no kills: the loopback comm-bound MLP (bench/steplog_overhead.py, on and off
+    alternating in each repeat) and N = 8 emulated hosts (bench/cluster.py, each system and its `_nolog` in one run)."""
+    lines = ["| workload | system | step time with / without the log | ratio (issue 47's goal: ≤ 1.05×) |",
+             "|---|---|---|---|"]
+    loop = load("steplog_overhead")
+    for k, rows_ in loop["by_shards"].items():
+        r = rows_["head"]
+        on = sorted(x["step_time_s"] for x in r["on"])[len(r["on"]) // 2]
+        off = sorted(x["step_time_s"] for x in r["off"])[len(r["off"]) // 2]
+        lines.append(f"| loopback, comm-bound MLP, {loop['repeats']} repeats | K = {k} | {ms(on)} / {ms(off)} | "
+                     f"{r['overhead']:.2f}× (repeats: {', '.join(f'{x:.2f}' for x in r['ratios'])}) |")
+    for name in COST_FILES:
+        for n, x in load(name)["by_n"].items():
+            for system, ratio in x["ratios"].items():
+                if not system.endswith("_steplog_overhead"):
+                    continue
+                base = system.removesuffix("_steplog_overhead")
+                on, off = x["runs"][base], x["runs"][base + "_nolog"]
+                lines.append(f"| N = {n} emulated hosts, {x['link']['rate']} | {CLUSTER.get(base, base)} | "
+                             f"{ms(on['step_time_median_s'])} / {ms(off['step_time_median_s'])} | {ratio:.2f}× |")
+    return "\n".join([*lines, "", measured("steplog_overhead", *COST_FILES)])
