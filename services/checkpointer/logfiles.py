@@ -168,11 +168,13 @@ class LogFiles:
         try:
             for attempt in (1, 2):
                 try:
-                    h = xxhash.xxh3_64(meta)
-                    n = records.write_all(fd, [records.HEAD.pack(records.MAGIC, len(meta), source.nbytes), meta], at)
-                    for chunk in source.chunks():
+                    h, n = xxhash.xxh3_64(meta), 0
+                    head: list[Buffer] = [records.HEAD.pack(records.MAGIC, len(meta), source.nbytes), meta]
+                    for chunk in source.chunks():  # (the head goes with the first: a small entry, one pwritev)
                         h.update(chunk)
-                        n += records.write_all(fd, [chunk], at + n)
+                        n += records.write_all(fd, [*head, chunk], at + n)
+                        head = []
+                    n += records.write_all(fd, head, at + n) if head else 0
                     source.finish()
                     n += records.write_all(fd, [records.TAIL.pack(h.intdigest())], at + n)
                     return self._placed(seg, step, source.placed, len(meta), n)

@@ -60,8 +60,7 @@ class Streamed(dict[str, Any]):
     writes it into the log's segment from the slot a chunk at a time (`LogFiles.append_from`), `unmap` dropping each
     chunk's pages from this process once written, the checksums taken over the chunks and the slot checked unchanged
     (`finish`) before the record is whole; the log keeps only its place. Nothing of it is held here (the dict is
-    empty): a landing buffer as big as the entry and the server's slots left mapped were most of the checkpointer's
-    peak (issue 47, docs/memory_accounting.md)."""
+    empty): a landing buffer and the server's slots left mapped were the checkpointer's peak (issue 47)."""
 
     def __init__(self, metas: list[dict[str, Any]], at: list[int], data: memoryview, chunk: int,
                  unmap: Callable[[int, int], None], intact: Callable[[], bool]) -> None:
@@ -82,7 +81,8 @@ class Streamed(dict[str, Any]):
                 if h is not None and a < hi and lo < a + m["nbytes"]:
                     h.update(self.data[max(a, lo):min(a + m["nbytes"], hi)])
             yield self.data[lo:hi]
-            self.unmap(max(0, lo - self.chunk), hi)  # (and the chunk before: a read fault maps pages around it too)
+            if self.nbytes > self.chunk:  # (an entry of one chunk stays mapped: a chunk, and no syscall per entry)
+                self.unmap(max(0, lo - self.chunk), hi)  # (and the chunk before: a read fault maps pages around it)
 
     def finish(self) -> None:
         """Every tensor's checksum (where the server sent one) matches, and the slot was not written meanwhile."""
