@@ -19,8 +19,10 @@ checks the same ones on a smaller model):
 - the checkpointer: interpreter + 2 × the transfer cap (cluster.max_message_bytes; null: 64 MiB at this size);
 - the whole cluster (the sum of every process's peak, `cmemi up`, Redis and the zygote included):
   1.5 × the two DDP ranks' peaks summed.
-With the step log on (checkpoint.step_log, the default), the servers' and the checkpointer's budgets add its stated
-cost (`budgets(step_log=...)`): issue 47 asks for the budgets above without it, which is not met yet.
+The step log is on (checkpoint.step_log, the default) and adds nothing to these budgets (issue 47): a server stages
+each entry in one shared-memory slot of a slice (services/aggregator/steplog/staging.py), and the checkpointer writes
+a same-host entry into its spool a chunk at a time straight from that slot, holding none of it
+(services/checkpointer/steplog.py `Streamed`); docs/memory_accounting.md says where each role's bytes go.
 
     .venv/bin/python bench/memory.py [--quick] [--shards 1,2,4] [--steps 25] [--scale 4] [--out FILE]
 
@@ -89,29 +91,20 @@ def transfer_cap(max_message_bytes: int | None, model_bytes: int) -> int:
 
 # ---------------------------------------------------------------------------------------- the budgets
 def budgets(param_bytes: int, slice_bytes: list[int], interpreter: int, cap: int,
-            optimizer: str = "Adam", step_log: int = 0) -> dict[str, int]:
+            optimizer: str = "Adam") -> dict[str, int]:
     """Issue 34's peak-memory budget per role, in bytes: 'shard k' for each shard (k = 0 is the leader), 'worker'
-    (each), 'checkpointer'. `step_log`: 0, issue 34's budgets as written (before the step log); else the bytes of
-    the step log the checkpointer holds in memory (`step_log_held`), and the budgets add the step log's stated cost
-    (docs/design/step-log.md, "Cost"): a server's entries kept until acknowledged (the leader's one staged copy of
-    its slice, a shard k > 0's up to two) and the checkpointer's log. Issue 47 asks the servers to stay within issue
-    34's budgets with the log on: they do not yet (its closing note), and this term is what they exceed them by."""
+    (each), 'checkpointer'. The same with the step log on: issue 47 asks every server to stay within them with it, and
+    the term that once added the log's stated cost (the leader's staged copy, a shard's two, the checkpointer's
+    in-memory log and landing buffer) is gone with most of the memory it stood for: the checkpointer holds a chunk of
+    an entry at a time, and a server's one staged slot is the last of the six slices its 1.5 × (slice + Adam's two +
+    a gradient sum) allows (its slice, Adam's two, the two gradient buffers kept from step to step, the slot), so a
+    server peaks at its budget's edge (the leader at K = 1, measured on 24 M and 48 M parameters by hand: about 10 MB
+    under it)."""
     state = OPTIMIZER_STATE[optimizer]
-
-    def kept(k: int) -> int:
-        return 0 if not step_log else 1 if k == 0 else 2
-
-    out = {f"shard {k}": int(SHARD_FACTOR * (s + state * s + s + kept(k) * s) + interpreter)
-           for k, s in enumerate(slice_bytes)}
+    out = {f"shard {k}": int(SHARD_FACTOR * (s + state * s + s) + interpreter) for k, s in enumerate(slice_bytes)}
     out["worker"] = int(WORKER_FACTOR * (2 * param_bytes) + interpreter)
-    out["checkpointer"] = int(interpreter + 2 * cap + step_log)
+    out["checkpointer"] = int(interpreter + 2 * cap)
     return out
-
-
-def step_log_held(param_bytes: int, ckpt_every: int, memory_mb: int = 256) -> int:
-    """The step log's bytes at the checkpointer: the entries since the last checkpoint, up to
-    `checkpoint.step_log_memory_mb` (the rest spooled to disk), and the entry being received."""
-    return min(memory_mb << 20, ckpt_every * param_bytes) + param_bytes
 
 
 def cluster_budget(ddp_ranks_bytes: int) -> int:
@@ -222,8 +215,7 @@ def cluster_run(work: Path, wl: dict[str, Any], *, shards: int, workers: int, st
     cfg["optimizer"] = {"name": wl["optimizer"], "kwargs": {"lr": wl["lr"]}}
     cap = transfer_cap(cfg["cluster"].get("max_message_bytes"), facts["param_bytes"] + facts["buffer_bytes"])
     log_on = cfg.get("checkpoint", {}).get("step_log", True)
-    table = budgets(facts["param_bytes"], facts["slice_bytes"], interpreter, cap, wl["optimizer"],
-                    step_log_held(facts["param_bytes"], ckpt_every) if log_on else 0)
+    table = budgets(facts["param_bytes"], facts["slice_bytes"], interpreter, cap, wl["optimizer"])
     roles: dict[int, str] = {}
     t0 = time.monotonic()
     with C.CmemiRun(cfg, work) as run, PeakSampler(run.group.pgid) as sampler:
@@ -266,7 +258,7 @@ def cluster_run(work: Path, wl: dict[str, Any], *, shards: int, workers: int, st
     restarted = sorted({r for p, r in roles.items() if p in sampler.peak and list(roles.values()).count(r) > 1})
     stats = C.step_stats(metrics, WARMUP)
     shutil_rmtree(work / name / "checkpoints")  # a few GB per run; the logs and events stay (--keep)
-    return {"shards": shards, "slice_MB": [round(s / MB, 1) for s in facts["slice_bytes"]],
+    return {"shards": shards, "step_log": bool(log_on), "slice_MB": [round(s / MB, 1) for s in facts["slice_bytes"]],
             "transfer_cap_MB": round(cap / MB, 1), "processes": procs,
             "cluster_total_MB": round(total / MB, 1),
             "restarted": restarted, "faults": faults,

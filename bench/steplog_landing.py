@@ -59,12 +59,27 @@ def land(shapes: list[tuple[int, ...]], entries: int, root: str | None = None, s
     log = StepLog(0, 1 << 40, lambda _h, _m: None, *([files] if files is not None else []))  # type: ignore[arg-type,return-value]  # never spills
     desc = {"seg": "bench", "slot": 0, "at": [0] * len(metas), "tensors": metas}
     raw = steplog.SlotBytes() if hasattr(steplog, "SlotBytes") else None  # (absent in a checkout before it)
-    # with the spool on, logserver.py lands a same-host entry through one reused buffer (absent in a checkout before
-    # it): laid out once per slot layout (`SlotBytes.landed`), or a `Held` on that buffer in a checkout before that
+    # with the spool on, logserver.py writes a same-host entry into the segment straight from the slot (`Streamed`:
+    # here a buffer laid out as a slot, unmapped never); in checkouts before that it landed through one reused buffer,
+    # laid out once per slot layout (`SlotBytes.landed`), or a `Held` on that buffer before that
+    streamed = files is not None and hasattr(steplog, "Streamed")
     laid = files is not None and raw is not None and hasattr(raw, "landed")
     landing = torch.empty(Held.size(metas), dtype=torch.uint8) if files is not None and hasattr(Held, "size") else None
+    if streamed:
+        slot = torch.zeros(Held.size(metas), dtype=torch.uint8)
+        at = Held.starts_of(metas)
+        for a, m in zip(at, metas, strict=True):
+            slot[a:a + m["nbytes"]] = torch.frombuffer(bytearray(tensor_bytes(src[m["name"]])), dtype=torch.uint8)
+        data, xmetas = tensor_bytes(slot), [{**m, "xxh": None} for m in metas]
     t0, w0 = time.thread_time(), time.perf_counter()
     for s in range(1, entries + 1):
+        if streamed:
+            log.add(0, {"step": s}, steplog.Streamed(xmetas, at, data, 8 << 20, lambda _lo, _hi: None, lambda: True))
+            if fsync and files is not None:
+                os.fsync(files.segments[-1].fd)
+            if s % 20 == 0:
+                log.covered(s)
+            continue
         if laid:
             assert raw is not None
             landed = raw.landed(desc, src)

@@ -1,10 +1,14 @@
 """Peak memory per role against issue 34's budgets, on a real cluster big enough for the parameters to show.
 
-A 24 M-parameter MLP (97 MB of fp32) with Adam, `cluster.shards: 2`, 2 workers and a checkpoint mid-run: every
-process is sampled for VmHWM until it exits (bench/memory.py's PeakSampler) and compared with its budget
-(bench/memory.py's `budgets`, the one place the formulas are written, with the step log's stated cost added as the
-log is on; bench/memory.py applies the same ones to a
-113 M-parameter model). No timing is asserted. The unit tests below pin the formulas and the manual's memory table.
+A 24 M-parameter MLP (97 MB of fp32) with Adam, `cluster.shards: 2`, 2 workers and a checkpoint mid-run, the step
+log on (the default): every process is sampled for VmHWM until it exits (bench/memory.py's PeakSampler) and compared
+with its budget (bench/memory.py's `budgets`, the one place the formulas are written: issue 34's, nothing added for
+the log, issue 47; bench/memory.py applies the same ones to a 113 M-parameter model). No timing is asserted. The
+unit tests below pin the formulas and the manual's memory table.
+
+The one-line changes that fail it (issue 47): services/aggregator/steplog/staging.py's `shm.Writer(..., slots=1)`
+back to both slots (shard 0 then peaked at 654 MB against its 624 MB, shard 1 at 641 against 616), or
+services/checkpointer/logserver.py's `_landed` landing the entry in memory again.
 
 Every role is held to its budget. Workers give their free heap pages back before each block
 (shared/memory/allocator.py): without that, glibc's heap kept the freed 24 MB gradient tensors of earlier microbatches
@@ -34,6 +38,7 @@ def test_every_role_stays_within_its_memory_budget(tmp_path) -> None:
     assert r["checkpoints_saved_at"] == [4, 8], r["checkpoints_saved_at"]  # one mid-run, then the final one
     budgeted = {p["role"] for p in r["processes"] if "budget_MB" in p}
     assert {"shard 0", "shard 1", "worker w0", "worker w1", "checkpointer"} <= budgeted, budgeted
+    assert r["step_log"] is True
     table = "\n".join(f"  {p['role']:<30} peak {p['peak_MB']:7.0f} MB  budget {p.get('budget_MB', 0):7.0f} MB"
                       for p in r["processes"] if "budget_MB" in p)
     print(f"interpreter {interpreter / 1e6:.0f} MB, slices {r['slice_MB']} MB:\n{table}")
@@ -48,10 +53,6 @@ def test_budgets_follow_the_issue_formulas() -> None:
     assert memory.budgets(400 * MiB, [400 * MiB], 0, 64 * MiB, optimizer="SGD")["shard 0"] == 1800 * MiB
     assert memory.budget_of("worker w1", b) == b["worker"] and memory.budget_of("coordinator", b) is None
     assert memory.cluster_budget(1000) == 1500
-    logged = memory.budgets(400 * MiB, [100 * MiB, 300 * MiB], interpreter=300 * MiB, cap=64 * MiB,
-                            step_log=memory.step_log_held(400 * MiB, 20))  # + the step log's stated cost
-    assert logged["shard 0"] == b["shard 0"] + 150 * MiB and logged["shard 1"] == b["shard 1"] + 900 * MiB
-    assert logged["checkpointer"] == b["checkpointer"] + 256 * MiB + 400 * MiB and logged["worker"] == b["worker"]
 
 
 def test_slices_come_from_the_piece_assignment() -> None:

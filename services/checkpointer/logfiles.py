@@ -29,16 +29,28 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
+import xxhash
 from cmemi.shared.runtime import records
 from cmemi.shared.runtime.records import Buffer
 from cmemi.shared.wire.protocol import DTYPES
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 Placed = tuple[str, str, tuple[int, ...], int, int]  # a tensor in a record: name, dtype, shape, bytes, payload offset
+
+
+class Source(Protocol):
+    """A record's payload read a chunk at a time (`LogFiles.append_from`)."""
+
+    placed: list[Placed]
+    nbytes: int
+
+    def chunks(self) -> Iterator[Buffer]: ...
+
+    def finish(self) -> None: ...
 
 
 class Segment:
@@ -128,19 +140,58 @@ class LogFiles:
             n += 1
         return n
 
-    def append(self, shard: int, step: int, fields: dict[str, Any], tensors: list[Placed],
-               payload: list[Buffer]) -> dict[str, Stored]:
-        """Write one entry's record at the open segment's end (opening one if a checkpoint closed the last); returns
-        its tensors as `Stored`. `tensors`: (name, dtype, shape, bytes, offset in the payload); `payload`: the bytes
-        they are in, in order (a landed entry's one buffer, `Held`'s, padding and all: one copy, one checksum)."""
+    def _open(self) -> Segment:
         if self.closed or not self.segments:
             self.seq += 1
             self.segments.append(Segment(self.root / f"seg-{self.seq:08d}.log", self.seq, create=True))
             self.closed = False
-        seg = self.segments[-1]
+        return self.segments[-1]
+
+    def append(self, shard: int, step: int, fields: dict[str, Any], tensors: list[Placed],
+               payload: list[Buffer]) -> dict[str, Stored]:
+        """Write one entry's record at the open segment's end (opening one if a checkpoint closed the last); returns
+        its tensors as `Stored`. `tensors`: (name, dtype, shape, bytes, offset in the payload); `payload`: the bytes
+        they are in, in order (`Held`'s one buffer, padding and all: one copy, one checksum)."""
+        seg = self._open()
         meta = msgpack.packb({"shard": shard, "step": step, "fields": fields, "tensors": tensors})  # (tuples: arrays)
-        n = self._write(seg, records.frame(meta, payload).bufs)
-        at = seg.end + records.HEAD.size + len(meta)
+        return self._placed(seg, step, tensors, len(meta), self._write(seg, records.frame(meta, payload).bufs))
+
+    def append_from(self, shard: int, step: int, fields: dict[str, Any], source: Source) -> dict[str, Stored]:
+        """`append` of a payload read a chunk at a time (`source.chunks()`: a same-host entry's slot, steplog.py's
+        `Streamed`), never whole in memory here. `source.finish()` (its checksums, the slot unchanged) runs before the
+        record's last bytes, its checksum, are written: a record whose bytes are not the server's is never whole on
+        disk (cut here when `finish` raises; `torn` if this process dies first)."""
+        seg = self._open()
+        meta = msgpack.packb({"shard": shard, "step": step, "fields": fields, "tensors": source.placed})
+        assert seg.fd is not None
+        fd, at = seg.fd, seg.end
+        try:
+            for attempt in (1, 2):
+                try:
+                    h, n = xxhash.xxh3_64(meta), 0
+                    head: list[Buffer] = [records.HEAD.pack(records.MAGIC, len(meta), source.nbytes), meta]
+                    for chunk in source.chunks():  # (the head goes with the first: a small entry, one pwritev)
+                        h.update(chunk)
+                        n += records.write_all(fd, [*head, chunk], at + n)
+                        head = []
+                    n += records.write_all(fd, head, at + n) if head else 0
+                    source.finish()
+                    n += records.write_all(fd, [records.TAIL.pack(h.intdigest())], at + n)
+                    return self._placed(seg, step, source.placed, len(meta), n)
+                except OSError as exc:
+                    if exc.errno not in FULL:
+                        raise
+                    self.on_full(exc, attempt)  # attempt 1 makes room (the record again, at the same place); 2 stops
+                    if attempt == 2:
+                        raise
+        except BaseException:
+            os.ftruncate(fd, at)
+            raise
+        raise AssertionError("unreachable")
+
+    def _placed(self, seg: Segment, step: int, tensors: list[Placed], meta_len: int, n: int) -> dict[str, Stored]:
+        """A record of `n` bytes written at the segment's end: its tensors as `Stored`, the segment's end moved."""
+        at = seg.end + records.HEAD.size + meta_len
         out = {name: Stored(seg, at + off, dtype, shape, nbytes) for name, dtype, shape, nbytes, off in tensors}
         seg.end += n
         seg.last = max(seg.last, step)

@@ -10,7 +10,8 @@ The log itself (steplog.py) is shared with the loop, which drops what each check
 A server on this host (the address's host identity, services/aggregator/steplog/link.py) reaches it over ipc:// —
 with CurveZMQ still, bound without the workers' PLAIN (`samehost.bind_ipc`): the aggregator's key is proven as over
 tcp:// — and ships each entry's tensors in a shared-memory slot of its own (`shm` in the header, a descriptor as a
-worker's gradient's), copied here once into the log (or its spool file) before the ack; the replies of a replay come
+worker's gradient's), copied here once into the log (with the spool on, into its segment straight from the slot, a
+chunk at a time: `_landed`) before the ack; the replies of a replay come
 back the same way, each server's replay through a ring of its own (`slots[shard]`): a leader and a shard may
 replay at once, and one ring would let either overwrite the other's entry. Over tcp://, CurveZMQ carried the 2.4 MB
 entry of bench/recovery.py's model at about 2.5 ms of CPU per step on two sides of a 2-core machine, most of the log's
@@ -32,7 +33,7 @@ from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.admission import TermWatch
 from cmemi.services.checkpointer.drops import Drops
 from cmemi.services.checkpointer.logfiles import Stored
-from cmemi.services.checkpointer.steplog import Entry, Held, Landed, SlotBytes, StepLog
+from cmemi.services.checkpointer.steplog import Entry, Held, SlotBytes, StepLog, Streamed
 from cmemi.services.checkpointer.steplog_replies import LogReplies
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime.links import set_link_options
@@ -79,6 +80,7 @@ class Reads:
         self.fd = None
 
 
+STREAM_CHUNK = 8 << 20  # bytes of a same-host entry's slot written to the spool at a time (`Streamed`)
 CLOSE_S = 30.0  # the longest `close` waits for the thread (a big entry's spool write, a Redis call while Redis is away)
 
 
@@ -94,7 +96,7 @@ class LogServer:
         self.local = False  # an ipc:// endpoint: a same-host server's replay may ask for slots
         self.slots: dict[int, shm.Writer] = {}  # shard -> the ring of its replay's entries (made at its first ask)
         self.slotted: dict[bytes, int] = {}  # the peers whose log_req asked for slots (`shm`) -> their shard
-        self.raw = SlotBytes()  # (a slot's byte views: one numpy copy per tensor; the spool's landing buffer)
+        self.raw = SlotBytes()  # (a slot's byte views, the spool off: one numpy copy per tensor)
         self.reader = shm_reader.Reader(ctx.run, self.cfg.cluster.checksum, limit=4, bound=limits.logical_bytes(self.cfg))
         if self.cfg.cluster.transport != "tcp" and shm.available():
             try:
@@ -160,32 +162,36 @@ class LogServer:
             self.drops.count(reason, f"{msg.type} of term {msg.header.get('term')}")
             return
         with self.lock:
-            self.replies.handle(identity, msg)
+            try:
+                self.replies.handle(identity, msg)
+            except shm.ShmError as exc:  # a same-host entry's slot, read as it was written (`Streamed`): not logged
+                self.drops.count(exc.reason, str(exc))
 
     def _landed(self, msg: protocol.Message) -> bool:
         """An entry whose tensors are in the sender's slot: copied into the log's memory (or its spool file) as an
         entry off the wire would be, then the slot checked unchanged. False (dropped, counted) if it cannot be.
 
-        With the spool on, its bytes land in one buffer reused from entry to entry (`SlotBytes.landed`, laid out once
-        per slot layout), and the log keeps the entry only in its segment (written from that buffer before the ack,
-        read back for a replay: `StepLog.add`). Each entry held in memory was a fresh allocation whose pages faulted
-        in as the slot was copied: bench/steplog_landing.py's MLP entry (bench/recovery.py's, 2.4 MB) landed in about
-        a third less CPU through the reused buffer, alternating with the code before it on a loaded 2-core machine."""
+        With the spool on, nothing is copied here: the entry goes on as `Streamed`, which `StepLog.add` writes into
+        the log's segment straight from the slot, `STREAM_CHUNK` bytes at a time (at most the transfer cap), each
+        chunk unmapped from this process once written; the slot is checked there (`Streamed.finish`), a failure
+        dropped and counted by `_receive`. Landing it in a buffer as big as the entry first, with the server's slots
+        left mapped, made the checkpointer's peak 1,659 MB for bench/memory.py's 452 MB entry (issue 47)."""
         desc = msg.header["shm"]
-        sink: Held | spool.Spool | Landed | None = None
+        sink: Held | spool.Spool | None = None
         try:
-            views = self.reader.views(desc)
             if self.log.files is not None:
-                sink = self.raw.landed(desc, views)
-                sink.fill()
+                msg.tensors = Streamed(desc["tensors"], desc["at"], self.reader.slot(desc),
+                                       min(STREAM_CHUNK, self.cfg.cluster.message_cap()),
+                                       lambda lo, hi: self.reader.unmap(desc, lo, hi), lambda: self.reader.intact(desc))
+                return True
+            views = self.reader.views(desc)
+            sink = self.log.sink(msg.header, desc["tensors"])
+            if isinstance(sink, Held):
+                sink.fill(self.raw.of(desc, views))
             else:
-                sink = self.log.sink(msg.header, desc["tensors"])
-                if isinstance(sink, Held):
-                    sink.fill(self.raw.of(desc, views))
-                else:
-                    for ti, meta in enumerate(desc["tensors"]):
-                        if meta["nbytes"]:
-                            sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
+                for ti, meta in enumerate(desc["tensors"]):
+                    if meta["nbytes"]:
+                        sink.write(ti, 0, protocol.tensor_bytes(views[meta["name"]]))
             del views
             if not self.reader.intact(desc):
                 raise shm.ShmError("shm_overwritten", f"{desc['seg']} slot {desc['slot']}: written while read")
@@ -194,7 +200,7 @@ class LogServer:
                 sink.discard()
             self.drops.count(exc.reason, str(exc))
             return False
-        msg.tensors = sink if isinstance(sink, Landed) else sink.pieces() if isinstance(sink, Held) else sink.result()
+        msg.tensors = sink.pieces() if isinstance(sink, Held) else sink.result()
         return True
 
     def _reply(self, identity: bytes, mtype: str, fields: dict, tensors: dict | None = None) -> None:

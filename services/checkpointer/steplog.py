@@ -11,7 +11,8 @@ acknowledged it (`logged`). A restarted server restores the checkpoint and asks 
 - A written checkpoint drops the entries it covers. A `log_req` is the current term's server restarting: if it
   restored a checkpoint older than the log's base (the newest was damaged), the log starts again there.
 - Memory: entries are held as tensors while they total under checkpoint.step_log_memory_mb; past it, only on disk
-  (they arrive into a spool file, spool.py, and are then kept only in the log's segment: read back for a replay).
+  (they arrive into a spool file, spool.py, and are then kept only in the log's segment: read back for a replay);
+  a same-host entry with the spool on, never (`Streamed`).
 - Disk (logfiles.py, `checkpoint.step_log_spool`, on by default): every entry `add` holds is written through to a
   segment file before it is acknowledged, and a restarted checkpointer reads the log back (`recover`): a server's
   replay after that restart finds every committed step. Off, a restart of this process loses the log: the servers
@@ -21,14 +22,16 @@ acknowledged it (`logged`). A restarted server restores the checkpoint and asks 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from cmemi.services.checkpointer import spool
 from cmemi.services.checkpointer.logfiles import Buffer, LogFiles, Placed, Stored
+from cmemi.shared.memory.shm import ShmError
 from cmemi.shared.wire.protocol import DTYPE_NAMES, DTYPES, tensor_bytes
 
 ALIGN = 64  # each tensor's offset in an entry's buffer (as in a shared-memory slot): a view of any dtype is aligned
@@ -52,65 +55,66 @@ class Piece:
         return self.flat.numpy()[self.at:self.at + self.nbytes]
 
 
-class Landed(dict[str, Any]):
-    """A same-host entry landed in the buffer reused from entry to entry with the spool on (its record is written from
-    there before the ack; the log keeps only the record's place: logserver.py), laid out once per slot layout
-    (`SlotBytes`): the copies out of the slot, the record's tensor entries and payload. Making a `Held`, its `Piece`s,
-    those entries and lists for every entry was most of the step log thread's Python per entry (issues 45/47)."""
+class Streamed(dict[str, Any]):
+    """A same-host entry with the spool on, still in the server's slot (`data`; its tensors at `at`): `StepLog.add`
+    writes it into the log's segment from the slot a chunk at a time (`LogFiles.append_from`), `unmap` dropping each
+    chunk's pages from this process once written, the checksums taken over the chunks and the slot checked unchanged
+    (`finish`) before the record is whole; the log keeps only its place. Nothing of it is held here (the dict is
+    empty): a landing buffer and the server's slots left mapped were the checkpointer's peak (issue 47)."""
 
-    def __init__(self, metas: list[dict[str, Any]], raw: list[np.ndarray], buffer: torch.Tensor) -> None:
-        starts, flat = Held.starts_of(metas), buffer[:Held.size(metas)]
-        out = flat.numpy()
-        super().__init__({m["name"]: Piece(flat, a, m["dtype"], tuple(m["shape"]), m["nbytes"])
-                          for m, a in zip(metas, starts, strict=True)})
-        self.copies = [(out[a:a + m["nbytes"]], src) for m, a, src in zip(metas, starts, raw, strict=True) if m["nbytes"]]
+    def __init__(self, metas: list[dict[str, Any]], at: list[int], data: memoryview, chunk: int,
+                 unmap: Callable[[int, int], None], intact: Callable[[], bool]) -> None:
+        super().__init__()
+        self.metas, self.at, self.data, self.chunk = metas, at, data, max(1, chunk)
+        self.unmap, self.intact = unmap, intact
         self.placed: list[Placed] = [(m["name"], m["dtype"], tuple(m["shape"]), m["nbytes"], a)
-                                     for m, a in zip(metas, starts, strict=True)]
-        self.payload: list[Buffer] = [out.data]
+                                     for m, a in zip(metas, at, strict=True)]
+        self.nbytes = max((a + m["nbytes"] for m, a in zip(metas, at, strict=True)), default=0)
+        self.hashes: list[Any] = []
 
-    def fill(self) -> None:
-        for dst, src in self.copies:
-            np.copyto(dst, src)
+    def chunks(self) -> Iterator[memoryview]:
+        """The payload (the slot's bytes up to its last tensor's end), a chunk at a time."""
+        self.hashes = [xxhash.xxh3_64() if m["xxh"] is not None else None for m in self.metas]
+        for lo in range(0, self.nbytes, self.chunk):
+            hi = min(self.nbytes, lo + self.chunk)
+            for h, m, a in zip(self.hashes, self.metas, self.at, strict=True):
+                if h is not None and a < hi and lo < a + m["nbytes"]:
+                    h.update(self.data[max(a, lo):min(a + m["nbytes"], hi)])
+            yield self.data[lo:hi]
+            if self.nbytes > self.chunk:  # (an entry of one chunk stays mapped: a chunk, and no syscall per entry)
+                self.unmap(max(0, lo - self.chunk), hi)  # (and the chunk before: a read fault maps pages around it)
+
+    def finish(self) -> None:
+        """Every tensor's checksum (where the server sent one) matches, and the slot was not written meanwhile."""
+        for h, m in zip(self.hashes, self.metas, strict=False):
+            if h is not None and h.intdigest() != m["xxh"]:
+                raise ShmError("bad_checksum", repr(m["name"])[:60])
+        if not self.intact():
+            raise ShmError("shm_overwritten", "a step log entry's slot was written while read")
 
 
 class SlotBytes:
     """The byte views (numpy) of a same-host server's slot views, made once per slot and layout: shm_reader.Reader
     hands out the same view objects for the same slot and layout, so each entry's copy is one numpy memcpy per
-    tensor. Kept for a few slots only (a new segment, or more layouts than that, clears them: no old mapping pinned);
-    `landed`: such an entry laid out in one landing buffer, which every layout kept shares (made again to grow)."""
+    tensor (the spool off: `Held.fill`). Kept for a few slots only (a new segment, or more layouts than that, clears
+    them: no old mapping pinned)."""
 
     def __init__(self) -> None:
-        self.kept: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[np.ndarray], list[Landed]]] = {}
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.kept: dict[tuple[Any, ...], tuple[list[torch.Tensor], list[np.ndarray]]] = {}
 
-    def _of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+    def of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> list[np.ndarray]:
+        """The bytes of each of `desc`'s tensors (`views`, from the reader), in the descriptor's order."""
         names = [m["name"] for m in desc["tensors"]]
         key = (desc["seg"], desc["slot"], tuple(desc["at"]), tuple(names))
         hit = self.kept.get(key)
         if hit is not None and all(v is views[n] for v, n in zip(hit[0], names, strict=True)):
-            return key
+            return hit[1]
         if len(self.kept) >= SLOTS_KEPT or any(k[0] != desc["seg"] for k in self.kept):
             self.kept.clear()
         ts = [views[n] for n in names]
         raw = [np.frombuffer(tensor_bytes(t), dtype=np.uint8) if t.numel() else np.empty(0, np.uint8) for t in ts]
-        self.kept[key] = (ts, raw, [])
-        return key
-
-    def of(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> list[np.ndarray]:
-        """The bytes of each of `desc`'s tensors (`views`, from the reader), in the descriptor's order."""
-        return self.kept[self._of(desc, views)][1]
-
-    def landed(self, desc: dict[str, Any], views: dict[str, torch.Tensor]) -> Landed:
-        """`desc`'s entry as it lands in the landing buffer (`Landed.fill` copies it there), laid out once."""
-        _, raw, landed = self.kept[self._of(desc, views)]
-        if not landed:
-            need = Held.size(desc["tensors"])
-            if self.buffer.numel() < need:  # every layout kept viewed the old buffer: laid out again on the new one
-                self.buffer = torch.empty(need, dtype=torch.uint8)
-                for _ts, _raw, other in self.kept.values():
-                    other.clear()
-            landed.append(Landed(desc["tensors"], raw, self.buffer))
-        return landed[0]
+        self.kept[key] = (ts, raw)
+        return raw
 
 
 class Held:
@@ -257,8 +261,8 @@ class StepLog:
         if step != log.last + 1:
             self._drop(tensors)
             return False
-        if isinstance(tensors, Landed) and self.files is not None:  # (same host, the spool on: its record alone)
-            log.entries[step] = Entry(fields, self.files.append(shard, step, fields, tensors.placed, tensors.payload), 0)
+        if isinstance(tensors, Streamed) and self.files is not None:  # (same host, the spool on: its record alone)
+            log.entries[step] = Entry(fields, self.files.append_from(shard, step, fields, tensors), 0)
             return True
         held = not any(isinstance(t, spool.Spooled) for t in tensors.values())
         nbytes = sum(int(t.nbytes) for t in tensors.values())

@@ -135,7 +135,8 @@ class CheckpointConfig:
     aggregator replays the steps since the last checkpoint instead of redoing them (docs/design.md §11); false: a
     server's death goes back to the last checkpoint and the workers redo the steps since."""
     step_log_memory_mb: int = 256
-    """The checkpointer holds the step log in memory up to this many MiB; past it, entries are spooled to disk."""
+    """The checkpointer holds the step log in memory up to this many MiB; past it, entries are spooled to disk. A
+    same-host server's entries with `step_log_spool` on are never held in memory (written from its slot to disk)."""
     step_log_spool: bool = True
     """Write every step log entry through to a file in the run directory before it is acknowledged, so a restarted
     checkpointer reads its log back and a server's death after that restart redoes no step (docs/design/step-log.md);

@@ -164,10 +164,14 @@ def tensor_at(slot: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int],
 class Writer:
     """One producer's segment: `write` puts tensors in the next slot and returns their descriptor."""
 
-    def __init__(self, run: str, role: str, checksum: bool) -> None:
+    def __init__(self, run: str, role: str, checksum: bool, slots: int = SLOTS) -> None:
+        """`slots`: how many of the segment's slots are written in turn (1: always the first, for a writer that writes
+        again only once what it wrote was read, so the second slot's pages are never touched: the step log)."""
         if not re.fullmatch(r"[a-z0-9]{1,16}", role):
             raise ValueError(f"segment role {role!r} must be 1-16 lowercase letters or digits")
-        self.run, self.role, self.checksum = run, role, checksum
+        if not 1 <= slots <= SLOTS:
+            raise ValueError(f"slots must be 1..{SLOTS}, not {slots}")
+        self.run, self.role, self.checksum, self.slots = run, role, checksum, slots
         self.path: Path | None = None
         self.mm: mmap.mmap | None = None
         self.capacity = 0  # bytes per slot, header excluded
@@ -238,7 +242,7 @@ class Writer:
             metas = [{**m, "xxh": None} for m in metas]
         self.seqs[slot] += 1
         SEQ.pack_into(self.mm, slot * (HEAD + self.capacity), self.seqs[slot])
-        self.next = (slot + 1) % SLOTS
+        self.next = (slot + 1) % self.slots
         return {"seg": self.path.name, "slot": slot, "seq": self.seqs[slot], "at": list(self.opened[slot]),
                 "tensors": metas}
 

@@ -153,6 +153,38 @@ class Reader:
         check `intact(desc)` before using the copy. The dict is the caller's; the views are shared with later reads of
         the same slot and layout (read-only: nothing may write or reshape them)."""
         seg, slot, metas, at = self._check(desc)
+        views = self._viewed(desc, seg, slot, metas, at)
+        if self.checksum:
+            for x in metas:
+                v = views[x["name"]]
+                if x["xxh"] is not None and xxhash.xxh3_64_intdigest(
+                        protocol.tensor_bytes(v) if v.numel() else b"") != x["xxh"]:
+                    raise ShmError("bad_checksum", repr(x["name"])[:60])
+        return dict(views)
+
+    def slot(self, desc: Any) -> memoryview:
+        """The bytes of a descriptor's slot (read-only; its tensors at `desc["at"]`), every entry checked as `views`
+        checks it but no checksum read: a caller that reads the bytes a piece at a time (`unmap` after each) checks
+        each tensor's `xxh` itself, then `intact`."""
+        seg, slot, metas, at = self._check(desc)
+        self._viewed(desc, seg, slot, metas, at)
+        return protocol.tensor_bytes(seg.whole(slot))
+
+    def unmap(self, desc: dict[str, Any], start: int, stop: int) -> None:
+        """This process's mapping of bytes [start, stop) of the descriptor's slot dropped (MADV_DONTNEED, whole pages
+        around them): the bytes stay in the peer's segment, read again from it if touched again, and no longer count
+        in this process's resident memory (a slot read through once was otherwise resident here as long as mapped)."""
+        seg = self.maps.get(desc["seg"])
+        if seg is None or stop <= start:
+            return
+        base = desc["slot"] * (HEAD + seg.capacity) + HEAD
+        lo = (base + start) // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = min(len(seg.mm), -(-(base + stop) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        seg.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+    def _viewed(self, desc: Any, seg: Segment, slot: int, metas: list[dict[str, Any]],
+                at: list[int]) -> dict[str, torch.Tensor]:
+        """`views` of a checked descriptor (`_check`'s), without the checksums (the views shared, not the caller's)."""
         key = layout_key(slot, at, metas)
         views = seg.views.get(key) if key is not None else None
         if views is None:
@@ -165,13 +197,7 @@ class Reader:
             raise ShmError("shm_overwritten", f"{desc['seg']} slot {slot}: a newer write, or one unfinished")
         if len(views) != len(metas):
             raise ShmError("bad_tensor", "duplicate tensor names")
-        if self.checksum:
-            for x in metas:
-                v = views[x["name"]]
-                if x["xxh"] is not None and xxhash.xxh3_64_intdigest(
-                        protocol.tensor_bytes(v) if v.numel() else b"") != x["xxh"]:
-                    raise ShmError("bad_checksum", repr(x["name"])[:60])
-        return dict(views)
+        return views
 
     def intact(self, desc: dict[str, Any]) -> bool:
         """Is the slot still the descriptor's (nothing wrote it since `views`)?"""

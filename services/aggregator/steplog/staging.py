@@ -4,15 +4,17 @@ this server's when the checkpointer is on this host, else into buffers kept from
 The copy is needed anyway (the optimizer step changes the gradient in place, the next step's sums reuse its memory),
 so the slot costs nothing more than the copy did, and the entry's message carries only the slot's descriptor: the
 checkpointer copies it into its log before it acknowledges, and the next entry is staged only after that ack, so
-the slot (one of two) is never rewritten while it is read. Over tcp:// the kept buffers are sent zero-copy by the
-same rule. A fresh copy each step (`clone`) also faulted in a new 2.4 MB of pages per step for bench/recovery.py's
-model (issue 47).
+the slot is never rewritten while it is read. Over tcp:// the kept buffers are sent zero-copy by the same rule. A
+fresh copy each step (`clone`) also faulted in a new 2.4 MB of pages per step for bench/recovery.py's model (issue 47).
+
+One slot of the segment's two is written (`shm.Writer(slots=1)`): an entry is staged only once the one before is
+acknowledged, so a second slot bought no overlap, and written in turn both were resident, a slice of this server's
+memory each (issue 47: bench/memory.py's leader was over issue 34's budget by about that slice).
 
 A shard k > 0 keeps its entries until they are acknowledged and sends them again when late (steplog/shard.py), so
-its entries in slots (`keep`) are tracked until `free`d by their `logged`: a slot is written again only once what it
-held is acknowledged (`can_keep`), and none while an entry not acknowledged lies in an older segment (a grown one
-retires the current segment, kept linked, and unlinks the one retired before: shm.Writer), so a kept entry's
-descriptor stays readable until its ack.
+its entries in the slot (`keep`) are tracked until `free`d by their `logged`: the slot is written again only once
+what it held is acknowledged (`can_keep`; its `logged` went out before the leader's ack of the same step, which the
+shard's next step waits for), so a kept entry's descriptor stays readable until its ack.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Staging:
 
     def _writer(self) -> shm.Writer:
         if self.slots is None:
-            self.slots = shm.Writer(self.run, self.role, self.checksum)
+            self.slots = shm.Writer(self.run, self.role, self.checksum, slots=1)
         return self.slots
 
     def copy(self, src: dict[str, torch.Tensor], local: bool) -> dict[str, torch.Tensor]:
@@ -69,14 +71,8 @@ class Staging:
         return dict(zip(src, views, strict=True))
 
     def can_keep(self) -> bool:
-        """Can `keep` stage an entry without overwriting one not acknowledged yet?"""
-        if len(self.held) >= shm.SLOTS:
-            return False
-        writer = self.slots
-        if writer is None or writer.path is None:
-            return not self.held
-        # (every held entry in the current segment: a grown one retires it, kept linked, never one already retired)
-        return all(seg == writer.path.name and slot != writer.next for seg, slot in self.held.values())
+        """Can `keep` stage an entry without overwriting one not acknowledged yet (the one slot's)?"""
+        return not self.held
 
     def keep(self, step: int, src: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`src` copied into the next slot for step `step`'s kept entry (`can_keep` first); held until `free`."""
