@@ -169,8 +169,10 @@ def test_a_replay_of_rounds_s_to_t_minus_one_is_bitwise_the_rounds_computed_in_o
 
 # ---------------------------------------------------------------------------------------------- clusters
 
-def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The run's events of `kind` (events.jsonl)."""
+    return [e for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip())
+            if e["kind"] == kind]
 
 
 @pytest.mark.integration
@@ -185,7 +187,7 @@ def test_states_every_four_rounds_give_the_reference_at_any_worker_count(tmp_pat
         assert r.rc == 0, r.stderr[-3000:]
         assert r.summary["steps"] == 12 and r.summary["params_sha256"] == want, (w, r.summary)
         assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
-        replays = [e for e in _events(tmp_path / f"w{w}") if e["kind"] == "replay"]
+        replays = events(tmp_path / f"w{w}", "replay")
         assert all(1 <= e["rounds"] <= 3 for e in replays), replays  # at most D − 1 rounds computed again
         assert r.summary["inner_rounds_replayed"] == sum(e["rounds"] for e in replays)
         replayed += len(replays)
@@ -214,24 +216,32 @@ def test_a_worker_killed_costs_at_most_d_rounds_replayed_bitwise(tmp_path: Path,
                                                      "scheduler"))],
             "train.steps=200", "scheduler.kwargs.T_max=200", "checkpoint.every_steps=4", *PACED,
             *{"sparse2": SPARSE, "int4": INT4}.get(codec, ()))
+    a_worker_killed_replays_bitwise(tmp_path, (*sets, "train.state_every=4"), at=6, timeout=600)
+
+
+def a_worker_killed_replays_bitwise(tmp_path: Path, sets: tuple[str, ...], at: int, timeout: float) -> list[dict]:
+    """`sets` with W = 2 and a spare: SIGKILL worker w0 once the run reaches step `at`; the run ends bitwise
+    `cmemi reference` (params_sha256 and mirror_sha256), every replay is at most D − 1 rounds (D = 4), some replay
+    comes at or after the kill (its replicas), and summary.json counts the replayed rounds. Returns the replays."""
     want = references.reference(tmp_path, *sets)
-    c = Cluster(tmp_path / "run", *sets, "train.state_every=4", "cluster.workers=2", "cluster.spare_workers=1")
+    c = Cluster(tmp_path / "run", *sets, "cluster.workers=2", "cluster.spare_workers=1")
     try:
-        killed = c.wait_step(6, timeout=300)
+        killed = c.wait_step(at, timeout=300)
         inc = c.signal("worker", "w0")
         c.replaced("worker", "w0", inc, timeout=120)
     finally:
-        rc = c.wait(timeout=600)
+        rc = c.wait(timeout=timeout)
     assert rc == 0, c.output()
     s = c.summary
     assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
     assert s.get("mirror_sha256") == want.get("mirror_sha256"), (s, want)
-    replays = [e for e in _events(c.run_dir) if e["kind"] == "replay"]
+    replays = events(c.run_dir, "replay")
     assert replays and all(1 <= e["rounds"] <= 3 for e in replays), replays  # a death costs at most D − 1 + 1 rounds
     # after the kill: the dead worker's replicas were replayed (from the step it was sent at: its first replay can land
     # in that very round, which a fixed `> 6` refused 1 run in 4)
     assert any(e["round"] >= killed for e in replays), replays
-    assert s["inner_rounds_replayed"] == sum(e["rounds"] for e in replays), s
+    assert s["inner_rounds_replayed"] == sum(e["rounds"] for e in replays), (s, replays)
+    return replays
 
 
 @pytest.mark.integration

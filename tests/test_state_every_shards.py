@@ -29,16 +29,10 @@ from cmemi.shared.wire import protocol
 from tests.conftest import DIGITS, run_up
 from tests.helpers import references
 from tests.helpers.chaos import Cluster
+from tests.test_state_every import INT4, PACED, a_worker_killed_replays_bitwise, events
+from tests.test_state_every import LOCAL as ROUNDS
 
-LOCAL = ("train.local_steps=5", "train.replicas=4", "train.steps=60", "scheduler.kwargs.T_max=60",
-         "cluster.spare_workers=0", "checkpoint.every_steps=0", "eval.every_steps=4", "train.state_every=4")
-PACED = ("cluster.dead_after=1.0", "cluster.heartbeat_interval=0.1", "model.factory=tests.helpers.fixtures:paced_mlp",
-         "model.kwargs={pace: 0.01}")
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip())
-            if e["kind"] == kind]
+LOCAL = (*ROUNDS, "train.state_every=4")
 
 
 def _replays_counted(summary: dict, replays: list[dict]) -> None:
@@ -115,7 +109,7 @@ def test_two_shards_give_the_reference_at_one_two_and_three_workers(tmp_path: Pa
         assert r.rc == 0, r.stderr[-3000:]
         assert r.summary["steps"] == 12 and r.summary["params_sha256"] == want, (w, r.summary)
         assert set(r.summary["dropped_messages"]) <= {"duplicate", "stale_step"}, r.summary
-        replays = _events(tmp_path / f"w{w}", "replay")
+        replays = events(tmp_path / f"w{w}", "replay")
         _replays_counted(r.summary, replays)
         replayed += len(replays)
     assert replayed, "no replica moved: the replay was not exercised"
@@ -129,24 +123,9 @@ def test_a_worker_killed_at_two_shards_replays_from_both_servers_history(tmp_pat
     """D = 4, K = 2, W = 2 and a spare, paced: SIGKILL a worker mid-run; its replicas go to the others with their
     snapshots and are replayed from versions assembled from both servers' pieces (int4 up and down: from the int4
     mirrors m_u each server keeps): bitwise the reference (params_sha256 and mirror_sha256)."""
-    codec = ("compression.codec=int4", "compression.min_compress_numel=256", "compression.lowbit_chunk=100",
-             "compression.downlink=int4") if downlink == "int4" else ()
     sets = (*[s for s in LOCAL if not s.startswith(("cluster.spare", "eval", "checkpoint"))], "checkpoint.every_steps=4",
-            *PACED, *codec)
-    want = references.reference(tmp_path, *sets)
-    c = Cluster(tmp_path / "run", *sets, "cluster.shards=2", "cluster.workers=2", "cluster.spare_workers=1")
-    try:
-        killed = c.wait_step(5, timeout=300)
-        c.replaced("worker", "w0", c.signal("worker", "w0"), timeout=120)
-    finally:
-        rc = c.wait(timeout=300)
-    assert rc == 0, c.output()
-    s = c.summary
-    assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
-    assert s.get("mirror_sha256") == want.get("mirror_sha256"), (s, want)
-    replays = _events(c.run_dir, "replay")
-    assert any(e["round"] >= killed for e in replays), replays  # after the kill: its replicas were replayed
-    _replays_counted(s, replays)
+            *PACED, *(INT4 if downlink == "int4" else ()))
+    a_worker_killed_replays_bitwise(tmp_path, (*sets, "cluster.shards=2"), at=5, timeout=300)
 
 
 @pytest.mark.integration
@@ -170,11 +149,11 @@ def test_shard_one_killed_rebuilds_its_history_and_answers_the_replays_after_it(
     assert rc == 0, c.output()
     s = c.summary
     assert s["steps"] == want["steps"] and s["params_sha256"] == want["params_sha256"], (s, want["params_sha256"])
-    restarts = [e for e in _events(c.run_dir, "step_log_replayed") if e["shard"] == 1]
+    restarts = [e for e in events(c.run_dir, "step_log_replayed") if e["shard"] == 1]
     assert any(e["checkpoint"] >= 4 for e in restarts), restarts  # its checkpoint's history, then the log's rounds
     steps = [json.loads(x)["step"] for x in (c.run_dir / "metrics.jsonl").read_text().splitlines()
              if x.strip() and "loss" in json.loads(x) and "eval" not in json.loads(x)]
     assert len(steps) == len(set(steps)), sorted(steps)  # no round trained twice
-    replays = _events(c.run_dir, "replay")
+    replays = events(c.run_dir, "replay")
     assert any(e["round"] >= killed for e in replays), replays  # after the last kill: from shard 1's rebuilt history
     _replays_counted(s, replays)
