@@ -38,9 +38,10 @@ extra namespace is the server host. For N = 2, 4, 8 (--quick: 2, 4, fewer steps)
 
 `cmemi_local_int8_down`: `cmemi_local` with `int8` changes up and `compression.downlink: int8` (a round starts
 from the mirror m_t, docs/design.md §10), so both of a round's slices are a quarter of fp32's.
-`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int4`, one server (as measured so far: `train.state_every` > 1
-at `cluster.shards` > 1 is built since, not measured here yet) and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
+`cmemi_local_rare`: whole rounds, `int4` up, `compression.downlink: int4`, one server and `train.state_every: 8` (a replica's state up every 8 rounds, issue 48);
 `cmemi_local_rare_every`: the same with a state every round, its same-run baseline.
+`cmemi_local_rare_kn`: `cmemi_local_rare` at K = N (a shard on every worker host, as `cmemi_kn`): each host's link
+carries (N - 1)/N of the coded slices each way instead of the one server's link carrying all N replicas' (issue 48).
 
 Local steps (`cmemi_local`, `cmemi_local_stream`, `cmemi_local_int8_down`) record their samples/s as a fraction of the emulated compute
 bound (`of_emulated_compute_bound`: N replicas that only sleep their 20 ms per inner step) and, with
@@ -115,7 +116,8 @@ SYSTEMS = ("ddp", "cmemi_k1", "cmemi_kn", "cmemi_kn_dedicated", "cmemi_kn_pipeli
            "cmemi_kn_topk2", "cmemi_k1_topk2", "cmemi_kn_powersgd_sign", "cmemi_k1_powersgd_sign",
            "cmemi_kn_dedicated_powersgd_sign", "cmemi_kn_powersgd2_r8", "cmemi_k1_powersgd2_r8",
            "cmemi_kn_dedicated_powersgd2_r8", "cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates",
-           "cmemi_local_stream_leaderstates", "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every")
+           "cmemi_local_stream_leaderstates", "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every",
+           "cmemi_local_rare_kn")
 BOTH_WAYS = tuple(k for k in SYSTEMS if re.sub(r"_r\d+$", "", k).endswith(("2", "_sign")))  # compressed both ways
 LOCAL_STEPS = 200  # cmemi_local's train.local_steps (--local-steps)
 FRAGMENTS = 4  # cmemi_local_stream's train.fragments (--fragments)
@@ -513,8 +515,9 @@ def summarise(n: int, runs: dict[str, Any], pbytes: int, rate: float) -> dict[st
 
 
 LOCAL_SYSTEMS = ("cmemi_local", "cmemi_local_stream", "cmemi_local_leaderstates", "cmemi_local_stream_leaderstates",
-                 "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every")
+                 "cmemi_local_int8_down", "cmemi_local_rare", "cmemi_local_rare_every", "cmemi_local_rare_kn")
 RARE_EVERY = 8  # cmemi_local_rare's train.state_every (D)
+RARE = ("cmemi_local_rare", "cmemi_local_rare_every", "cmemi_local_rare_kn")  # whole rounds, int4 both ways
 LEADER_STATES = "_leaderstates"  # a local-steps system's name + this: every replica's state on the leader (issue 48's
 # baseline: train.inner_states leader), measured beside the default (spread, replica r on shard r mod K)
 
@@ -569,11 +572,11 @@ def run_system(cluster: Cluster, system: str, n: int, steps: int, warmup: int, s
     if system == "cmemi_local_int8_down":  # cmemi_local with int8 changes up and θ's change down in int8 (a mirror)
         return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int8", shards=n, local_steps=local_steps,
                              downlink="int8", inner_states=states, pace=pace, step_log=step_log)
-    if system in ("cmemi_local_rare", "cmemi_local_rare_every"):  # int4 up, int4 down, one server (D > 1 needs K = 1),
-        # a replica's state up every RARE_EVERY rounds (cmemi_local_rare) or every round (the same run's D = 1 baseline)
-        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int4", shards=1, local_steps=local_steps,
-                             downlink="int4", inner_states=states, pace=pace, step_log=step_log,
-                             state_every=RARE_EVERY if system == "cmemi_local_rare" else 1)
+    if system in RARE:  # int4 up, int4 down, one server (K = N for cmemi_local_rare_kn), a replica's state up every
+        # RARE_EVERY rounds (cmemi_local_rare, _kn) or every round (the same run's D = 1 baseline)
+        return cluster.cmemi(n, max(6, steps // 4), min(2, warmup), "int4", shards=n if system.endswith("_kn") else 1,
+                             local_steps=local_steps, downlink="int4", inner_states=states, pace=pace,
+                             step_log=step_log, state_every=1 if system == "cmemi_local_rare_every" else RARE_EVERY)
     if system == "cmemi_local_stream":  # the same rounds' worth of inner steps, in F segments each
         return cluster.cmemi(n, max(6, steps // 4) * fragments, min(2, warmup) * fragments, "none", shards=n,
                              local_steps=local_steps, fragments=fragments, inner_states=states, pace=pace,
@@ -713,6 +716,8 @@ def main() -> None:
             "cmemi_local_rare": f"whole rounds with compression.codec int4 up, compression.downlink int4, one server "
                                 f"(cluster.shards 1) and train.state_every {RARE_EVERY}: a replica's state up every "
                                 f"{RARE_EVERY} rounds (issue 48, docs/design/local-steps.md)",
+            "cmemi_local_rare_kn": "cmemi_local_rare at cluster.shards N (a shard on every worker host): the coded "
+                                   "slices and the states spread over the N hosts' links",
             "cmemi_local_rare_every": "cmemi_local_rare (compression.downlink int4) with train.state_every 1 (a state "
                                       "every round), the same run's "
                                       "baseline for what D saves",
@@ -777,7 +782,7 @@ def main() -> None:
                     # changes' and the parameters' slices a quarter of them, int4 both ways (4 bits and an fp32 scale per
                     # 128) 17 / 128 of them (whole rounds: the states stay fp32)
                     slices = (pbytes // 4 if system == "cmemi_local_int8_down" else pbytes * 17 // 128
-                              if system in ("cmemi_local_rare", "cmemi_local_rare_every") else pbytes)
+                              if system in RARE else pbytes)
                     runs[system]["placement_bounds_s"] = C.rnd(local_step_bounds_s(
                         n, slices, pbytes, rate, args.local_steps // frags * step_ms / 1000, frags), 4)
                     if args.compute_bound and "error" not in runs[system]:
