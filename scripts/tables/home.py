@@ -20,6 +20,7 @@ SYSTEMS = {
     "cmemi_local_stream_leaderstates": "streaming F = 4, states on the leader",
     "cmemi_local_rare": "whole rounds, int4 up + DOWN θ down, K = 1, a state every D rounds",
     "cmemi_local_rare_every": "whole rounds, int4 up + DOWN θ down, K = 1, a state every round",
+    "cmemi_local_rare_kn": "whole rounds, int4 up + DOWN θ down, K = N, a state every D rounds",
     "cmemi_kn": "synchronous, dense, K = N (the bytes goal's baseline)",
 }
 
