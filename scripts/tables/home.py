@@ -36,6 +36,14 @@ def system_name(name: str, described: str = "") -> str:
     return text.replace("DOWN", down.group(1) if down else "int8")  # (cmemi_local_rare's first results: int8)
 
 
+def described(d: dict[str, Any], name: str) -> str:
+    """A results file's description of system `name`; cmemi_local_rare_kn's is cmemi_local_rare's at K = N, whose
+    description names D and the downlink."""
+    systems = d.get("systems", {})
+    base = "cmemi_local_rare" if name.startswith("cmemi_local_rare_kn") else name
+    return f"{systems.get(name, '')} {systems.get(base, '') if base != name else ''}"
+
+
 def share(x: Any) -> str:
     return "—" if x is None else f"{x:.0%}"
 
@@ -73,7 +81,7 @@ def home() -> str:
             per_host = 1000 * w["batch_per_worker"] / w["emulated_compute_ms_per_forward"]
             emulated = r["samples_per_s"] / (int(n) * per_host)
         drops = r.get("link_drops", {}).get("by_host", {}).get("srv", {}).get("down")
-        lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
+        lines.append(f"| `{path.name}` | {n} | {x['link']['rate']} | {system_name(name, described(d, name))} | "
                      f"{r['samples_per_s']:,.0f} | {r['step_time_median_s']:.2f} | "
                      f"{share(emulated)} | {share(r.get('of_measured_compute_bound'))} | "
                      f"{r['bytes_per_sample']:,.0f} | {'—' if drops is None else f'{drops:,}'} | {slow_host(r, int(n))} |")
@@ -103,7 +111,7 @@ def home_rounds() -> str:
             by = " / ".join(_secs(role.get(k, 0) / 1000) for k in ("worker", "leader (shard 0)", "coordinator",
                                                                     "checkpointer"))
             lines.append(
-                f"| `{path.name}` | {n} | {link} | {system_name(name, d.get('systems', {}).get(name, ''))} | "
+                f"| `{path.name}` | {n} | {link} | {system_name(name, described(d, name))} | "
                 f"{t['steps']} | {_secs(t['step_s'])} | {_secs(t['params_out_last_s'])} | {_secs(t['intake_s'])} | "
                 f"{_secs(t['compute_min_s'])} – {_secs(t['compute_max_s'])} | {_secs(t['barrier_s'])} | "
                 f"{_secs(t['encode_s'])} | {_secs(t['last_up_without_s'])} / {_secs(t['last_up_with_a_state_s'])} | "
