@@ -104,9 +104,7 @@ class Handout:
             if (got := self._past(r)) is None:
                 return
             step = got[0]
-            if step < p.trainer.step:  # the rounds its new holder computes again (a `replay` event, counted)
-                p.totals.inner_rounds_replayed += p.trainer.step - step
-                p.ctx.emit("replay", replica=r, first=step, round=p.trainer.step, rounds=p.trainer.step - step)
+            p.totals.replayed(p.ctx.emit, r, step, p.trainer.step)  # the rounds its new holder computes again
             tensors = {**tensors, **got[1]}
         n = p.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, p.cfg.cluster.checksum), None),
                           replica=r, round=step, meta=meta)
