@@ -35,7 +35,7 @@ class Handout:
         ahead already), never moves with its state to whoever asks first; a holder silent for a lease's timeout
         holds nothing back, and a late joiner gets its fair share."""
         holdings, p = self.p.holdings, self.p
-        prefer = holdings.prefer(identity, step) if holdings is not None else set()
+        prefer = holdings.prefer(identity, step) | holdings.nearby(identity, step) if holdings is not None else set()
         avoid: set[int] = set()
         if holdings is not None and p.trainer.fragments:
             fair = p.leasing.pace.fair(p.live_workers)  # ⌈R / workers⌉, over those a slow host's share left
@@ -45,7 +45,7 @@ class Handout:
     def note_holds(self, identity: bytes, h: dict[str, Any]) -> None:
         """Local steps: the (replica, round) inner states a worker says it holds (a `want` or `grad`)."""
         if self.p.holdings is not None:
-            self.p.holdings.note(identity, h["holds"], self.p.admission.admitted)
+            self.p.holdings.note(identity, h["holds"], self.p.admission.admitted, h.get("near"))
 
     def work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int, last: bool = False) -> None:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
