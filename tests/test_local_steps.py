@@ -20,6 +20,7 @@ from cmemi.shared.config.loading import config_from_dict, load_config
 from cmemi.shared.config.lookup import resolve
 from cmemi.shared.config.plugins import build_model
 from cmemi.shared.core import innerstate
+from cmemi.shared.wire import samehost
 
 from tests.conftest import DIGITS, ROOT, cmemi_cmd, run_up
 from tests.helpers import references
@@ -197,6 +198,31 @@ def test_holdings_keep_replicas_with_their_holders_but_share_out_extras() -> Non
     assert h.elsewhere(b"c", 5, lambda i: i != b"a", 2, 60.0) == {3}  # a is gone: its replicas go to whoever asks
     h.heard[b"a"] -= 120.0  # a is admitted (it heartbeats) but has not asked for two minutes: it hangs
     assert h.elsewhere(b"c", 5, everyone, 2, 60.0) == {3}
+
+
+def test_a_worker_is_leased_first_the_replicas_whose_state_a_server_on_its_host_keeps() -> None:
+    """K = 2 (replica r's state on shard r mod 2): a worker whose `want` says shard 1 runs on its host prefers replicas
+    1 and 3, but not one another worker holds for the round; a `near` that is not a list of shard numbers is none, and
+    a departed worker's goes with it."""
+    h = Holdings(4, keeper=lambda r: r % 2)
+    everyone = lambda _i: True  # noqa: E731
+    h.note(b"a", [], everyone, near=[1])
+    h.note(b"b", [[3, 0]], everyone, near=[0, "x", 7])
+    assert h.nearby(b"a", 0) == {1}  # (3: b holds it)
+    assert h.nearby(b"b", 0) == {0, 2}
+    assert h.nearby(b"a", 1) == {1, 3}  # b holds round 0's state of 3, not round 1's
+    h.note(b"c", [], everyone, near="1")
+    assert h.nearby(b"c", 0) == set()
+    assert h.nearby(b"d", 0) == set()  # (said nothing)
+    h.note(b"c", [], lambda i: i != b"a", near=[0, 1])
+    assert b"a" not in h.near
+    assert h.nearby(b"c", 0) == {0, 1, 2}
+
+
+def test_the_servers_on_this_host_are_those_whose_address_names_its_identity() -> None:
+    here = samehost.advertise("tcp://10.0.0.1:5", "ipc:///run/a.sock")
+    elsewhere = "tcp://10.0.0.2:5|ipc:///run/b.sock|0123456789abcdef"
+    assert samehost.on_this_host({0: here, 1: elsewhere, 2: "tcp://10.0.0.3:5", 3: None, 4: here}) == [0, 4]
 
 
 # ---------------------------------------------------------------------------------------------- clusters

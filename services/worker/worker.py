@@ -40,7 +40,7 @@ from cmemi.shared.core.grid import Partition
 from cmemi.shared.memory import shm, shm_reader
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import limits, protocol
+from cmemi.shared.wire import limits, protocol, samehost
 
 Handler = Callable[[protocol.Message], object]
 
@@ -89,6 +89,9 @@ class Worker:
         self.shard_links = ShardLinks(ctx, cfg, self.partition, self.params, lambda: self.link.sender,
                                       self.joining.dial)
         self.joining.shard_links = self.shard_links
+        if local is not None and cfg.cluster.shards > 1:  # the servers on this host, whose replicas' states stay here
+            self.link.near = lambda: samehost.on_this_host({0: self.link.addr,
+                                                            **{lk.k: lk.addr for lk in self.shard_links.links}})
         sends = InFlight(self.compute.trim, max(2.0, 2 * cfg.cluster.dead_after))  # the last gradient's frames
         self.outbox = Outbox(ctx.run, cfg, self.partition, self.link, self.shard_links, sends, local is not None)
         self.lease = LeaseWork(cfg, ctx.log, self.runner, self.compute, self.intake, self.link, self.shard_links,

@@ -77,6 +77,13 @@ def parse(addr: str) -> Endpoints:
     return Endpoints(parts[0])
 
 
+def on_this_host(addrs: dict[int, str | None]) -> list[int]:
+    """The keys of the servers advertised in `addrs` (k: address) that run on this host: their address names this
+    host's identity (only an address with an ipc:// endpoint does: with `cluster.transport: tcp`, none)."""
+    me = host_id()
+    return sorted(k for k, a in addrs.items() if a is not None and parse(a).host == me)
+
+
 def tcp_of(addr: str) -> str:
     """The tcp:// endpoint of an advertised address (tools and tests that talk CurveZMQ to a server)."""
     return parse(addr).tcp

@@ -100,19 +100,26 @@ class Holdings:
     """Which (replica, round) inner states each worker connection holds, as its last `want` or `grad` said (`holds`):
     the leader leases a worker the replicas it holds first, and sends a state only to one that lacks it."""
 
-    def __init__(self, replicas: int) -> None:
-        self.R = replicas
+    def __init__(self, replicas: int, keeper: Callable[[int], int] = lambda r: 0) -> None:
+        self.R, self.keeper = replicas, keeper  # keeper(r): the server that keeps replica r's state
         self.by: dict[bytes, set[tuple[int, int]]] = {}
         self.heard: dict[bytes, float] = {}  # identity -> when its last `holds` came (monotonic)
+        self.near: dict[bytes, set[int]] = {}  # identity -> the replicas whose keeper is on that worker's host
 
-    def note(self, identity: bytes, held: list[Any] | None, admitted: Callable[[bytes], bool]) -> None:
+    def note(self, identity: bytes, held: list[Any] | None, admitted: Callable[[bytes], bool],
+             near: Any = None) -> None:
         """`held`: the header's `holds` (a list of [replica, round]; None: not said, and a malformed entry is
-        ignored). The entries of connections no longer admitted (departed, fenced, replaced) go."""
+        ignored); `near`: a `want`'s servers on the worker's host (a list of shard numbers; anything else: none).
+        The entries of connections no longer admitted (departed, fenced, replaced) go."""
         if held is None:
             return
         for gone in [i for i in self.by if i != identity and not admitted(i)]:
             del self.by[gone]
             self.heard.pop(gone, None)
+            self.near.pop(gone, None)
+        if isinstance(near, list):
+            shards = {k for k in near[:64] if type(k) is int}
+            self.near[identity] = {r for r in range(self.R) if self.keeper(r) in shards}
         self.by[identity] = {(int(x[0]), int(x[1])) for x in held[:self.R]
                              if isinstance(x, list) and len(x) == 2 and all(type(v) is int for v in x)}
         self.heard[identity] = time.monotonic()
@@ -120,6 +127,14 @@ class Holdings:
     def prefer(self, identity: bytes, rnd: int) -> set[int]:
         """The replicas whose round `rnd` this worker can start without a state sent."""
         return {r for r, t in self.by.get(identity, ()) if t == rnd}
+
+    def nearby(self, identity: bytes, rnd: int) -> set[int]:
+        """The replicas whose state a server on this worker's host keeps and no other worker holds for round `rnd`:
+        preferred beside its own, so that their states go up and down within the host, off the links."""
+        mine = self.near.get(identity)
+        if not mine:
+            return set()
+        return mine - {r for i, held in self.by.items() if i != identity for r, t in held if t == rnd}
 
     def elsewhere(self, identity: bytes, rnd: int, admitted: Callable[[bytes], bool], fair: int,
                   patience: float) -> set[int]:

@@ -4,6 +4,7 @@ training wall time. Carried in every snapshot, so a restarted aggregator goes on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cmemi.shared.compression.downlink import DELTA, DENSE
@@ -32,6 +33,13 @@ class RunTotals:
         if (kind := fields.get("downlink")) is not None:
             self.changes_sent += kind in (DELTA, PIECES)
             self.mirrors_sent += kind == DENSE
+
+    def replayed(self, emit: Callable[..., None], replica: int, first: int, now: int) -> None:
+        """train.state_every > 1: replica `replica`'s new holder computes rounds `first` … `now` − 1 again (from its
+        snapshot's round): counted, and a `replay` event through `emit(kind, **fields)`; nothing when first == now."""
+        if first < now:
+            self.inner_rounds_replayed += now - first
+            emit("replay", replica=replica, first=first, round=now, rounds=now - first)
 
     def started(self, now: float) -> bool:
         """Mark this term's training start; True the first time."""

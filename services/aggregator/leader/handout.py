@@ -35,7 +35,7 @@ class Handout:
         ahead already), never moves with its state to whoever asks first; a holder silent for a lease's timeout
         holds nothing back, and a late joiner gets its fair share."""
         holdings, p = self.p.holdings, self.p
-        prefer = holdings.prefer(identity, step) if holdings is not None else set()
+        prefer = holdings.prefer(identity, step) | holdings.nearby(identity, step) if holdings is not None else set()
         avoid: set[int] = set()
         if holdings is not None and p.trainer.fragments:
             fair = p.leasing.pace.fair(p.live_workers)  # ⌈R / workers⌉, over those a slow host's share left
@@ -45,7 +45,7 @@ class Handout:
     def note_holds(self, identity: bytes, h: dict[str, Any]) -> None:
         """Local steps: the (replica, round) inner states a worker says it holds (a `want` or `grad`)."""
         if self.p.holdings is not None:
-            self.p.holdings.note(identity, h["holds"], self.p.admission.admitted)
+            self.p.holdings.note(identity, h["holds"], self.p.admission.admitted, h.get("near"))
 
     def work(self, identity: bytes, node: tuple[int, int, bytes], held_version: int, last: bool = False) -> None:
         """Send a lease; with the current parameters (encoded once per version, sent zero-copy) if the worker's
@@ -104,9 +104,7 @@ class Handout:
             if (got := self._past(r)) is None:
                 return
             step = got[0]
-            if step < p.trainer.step:  # the rounds its new holder computes again (a `replay` event, counted)
-                p.totals.inner_rounds_replayed += p.trainer.step - step
-                p.ctx.emit("replay", replica=r, first=step, round=p.trainer.step, rounds=p.trainer.step - step)
+            p.totals.replayed(p.ctx.emit, r, step, p.trainer.step)  # the rounds its new holder computes again
             tensors = {**tensors, **got[1]}
         n = p.outbox.send(identity, "inner", (protocol.encode_tensors(tensors, p.cfg.cluster.checksum), None),
                           replica=r, round=step, meta=meta)

@@ -187,7 +187,8 @@ def build(ctx: ServiceContext) -> LeaderParts:
     if trainer.sharded:
         ckpt.sharding = {"shard": 0, "shards": trainer.partition.shards, "pieces": trainer.partition.describe()}
     p.advertise()
-    p.holdings = Holdings(trainer.inner.R) if trainer.inner is not None else None
+    p.holdings = Holdings(trainer.inner.R, lambda r: innerstate.owner(r, cfg.cluster.shards, cfg.train.inner_states)) \
+        if trainer.inner is not None else None
     # Redis may restart empty: is this leader still advertised? (read off the loop: shared/coordination/watch.py)
     p.advertised = Watch(ctx.redis, 1.0, lambda r: r.exists(ctx.keys.aggregator), "leader").start()
     # (local steps: a lease is one replica's round)

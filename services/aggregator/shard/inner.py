@@ -92,10 +92,7 @@ class ShardStates:
                 step = (self.inner.start(r) or {}).get("start", 0)
             elif self.trainer.history.on:  # train.state_every > 1: the round the snapshot starts (leader/handout.py)
                 step = innerstate.snapshot_start(step, r, self.trainer.cfg.train.state_every)
-                if step < self.trainer.step:  # the rounds its new holder computes again
-                    self.totals.inner_rounds_replayed += self.trainer.step - step
-                    self.emit("replay", replica=r, first=step, round=self.trainer.step,
-                              rounds=self.trainer.step - step)
+                self.totals.replayed(self.emit, r, step, self.trainer.step)  # the rounds its new holder computes again
             self.totals.inner_states_sent += bool(meta)
             self.totals.bytes_out += self.send(identity, "inner", (protocol.encode_tensors(tensors, self.checksum),
                                                                    None), replica=r, round=step, meta=meta)

@@ -25,6 +25,7 @@ class LeaderLink:
     def __init__(self, ctx: ServiceContext, cfg: Config, landing: Callable[[], dict[str, torch.Tensor]],
                  forget: Callable[[], None], holds: Callable[[], list[list[int]] | None]) -> None:
         self.ctx, self.cfg, self.landing, self.forget, self.holds = ctx, cfg, landing, forget, holds
+        self.near: Callable[[], list[int]] = list  # local steps, K > 1: the servers on this host (worker.py sets it)
         self.patience = Patience(max(2.0, 2 * cfg.cluster.dead_after))  # when to ask again
         self.parts = assembly.Assembler(ctx.run, limits.logical_bytes(cfg), cfg.cluster.checksum,
                                         on_abandon=self._abandoned)  # parameters bigger than one message
@@ -54,6 +55,8 @@ class LeaderLink:
         assert self.sock is not None
         if mtype in ("want", "grad") and (holds := self.holds()) is not None:  # local steps: which replicas' next
             fields["holds"] = holds  # rounds need no state sent
+            if mtype == "want" and (near := self.near()):  # and which servers' replicas' states stay on this host
+                fields["near"] = near
         try:  # over the cap: in parts (never one message over it: the aggregator could only drop it)
             msgs = transfer.messages(mtype, self.ctx.run, {**self.sender, **fields},
                                      limits.derive_max_message_bytes(self.cfg), tensors, self.cfg.cluster.checksum,
