@@ -342,8 +342,9 @@ log "params_sha256 matches the fault-free reference (scaled 2 -> 3 workers, one 
 phase_done
 
 phase "sharded: docker/stack.shards.yml, shard 1 killed mid-run"
-# The same run with cluster.shards: 2 in a stack of its own: swarm restarts the killed shard's task, the
-# cluster goes back to the last checkpoint both shards completed, and the result is still the reference's.
+# The same run with cluster.shards: 2 in a stack of its own: swarm restarts the killed shard's task, which
+# restores its last checkpoint and replays its step log (docs/design/step-log.md), and the result is still the
+# reference's.
 timeout 120 docker stack rm "$STACK" >/dev/null 2>&1 || die "docker stack rm $STACK failed"
 wait_for "the first stack's containers to go" 180 sh -c "[ -z \"\$(docker ps -aq --filter label=com.docker.stack.namespace=$STACK)\" ]"
 docker volume ls -q --filter "label=com.docker.stack.namespace=$STACK" | xargs -r docker volume rm -f >/dev/null 2>&1
@@ -364,7 +365,7 @@ KILL_STEP=$(progress step)
 log "docker kill shard1's task at step $KILL_STEP of $STEPS"
 (( KILL_STEP < STEPS )) || die "the run ended before the kill: raise CMEMI_SWARM_STEPS"
 shard_restarted() { run_file events.jsonl | grep -q '"kind": "shard_restarted"'; }
-wait_for "swarm to restart shard 1 and the leader to roll the cluster back" 180 shard_restarted
+wait_for "swarm to restart shard 1 and the leader to take it back" 180 shard_restarted
 wait_step "$STEPS" 900
 wait_for "run state completed" 120 run_completed
 SUMMARY=$(run_file summary.json) || die "no summary.json in the sharded run's volume"
