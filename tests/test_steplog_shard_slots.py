@@ -3,9 +3,11 @@ a shard k > 0's StepLogLink and the checkpointer's LogServer (its own thread, it
 on a real Redis, over ipc://.
 
 A shard keeps its entries until `logged` (services/aggregator/steplog/shard.py) and ships them without waiting for
-acks, so its slots (two) must never be written again before what they hold is acknowledged: with the checkpointer
-not reading yet, a third entry waits KEEP_WAIT_S for a slot, then goes as frames (counted), and every entry reaches
-the log bitwise once it reads (none is lost to a slot written again). A descriptor naming no segment, or a slot written since (a torn one), is dropped and
+acks, so its slot must never be written again before what it holds is acknowledged: with the checkpointer
+not reading yet, the next entries wait `keep_wait_s` for the slot, then go as frames (counted), and every entry
+reaches the log bitwise once it reads (none is lost to a slot written again); with the checkpointer busy for a
+second (its log's lock held, as the write of the entries ahead holds its thread), the next entry waits for the slot
+and goes through it. A descriptor naming no segment, or a slot written since (a torn one), is dropped and
 counted at the checkpointer, which goes on. A kept entry sent again to a checkpointer that restarted on another
 host goes as frames read from its slot. With the spool on, a same-host entry lands through one buffer reused from
 entry to entry and the log keeps it only in its segment: every entry still held bitwise, and replayed so."""
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
+from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of, keep_wait_s
 from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.services.checkpointer.logfiles import LogFiles, Stored
 from cmemi.services.checkpointer.logserver import LogServer
@@ -37,18 +39,21 @@ def slice_of(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(300, 100, generator=g), "b": torch.randn(9, generator=g)}
 
 
-def same_host(tmp_path: Path, redis_url: str) -> ServiceContext:
+def same_host(tmp_path: Path, redis_url: str, *sets: str) -> ServiceContext:
     if not shm.available():
         pytest.fail("this test needs a writable /dev/shm (the same-host step log's slots)")
-    ctx = context(tmp_path, redis_url, "cluster.transport=auto", "cluster.shards=2", "cluster.max_message_bytes=16777216")
+    ctx = context(tmp_path, redis_url, "cluster.transport=auto", "cluster.shards=2", "cluster.max_message_bytes=16777216",
+                  *sets)
     ctx.redis.set(ctx.keys.term, 1)
     return ctx
 
 
-def serve(ctx: ServiceContext, zctx: zmq.Context, files: LogFiles | None = None) -> tuple[LogServer, StepLog]:
-    """A LogServer advertised in Redis, its thread not started (`start` it: until then nothing is read or acked)."""
+def serve(ctx: ServiceContext, zctx: zmq.Context, files: LogFiles | None = None,
+          lock: threading.Lock | None = None) -> tuple[LogServer, StepLog]:
+    """A LogServer advertised in Redis, its thread not started (`start` it: until then nothing is read or acked).
+    `lock`: its log's (held by the test: nothing is logged or acked meanwhile)."""
     log = StepLog(0, 64 << 20, lambda header, metas: pytest.fail("nothing spills at 64 MB"), files)
-    server = LogServer(ctx, zctx, log, threading.Lock())
+    server = LogServer(ctx, zctx, log, lock or threading.Lock())
     ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
     return server, log
 
@@ -99,6 +104,45 @@ def test_a_shards_entries_go_through_its_slots_and_wait_for_their_acks_before_a_
         assert all(held_bitwise(log, s) for s in (1, 2, 3, 4))
         assert not server.drops.counts
     finally:
+        shard.close()
+        server.close()
+        zctx.term()
+
+
+def test_a_shards_entry_waits_for_its_slot_while_the_checkpointer_still_writes_the_one_before(
+        tmp_path: Path, redis_server) -> None:
+    """Issue 47 (K = 4, a 113 M-parameter model: shards 1 and 3 sent entries as frames, over their memory budgets). A
+    shard stages step s + 1 once the commit of s is in, which needs only its entry of s - 1 held, so its entry of s
+    may still be written when the checkpointer's work of a step outlasts the workers'. Its ack is waited for
+    `keep_wait_s` (at least 2 T: 6 s here), not 50 ms: with the checkpointer's log busy for a second, step 2 still
+    goes through the slot, and both entries are held bitwise. The one-line change that fails this: `keep_wait_s`
+    returning 0.05 (the old KEEP_WAIT_S: step 2 goes as frames, `framed` 1)."""
+    ctx = same_host(tmp_path, redis_server.url, "cluster.dead_after=6")
+    zctx = zmq.Context()
+    busy = threading.Lock()
+    server, log = serve(ctx, zctx, lock=busy)
+    server.start()
+    shard = StepLogLink(ctx, zctx, term=1, shard=1)
+    encoded: dict[int, list[list]] = {}
+    second = threading.Thread(target=lambda: encoded.update({2: shard.encode(2, slice_of(2), None, None, 0.0)}))
+    try:
+        with busy:  # the checkpointer's log thread busy: step 1's entry is read, not logged, not acknowledged
+            encoded[1] = shard.encode(1, slice_of(1), None, None, 0.0)
+            shard.send(encoded[1])
+            second.start()  # the commit of step 1 came: step 2's entry is encoded while step 1's is not acknowledged
+            second.join(timeout=1.0)  # (the checkpointer stays busy a second, or until step 2 went as frames)
+            still_waiting = second.is_alive()
+        second.join(timeout=30)
+        assert still_waiting and not second.is_alive()
+        assert "shm" in transfer_header(encoded[2]) and shard.framed == 0 and shard.slots_used == 2
+        shard.send(encoded[2])
+        seen: set[int] = set()
+        until(lambda: acked(shard, seen) >= {1, 2}, 30, "logged of steps 1-2")
+        assert held_bitwise(log, 1) and held_bitwise(log, 2) and not server.drops.counts
+        assert keep_wait_s(ctx.cfg.cluster, 0) >= 6.0  # (why a second is well within the wait)
+    finally:
+        if second.ident is not None:
+            second.join(timeout=30)
         shard.close()
         server.close()
         zctx.term()

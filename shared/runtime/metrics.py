@@ -43,6 +43,8 @@ ACCEPTED = Counter("cmemi_accepted_microbatches", "Microbatches whose gradients 
 DROPPED = Counter("cmemi_dropped_messages", "Messages dropped, by reason", ["reason"])
 DEATHS = Counter("cmemi_deaths", "Processes declared dead by the coordinator, by role", ["role"])
 RESTARTS = Counter("cmemi_restarts", "Processes restarted by the coordinator, by role", ["role"])
+STEP_LOG_FRAMED = Counter("cmemi_step_log_framed", "A shard's step log entries sent as frames to a checkpointer on its "
+                          "host: the entry before still in its slot, not acknowledged within the wait")
 CHECKPOINT_SECONDS = Histogram("cmemi_checkpoint_write_seconds", "Checkpoint write time (checkpointer)")
 CHECKPOINT_STALL = Histogram("cmemi_checkpoint_stall_seconds", "Training stall per snapshot (aggregator)",
                              buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1))

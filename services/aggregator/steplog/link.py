@@ -29,15 +29,17 @@ from typing import Any
 
 import torch
 import zmq
-from cmemi.services.aggregator.steplog.connection import LogConnection
+from cmemi.services.aggregator.steplog.connection import LogConnection, resend_after
 from cmemi.services.aggregator.steplog.staging import Staging
 from cmemi.services.aggregator.steplog.statespool import StateSpool
+from cmemi.shared.config.system import ClusterConfig
+from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import protocol, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
-KEEP_WAIT_S = 0.05  # a shard's slot still held: how long its ack is waited for before the entry goes as frames
+KEEP_RATE = 32 << 20  # bytes/s: the slowest spool write a shard's wait for its slot allows for (`keep_wait_s`)
 GRAD, BUFFER = "g.", "b."
 
 
@@ -50,10 +52,27 @@ def tensors_of(grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torc
     return out
 
 
+def keep_wait_s(cluster: ClusterConfig, nbytes: int) -> float:
+    """How long a shard k > 0 waits for the ack of the entry in its slot before its next entry (`nbytes`) goes as
+    frames: the checkpointer's writes of what may lie ahead of that entry in its log thread (every server's entry of
+    a step, K + 1 of about this size, at KEEP_RATE), plus `resend_after` (2 T: an entry unacknowledged that long is
+    held lost and sent again anyway). The ack is due by then: the shard stages step s + 1 once the commit of s is in,
+    which guarantees only its entry of s - 1 held (the leader waits for its ack of s only once every shard is ready
+    for s + 1), so its entry of s is still being written whenever the checkpointer's work of a step outlasts the
+    workers' (issue 47: a fixed 50 ms sent a 113 M-parameter model's shards' entries as frames, over their memory
+    budgets). The wait costs the step nothing: the leader applies s + 1 only after its ack of s, which needs this
+    shard's entry of s held."""
+    return resend_after(cluster) + (cluster.shards + 1) * nbytes / KEEP_RATE
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """`t` without autograd: itself when nothing tracks it (a reduced gradient never is), which costs no `detach`
     (~1 us a tensor, every step: issue 45)."""
     return t.detach() if t.requires_grad else t
+
+
+def _nbytes(grads: dict[str, torch.Tensor] | None, states: dict[str, torch.Tensor] | None) -> int:
+    return sum(t.numel() * t.element_size() for d in (grads, states) if d for t in d.values())
 
 
 def inputs_of(tensors: dict[str, torch.Tensor], skip: bool) -> tuple[dict[str, torch.Tensor] | None,
@@ -75,7 +94,7 @@ class StepLogLink(LogConnection):
         self.staging = Staging(ctx.run, shard, ctx.cfg.cluster.checksum)  # where `stage` copies an entry to
         self.slotted: dict[int, tuple[list[list[Any]], dict[str, Any], dict[str, torch.Tensor]]] = {}  # a shard's
         # kept entries in slots, until acknowledged: step -> (their messages, fields, tensors: views of the slot)
-        self.framed = 0  # a shard's entries sent as frames on this host: no slot free within KEEP_WAIT_S
+        self.framed = 0  # a shard's entries sent as frames on this host: no slot free within `keep_wait_s`
         self.slots_used = 0  # a shard's entries sent through its slots
         self.states = StateSpool(ctx.run_dir / "steplog" / f"states-{shard}") if \
             ctx.cfg.train.local_steps and ctx.cfg.checkpoint.step_log_spool else None  # local steps: statespool.py
@@ -137,7 +156,7 @@ class StepLogLink(LogConnection):
                   "partials": partials, "evals": None, "replicas": replicas}
         if self.sock is None:
             self.connect()
-        if self.local and self._slot_free(step):
+        if self.local and self._slot_free(step, _nbytes(grads, states)):
             if self.slots_used == 0:
                 self.ctx.log.info("step log: this shard's entries go through its shared-memory slots", shard=self.shard)
             self.slots_used += 1
@@ -153,32 +172,42 @@ class StepLogLink(LogConnection):
         except transfer.TooBig as exc:
             self.ctx.fatal(f"aggregator: {exc}")
 
-    def _slot_free(self, step: int) -> bool:
-        """May step `step`'s kept entry go into a slot? Its acks read first (and left for the caller to read too);
-        if the slot due still holds one not acknowledged, its ack is waited for up to KEEP_WAIT_S (it is normally
-        on its way: the leader committed the step before, which needed that entry held), then the entry goes as
-        frames (counted in `framed`)."""
-        deadline = time.monotonic() + KEEP_WAIT_S
+    def _slot_free(self, step: int, nbytes: int) -> bool:
+        """May step `step`'s kept entry (`nbytes`) go into a slot? Its acks read first (and left for the caller to
+        read too); if the slot still holds one not acknowledged, its ack is waited for up to `keep_wait_s` (it is on
+        its way unless the checkpointer is gone: the leader's next step needs that entry held too) or until a
+        `log_gap` says it will not come, then the entry goes as frames (counted in `framed`, the `step_log_framed` event and the `cmemi_step_log_framed` metric)."""
+        start = time.monotonic()
+        deadline = start + keep_wait_s(self.ctx.cfg.cluster, nbytes)
         read: list[protocol.Message] = []
         wait_ms = 0
         free = False
         while True:
-            read += self.replies(wait_ms)  # (the backlog first: every reply read stays for the caller)
+            got = self.replies(wait_ms)  # (the backlog first: every reply read stays for the caller)
+            read += got
             left = deadline - time.monotonic()
-            if (free := self.staging.can_keep()) or left <= 0 or self.sock is None:
+            if (free := self.staging.can_keep()) or left <= 0 or self.sock is None or self._refused(got):
                 break
             wait_ms = max(1, int(left * 1000))
         self.backlog = read
         if free:
             return True
         self.framed += 1
+        metrics.STEP_LOG_FRAMED.inc()
+        waited = round(time.monotonic() - start, 3)
+        self.ctx.emit("step_log_framed", step=step, shard=self.shard, held=sorted(self.staging.held), waited_s=waited)
         if self.framed <= 3 or self.framed % 100 == 0:
             self.ctx.log.warning("step log: no slot free (an entry not acknowledged in it); this one goes as frames",
-                                 step=step, held=sorted(self.staging.held), framed=self.framed)
+                                 step=step, held=sorted(self.staging.held), framed=self.framed, waited_s=waited)
         self.staging.forget_before(step - 1)  # (the shard keeps none before step - 1 either)
         for s in [s for s in self.slotted if s < step - 1]:
             del self.slotted[s]
         return False
+
+    def _refused(self, replies: list[protocol.Message]) -> bool:
+        """Did the checkpointer answer an entry in the slot `log_gap` (it restarted and lost its log: no `logged`
+        comes for it until the shard sends it again, steplog/shard.py)?"""
+        return any(m.type == "log_gap" and m.header["step"] in self.staging.held for m in replies)
 
     def replies(self, timeout_ms: int = 0) -> list[protocol.Message]:
         """`LogConnection.replies`; a `logged` frees its entry's slot (a shard's kept entries)."""

@@ -13,8 +13,8 @@ memory each (issue 47: bench/memory.py's leader was over issue 34's budget by ab
 
 A shard k > 0 keeps its entries until they are acknowledged and sends them again when late (steplog/shard.py), so
 its entries in the slot (`keep`) are tracked until `free`d by their `logged`: the slot is written again only once
-what it held is acknowledged (`can_keep`; its `logged` went out before the leader's ack of the same step, which the
-shard's next step waits for), so a kept entry's descriptor stays readable until its ack.
+what it held is acknowledged (`can_keep`; the shard's next step is not guaranteed it, only the step's before: link.py
+`keep_wait_s` says how long it is waited for), so a kept entry's descriptor stays readable until its ack.
 """
 
 from __future__ import annotations
