@@ -55,7 +55,7 @@ def scaling_out() -> tuple[str, str, str]:
 
 
 HOME = "cluster_home_20mbit_kn_near"  # issue 48's home links: whole rounds, int4 both ways, K = N, at 20 Mbit/s
-HOME_BYTES = "cluster_home_bytes"  # the same recipe's bytes per sample against synchronous cmemi_kn in one run
+HOME_BYTES = "cluster_home_bytes_kn"  # the same recipe's bytes per sample against synchronous cmemi_kn in one run
 
 
 def local_steps() -> tuple[str, str, str]:
@@ -65,7 +65,7 @@ def local_steps() -> tuple[str, str, str]:
     return ("local steps", f"emulated cluster, N = {n} hosts on {x['link']['rate'].replace('mbit', ' Mbit/s')} links: "
             f"whole rounds (H = {home['local_steps']}) with 4-bit changes both ways and a shard on every host at "
             f"**{home['of_measured_compute_bound']:.0%}** of the compute bound measured in the same run, "
-            f"**{b['cmemi_kn']['bytes_per_sample'] / b['cmemi_local_rare']['bytes_per_sample']:,.0f}×** fewer bytes "
+            f"**{b['cmemi_kn']['bytes_per_sample'] / b['cmemi_local_rare_kn']['bytes_per_sample']:,.0f}×** fewer bytes "
             "per sample than synchronous steps", "docs/benchmarks/local-steps.md")
 
 
