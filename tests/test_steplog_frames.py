@@ -50,7 +50,7 @@ def live_steps(cfg, steps: int) -> tuple[Trainer, list[tuple[dict, dict[str, tor
             assert bad is None
             assert collector.offer((lo, hi), grads, h["losses"], None, keep=kept) is None
         mean, _ = collector.mean()
-        assert mean is not None and frames.smaller(collector.kept, mean)
+        assert mean is not None and frames.smaller(collector.kept, mean, collector.M)
         field, tensors = frames.entry(collector.kept, collector.M)
         entries.append((msgpack.unpackb(msgpack.packb(field)), {n: t.clone() for n, t in tensors.items()},
                         limits.nbytes(tensors.values()), limits.nbytes(mean.values())))
@@ -86,6 +86,16 @@ def test_a_frame_entry_is_the_encoded_bytes_not_the_dense_slice(tmp_path: Path) 
         assert [tuple(p[:2]) for p in field["parts"]] and field["microbatches"] == 4
         assert nbytes == limits.nbytes(tensors.values()) and nbytes * 2 < dense, (nbytes, dense)
         assert all(name.startswith(frames.FRAME) for name in tensors)
+
+
+def test_gradients_are_kept_only_while_fewer_bytes_than_the_slice_and_only_a_whole_step_goes_encoded() -> None:
+    """`room`: a server keeps the step's gradients only while they are fewer bytes than its dense slice (its memory:
+    at most a slice and a gradient more); `smaller`: an entry goes encoded only if they cover every microbatch."""
+    half = [frames.Received(lo, lo + 2, True, [0.5, 0.5], {}, {"w#p": torch.zeros(10)}) for lo in (0, 2)]  # 40 B
+    dense = {"w": torch.zeros(100)}  # 400 B
+    assert frames.room(half * 4, 400) and not frames.room(half * 5, 400)
+    assert frames.smaller(half, dense, 4) and not frames.smaller(half[:1], dense, 4)
+    assert not frames.smaller(half * 5, dense, 20) and not frames.smaller(half, None, 4)
 
 
 def test_a_malformed_frame_entry_is_a_clear_error(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from cmemi.services.aggregator.steplog import frames
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.buffers import PREFIX
+from cmemi.shared.wire import limits
 
 
 class GradIntake:
@@ -37,6 +38,7 @@ class GradIntake:
         self.contributed: set[tuple[str, int]] = set()  # (worker, incarnation)s whose first gradient was accepted
         # the step log's entry may be the step's gradients as they came (steplog/frames.py): each kept, as it came
         self.keeps = parts.steplog is not None and frames.in_use(parts.codec, parts.trainer)
+        self.dense = limits.nbytes(parts.trainer.pieces.values())  # (kept while fewer bytes than this: frames.room)
 
     def take(self, identity: bytes, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         p, collector = self.p, self.p.leasing.collector
@@ -51,7 +53,8 @@ class GradIntake:
             self.misfit(identity, info, bad, where)
             return
         codec = p.checking_codec if collector.strict else p.codec
-        kept = frames.received(h, tensors) if self.keeps else None  # (before the decode: its results may alias)
+        kept = frames.received(h, tensors) if self.keeps and frames.room(collector.kept, self.dense) else None
+        # (taken before the decode: its results may alias the frames)
         grads, bad, seconds = gradients.decode(codec, p.trainer, h, tensors, p.trainer.expected(h["step"]))
         # a borrowed gradient is copied where it is kept, but the one microbatch of M = 1 under an optimizer that only
         # reads it: stepped from the slot (its worker writes that slot again only after work sent past this step)

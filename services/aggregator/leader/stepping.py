@@ -117,7 +117,7 @@ class Stepper:
             # step changes them in place, the next reuses them; local steps: the replicas' states it makes current
             replicas, states = states_of(self.trainer.inner, self.p.steplog.states, self.trainer.step + 1)
             # the step's gradients as they came where they are fewer bytes than their mean (steplog/frames.py)
-            field, framed = frames.entry(collector.kept, collector.M) if frames.smaller(collector.kept, grads) \
+            field, framed = frames.entry(collector.kept, collector.M) if frames.smaller(collector.kept, grads, collector.M) \
                 else (None, {})
             entry = (self.trainer.step + 1, self.p.steplog.stage(None if field else grads, buffer_sum,
                                                                  {**(states or {}), **framed}),

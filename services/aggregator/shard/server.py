@@ -264,7 +264,7 @@ class ShardServer:
         if self.current.held(g, node):
             return
         inner, keep, bad = self.states.take(h, msg.tensors)  # local steps: the replica's state, if kept here
-        kept = self.steplog.keep(h, msg.tensors) if self.steplog is not None and bad is None else None
+        kept = self.steplog.keep(h, msg.tensors, collector.kept) if self.steplog is not None and bad is None else None
         grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.trainer.expected(
             h["step"], self.stages[g])) if bad is None else (None, bad, 0.0)
         if bad is not None:

@@ -46,6 +46,10 @@ class Received:
     codec: Any
     tensors: dict[str, torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        return limits.nbytes(self.tensors.values())
+
 
 def received(h: dict[str, Any], frames: dict[str, torch.Tensor]) -> Received:
     """A copy of a gradient message's encoded part (`frames`: its tensors without the buffers and inner state) and
@@ -56,11 +60,18 @@ def received(h: dict[str, Any], frames: dict[str, torch.Tensor]) -> Received:
                     {n: t.detach().clone() for n, t in frames.items()})
 
 
-def smaller(got: Sequence[Received], grads: dict[str, torch.Tensor] | None) -> bool:
-    """Does the step's entry go as its encoded gradients `got`: fewer bytes than its reduced slice `grads`?"""
-    if grads is None or not got:
+def room(got: Sequence[Received], dense: int) -> bool:
+    """Is the step's next gradient worth keeping: what is kept of it is still fewer bytes than its dense slice
+    (`dense`)? Past that the entry is the slice anyway; so a server keeps at most one slice and one gradient more."""
+    return sum(r.nbytes for r in got) < dense
+
+
+def smaller(got: Sequence[Received], grads: dict[str, torch.Tensor] | None, microbatches: int) -> bool:
+    """Does the step's entry go as its encoded gradients `got`: they cover its `microbatches` and are fewer bytes
+    than its reduced slice `grads`?"""
+    if grads is None or sum(r.hi - r.lo for r in got) != microbatches:
         return False
-    return sum(limits.nbytes(r.tensors.values()) for r in got) < limits.nbytes(grads.values())
+    return sum(r.nbytes for r in got) < limits.nbytes(grads.values())
 
 
 def entry(got: Sequence[Received], microbatches: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

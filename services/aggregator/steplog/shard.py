@@ -39,6 +39,7 @@ from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits
 
 
 def in_use(cfg: Config, trainer: Trainer) -> bool:
@@ -61,18 +62,20 @@ def replays_in_term(cfg: Config, trainer: Trainer, codec: GradientCodec) -> bool
     return in_use(cfg, trainer) and not trainer.local and not codec.stateful
 
 
-def framed(codec: GradientCodec, trainer: Trainer) -> bool:
-    """May this shard's entries go as the step's gradients as they came (frames.py)?"""
-    return frames.in_use(codec, trainer)
+def framed(codec: GradientCodec, trainer: Trainer) -> int:
+    """Below how many bytes a step's gradients as they came are kept for this shard's entry (frames.py `room`): its
+    dense slice's; 0: never (`in_use`)."""
+    return limits.nbytes(trainer.pieces.values()) if frames.in_use(codec, trainer) else 0
 
 
 class ShardStepLog:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int,
-                 saved: list[Callable[[int], object]] | None = None, frames_on: bool = False) -> None:
+                 saved: list[Callable[[int], object]] | None = None, frames_below: int = 0) -> None:
         """`saved`: told each checkpoint step written (CheckpointerLink.on_saved): the state spool's retention.
-        `frames_on`: entries may go as the step's gradients as they came (frames.py `in_use`): `keep` copies them."""
+        `frames_below`: the step's gradients as they came are kept for its entry while fewer bytes than this (`framed`;
+        0: never)."""
         self.link = StepLogLink(ctx, zctx, term, shard)
-        self.frames_on = frames_on
+        self.frames_below = frames_below
         if saved is not None and self.link.states is not None:
             saved.append(self.link.states.covered)
         self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
@@ -132,7 +135,7 @@ class ShardStepLog:
         self.shipped = step
         spool = getattr(self.link, "states", None)  # (None: the checkpointer's spool is off, or a test's fake link)
         framed = frames.entry(collector.kept, collector.M) if collector is not None and \
-            frames.smaller(collector.kept, grads) else None
+            frames.smaller(collector.kept, grads, collector.M) else None
         msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner, spool, step), encoded=framed)
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
@@ -140,9 +143,11 @@ class ShardStepLog:
         self.kept[step] = (self.sent_at, msgs)
         self.link.send(msgs)
 
-    def keep(self, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> frames.Received | None:
-        """What the step's collector keeps of a gradient for this shard's entry (`frames_on`), taken before its decode."""
-        return frames.received(h, tensors) if self.frames_on else None
+    def keep(self, h: dict[str, Any], tensors: dict[str, torch.Tensor],
+             got: list[frames.Received]) -> frames.Received | None:
+        """What the step's collector keeps of a gradient for this shard's entry, taken before its decode (`got`: what
+        it kept so far; frames.py `room`)."""
+        return frames.received(h, tensors) if frames.room(got, self.frames_below) else None
 
     def poll(self) -> None:
         """Take the checkpointer's answers; send the kept entries again after a gap, to a restarted checkpointer, or
