@@ -173,11 +173,15 @@ def test_encoded_entries_go_through_the_real_log_and_replay_bitwise(tmp_path: Pa
 @pytest.mark.integration
 @pytest.mark.fault
 @pytest.mark.timeout(400)
-def test_powersgd_k2_leader_then_shard_killed_replays_frame_entries_to_the_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_powersgd_k2_leader_then_shard_killed_replays_frame_entries_to_the_reference(tmp_path: Path,
+                                                                                     transport: str) -> None:
     """PowerSGD rank 2, K = 2, W = 1, no checkpoint but the final one: the leader SIGKILLed mid-run, then shard 1.
-    Every replay goes through frame entries (each server's shipped as its received gradients): no step twice, the
-    reference's params_sha256, and the leader's entries a fraction of its slice's dense bytes."""
-    sets = (*SYNC, "compression.codec=powersgd", "compression.powersgd_rank=2", "cluster.shards=2")
+    Every replay goes through frame entries (each server's shipped as its received gradients; on this host through
+    the servers' slots, or with `tcp` as frames over tcp://): no step twice, the reference's params_sha256, and the
+    leader's entries a fraction of its slice's dense bytes."""
+    sets = (*SYNC, "compression.codec=powersgd", "compression.powersgd_rank=2", "cluster.shards=2",
+            f"cluster.transport={transport}")
     c = leader_killed_runs_to_the_reference(tmp_path, sets, [(40, 120), (160, 240)], server=("0", "1"))
     dense = limits.nbytes(Trainer(load_config(DIGITS, [f"run.dir={tmp_path}", *sets, *FAULTS]), shard=0).pieces.values())
     assert c.summary["step_log_encoded_entries"] > 0, c.summary
