@@ -81,15 +81,17 @@ def test_the_rule_rewinds_only_a_step_asked_again() -> None:
 
 
 def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], spans: list[tuple[int, int]],
-                                        server: str = "0") -> None:
-    """W = 1, no checkpoint but the final one, the leader (or shard `server`) killed once in each span of steps (drawn
-    from a fresh seed, named in every failure): `cmemi reference`'s params_sha256, no step twice, a replay per kill,
-    nothing redone."""
+                                        server: str | tuple[str, ...] = "0") -> Cluster:
+    """W = 1, no checkpoint but the final one, the leader (or shard `server`; a tuple: the server of each span) killed
+    once in each span of steps (drawn from a fresh seed, named in every failure): `cmemi reference`'s params_sha256,
+    no step twice, a replay per kill, nothing redone. Returns the finished cluster."""
     seed, targets = seeded_steps(spans)
     want = reference_of(tmp_path, *sets, "checkpoint.every_steps=0", "cluster.workers=1")
     c = Cluster(tmp_path / "run", *sets, *FAULTS, "checkpoint.every_steps=0", "cluster.workers=1")
+    servers = (server,) * len(targets) if isinstance(server, str) else server
     try:
-        killed_at = c.kill_at("aggregator", server, targets, replace_timeout=90)
+        killed_at = [c.kill_at("aggregator", s, [t], replace_timeout=90)[0]
+                     for s, t in zip(servers, targets, strict=True)]
     finally:
         rc = c.wait(timeout=200)
     note = f"seed {seed}, kills at steps {killed_at}"
@@ -103,6 +105,7 @@ def leader_killed_runs_to_the_reference(tmp_path: Path, sets: tuple[str, ...], s
     assert len(replays) == len(targets) and all(e["replayed"] > 0 and e["checkpoint"] == 0 for e in replays), note
     assert [e for e in events if e["kind"] == "steps_redone"] == [], note
     assert c.summary["term"] == len(targets) + 1, note
+    return c
 
 
 @pytest.mark.integration

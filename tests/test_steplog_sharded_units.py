@@ -95,7 +95,7 @@ class FakeLink:
         self.moved_now = False
         self.queue: list[Any] = []  # (the SendQueue's: nothing waits to go)
 
-    def encode(self, step: int, grads: Any, *_: Any) -> list[list[Any]]:
+    def encode(self, step: int, grads: Any, *_: Any, **__: Any) -> list[list[Any]]:
         return [[step]]
 
     def send(self, msgs: list[list[Any]]) -> None:

@@ -27,7 +27,8 @@ from cmemi.services.checkpointer.steplog import Entry, StepLog
 from cmemi.shared.wire import limits, protocol
 
 FIELDS = ("step", "skip", "loss", "partials", "evals")
-CARRIED = ("replicas",)  # the leader's, with local steps: the replicas' states' metadata, held and served back as is
+CARRIED = ("replicas", "encoded")  # held and served back as is: the leader's replicas' states' metadata (local steps);
+# an entry's encoded gradients as they came (its tensors are their frames: aggregator/steplog/frames.py), never decoded here
 DECIDED = ("skip", "loss", "partials")  # the leader's decision of a step, which a shard's replay applies
 MAX_BATCH = limits.STEP_LOG_BATCH  # entries in one `log_entries` at most (the asker bounds its count by bytes)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from cmemi.shared.core.reduction import TreeAccumulator, add_into, blocks, is_subtree
@@ -70,6 +71,7 @@ class StepCollector:
         self._losses: dict[int, float] = {}
         self.overflow = False  # some microbatch overflowed: the step is skipped, like GradScaler does
         self._lacking: dict[int, float] = {}  # microbatch -> when another shard was first seen lacking it (or re-queued)
+        self.kept: list[Any] = []  # what `offer` was given to keep of each accepted contribution (steplog/frames.py)
 
     @property
     def complete(self) -> bool:
@@ -163,12 +165,14 @@ class StepCollector:
 
     def offer(self, node: int | Node, grads: dict[str, torch.Tensor] | None, losses: float | Sequence[float],
               holder: tuple[str, int] | None, buffers: dict[str, torch.Tensor] | None = None,
-              own: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> str | None:
+              own: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+              keep: Any = None) -> str | None:
         """Accept the tree sum over `node` (a leaf m or (lo, hi)) from `holder` = (wid, inc) (grads None: it
         overflowed under fp16 loss scaling), one loss per microbatch, and its buffer contribution (the tree sum of
         shared.buffers.contribution; None for a model whose buffers do not travel); returns a drop reason instead if
         it is not wanted. The collector owns accepted tensors; with `own`, `grads` are borrowed (a shared-memory slot's
-        views): only read, summed into a waiting sibling or kept as `own(grads)`, a copy (shared/core/reduction.py)."""
+        views): only read, summed into a waiting sibling or kept as `own(grads)`, a copy (shared/core/reduction.py).
+        `keep`: kept in `kept` if the contribution is accepted (the step log's copy of it as it came, frames.py)."""
         node = node_of(node)
         if (reason := self.check(node, holder)) is not None:
             return reason
@@ -186,6 +190,8 @@ class StepCollector:
         self._tree.add(*node, grads or {}, own)  # received buffers become accumulators: no copy, no allocation
         if buffers is not None:
             self._buffers.add(*node, buffers)
+        if keep is not None:
+            self.kept.append(keep)
         return None
 
     def holds(self) -> list[torch.Tensor]:

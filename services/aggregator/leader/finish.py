@@ -92,6 +92,10 @@ def finish(parts: LeaderParts, stepper: Stepper, pump: Callable[[], None]) -> di
     summary["checkpointer_dropped_messages"] = _checkpointer_drops(ctx)
     if stepper.stall_s:
         summary["checkpoint_stall_s_median"] = statistics.median(stepper.stall_s)
+    if (log := parts.steplog) is not None and log.entries:  # the leader's entries shipped by this process: their
+        # tensors' bytes a step, and how many went as the step's gradients as they came (steplog/frames.py)
+        summary["step_log_bytes"] = log.entry_bytes // log.entries
+        summary["step_log_encoded_entries"] = log.encoded_entries
     atomic.write_text(ctx.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     reporter.flush(timeout=10)  # the last step's progress before the run is complete
     _set_completed(ctx)

@@ -25,15 +25,20 @@ from cmemi.services.aggregator.common import gradients
 from cmemi.services.aggregator.common.admission import WorkerInfo
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.leader.stepping import Stepper
+from cmemi.services.aggregator.steplog import frames
 from cmemi.shared.core import fragments as fragmenting
 from cmemi.shared.core import innerstate
 from cmemi.shared.core.buffers import PREFIX
+from cmemi.shared.wire import limits
 
 
 class GradIntake:
     def __init__(self, parts: LeaderParts, stepper: Stepper, serve_parked: Callable[[], None]) -> None:
         self.p, self.stepper, self.serve_parked = parts, stepper, serve_parked
         self.contributed: set[tuple[str, int]] = set()  # (worker, incarnation)s whose first gradient was accepted
+        # the step log's entry may be the step's gradients as they came (steplog/frames.py): each kept, as it came
+        self.keeps = parts.steplog is not None and frames.in_use(parts.codec, parts.trainer)
+        self.dense = limits.nbytes(parts.trainer.pieces.values())  # (kept while fewer bytes than this: frames.room)
 
     def take(self, identity: bytes, info: WorkerInfo, h: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         p, collector = self.p, self.p.leasing.collector
@@ -48,6 +53,8 @@ class GradIntake:
             self.misfit(identity, info, bad, where)
             return
         codec = p.checking_codec if collector.strict else p.codec
+        kept = frames.received(h, tensors) if self.keeps and frames.room(collector.kept, self.dense) else None
+        # (taken before the decode: its results may alias the frames)
         grads, bad, seconds = gradients.decode(codec, p.trainer, h, tensors, p.trainer.expected(h["step"]))
         # a borrowed gradient is copied where it is kept, but the one microbatch of M = 1 under an optimizer that only
         # reads it: stepped from the slot (its worker writes that slot again only after work sent past this step)
@@ -58,7 +65,7 @@ class GradIntake:
         elif p.report_buffers and not p.trainer.valid_buffers(produced):  # model.buffers: mean
             self.misfit(identity, info, "bad_buffers", f"{info.wid}: buffers do not match the model or are not finite")
         elif (reason := collector.offer(node, grads, h["losses"], (info.wid, info.inc),
-                                        produced if p.report_buffers else None, own=own)) is not None:
+                                        produced if p.report_buffers else None, own=own, keep=kept)) is not None:
             p.drops(reason, where)
         elif not p.intake.intact():  # the slot was written while summed: this step's sum is unknown, so again
             p.drops("shm_overwritten", f"{where}: its slot was written while read; collecting the step again")

@@ -31,6 +31,7 @@ import torch
 from cmemi.services.aggregator.common.userstep import users_step
 from cmemi.services.aggregator.leader.parts import LeaderParts
 from cmemi.services.aggregator.snapshots import contents as snapshots
+from cmemi.services.aggregator.steplog import frames
 from cmemi.services.aggregator.steplog.evals import EvalLog
 from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.compression.base import all_finite
@@ -115,8 +116,12 @@ class Stepper:
         if self.p.steplog is not None:  # its inputs, copied now (steplog/link.py: into a slot or kept buffers): the
             # step changes them in place, the next reuses them; local steps: the replicas' states it makes current
             replicas, states = states_of(self.trainer.inner, self.p.steplog.states, self.trainer.step + 1)
-            entry = (self.trainer.step + 1, self.p.steplog.stage(grads, buffer_sum, states), grads is None, partials,
-                     loss, self.evallog.to_ship(), replicas)
+            # the step's gradients as they came where they are fewer bytes than their mean (steplog/frames.py)
+            field, framed = frames.entry(collector.kept, collector.M) if frames.smaller(collector.kept, grads, collector.M) \
+                else (None, {})
+            entry = (self.trainer.step + 1, self.p.steplog.stage(None if field else grads, buffer_sum,
+                                                                 {**(states or {}), **framed}),
+                     grads is None, partials, loss, self.evallog.to_ship(), replicas, field)
         with users_step(self.ctx.fatal, self.trainer.step + 1):
             self.trainer.apply(grads, buffer_sum, partials=partials)
         step = self.trainer.step
@@ -141,7 +146,7 @@ class Stepper:
             self._ship(entry)  # (a death before this: the step was never committed, and is computed again)
 
     def _ship(self, entry: tuple[int, dict[str, torch.Tensor], bool, list[float] | None, float,
-                                 dict[str, Any] | None, list[Any] | None]) -> None:
+                                 dict[str, Any] | None, list[Any] | None, dict[str, Any] | None]) -> None:
         assert self.p.steplog is not None
         self.p.steplog.ship_staged(*entry)
 

@@ -93,7 +93,8 @@ class ShardServer:
         self.door.parks = logged and shard_log.moved_on(ctx, max(restored_step, 0))  # (within the term, maybe)
         joined_at = shard_join.restore_slice(ctx, self.trainer, self.totals, self.ckpt, restored_step, shard,
                                              newest=self.door.parks)
-        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard, self.ckpt.on_saved) if logged else None
+        self.steplog = shard_log.ShardStepLog(ctx, self.zctx, self.term, shard, self.ckpt.on_saved,
+                                              shard_log.framed(self.codec, self.trainer)) if logged else None
         if self.steplog is not None and joined_at >= 0:  # this shard's entries, to its leader's replayed step
             joined_at = self.steplog.replay(ctx, self.trainer, self.totals)
         self.snapshotted = -1  # the last step checkpointed here (a forced checkpoint is not sent twice)
@@ -263,6 +264,7 @@ class ShardServer:
         if self.current.held(g, node):
             return
         inner, keep, bad = self.states.take(h, msg.tensors)  # local steps: the replica's state, if kept here
+        kept = self.steplog.keep(h, msg.tensors, collector.kept) if self.steplog is not None and bad is None else None
         grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.trainer.expected(
             h["step"], self.stages[g])) if bad is None else (None, bad, 0.0)
         if bad is not None:
@@ -271,7 +273,7 @@ class ShardServer:
                 self._send(identity, "reject", fatal=True, reason=why)  # its LIMIT-th in a row (misfits.py)
             return
         self.misfits.forget(identity)
-        if (reason := collector.offer(node, grads, h["losses"], None)) is not None:
+        if (reason := collector.offer(node, grads, h["losses"], None, keep=kept)) is not None:
             self.drops(reason, where)
             return
         self.states.accepted(h["lo"], inner, keep)
@@ -293,7 +295,7 @@ class ShardServer:
     def _ready(self) -> None:
         grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
         if self.steplog is not None:  # its step log entry first (once per step, however often it is ready)
-            self.steplog.ship(self.current.version + 1, grads, self.trainer.inner)
+            self.steplog.ship(self.current.version + 1, grads, self.trainer.inner, self.current.collectors[0])
         self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
                          overflow=grads is None and not self.pipelined)
         self._next_ready = time.monotonic() + 1.0

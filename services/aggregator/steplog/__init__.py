@@ -11,6 +11,8 @@
 - `statespool.py`: with train.local_steps, the replicas' states a step makes current, written to this server's own
   host (one record a step) so that its entry carries a reference, not the tensors, through the checkpointer's link.
 - `replay.py`: a restarted server replays the log after its checkpoint: optimizer steps only, bitwise the same.
+- `frames.py`: an entry as the step's encoded gradients as they came (a compressing codec, where fewer bytes than the
+  reduced slice), reduced again on a replay by the live step's decode and reduction tree.
 - `shard.py`: a shard k > 0's side (cluster.shards > 1): its slice's entry shipped with its `shard_ready`, kept until
   logged, and its replay with the leader's decisions.
 """

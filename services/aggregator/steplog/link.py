@@ -24,7 +24,7 @@ A replay reads the log over this link (reading.py: two entries ahead).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from cmemi.services.aggregator.steplog.statespool import StateSpool
 from cmemi.shared.config.system import ClusterConfig
 from cmemi.shared.runtime import metrics
 from cmemi.shared.runtime.service import ServiceContext
-from cmemi.shared.wire import protocol, transfer
+from cmemi.shared.wire import limits, protocol, transfer
 
 ACK_TIMEOUT_S = 120.0  # a checkpointer away this long stops the run (its restart takes about a second)
 RECHECK_S = 0.5  # an acknowledgement this late: is the checkpointer still the one sent to?
@@ -96,6 +96,8 @@ class StepLogLink(LogConnection):
         # kept entries in slots, until acknowledged: step -> (their messages, fields, tensors: views of the slot)
         self.framed = 0  # a shard's entries sent as frames on this host: no slot free within `keep_wait_s`
         self.slots_used = 0  # a shard's entries sent through its slots
+        self.entries = self.entry_bytes = self.encoded_entries = 0  # entries shipped, their tensors' bytes, how many
+        # were the step's encoded gradients (frames.py)
         self.states = StateSpool(ctx.run_dir / "steplog" / f"states-{shard}") if \
             ctx.cfg.train.local_steps and ctx.cfg.checkpoint.step_log_spool else None  # local steps: statespool.py
 
@@ -123,11 +125,13 @@ class StepLogLink(LogConnection):
         self.ship_staged(step, tensors_of(grads, buffer_sum, copy), grads is None, partials, loss, evals)
 
     def ship_staged(self, step: int, tensors: dict[str, torch.Tensor], skip: bool, partials: list[float] | None,
-                    loss: float, evals: dict[str, Any] | None = None, replicas: list[Any] | None = None) -> None:
+                    loss: float, evals: dict[str, Any] | None = None, replicas: list[Any] | None = None,
+                    encoded: dict[str, Any] | None = None) -> None:
         """`ship` of what `stage` copied (`tensors`; `skip`: the step's gradient is None; `replicas`: local steps'
-        replica states' metadata, replicas.py)."""
+        replica states' metadata, replicas.py; `encoded`: the entry is the step's encoded gradients as they came, frames.py)."""
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": skip, "loss": float(loss),
-                  "partials": partials, "evals": evals, "replicas": replicas}
+                  "partials": partials, "evals": evals, "replicas": replicas, "encoded": encoded}
+        self.count(tensors.values(), encoded)
         self.pending = (step, fields, tensors)
         self.send(self._messages())
 
@@ -148,12 +152,18 @@ class StepLogLink(LogConnection):
     # each in a slot of its own, written again only once acknowledged (staging.py `keep`); else as frames
     def encode(self, step: int, grads: dict[str, torch.Tensor] | None, buffer_sum: dict[str, torch.Tensor] | None,
                partials: list[float] | None, loss: float, replicas: list[Any] | None = None,
-               states: dict[str, torch.Tensor] | None = None) -> list[list[Any]]:
+               states: dict[str, torch.Tensor] | None = None,
+               encoded: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None) -> list[list[Any]]:
         """Step `step`'s entry, encoded (`ship`'s arguments; the tensors copied; `replicas`, `states`: the
-        replicas' states the step makes current, of a shard that keeps some: replicas.py): a slot's descriptor where
-        the checkpointer is on this host and a slot is free, else frames."""
+        replicas' states the step makes current, of a shard that keeps some: replicas.py; `encoded`: the step's
+        encoded gradients as they came (field, tensors), sent instead of `grads`, frames.py): a slot's descriptor where the checkpointer is on
+        this host and a slot is free, else frames."""
+        field = encoded[0] if encoded is not None else None
         fields = {"step": step, "term": self.term, "shard": self.shard, "skip": grads is None, "loss": float(loss),
-                  "partials": partials, "evals": None, "replicas": replicas}
+                  "partials": partials, "evals": None, "replicas": replicas, "encoded": field}
+        if encoded is not None:
+            grads, states = None, {**(states or {}), **encoded[1]}
+        self.count([*(grads or {}).values(), *(buffer_sum or {}).values(), *(states or {}).values()], field)
         if self.sock is None:
             self.connect()
         if self.local and self._slot_free(step, _nbytes(grads, states)):
@@ -165,6 +175,13 @@ class StepLogLink(LogConnection):
             self.slotted[step] = (msgs, fields, views)
             return msgs
         return self._encoded(fields, {**tensors_of(grads, buffer_sum), **(states or {})})
+
+    def count(self, tensors: Iterable[torch.Tensor], encoded: dict[str, Any] | None) -> None:
+        """An entry shipped: its tensors' bytes (summary.json's `step_log_bytes`), and whether it was the step's encoded
+        gradients (`encoded`, its field)."""
+        self.entries += 1
+        self.entry_bytes += limits.nbytes(tensors)
+        self.encoded_entries += encoded is not None
 
     def _encoded(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[list[Any]]:
         try:

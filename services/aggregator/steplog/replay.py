@@ -2,9 +2,10 @@
 optimizer again — optimizer steps only, no forward or backward anywhere, no worker recomputes a committed step.
 
 CPU torch gives the same bits for the same inputs, and an entry holds every input of a step that is not a function
-of the step and the checkpoint (the reduced gradient, a skipped step, the buffer sum, with local steps the replicas'
-states the step makes current: replicas.py; the LR schedule, the loss scale
-and the downlink mirror follow from those), so the state after the replay is bitwise the one the dead server had.
+of the step and the checkpoint (the reduced gradient, or the encoded gradients it was reduced from, reduced again
+by the live step's code: frames.py; a skipped step, the buffer sum, with local steps the replicas' states the step
+makes current: replicas.py; the LR schedule, the loss scale and the downlink mirror follow from those), so the
+state after the replay is bitwise the one the dead server had.
 The steps the log does not hold (none, unless the checkpointer died too, or the newest checkpoint was damaged) are
 redone by the workers, as without the log; the run says how many in events.jsonl (`steps_redone`). So are the
 steps from the first whose replicas' states this server's state spool lost (its host died: `state_spool_lost`,
@@ -25,11 +26,12 @@ from cmemi.services.aggregator.common.evaluation import BackgroundEval, eval_bou
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
 from cmemi.services.aggregator.common.userstep import users_step
-from cmemi.services.aggregator.steplog import replicas
+from cmemi.services.aggregator.steplog import frames, replicas
 from cmemi.services.aggregator.steplog.evals import EvalReplay
 from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.services.aggregator.steplog.reading import LogEntries, batch_of
 from cmemi.services.aggregator.steplog.statespool import Lost
+from cmemi.shared.compression.registry import make_codec
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import limits
 
@@ -51,6 +53,7 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
     restored, t0 = trainer.step, time.monotonic()
     logged = _last_metrics_step(ctx.run_dir / "metrics.jsonl") if unlogged is not None else None
     evals = EvalReplay(bg)
+    codec = make_codec(ctx.cfg.compression, check_finite=False)  # (decoding is stateless)
     entries, lost = LogEntries(link), None
     # (two requested ahead: the next one travels while this one applies; a gradient only read is applied from the
     # checkpointer's slot where it lies, reading.py)
@@ -60,6 +63,11 @@ def replay(ctx: ServiceContext, trainer: Trainer, link: StepLogLink, totals: Run
             break
         h = msg.header
         grads, buffer_sum = inputs_of(msg.tensors, h["skip"])
+        if h.get("encoded") is not None and not h["skip"]:  # the step's gradients as they came: reduced again (frames.py)
+            try:
+                grads = frames.reduce(codec, trainer, trainer.step, h["encoded"], msg.tensors)
+            except frames.EntryError as exc:
+                ctx.fatal(f"aggregator: the step log's entry of step {h['step']} cannot be replayed: {exc}")
         evals.load(h["evals"])
         if trainer.inner is not None:  # local steps: the replicas' states this step makes current (replicas.py)
             try:

@@ -26,10 +26,12 @@ from typing import Any
 import redis
 import torch
 import zmq
+from cmemi.services.aggregator.common.collector import StepCollector
 from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.replicas import InnerStates
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
+from cmemi.services.aggregator.steplog import frames
 from cmemi.services.aggregator.steplog.connection import resend_after
 from cmemi.services.aggregator.steplog.link import RECHECK_S, StepLogLink
 from cmemi.services.aggregator.steplog.replay import replay
@@ -37,6 +39,7 @@ from cmemi.services.aggregator.steplog.replicas import states_of
 from cmemi.shared.compression.base import GradientCodec
 from cmemi.shared.config.schema import Config
 from cmemi.shared.runtime.service import ServiceContext
+from cmemi.shared.wire import limits
 
 
 def in_use(cfg: Config, trainer: Trainer) -> bool:
@@ -59,11 +62,20 @@ def replays_in_term(cfg: Config, trainer: Trainer, codec: GradientCodec) -> bool
     return in_use(cfg, trainer) and not trainer.local and not codec.stateful
 
 
+def framed(codec: GradientCodec, trainer: Trainer) -> int:
+    """Below how many bytes a step's gradients as they came are kept for this shard's entry (frames.py `room`): its
+    dense slice's; 0: never (`in_use`)."""
+    return limits.nbytes(trainer.pieces.values()) if frames.in_use(codec, trainer) else 0
+
+
 class ShardStepLog:
     def __init__(self, ctx: ServiceContext, zctx: zmq.Context, term: int, shard: int,
-                 saved: list[Callable[[int], object]] | None = None) -> None:
-        """`saved`: told each checkpoint step written (CheckpointerLink.on_saved): the state spool's retention."""
+                 saved: list[Callable[[int], object]] | None = None, frames_below: int = 0) -> None:
+        """`saved`: told each checkpoint step written (CheckpointerLink.on_saved): the state spool's retention.
+        `frames_below`: the step's gradients as they came are kept for its entry while fewer bytes than this (`framed`;
+        0: never)."""
         self.link = StepLogLink(ctx, zctx, term, shard)
+        self.frames_below = frames_below
         if saved is not None and self.link.states is not None:
             saved.append(self.link.states.covered)
         self.kept: dict[int, tuple[float, list[list[Any]]]] = {}  # step -> (when shipped, its messages), until logged
@@ -111,21 +123,31 @@ class ShardStepLog:
         boundary, self.boundary = self.boundary, None
         return boundary
 
-    def ship(self, step: int, grads: dict[str, torch.Tensor] | None, inner: InnerStates | None = None) -> None:
+    def ship(self, step: int, grads: dict[str, torch.Tensor] | None, inner: InnerStates | None = None,
+             collector: StepCollector | None = None) -> None:
         """Step `step`'s slice (None: it overflowed), sent now unless it was already, kept until logged (copied:
         the commit's optimizer step changes the gradient in place). `inner`: with `train.inner_states: shards`, the
         states of this shard's replicas the step makes current (`next`, before the commit advances them), as the
-        leader's entry carries its own (replicas.py): a replay of this shard's entries restores them."""
+        leader's entry carries its own (replicas.py): a replay of this shard's entries restores them. `collector`:
+        the step's; its gradients as they came go instead of the slice where they are fewer bytes (frames.py)."""
         if step <= self.shipped:
             return
         self.shipped = step
         spool = getattr(self.link, "states", None)  # (None: the checkpointer's spool is off, or a test's fake link)
-        msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner, spool, step))
+        framed = frames.entry(collector.kept, collector.M) if collector is not None and \
+            frames.smaller(collector.kept, grads, collector.M) else None
+        msgs = self.link.encode(step, grads, None, None, 0.0, *states_of(inner, spool, step), encoded=framed)
         for old in [s for s in self.kept if s < step - 1]:  # held: see the module's docstring
             del self.kept[old]
         self.sent_at = time.monotonic()
         self.kept[step] = (self.sent_at, msgs)
         self.link.send(msgs)
+
+    def keep(self, h: dict[str, Any], tensors: dict[str, torch.Tensor],
+             got: list[frames.Received]) -> frames.Received | None:
+        """What the step's collector keeps of a gradient for this shard's entry, taken before its decode (`got`: what
+        it kept so far; frames.py `room`)."""
+        return frames.received(h, tensors) if frames.room(got, self.frames_below) else None
 
     def poll(self) -> None:
         """Take the checkpointer's answers; send the kept entries again after a gap, to a restarted checkpointer, or

@@ -64,6 +64,9 @@ class StepLog(TypedDict):
     partials: Annotated[list[Any] | None, Default(None)]  # sharded: every shard's norm partials, as committed
     evals: Annotated[dict[str, Any] | None, Default(None)]  # evaluations collected before it: early stopping's state
     replicas: Annotated[list[Any] | None, Default(None)]  # local steps: [[r, meta, its state spool's record]]
+    # the step's encoded gradients as they came instead of its reduced slice: {microbatches, parts: [[lo, hi, finite,
+    # losses, codec info]]}, part i's frames the tensors f"f{i}.{name}" (services/aggregator/steplog/frames.py)
+    encoded: Annotated[dict[str, Any] | None, Default(None)]
     tensors: list[Any]
     shm: Annotated[Any, ABSENT]  # same host: the tensors' slot descriptor instead of frames (shared/memory/shm.py)
 
