@@ -45,7 +45,9 @@ def headline() -> str:
             f"with the step log ({r['without_log']['steps_redone']} without)")
 
 
-COST_FILES = ("cluster_steplog", "cluster_steplog_k1psgd")  # bench/cluster.py <system>,<system>_nolog at N = 8
+COST_FILES = ("cluster_steplog", "cluster_steplog_k1psgd", "cluster_steplog_frames")  # bench/cluster.py <system>,
+# <system>_nolog at N = 8; since cluster_steplog_frames, a compressed step's entry is its encoded gradients (frames.py)
+SINCE = {"cluster_steplog_frames": "; entries as the encoded gradients"}
 CLUSTER = {"cmemi_k1": "dense, K = 1 (the servers and the checkpointer on one host)",
            "cmemi_k1_powersgd2_r8": "PowerSGD rank 8 both ways, K = 1 (one host)",
            "cmemi_kn": "dense, K = N (shard k on worker host k; the checkpointer on the server host)",
@@ -71,6 +73,7 @@ def steplog_cost() -> str:
                     continue
                 base = system.removesuffix("_steplog_overhead")
                 on, off = x["runs"][base], x["runs"][base + "_nolog"]
-                lines.append(f"| N = {n} emulated hosts, {x['link']['rate']} | {CLUSTER.get(base, base)} | "
+                lines.append(f"| N = {n} emulated hosts, {x['link']['rate']} | {CLUSTER.get(base, base)}"
+                             f"{SINCE.get(name, '') if base not in ('cmemi_k1', 'cmemi_kn') else '; the same run'} | "
                              f"{ms(on['step_time_median_s'])} / {ms(off['step_time_median_s'])} | {ratio:.2f}× |")
     return "\n".join([*lines, "", measured("steplog_overhead", *COST_FILES)])
