@@ -54,17 +54,20 @@ def scaling_out() -> tuple[str, str, str]:
             f"step time **{r:.2f}×** DDP's (dense)", "docs/benchmarks/cluster.md")
 
 
-HOME = "cluster_home_20mbit_kn_near"  # issue 48's home links: whole rounds, int4 both ways, K = N, at 20 Mbit/s
+HOME = ("cluster_home_20mbit_kn_near", "cluster_home_20mbit_kn_near2")  # issue 48's home links: whole rounds, int4
+# both ways, K = N, at 20 Mbit/s; two runs of one command, as the measured compute bound moves with the machine
 HOME_BYTES = "cluster_home_bytes_kn"  # the same recipe's bytes per sample against synchronous cmemi_kn in one run
 
 
 def local_steps() -> tuple[str, str, str]:
-    n, x = largest_n(HOME)
+    runs = [largest_n(name) for name in HOME]
+    n, x = runs[0]
     home = x["runs"]["cmemi_local_rare_kn"]
+    shares = sorted(r["runs"]["cmemi_local_rare_kn"]["of_measured_compute_bound"] for _, r in runs)
     b = load(HOME_BYTES)["by_n"]["8"]["runs"]
     return ("local steps", f"emulated cluster, N = {n} hosts on {x['link']['rate'].replace('mbit', ' Mbit/s')} links: "
             f"whole rounds (H = {home['local_steps']}) with 4-bit changes both ways and a shard on every host at "
-            f"**{home['of_measured_compute_bound']:.0%}** of the compute bound measured in the same run, "
+            f"**{shares[0]:.0%}–{shares[-1]:.0%}** of the compute bound measured in the same run ({len(runs)} runs), "
             f"**{b['cmemi_kn']['bytes_per_sample'] / b['cmemi_local_rare_kn']['bytes_per_sample']:,.0f}×** fewer bytes "
             "per sample than synchronous steps", "docs/benchmarks/local-steps.md")
 
@@ -86,4 +89,4 @@ def headlines() -> str:
     lines = ["| area | headline figure | manual page |", "|---|---|---|"]
     lines += [f"| {area} | {figure} | [{TITLES[page]}]({page}) |" for area, figure, page in rows]
     return "\n".join([*lines, "", measured("overhead", "recovery", *steplog.FILES, "small", "compression", "cluster",
-                                           HOME, HOME_BYTES, "memory")])
+                                           *HOME, HOME_BYTES, "memory")])
