@@ -186,3 +186,15 @@ def test_powersgd_k2_leader_then_shard_killed_replays_frame_entries_to_the_refer
     dense = limits.nbytes(Trainer(load_config(DIGITS, [f"run.dir={tmp_path}", *sets, *FAULTS]), shard=0).pieces.values())
     assert c.summary["step_log_encoded_entries"] > 0, c.summary
     assert 0 < c.summary["step_log_bytes"] * 2 < dense, (c.summary["step_log_bytes"], dense)
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+@pytest.mark.timeout(400)
+def test_int4_two_workers_leader_then_shard_killed_replay_the_live_reduction(tmp_path: Path) -> None:
+    """int4 (stateless: the same bits at any W), K = 2, W = 2, M = 4: a step's entry holds the contributions of both
+    workers, which a replay must reduce by the live step's tree, not in the order they were logged; the leader and then
+    shard 1 SIGKILLed mid-run replay to the W = 1 reference's params_sha256, no step twice."""
+    sets = (*SYNC, "compression.error_feedback=false", "compression.codec=int4", "cluster.shards=2")
+    c = leader_killed_runs_to_the_reference(tmp_path, sets, [(40, 120), (160, 240)], server=("0", "1"), workers=2)
+    assert c.summary["step_log_encoded_entries"] > 0, c.summary
