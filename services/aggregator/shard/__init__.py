@@ -1,6 +1,7 @@
 """A parameter-server shard k > 0 of `cluster.shards`: its slice of the parameters, in the leader's term.
 
-- `server.py`: the shard's loop: gradients' slices in, its slice stepped, served to workers.
+- `server.py`: the shard's loop: workers' and its leader's messages in, each to the part that handles it.
+- `stepping.py`: the shard's current step: gradients' slices in, reported to the leader, stepped at its commit.
 - `join.py`: how a shard joins its leader's term: the leader found through Redis, the same checkpoint restored.
 - `upstream.py`: the shard's link to its leader: what it says (`shard_join`, `shard_have`, ...) and what it hears.
 - `newterm.py`: a shard that outlives its leader joins the new term in place (its process and state kept), or why not.

@@ -4,16 +4,10 @@ Shard 0 (the leader, `server.Aggregator`) hands out the leases; a shard k > 0 ow
 (shared/core/grid.py) and their optimizer state, and otherwise only follows:
 
 - workers say hello (registered incarnations only, as at the leader) and send it their gradient's slice for a node of
-  the step's reduction tree, at the same time as every other shard's. The first complete copy of each microbatch wins,
-  as at the leader. While its step is incomplete, the shard tells the leader every half second which microbatches it
-  holds (`shard_have`): once the leader's own step is complete, what a shard still lacks after a grace (its worker
-  died between its sends) is leased again (`StepCollector.reopen`).
-- a complete step is reported to the leader (`shard_ready`: one squared norm per piece for clipping, the fp16
-  overflow flag); the leader answers `shard_commit` with every shard's share once all are in, and the shard steps its
-  pieces by the same rule as the leader (`Trainer.apply`).
+  the step's reduction tree, at the same time as every other shard's; the step is collected, reported to the leader
+  (`shard_have`, `shard_ready`) and stepped at its `shard_commit` by the same rule as the leader's (stepping.py).
 - `pull(version)` is answered with that version's slice as soon as the shard has it, or (naming a replica) with the state of a
   replica r ≡ k mod K this shard keeps (`train.inner_states: shards`: it comes with its slice, inner.py).
-- pipelined (`cluster.pipeline_stages`), each stage is stepped as soon as it is in (stages.py).
 - a new leader term is joined in place, this process and its state kept (newterm.py), or left by a restart where it
   cannot be. Snapshots go to the checkpointer like the leader's; it writes one checkpoint once it has every shard's
   slice of a step.
@@ -26,20 +20,18 @@ from typing import Any
 
 import torch
 import zmq
-from cmemi.services.aggregator.common import gradients
 from cmemi.services.aggregator.common.admission import Admission, EnvironmentCheck, LeaseSeal
 from cmemi.services.aggregator.common.evaluation import eval_boundary
 from cmemi.services.aggregator.common.intake import Drops, Intake
-from cmemi.services.aggregator.common.misfits import Misfits
 from cmemi.services.aggregator.common.outbox import Encoded, Outbox
 from cmemi.services.aggregator.common.totals import RunTotals
 from cmemi.services.aggregator.common.trainer import Trainer
-from cmemi.services.aggregator.shard import checks, newterm
 from cmemi.services.aggregator.shard import join as shard_join
+from cmemi.services.aggregator.shard import newterm
 from cmemi.services.aggregator.shard.door import Door
 from cmemi.services.aggregator.shard.inner import ShardStates
 from cmemi.services.aggregator.shard.pulls import SliceServer
-from cmemi.services.aggregator.shard.stages import StepStages
+from cmemi.services.aggregator.shard.stepping import ShardStepper
 from cmemi.services.aggregator.shard.upstream import LeaderLink, NewTerm, Rejoin
 from cmemi.services.aggregator.snapshots import contents as snapshots
 from cmemi.services.aggregator.snapshots.send import CheckpointerLink
@@ -52,7 +44,7 @@ from cmemi.shared.memory import shm
 from cmemi.shared.runtime import startup
 from cmemi.shared.runtime.exits import Exit
 from cmemi.shared.runtime.service import ServiceContext, serve_router
-from cmemi.shared.wire import limits, protocol
+from cmemi.shared.wire import limits
 
 
 class ShardServer:
@@ -65,12 +57,11 @@ class ShardServer:
         except ConfigError as exc:
             ctx.fatal(str(exc))
         startup.mark("model_built")
-        self.M, self.total = cfg.train.microbatches, cfg.train.rounds
+        self.total = cfg.train.rounds
         self.codec = make_codec(cfg.compression)  # a NaN or inf is dropped as codec_nonfinite
         self.zctx = zmq.Context()
         self.sock, self.addr = serve_router(ctx, self.zctx, cfg.cluster.aggregator_port)
         self.drops = Drops(self.log)
-        self.misfits = Misfits()  # admitted workers' gradients in a row that do not fit (misfits.py)
         self.outbox = Outbox(self.sock, ctx.run, cfg.cluster.message_cap(), self.log, ctx.fatal)
         # the run's fingerprint (door.py) and the lease seal come with the leader's welcome (shard_welcome)
         self.seal: LeaseSeal | None = None
@@ -110,13 +101,14 @@ class ShardServer:
                                   self._send, self.pipelined, run=ctx.run, mirror=mirror, changed=changed,
                                   slotted=(lambda i: i in self.intake.granted)
                                   if self.intake.slots is not None and mirror is None and changed is None else None)
-        self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
         # a snapshot still being sent, and parameters still queued for a worker, name what a step changes
         self.trainer.before_change += [self.ckpt.protect, self.slices.protect]
         self.leader = LeaderLink(ctx, self.zctx, leader_addr, shard, self.term, lambda: self.member.incarnation,
                                  self.drops)
         self.leader.join(joined_at, self.addr)  # said again until welcomed (upstream.py)
-        self._next_ready = self._next_have = self._next_check = 0.0
+        self.step = ShardStepper(self.trainer, self.codec, self.stages, self.pipelined, self.intake, self.states,
+                                 self.slices, self.steplog, self.leader, self._send, self.drops, ctx.fatal, shard)
+        self._next_check = 0.0
         self.done = self.trainer.step >= self.total
         startup.mark("listening")
         startup.report(ctx.redis, ctx.keys, "aggregator", str(shard))
@@ -125,7 +117,7 @@ class ShardServer:
 
     def _join_here(self) -> None:
         """The join said at this shard's step, where its sums start anew (what the old ones held goes)."""
-        self.current = StepStages(self.stages, self.M, self.trainer.step, self.pipelined)
+        self.step.restart()
         self.intake.reclaim()
         self.trainer.release_heap()
         self.done = self.trainer.step >= self.total
@@ -186,17 +178,14 @@ class ShardServer:
             return False
         self.leader, self.term, self.seal = link, link.term, None
         self.door.new_term(self.term)
-        self._next_ready = self._next_have = self._next_check = 0.0
+        self.step.new_term(link)
+        self._next_check = 0.0
         self._join_here()
         return True
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        if self.current.complete and now >= self._next_ready:  # the leader may have missed it (restarting)
-            self._ready()
-        elif not self.current.complete and not self.done and now >= self._next_have:
-            self._next_have = now + 0.5
-            self.leader.send("shard_have", step=self.current.version, have=self.current.have())
+        self.step.report(now, self.done)  # shard_ready again, or shard_have (stepping.py)
         if self.steplog is not None:
             self.steplog.poll()
         self.leader.check_term()  # each pass (a read of what the watch last saw): a new term is left at once
@@ -209,7 +198,7 @@ class ShardServer:
     def _from_leader(self) -> None:
         for msg in self.leader.received():
             h = msg.header
-            if msg.type == "shard_commit" and h["step"] == self.current.version:
+            if msg.type == "shard_commit" and h["step"] == self.step.version:
                 self._commit(h["partials"], h["skip"], h["last"], h["snapshot"])
             elif msg.type == "shard_welcome":
                 self.seal = LeaseSeal(h["lease_key"])
@@ -248,71 +237,15 @@ class ShardServer:
             self.states.pull(identity, h)
         elif msg.type == "pull":
             self.slices.pull(identity, h["version"], h["have"])
-            self._answer_pulls()
+            self.step.answer_pulls()
         else:
-            self._on_grad(identity, msg)
+            self.step.offer(identity, msg, self.seal, self.term)
         if msg.type == "grad":  # what it landed in is free again unless the step's sums keep it (gradients.Spares)
-            self.intake.settle(self.current.holds())
-
-    def _on_grad(self, identity: bytes, msg: protocol.Message) -> None:
-        h = msg.header
-        if (refused := checks.refusal(h, self.seal, self.term, self.current.version, self.M, len(self.stages))):
-            self.drops(*refused)
-            return
-        node, where, g = (h["lo"], h["hi"]), checks.where(h), h["stage"]
-        collector = self.current.collectors[g]
-        if self.current.held(g, node):
-            return
-        inner, keep, bad = self.states.take(h, msg.tensors)  # local steps: the replica's state, if kept here
-        kept = self.steplog.keep(h, msg.tensors, collector.kept) if self.steplog is not None and bad is None else None
-        grads, bad, _ = gradients.decode(self.codec, self.trainer, h, msg.tensors, self.trainer.expected(
-            h["step"], self.stages[g])) if bad is None else (None, bad, 0.0)
-        if bad is not None:
-            self.drops(bad, where)
-            if (why := self.misfits.reject(identity, h["wid"], bad, where, f"parameter-server shard {self.shard}")):
-                self._send(identity, "reject", fatal=True, reason=why)  # its LIMIT-th in a row (misfits.py)
-            return
-        self.misfits.forget(identity)
-        if (reason := collector.offer(node, grads, h["losses"], None, keep=kept)) is not None:
-            self.drops(reason, where)
-            return
-        self.states.accepted(h["lo"], inner, keep)
-        if collector.complete and self.pipelined:
-            self._step_stage(g)
-        elif collector.complete:
-            self.current.mean = collector.mean()
-            self._ready()
-
-    def _step_stage(self, g: int) -> None:
-        """Pipelined: stage g of the step is in; step it and send it to the pulls waiting for it. Version s of the
-        stage stays encoded (Publisher.kept) until the commit; after the last stage the step is complete."""
-        self.slices.encoded(g, self.current.version)
-        self.current.step_stage(g, self.trainer, self.ctx.fatal, f" on shard {self.shard}")
-        self._answer_pulls()
-        if self.current.complete:
-            self._ready()
-
-    def _ready(self) -> None:
-        grads, _ = self.current.mean if self.current.mean is not None else (None, 0.0)
-        if self.steplog is not None:  # its step log entry first (once per step, however often it is ready)
-            self.steplog.ship(self.current.version + 1, grads, self.trainer.inner, self.current.collectors[0])
-        self.leader.send("shard_ready", step=self.current.version, partials=self.trainer.partials(grads),
-                         overflow=grads is None and not self.pipelined)
-        self._next_ready = time.monotonic() + 1.0
+            self.intake.settle(self.step.holds())
 
     def _commit(self, partials: list[float], skip: bool, last: bool, snapshot: bool) -> None:
-        version = self.current.version
-        if not self.current.complete:  # the leader commits only once every shard reported its step complete
-            raise Rejoin(f"told to commit step {version}, which is not complete here")
-        if self.pipelined and skip:  # nothing overflows without fp16: a leader of another configuration
-            self.ctx.fatal(f"shard {self.shard}: told to skip step {version + 1} of a pipelined run; use the "
-                           "same cluster.pipeline_stages and precision everywhere")
-        self.current.apply(self.trainer, skip, partials, self.ctx.fatal, f" on shard {self.shard}")
+        self.step.commit(partials, skip)  # (stepping.py)
         step = self.trainer.step
-        self.intake.reclaim()  # the step's gradient buffers take the next step's
-        self.current.next_step(step)
-        self.trainer.release_heap()  # the step's gradient sum is gone with its collectors
-        self._answer_pulls()
         if eval_boundary(self.cfg, step):
             # the leader evaluates the whole model of this step: a copy, the next step changes the pieces
             self.last_eval = (step, {n: p.detach().clone() for n, p in self.trainer.pieces.items()})
@@ -325,10 +258,6 @@ class ShardServer:
     def _snapshot(self) -> None:
         self.snapshotted = self.trainer.step
         self.ckpt.offer(snapshots.collect(self.trainer, self.totals, self.term, {}, None))
-
-    def _answer_pulls(self) -> None:
-        self.slices.answer(self.current.version, self.current.applied)
-        self.states.answer()
 
     def _finish(self) -> None:
         """The last step (or joined at it: a leader restarted after it): the final snapshot, then the slice to the

@@ -3,7 +3,7 @@
 The leader (shard 0) leases and sends its own slice with `work`, as with one aggregator. For each
 other shard the worker
 - pulls the slice of the lease's parameter version (asked ahead, right after its previous gradient,
-  so it is usually here already) and copies it into its model's pieces;
+  so it is usually here already), which lands in its model's pieces (landing.py);
 - sends that shard its slice of the gradient, every shard's at once (the leader's right after, on its
   own socket): no answer comes back; a slice that never arrives (this worker died between its sends) is
   leased again by the leader (services/aggregator/shard/server.py).
@@ -13,9 +13,7 @@ Pipelined (`cluster.pipeline_stages`: S), each shard's slice travels in S stages
 parameters come back while later gradients still go out. The leader then holds no parameters.
 
 Over ipc:// a shard may grant shared-memory slots (shared/memory/shm.py), as the leader does (joining.py): its slices then
-come as slot descriptors, copied from the slot into the model's pieces and used only if the slot did not change
-meanwhile (else the fetch fails and the worker asks again), and the worker's slices of each gradient go into a
-segment of its own per shard.
+come as slot descriptors (landing.py), and the worker's slices of each gradient go into a segment of its own per shard.
 
 A shard that does not answer within `timeout` raises `Lost`: the worker says hello again. One whose lease or Redis
 record names a new address (restarted within the term: shard_addrs.py) is linked to there in place (`relink`) before a
@@ -32,18 +30,16 @@ from typing import Any
 
 import torch
 import zmq
+from cmemi.services.worker.links.landing import SliceLanding
 from cmemi.services.worker.links.shard_addrs import ShardAddrs
 from cmemi.services.worker.links.shard_link import Link, Lost, Moved, answers, asking_slots
-from cmemi.shared.compression import downlink
-from cmemi.shared.compression.base import CodecError
 from cmemi.shared.config.schema import Config
-from cmemi.shared.core.fragments import PIECES, land
 from cmemi.shared.core.grid import Partition
-from cmemi.shared.memory import shm, shm_reader
+from cmemi.shared.memory import shm
 from cmemi.shared.runtime.links import set_link_options
 from cmemi.shared.runtime.service import ServiceContext
 from cmemi.shared.wire import assembly, limits, protocol, transfer
-from cmemi.shared.wire.layout import Layout, LayoutError
+from cmemi.shared.wire.layout import Layout
 
 
 class ShardLinks:
@@ -54,13 +50,8 @@ class ShardLinks:
         self.links: list[Link] = []
         self.term = -1
         self.timeout = max(10.0, 2 * cfg.cluster.dead_after)
-        self.fetching: int | None = None  # the version `fetch` is bringing into the model: only its slices land there
-        self.reader = shm_reader.Reader(ctx.run, shm.checksums(cfg.cluster.checksum), limit=4 * max(1, cfg.cluster.shards),
-                                 bound=limits.logical_bytes(cfg))
+        self.landing = SliceLanding(ctx, cfg)  # where each slice lands, and its copy into the model (landing.py)
         self.writers: dict[tuple[int, int], shm.Writer] = {}  # (shard, stage) -> this worker's segment for that slice
-        # compression.downlink: a slice is the change of the mirror from the version a pull says it holds (`have`)
-        self.downlink = downlink.codec(cfg.compression) if cfg.compression.downlink != "none" else None
-        self.downlink_dropped = 0
         self.addrs: ShardAddrs | None = None  # where each shard is now (its Redis record), read once connected
         self.zctx: zmq.Context | None = None  # (the worker's: a shard restarted in the term is linked to again)
         self.hello: dict[str, Any] = {}  # what this worker's hello says
@@ -152,7 +143,7 @@ class ShardLinks:
                 quiet_since = time.monotonic()
                 try:
                     msg = link.parts.recv(sock, into=link.inbox if link.inbox is not None else
-                                          functools.partial(self._landing, link))
+                                          functools.partial(self.landing.target, link))
                 except protocol.ProtocolError as exc:
                     raise Lost(f"shard {link.k}: {exc}") from None
                 if msg is None:
@@ -172,36 +163,11 @@ class ShardLinks:
                     continue
                 handle(link, msg)
 
-    def _landing(self, link: Link, header: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        """Where a message from shard k lands, chosen from its header: the model's own pieces for a slice of the
-        version being fetched (the answer to that pull), else a buffer of its own (a late or early answer: it must
-        not overwrite the parameters of the version the model holds, which a lease may still need).
-
-        From its first byte on, the model's pieces of shard k are neither the old version nor the new one until
-        the last: `have` is -1 until `fetch` sees the whole slice, so nothing is computed on half a slice (an
-        abandoned transfer leaves it -1: the next fetch pulls it again, or the shard is lost and the worker says
-        hello again)."""
-        if (header["type"] == "slice" and self.fetching is not None and link.have != self.fetching
-                and header["downlink"] not in (downlink.DELTA, PIECES)  # a change lands aside, then goes in
-                and header["version"] == header["asked"] == self.fetching
-                and 0 <= header["stage"] < len(link.views)
-                and all(v.device.type == "cpu" for v in link.views[header["stage"]].values())):
-            stage = header["stage"]
-            link.have = -1
-            views, before = link.views[stage], link.got[stage]
-            if before is not None and any(before.tensors.get(n) is v for n, v in views.items()):
-                link.got[stage] = None  # it landed here too: what these bytes hold is no longer that message
-            return views
-        return None
-
     def fetch(self, version: int) -> bool:
         """The slices of `version` from every shard into the model; False if a shard is past it (the step is over:
         the lease is stale)."""
-        self.fetching = version
-        try:
+        with self.landing.fetch(version):
             return self._fetch(version)
-        finally:
-            self.fetching = None
 
     def _fetch(self, version: int) -> bool:
         for i in range(len(self.links)):
@@ -226,64 +192,13 @@ class ShardLinks:
                 self._wait(functools.partial(link.answered, version), lambda _l, _m: None)
             if answers(link.over, version):
                 return False
-            if not self._copy(link):  # a slot rewritten while read: pull it again, when the worker asks again
+            if not self.landing.copy(link):  # a slot rewritten while read: pull it again, when the worker asks again
                 link.reset()
                 link.asked = link.have = -1
                 return False
             link.consumed()
             link.have = version
         return True
-
-    def _change(self, link: Link, msg: protocol.Message) -> bool:
-        """compression.downlink: shard k's change from the version our pieces hold into them, by the function the
-        shard used on its mirror; False (nothing changed) if it is from another version or malformed (counted)."""
-        h = msg.header
-        if self.downlink is None or link.have < 0 or h["base"] != link.have or len(link.views) != 1:
-            return False
-        try:
-            downlink.apply(self.downlink, link.views[0], h["codec"], msg.tensors,
-                           {n: tuple(v.shape) for n, v in link.views[0].items()})
-        except CodecError as exc:
-            self.downlink_dropped += 1
-            self.ctx.log.warning("parameter change dropped; asking for the whole slice", shard=link.k,
-                                 reason=exc.reason, detail=str(exc)[:200], dropped=self.downlink_dropped)
-            return False
-        return True
-
-    def _copy(self, link: Link) -> bool:
-        """Every stage of the slice received into the model's pieces of shard k (what landed there already stays);
-        False if a stage's slot is unusable or changed while copied (the pieces then hold no version)."""
-        if link.got[0] is not None and link.got[0].header["downlink"] == downlink.DELTA:
-            return self._change(link, link.got[0])
-        if link.got[0] is not None and link.got[0].header["downlink"] == PIECES:  # streaming: the changed pieces
-            got = link.got[0]
-            return link.have >= 0 and got.header["base"] == link.have and len(link.views) == 1 and \
-                land(got.tensors, link.views[0], ())
-        descs = []
-        try:
-            received: dict[str, torch.Tensor] = {}
-            for layout, msg in zip(link.layouts, link.got, strict=True):
-                assert msg is not None
-                tensors = msg.tensors
-                if "shm" in msg.header and link.slots and not tensors:
-                    descs.append(msg.header["shm"])
-                    tensors = self.reader.views(descs[-1])
-                received.update(layout.views(tensors) if layout.flat else tensors)
-            targets = {n: v for stage in link.views for n, v in stage.items()}
-            if received.keys() != targets.keys():
-                raise LayoutError(f"pieces {sorted(received)[:3]}..., expected {sorted(targets)[:3]}...")
-            with torch.no_grad():
-                for name, view in targets.items():
-                    if received[name] is not view:  # landed elsewhere (not in place): copy
-                        view.copy_(received[name])
-        except protocol.ProtocolError as exc:  # a bad descriptor, or a slot rewritten before it was read
-            self.ctx.log.warning("slice slot unusable; asking again", shard=link.k, reason=exc.reason)
-            return False
-        except (LayoutError, RuntimeError) as exc:
-            self.ctx.fatal(f"worker: shard {link.k}'s parameters do not fit this worker's model ({exc}); use the "
-                           "same model.factory, model.kwargs, cluster.shards and cluster.pipeline_stages on every host")
-        del received
-        return all(self.reader.intact(d) for d in descs)
 
     def push(self, encoded: list[list[tuple[dict[str, Any], dict[str, torch.Tensor]]]], fields: dict[str, Any],
              trackers: list[zmq.MessageTracker] | None = None, own: dict[int, dict[str, Any]] | None = None) -> None:
