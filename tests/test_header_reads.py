@@ -23,7 +23,7 @@ HANDLERS = {qual: frozenset(types) for qual, types in {
     "LeaseWork.run": {"work"}, "LeaseWork._parameters": {"work"}, "LeaseWork._compute": {"work"},
     "LeaseWork._after": {"work"}, "Intake.receive": {"work"}, "Intake._misfit": {"work"},
     "Intake.from_slot": {"work"}, "Intake.apply_change": {"work"}, "Intake.take_pieces": {"work"},
-    "Replicas.hold": {"inner"}, "ShardLinks._change": {"slice"},
+    "Replicas.hold": {"inner"}, "SliceLanding._change": {"slice"},
     "GradIntake.take": {"grad"}, "GradIntake._refusal": {"grad"}, "GradIntake._inner_state": {"grad"}, "GradIntake._accepted": {"grad"}, "Admission.hello": {"hello"},
     "ShardRoster.join": {"shard_join"}, "ShardRoster.have": {"shard_have"}, "ShardRoster.ready": {"shard_ready"},
     "ShardSlices.eval_pieces": {"shard_eval"}, "ShardSlices.final": {"shard_final"},

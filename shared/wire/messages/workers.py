@@ -22,6 +22,7 @@ class Want(Worker):
     version: int
     reask: Annotated[int, Default(0)]  # n > 0: asked again after silence (leader/leasing.py)
     holds: Annotated[list[Any] | None, Default(None)]  # local steps: [[replica, round], ...] of its inner states
+    near: Annotated[list[Any] | None, Default(None)]  # local steps, K > 1: the servers on its host (shard numbers)
 
 
 class Grad(Worker):
