@@ -121,15 +121,11 @@ def test_encoded_entries_go_through_the_real_log_and_replay_bitwise(tmp_path: Pa
     """A leader's StepLogLink and the checkpointer's LogServer, in process: entries of encoded gradients staged (into
     the slot on this host, kept buffers over tcp://), held opaque (in memory, or past the bound on disk) and read back
     by a replay: the field as sent, the frames bitwise, and reduced they step a trainer to the live one's state."""
-    import threading
-
     import zmq
     from cmemi.services.aggregator.steplog.link import StepLogLink
     from cmemi.services.aggregator.steplog.reading import LogEntries
-    from cmemi.services.checkpointer.logserver import LogServer
-    from cmemi.services.checkpointer.spool import Spool
-    from cmemi.services.checkpointer.steplog import StepLog
 
+    from tests.helpers.logserver import log_server
     from tests.helpers.rig import context
 
     cfg = load_config(DIGITS, [f"run.dir={tmp_path}", *PSGD])
@@ -137,36 +133,26 @@ def test_encoded_entries_go_through_the_real_log_and_replay_bitwise(tmp_path: Pa
     ctx = context(tmp_path, redis_server.url, f"cluster.transport={transport}",
                   f"checkpoint.step_log_memory_mb={memory_mb}", "cluster.max_message_bytes=16777216")
     ctx.redis.set(ctx.keys.term, 1)
-    zctx, spooled = zmq.Context(), []
-
-    def spill(header: dict, metas: list[dict]) -> Spool:
-        spooled.append(Spool(tmp_path, int(header["step"]), 0, metas, lambda exc, attempt: None))
-        return spooled[-1]
-
-    log = StepLog(0, memory_mb << 20, spill)
-    server = LogServer(ctx, zctx, log, threading.Lock()).start()
-    ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
+    zctx = zmq.Context()
     try:
-        link = StepLogLink(ctx, zctx, term=1)
-        for step, (field, tensors, _, _) in enumerate(entries, start=1):
-            link.ship_staged(step, link.stage(None, None, tensors), False, None, 0.5, None, None, field)
-            assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
-        assert link.entries == link.encoded_entries == 4
-        assert link.entry_bytes == sum(e[2] for e in entries)  # the frames' bytes, not the dense slices'
-        link.close()
-        ctx.redis.set(ctx.keys.term, 2)
-        replayer, replayed = StepLogLink(ctx, zctx, term=2), Trainer(cfg)
-        codec = make_codec(cfg.compression, check_finite=False)
-        for msg, (field, tensors, _, _) in zip(LogEntries(replayer).entries(0), entries, strict=True):
-            assert msg.header["encoded"] == field and ("shm" in msg.header) == (transport == "auto")
-            assert msg.tensors.keys() == tensors.keys() and all(torch.equal(msg.tensors[n], t) for n, t in tensors.items())
-            replayed.apply(frames.reduce(codec, replayed, replayed.step, msg.header["encoded"], msg.tensors))
-        assert replayed.params_sha256() == live.params_sha256()
-        replayer.close()
+        with log_server(tmp_path, ctx, zctx, memory_mb):
+            link = StepLogLink(ctx, zctx, term=1)
+            for step, (field, tensors, _, _) in enumerate(entries, start=1):
+                link.ship_staged(step, link.stage(None, None, tensors), False, None, 0.5, None, None, field)
+                assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
+            assert link.entries == link.encoded_entries == 4
+            assert link.entry_bytes == sum(e[2] for e in entries)  # the frames' bytes, not the dense slices'
+            link.close()
+            ctx.redis.set(ctx.keys.term, 2)
+            replayer, replayed = StepLogLink(ctx, zctx, term=2), Trainer(cfg)
+            codec = make_codec(cfg.compression, check_finite=False)
+            for msg, (field, tensors, _, _) in zip(LogEntries(replayer).entries(0), entries, strict=True):
+                assert msg.header["encoded"] == field and ("shm" in msg.header) == (transport == "auto")
+                assert msg.tensors.keys() == tensors.keys() and all(torch.equal(msg.tensors[n], t) for n, t in tensors.items())
+                replayed.apply(frames.reduce(codec, replayed, replayed.step, msg.header["encoded"], msg.tensors))
+            assert replayed.params_sha256() == live.params_sha256()
+            replayer.close()
     finally:
-        server.close()
-        for sp in spooled:
-            sp.discard()
         zctx.term()
 
 

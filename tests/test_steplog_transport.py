@@ -17,10 +17,11 @@ from cmemi.services.aggregator.steplog.link import StepLogLink, inputs_of
 from cmemi.services.aggregator.steplog.reading import LogEntries
 from cmemi.services.checkpointer import logfiles, steplog
 from cmemi.services.checkpointer.logserver import LogServer
-from cmemi.services.checkpointer.spool import Spool, Spooled
+from cmemi.services.checkpointer.spool import Spooled
 from cmemi.services.checkpointer.steplog import StepLog
 from cmemi.shared.memory import shm
 
+from tests.helpers.logserver import log_server
 from tests.helpers.rig import context
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,53 +42,42 @@ def test_entries_go_and_come_back_bitwise(tmp_path: Path, redis_server, transpor
     import zmq
 
     zctx = zmq.Context()
-    spooled: list[Spool] = []
-
-    def spill(header: dict, metas: list[dict]) -> Spool:
-        spooled.append(Spool(tmp_path, int(header["step"]), 0, metas, lambda exc, attempt: None))
-        return spooled[-1]
-
-    log = StepLog(0, memory_mb << 20, spill)
-    server = LogServer(ctx, zctx, log, threading.Lock()).start()
-    ctx.redis.hset(ctx.keys.checkpointer, mapping={"addr": server.addr, "incarnation": "1", "log": server.addr})
-    assert ("ipc://" in server.addr) == (transport == "auto")
-    link = StepLogLink(ctx, zctx, term=1)
     try:
-        for step in range(1, 6):
-            g = grads(step) if step != 3 else None  # step 3: skipped (an fp16 overflow)
-            buf = {"running": torch.full((4,), float(step))}
-            staged = link.stage(g, buf)
-            if g is not None:
-                for t in g.values():
-                    t.mul_(-1)  # the optimizer step changes the gradient in place: the staged copy must not
-            link.ship_staged(step, staged, g is None, None, float(step), None)
-            assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
-        assert link.local == (transport == "auto") and (link.staging.desc is not None) == link.local
-        held = log.entry(0, 2)
-        assert held is not None
-        assert torch.equal(held.loaded()["g.w"], grads(2)["w"])
-        if memory_mb == 0:
-            assert log.spilled == 5 and all(isinstance(t, Spooled) for t in held.tensors.values())
-        link.close()
+        with log_server(tmp_path, ctx, zctx, memory_mb) as (server, log):
+            assert ("ipc://" in server.addr) == (transport == "auto")
+            link = StepLogLink(ctx, zctx, term=1)
+            for step in range(1, 6):
+                g = grads(step) if step != 3 else None  # step 3: skipped (an fp16 overflow)
+                buf = {"running": torch.full((4,), float(step))}
+                staged = link.stage(g, buf)
+                if g is not None:
+                    for t in g.values():
+                        t.mul_(-1)  # the optimizer step changes the gradient in place: the staged copy must not
+                link.ship_staged(step, staged, g is None, None, float(step), None)
+                assert link.confirm(lambda s: pytest.fail(f"log_gap at {s}")) is False
+            assert link.local == (transport == "auto") and (link.staging.desc is not None) == link.local
+            held = log.entry(0, 2)
+            assert held is not None
+            assert torch.equal(held.loaded()["g.w"], grads(2)["w"])
+            if memory_mb == 0:
+                assert log.spilled == 5 and all(isinstance(t, Spooled) for t in held.tensors.values())
+            link.close()
 
-        ctx.redis.set(ctx.keys.term, 2)  # a restarted leader replays after restoring step 1
-        replayer = StepLogLink(ctx, zctx, term=2)
-        got = []
-        for msg in LogEntries(replayer).entries(1):
-            g, b = inputs_of(msg.tensors, msg.header["skip"])
-            got.append(msg.header["step"])
-            assert b is not None and torch.equal(b["running"], torch.full((4,), float(msg.header["step"])))
-            if msg.header["step"] == 3:
-                assert g is None
-            else:
-                assert g is not None and all(torch.equal(g[n], grads(msg.header["step"])[n]) for n in ("w", "b"))
-            assert ("shm" in msg.header) == (transport == "auto")
-        assert got == [2, 3, 4, 5]
-        replayer.close()
+            ctx.redis.set(ctx.keys.term, 2)  # a restarted leader replays after restoring step 1
+            replayer = StepLogLink(ctx, zctx, term=2)
+            got = []
+            for msg in LogEntries(replayer).entries(1):
+                g, b = inputs_of(msg.tensors, msg.header["skip"])
+                got.append(msg.header["step"])
+                assert b is not None and torch.equal(b["running"], torch.full((4,), float(msg.header["step"])))
+                if msg.header["step"] == 3:
+                    assert g is None
+                else:
+                    assert g is not None and all(torch.equal(g[n], grads(msg.header["step"])[n]) for n in ("w", "b"))
+                assert ("shm" in msg.header) == (transport == "auto")
+            assert got == [2, 3, 4, 5]
+            replayer.close()
     finally:
-        server.close()
-        for s in spooled:
-            s.discard()
         zctx.term()
 
 
