@@ -114,8 +114,9 @@ def test_a_shards_entry_waits_for_its_slot_while_the_checkpointer_still_writes_t
     """Issue 47 (K = 4, a 113 M-parameter model: shards 1 and 3 sent entries as frames, over their memory budgets). A
     shard stages step s + 1 once the commit of s is in, which needs only its entry of s - 1 held, so its entry of s
     may still be written when the checkpointer's work of a step outlasts the workers'. Its ack is waited for
-    `keep_wait_s` (at least 2 T: 6 s here), not 50 ms: with the checkpointer's log busy for a second, step 2 still
-    goes through the slot, and both entries are held bitwise. The one-line change that fails this: `keep_wait_s`
+    `keep_wait_s` (at least 2 T: 6 s here), not 50 ms: with the checkpointer's log busy, step 2 still
+    goes through the slot, and both entries are held bitwise (the log is held busy for 0.3 s: six times the old
+    wait, a twentieth of the new one). The one-line change that fails this: `keep_wait_s`
     returning 0.05 (the old KEEP_WAIT_S: step 2 goes as frames, `framed` 1)."""
     ctx = same_host(tmp_path, redis_server.url, "cluster.dead_after=6")
     zctx = zmq.Context()
@@ -130,7 +131,7 @@ def test_a_shards_entry_waits_for_its_slot_while_the_checkpointer_still_writes_t
             encoded[1] = shard.encode(1, slice_of(1), None, None, 0.0)
             shard.send(encoded[1])
             second.start()  # the commit of step 1 came: step 2's entry is encoded while step 1's is not acknowledged
-            second.join(timeout=1.0)  # (the checkpointer stays busy a second, or until step 2 went as frames)
+            second.join(timeout=0.3)  # (the checkpointer stays busy 0.3 s, or until step 2 went as frames)
             still_waiting = second.is_alive()
         second.join(timeout=30)
         assert still_waiting and not second.is_alive()
@@ -139,7 +140,7 @@ def test_a_shards_entry_waits_for_its_slot_while_the_checkpointer_still_writes_t
         seen: set[int] = set()
         until(lambda: acked(shard, seen) >= {1, 2}, 30, "logged of steps 1-2")
         assert held_bitwise(log, 1) and held_bitwise(log, 2) and not server.drops.counts
-        assert keep_wait_s(ctx.cfg.cluster, 0) >= 6.0  # (why a second is well within the wait)
+        assert keep_wait_s(ctx.cfg.cluster, 0) >= 6.0  # (why 0.3 s is well within the wait)
     finally:
         if second.ident is not None:
             second.join(timeout=30)
